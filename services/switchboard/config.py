@@ -1,0 +1,127 @@
+"""Frozen configuration per role, built once from the CLI (and environment) by the launcher.
+
+Configs are msgspec structs so that a launcher can hand them to a child process as JSON
+(``encode_config`` / ``decode_config``) without pickle. No process mutates its config.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from typing import TypeVar
+
+import msgspec
+
+DEFAULT_GRPC_PORT = 50051
+
+
+class _Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class ModelConfig(_Config):
+    model: str  # a Hugging Face checkpoint directory (config.json + safetensors + tokenizer.json)
+    served_model_name: str = ""  # "" = the directory's name
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    max_model_len: int | None = None  # None = max_position_embeddings (auto-fitted to the KV cache)
+    seed: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or os.path.basename(os.path.normpath(self.model))
+
+
+class CacheConfig(_Config):
+    block_size: int = 16
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None  # None = fraction of free device memory / CPU default
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+
+
+class SchedulerConfig(_Config):
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 0  # 0 = no cap on one request's chunk
+    scheduling_policy: str = "fcfs"  # fcfs | priority
+
+
+class ParallelConfig(_Config):
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    api_servers: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+class WorkerConfig(_Config):
+    device: str = "auto"  # auto | cpu | cuda
+    # Torch intra-op threads per worker. 1 by default: gateway + engine + workers always
+    # outnumber 2 cores here, and spinning OpenMP threads made decode matmuls 25x slower.
+    torch_threads: int = 1
+    execute_timeout_s: float = 300.0
+
+
+class GatewayConfig(_Config):
+    host: str = "0.0.0.0"
+    port: int = DEFAULT_GRPC_PORT
+    enable_admin: bool = False
+    tokenizer_threads: int = 2
+    max_message_bytes: int = 64 * 1024 * 1024
+    startup_timeout_s: float = 600.0
+
+
+class EngineConfig(_Config):
+    """Everything one engine core (and its workers) needs."""
+
+    model: ModelConfig
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    worker: WorkerConfig = WorkerConfig()
+    data_parallel_rank: int = 0
+    # Wire-1 addresses of every gateway, in client_index order.
+    gateway_input_addresses: list[str] = []  # the gateways' ROUTERs (engine connects a DEALER)
+    gateway_output_addresses: list[str] = []  # the gateways' PULLs (engine connects a PUSH)
+    run_dir: str = ""  # where this engine may create ipc:// sockets
+    heartbeat_interval_s: float = 1.0
+
+
+class GatewayRoleConfig(_Config):
+    """Everything one gateway process needs."""
+
+    model: ModelConfig
+    gateway: GatewayConfig = GatewayConfig()
+    client_index: int = 0
+    input_address: str = ""  # ROUTER bind address
+    output_address: str = ""  # PULL bind address
+    num_engines: int = 1
+    exit_when_engines_dead: bool = True  # one machine: the gateway exits with its engine
+    heartbeat_timeout_s: float = 10.0
+
+
+C = TypeVar("C", bound=_Config)
+
+
+def encode_config(config: _Config) -> str:
+    return msgspec.json.encode(config).decode()
+
+
+def decode_config(text: str | bytes, kind: type[C]) -> C:
+    return msgspec.json.decode(text, type=kind)
+
+
+def new_run_dir(base: str | None = None) -> str:
+    """A private directory for one server's ipc:// sockets; the launcher removes it at exit."""
+    base = base or os.environ.get("SWITCHBOARD_RPC_BASE_PATH") or tempfile.gettempdir()
+    path = os.path.join(base, f"switchboard-{uuid.uuid4().hex[:12]}")
+    os.makedirs(path, mode=0o700)
+    return path
+
+
+def ipc_address(run_dir: str, name: str) -> str:
+    return f"ipc://{os.path.join(run_dir, name)}"

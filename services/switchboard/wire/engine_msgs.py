@@ -1,0 +1,173 @@
+"""Wire 1 contract: messages between a gateway and an engine core.
+
+Every body is a ``msgspec.Struct(array_like=True, omit_defaults=True, gc=False)``: a field is
+identified by its position, trailing defaults are not sent, and the garbage collector does not
+track the objects. New fields are only ever appended, with a default, so an older peer still
+decodes a newer message. Text never crosses this wire: the engine core is tokens in, tokens out.
+
+Frames gateway -> engine (ROUTER -> DEALER)::
+
+    [engine identity][1 type byte][msgpack body][tensor frame 0][tensor frame 1]...
+
+Frames engine -> gateway:
+
+* on the DEALER, first and once: ``[msgpack EngineReady]`` (a ROUTER can only address peers it
+  has heard from, so the engine speaks first), later utility replies travel on the PUSH;
+* on the PUSH: ``[msgpack EngineCoreOutputs][tensor frames...]`` once per engine step, or the
+  literal single frame ``ENGINE_CORE_DEAD`` as the engine's last word.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
+
+
+class RequestType(bytes, enum.Enum):
+    """The type byte of a gateway -> engine frame (frame 1)."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    START_DP_WAVE = b"\x02"
+    UTILITY = b"\x03"
+    EXECUTOR_FAILED = b"\x04"  # internal sentinel: never sent by a gateway
+    WAKEUP = b"\x05"  # internal sentinel: unblocks an idle busy loop
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request ended; an integer on the wire, a word in the API."""
+
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    ERROR = 3
+    REPETITION = 4
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class EventType(enum.IntEnum):
+    QUEUED = 1
+    SCHEDULED = 2
+    PREEMPTED = 3
+
+
+class _Wire(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Base of every wire-1 body."""
+
+
+class SamplingParams(_Wire):
+    """What the engine and worker need to pick and stop tokens (already validated)."""
+
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 = off
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: list[int] = []
+    eos_token_ids: list[int] = []  # from the model; ignored when ignore_eos
+    ignore_eos: bool = False
+
+
+class EngineCoreEvent(_Wire):
+    """A state change of a request, stamped with the engine's monotonic clock (ns)."""
+
+    type: EventType
+    timestamp_ns: int
+
+
+class EngineCoreRequest(_Wire):
+    request_id: str
+    prompt_token_ids: list[int]
+    mm_features: list[Any] | None = None
+    sampling_params: SamplingParams | None = None
+    pooling_params: dict[str, Any] | None = None
+    arrival_time: float = 0.0  # gateway wall clock, seconds
+    lora_request: dict[str, Any] | None = None
+    cache_salt: str | None = None
+    data_parallel_rank: int | None = None
+    prompt_embeds: TensorRef | None = None
+    client_index: int = 0
+    priority: int = 0
+    trace_context: dict[str, str] | None = None  # W3C traceparent / tracestate
+
+
+class TensorRef(_Wire):
+    """A tensor that travels as its own zero-copy frame after the msgpack body."""
+
+    dtype: str  # numpy dtype string, e.g. "<f4"
+    shape: list[int]
+    frame_index: int  # index into the tensor frames that follow the body
+
+
+class EngineCoreOutput(_Wire):
+    request_id: str
+    new_token_ids: list[int] = []
+    new_logprobs: list[list[float]] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id that ended it
+    events: list[EngineCoreEvent] | None = None
+    num_cached_tokens: int = 0  # prefill stat: prompt tokens served from the prefix cache
+    num_preemptions: int = 0
+
+
+class UtilityOutput(_Wire):
+    call_id: int
+    failure_message: str | None = None
+    result: Any = None
+
+
+class SchedulerStats(_Wire):
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0  # 0..1
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    step_num_tokens: int = 0
+
+
+class EngineCoreOutputs(_Wire):
+    """One message per engine step per gateway."""
+
+    engine_index: int = 0
+    timestamp_ns: int = 0  # the engine's monotonic clock when the step's outputs were made
+    outputs: list[EngineCoreOutput] = []
+    utility_output: UtilityOutput | None = None
+    scheduler_stats: SchedulerStats | None = None
+    heartbeat: bool = False  # a keep-alive with no outputs: silence means death
+
+
+class UtilityCall(_Wire):
+    """Body of a UTILITY frame: call an allow-listed engine method."""
+
+    client_index: int
+    call_id: int
+    method_name: str
+    args: list[Any] = []
+
+
+class EngineReady(_Wire):
+    """The engine's first message to every gateway: facts that may differ from configuration."""
+
+    engine_id: str
+    data_parallel_rank: int
+    max_model_len: int
+    num_gpu_blocks: int
+    block_size: int
+    kv_capacity_tokens: int
+    wall_clock_ns: int  # time.time_ns() taken together with ...
+    monotonic_ns: int  # ... time.monotonic_ns(): places engine events on the wall clock
+    vocab_size: int = 0
+    dtype: str = ""
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    engine_version: str = ""

@@ -1,0 +1,90 @@
+"""Wire 2 contract: what the engine core broadcasts to its workers, and what they answer.
+
+Every message on the ring is one :class:`RpcCall`: call ``method`` with ``args``/``kwargs`` on
+every worker; only the worker whose rank equals ``output_rank`` sends a :class:`RpcReply` on the
+response queue. Arguments are plain msgpack values; a worker converts them to the structs its
+method is annotated with (``msgspec.convert``), so no pickle is ever needed.
+
+The per-step broadcast (:class:`SchedulerOutput`) is a *delta*: requests new to the batch carry
+their prompt and block table once; requests already running carry only their new block ids and
+the number of tokens computed so far. Workers keep per-request state between steps and drop it
+when a request id appears in ``finished_request_ids``.
+
+A request's tokens in a step are ``tokens[num_computed_tokens : num_computed_tokens + n]``
+with ``n = num_scheduled_tokens[request_id]``. When that reaches the end of the tokens the
+worker knows, it samples one token (a prefill chunk that stops short samples nothing) and
+appends it to its own copy of the request's tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from switchboard.wire.engine_msgs import SamplingParams
+
+
+class _Wire(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Base of every wire-2 body."""
+
+
+class NewRequest(_Wire):
+    """A request joining the batch (first time, or again after preemption)."""
+
+    request_id: str
+    prompt_token_ids: list[int]  # after a preemption: prompt + tokens generated so far
+    sampling_params: SamplingParams
+    block_ids: list[int]  # the whole block table
+    num_computed_tokens: int  # > 0 when the prefix cache supplied the first blocks
+    num_output_tokens: int = 0  # tokens of prompt_token_ids that were generated (resume)
+
+
+class CachedRequest(_Wire):
+    """A request that was in the previous step's batch too."""
+
+    request_id: str
+    new_block_ids: list[int]  # appended to the worker's block table
+    num_computed_tokens: int
+
+
+class SchedulerOutput(_Wire):
+    step_id: int
+    new_requests: list[NewRequest] = []
+    cached_requests: list[CachedRequest] = []
+    num_scheduled_tokens: dict[str, int] = {}
+    total_num_scheduled_tokens: int = 0
+    finished_request_ids: list[str] = []  # drop their state (finished, aborted or preempted)
+
+
+class ModelRunnerOutput(_Wire):
+    step_id: int
+    request_ids: list[str] = []  # same order as sampled_token_ids
+    sampled_token_ids: list[list[int]] = []  # [] for a prefill chunk that sampled nothing
+
+
+class ModelSummary(_Wire):
+    """What the engine learns from the loaded model (answer to ``load_model``)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    dtype: str  # the dtype the model runs in, e.g. "float32"
+    kv_cache_bytes_per_token: int  # over all layers, K and V, on this worker
+
+
+class RpcCall(_Wire):
+    call_id: int
+    method: str
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+    output_rank: int = 0
+
+
+class RpcReply(_Wire):
+    call_id: int
+    rank: int
+    result: Any = None
+    error: str | None = None  # set when the method raised: the call failed on this rank

@@ -1,0 +1,153 @@
+"""Wire 1 transport: ZeroMQ sockets, frames and the msgpack codec with zero-copy tensor frames.
+
+Frame layouts (see ``engine_msgs`` for the bodies)::
+
+    gateway ROUTER -> engine DEALER   [identity][type byte][body][tensor frame]...
+                                       (the DEALER receives it without the identity frame)
+    engine DEALER -> gateway ROUTER   [body: EngineReady]            (first message, once)
+    engine PUSH -> gateway PULL       [body: EngineCoreOutputs][tensor frame]...
+                                      | [b"ENGINE_CORE_DEAD"]        (last message)
+
+A tensor travels as a frame of raw bytes after the body; the body holds a ``TensorRef``
+(dtype, shape, frame index) in its place, so large data is never copied into msgpack.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import msgspec
+import zmq
+
+from switchboard.wire.engine_msgs import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineReady,
+    RequestType,
+    UtilityCall,
+)
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Buffer = bytes | bytearray | memoryview
+
+_REQUEST_TYPES = {t.value: t for t in RequestType}
+# The body type of each frame type a gateway may send; ABORT carries a list of request ids.
+_BODY_TYPES: dict[RequestType, Any] = {
+    RequestType.ADD: EngineCoreRequest,
+    RequestType.ABORT: list[str],
+    RequestType.UTILITY: UtilityCall,
+    RequestType.START_DP_WAVE: list[int],
+    RequestType.WAKEUP: None,
+}
+
+
+class BadFrame(ValueError):
+    """A frame that does not follow the wire-1 contract; it is logged and dropped."""
+
+
+class Codec:
+    """msgpack encoder/decoder pair for one message type, reusable across calls."""
+
+    def __init__(self, kind: Any) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(kind)
+
+    def encode(self, msg: Any) -> bytes:
+        return self._encoder.encode(msg)
+
+    def encode_into(self, msg: Any, buffer: bytearray) -> None:
+        self._encoder.encode_into(msg, buffer)
+
+    def decode(self, data: Buffer) -> Any:
+        return self._decoder.decode(data)
+
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: Any) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: Buffer, kind: type[T]) -> T:
+    return msgspec.msgpack.decode(data, type=kind)
+
+
+def make_socket(
+    ctx: zmq.Context,
+    socket_type: int,
+    address: str,
+    *,
+    bind: bool,
+    identity: bytes | None = None,
+    linger_ms: int = 0,
+) -> zmq.Socket:
+    """A socket with unbounded queues (HWM 0): dropping a request or output silently is worse
+    than using memory, and both sides drain continuously."""
+    sock = ctx.socket(socket_type)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.LINGER, linger_ms)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    if address.startswith("tcp://") and ":[" in address:
+        sock.setsockopt(zmq.IPV6, 1)
+    if bind:
+        sock.bind(address)
+    else:
+        sock.connect(address)
+    return sock
+
+
+def bound_address(sock: zmq.Socket) -> str:
+    """The address the kernel really bound (``tcp://host:0`` becomes a real port)."""
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def engine_identity(data_parallel_rank: int) -> bytes:
+    return data_parallel_rank.to_bytes(2, "little")
+
+
+def request_frames(
+    request_type: RequestType, body: Any, tensor_frames: Sequence[Buffer] = ()
+) -> list[Buffer]:
+    """Frames 1.. of a gateway -> engine message (the ROUTER prepends the identity)."""
+    return [request_type.value, encode(body), *tensor_frames]
+
+
+def parse_request_frames(frames: Sequence[Buffer]) -> tuple[RequestType, Any, list[memoryview]]:
+    """Decode frames received on an engine's DEALER; raise BadFrame on any contract breach."""
+    if len(frames) < 2:
+        raise BadFrame(f"expected at least 2 frames (type, body), got {len(frames)}")
+    type_byte = bytes(frames[0])
+    request_type = _REQUEST_TYPES.get(type_byte)
+    if request_type is None or request_type not in _BODY_TYPES:
+        raise BadFrame(f"unknown request type byte {type_byte!r}")
+    kind = _BODY_TYPES[request_type]
+    try:
+        body = None if kind is None else msgspec.msgpack.decode(frames[1], type=kind)
+    except msgspec.DecodeError as exc:  # ValidationError is a subclass
+        raise BadFrame(f"malformed {request_type.name} body: {exc}") from exc
+    return request_type, body, [memoryview(f) for f in frames[2:]]
+
+
+def parse_output_frames(frames: Sequence[Buffer]) -> tuple[EngineCoreOutputs | None, list]:
+    """Decode frames received on a gateway's PULL. ``None`` means the engine died."""
+    if len(frames) == 1 and bytes(frames[0]) == b"ENGINE_CORE_DEAD":
+        return None, []
+    try:
+        outputs = msgspec.msgpack.decode(frames[0], type=EngineCoreOutputs)
+    except msgspec.DecodeError as exc:
+        raise BadFrame(f"malformed EngineCoreOutputs: {exc}") from exc
+    return outputs, [memoryview(f) for f in frames[1:]]
+
+
+def parse_ready(data: Buffer) -> EngineReady:
+    try:
+        return msgspec.msgpack.decode(data, type=EngineReady)
+    except msgspec.DecodeError as exc:
+        raise BadFrame(f"malformed READY: {exc}") from exc
