@@ -1,0 +1,226 @@
+"""The `switchboard` command: serve | generate | topology | ps.
+
+Flag names follow vLLM's where the concept is the same, so a vLLM user's command line works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from switchboard.config import (
+    DEFAULT_GRPC_PORT,
+    CacheConfig,
+    EngineConfig,
+    GatewayConfig,
+    GatewayRoleConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    WorkerConfig,
+)
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    m = p.add_argument_group("model")
+    m.add_argument(
+        "--model",
+        default=None,
+        help="Hugging Face checkpoint directory "
+        "(default: the built-in SmolLM2-135M-Instruct, converted on first use)",
+    )
+    m.add_argument("--served-model-name", default="")
+    m.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    m.add_argument("--max-model-len", type=int, default=None)
+    m.add_argument("--seed", type=int, default=0)
+
+    g = p.add_argument_group("gateway")
+    g.add_argument("--host", default="0.0.0.0")
+    g.add_argument("--port", type=int, default=DEFAULT_GRPC_PORT)
+    g.add_argument(
+        "--api-servers",
+        type=int,
+        default=None,
+        help="gateway processes sharing the port (default: DP)",
+    )
+    g.add_argument(
+        "--enable-admin",
+        action="store_true",
+        help="serve AdminService (allow-listed engine utilities)",
+    )
+
+    s = p.add_argument_group("scheduler and KV cache")
+    s.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+    s.add_argument(
+        "--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens
+    )
+    s.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    s.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
+    s.add_argument("--block-size", type=int, default=CacheConfig.block_size)
+    s.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    s.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+
+    w = p.add_argument_group("parallelism and workers")
+    w.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
+    w.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
+    w.add_argument("-dp", "--data-parallel-size", type=int, default=1)
+    w.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    w.add_argument(
+        "--torch-threads",
+        type=int,
+        default=WorkerConfig.torch_threads,
+        help="torch intra-op threads per worker (default 1: processes outnumber cores)",
+    )
+
+
+def build_configs(
+    args: argparse.Namespace, model_dir: str
+) -> tuple[GatewayRoleConfig, EngineConfig]:
+    model = ModelConfig(
+        model=model_dir,
+        served_model_name=args.served_model_name,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+    )
+    parallel = ParallelConfig(
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        api_servers=args.api_servers or args.data_parallel_size,
+    )
+    engine = EngineConfig(
+        model=model,
+        cache=CacheConfig(
+            block_size=args.block_size,
+            num_gpu_blocks_override=args.num_gpu_blocks_override,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            enable_prefix_caching=args.enable_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            scheduling_policy=args.scheduling_policy,
+        ),
+        parallel=parallel,
+        worker=WorkerConfig(device=args.device, torch_threads=args.torch_threads),
+    )
+    gateway = GatewayRoleConfig(
+        model=model,
+        gateway=GatewayConfig(host=args.host, port=args.port, enable_admin=args.enable_admin),
+        num_engines=parallel.data_parallel_size,
+    )
+    return gateway, engine
+
+
+def _validate_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    positive = [
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "block_size",
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "data_parallel_size",
+        "torch_threads",
+    ]
+    for name in positive:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ["api_servers", "max_model_len", "num_gpu_blocks_override"]:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if (
+        args.tensor_parallel_size * args.pipeline_parallel_size * args.data_parallel_size > 1
+        or (args.api_servers or 1) > 1
+    ):
+        parser.error("only -tp 1 -pp 1 -dp 1 --api-servers 1 is supported so far")
+
+
+def cmd_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from switchboard.checkpoint import resolve_model
+    from switchboard.launcher import serve
+
+    _validate_serve_args(parser, args)
+    model_dir = resolve_model(args.model)
+    gateway, engine = build_configs(args, model_dir)
+    return serve(gateway, engine)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from switchboard.client import run_generate
+
+    return run_generate(
+        args.target,
+        args.prompt,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+    )
+
+
+def cmd_topology(args: argparse.Namespace) -> int:
+    from switchboard.processes import Topology, format_topology
+
+    topo = Topology(
+        api_servers=args.api_servers or args.data_parallel_size,
+        data_parallel=args.data_parallel_size,
+        pipeline_parallel=args.pipeline_parallel_size,
+        tensor_parallel=args.tensor_parallel_size,
+    )
+    print(format_topology(topo))
+    return 0
+
+
+def cmd_ps(_args: argparse.Namespace) -> int:
+    from switchboard.processes import format_ps, list_processes
+
+    print(format_ps(list_processes()))
+    return 0
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="switchboard", description=__doc__)
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="start gateway, engine core and workers on this machine")
+    _add_serve_args(serve)
+
+    gen = sub.add_parser("generate", help="stream a completion from a running server")
+    gen.add_argument("prompt")
+    gen.add_argument("--target", default=f"127.0.0.1:{DEFAULT_GRPC_PORT}")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=None)
+
+    topo = sub.add_parser("topology", help="print the process table of a topology")
+    topo.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
+    topo.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
+    topo.add_argument("-dp", "--data-parallel-size", type=int, default=1)
+    topo.add_argument("--api-servers", type=int, default=None)
+
+    sub.add_parser("ps", help="list running switchboard processes")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
+    if args.command == "serve":
+        return cmd_serve(parser, args)
+    if args.command == "generate":
+        return cmd_generate(args)
+    if args.command == "topology":
+        return cmd_topology(args)
+    return cmd_ps(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

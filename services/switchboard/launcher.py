@@ -1,0 +1,166 @@
+"""One-machine launcher: starts every process of a server, watches them, stops them together.
+
+`switchboard serve` is a supervisor, not a server: it resolves the model, creates a private run
+directory for the ipc:// sockets, starts the gateways (which bind) and the engine cores (which
+connect and start their own workers), and then waits. The fate rule of DESIGN.md §5 for one
+machine: a child that exits on its own brings the whole server down with a non-zero exit code;
+SIGINT/SIGTERM stops everything cleanly with exit code 0. The run directory is removed at exit.
+
+Children are started as fresh interpreters (``python -m switchboard.<role>``), which is what the
+``spawn`` start method means: nothing of the supervisor's state is inherited, and no role imports
+another role's module. Each child is in its own session so that a terminal's Ctrl-C reaches only
+the supervisor, which then stops the children in order (gateways first, so that they report
+NOT_SERVING before their engines go away).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import msgspec
+
+from switchboard.config import (
+    EngineConfig,
+    GatewayRoleConfig,
+    encode_config,
+    ipc_address,
+    new_run_dir,
+)
+
+logger = logging.getLogger("switchboard.launcher")
+
+STOP_GRACE_S = 15.0
+
+
+@dataclass
+class Child:
+    role: str  # e.g. "Gateway_0", "EngineCore_DP0"
+    process: subprocess.Popen
+
+
+def plan_server(
+    gateway: GatewayRoleConfig, engine: EngineConfig, run_dir: str
+) -> tuple[list[GatewayRoleConfig], list[EngineConfig]]:
+    """The per-process configs of a one-machine server: A gateways, DP engine cores."""
+    parallel = engine.parallel
+    gateways = [
+        _replace(
+            gateway,
+            client_index=i,
+            input_address=ipc_address(run_dir, f"gateway{i}-input"),
+            output_address=ipc_address(run_dir, f"gateway{i}-output"),
+            num_engines=parallel.data_parallel_size,
+        )
+        for i in range(parallel.api_servers)
+    ]
+    engines = [
+        _replace(
+            engine,
+            data_parallel_rank=rank,
+            gateway_input_addresses=[g.input_address for g in gateways],
+            gateway_output_addresses=[g.output_address for g in gateways],
+            run_dir=run_dir,
+        )
+        for rank in range(parallel.data_parallel_size)
+    ]
+    return gateways, engines
+
+
+def _replace(config, **changes):
+    return msgspec.structs.replace(config, **changes)
+
+
+def _start(role: str, module: str, config_json: str) -> Child:
+    cmd = [sys.executable, "-m", module, "--config-json", config_json]
+    process = subprocess.Popen(cmd, start_new_session=True)
+    logger.info("started %s (pid %d)", role, process.pid)
+    return Child(role, process)
+
+
+class Supervisor:
+    def __init__(
+        self, gateways: list[GatewayRoleConfig], engines: list[EngineConfig], run_dir: str
+    ):
+        self._gateways = gateways
+        self._engines = engines
+        self._run_dir = run_dir
+        self._children: list[Child] = []
+        self._stop_requested = threading.Event()
+
+    def run(self) -> int:
+        """Start everything and wait; returns the exit code."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        try:
+            for cfg in self._gateways:
+                self._children.append(
+                    _start(f"Gateway_{cfg.client_index}", "switchboard.gateway", encode_config(cfg))
+                )
+            for cfg in self._engines:
+                self._children.append(
+                    _start(
+                        f"EngineCore_DP{cfg.data_parallel_rank}",
+                        "switchboard.engine",
+                        encode_config(cfg),
+                    )
+                )
+            failed = self._wait_for_first_exit()
+            if failed is not None:
+                logger.error(
+                    "%s (pid %d) exited with code %s: stopping the server",
+                    failed.role,
+                    failed.process.pid,
+                    failed.process.returncode,
+                )
+            self._stop_all()
+            return 0 if failed is None else 1
+        finally:
+            self._stop_all()
+            shutil.rmtree(self._run_dir, ignore_errors=True)
+            logger.info("removed run directory %s", self._run_dir)
+
+    def _on_signal(self, signum: int, _frame) -> None:
+        logger.info("received %s: stopping", signal.Signals(signum).name)
+        self._stop_requested.set()
+
+    def _wait_for_first_exit(self) -> Child | None:
+        """Block until a stop is requested (None) or a child exits on its own (that child)."""
+        while not self._stop_requested.is_set():
+            for child in self._children:
+                if child.process.poll() is not None:
+                    if self._stop_requested.is_set():
+                        return None
+                    return child
+            self._stop_requested.wait(0.2)
+        return None
+
+    def _stop_all(self) -> None:
+        # Gateways first: they report NOT_SERVING and end their streams before engines go.
+        ordered = sorted(self._children, key=lambda c: not c.role.startswith("Gateway"))
+        for child in ordered:
+            if child.process.poll() is None:
+                child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for child in ordered:
+            remaining = max(0.1, deadline - time.monotonic())
+            try:
+                child.process.wait(remaining)
+            except subprocess.TimeoutExpired:
+                logger.warning("%s (pid %d) did not stop: killing", child.role, child.process.pid)
+                child.process.kill()
+                child.process.wait()
+
+
+def serve(gateway: GatewayRoleConfig, engine: EngineConfig, run_dir_base: str | None = None) -> int:
+    run_dir = new_run_dir(run_dir_base)
+    logger.info("run directory %s (pid %d)", run_dir, os.getpid())
+    gateways, engines = plan_server(gateway, engine, run_dir)
+    return Supervisor(gateways, engines, run_dir).run()

@@ -1,0 +1,34 @@
+"""Sizing and the process-title formula of DESIGN.md §1 (no processes started here)."""
+
+import pytest
+
+from switchboard.cli import main
+from switchboard.processes import Topology
+
+
+@pytest.mark.parametrize(
+    ("a", "dp", "pp", "tp", "total"),
+    [(1, 1, 1, 1, 3), (1, 1, 1, 2, 4), (2, 2, 1, 1, 7), (4, 4, 1, 2, 17)],
+)
+def test_formula(a: int, dp: int, pp: int, tp: int, total: int) -> None:
+    topo = Topology(api_servers=a, data_parallel=dp, pipeline_parallel=pp, tensor_parallel=tp)
+    assert topo.total == total
+    assert len(topo.titles()) == total
+    assert len(set(topo.titles())) == total  # titles are unique
+    assert all(t.startswith("switchboard::") for t in topo.titles())
+
+
+def test_titles_for_single_device() -> None:
+    topo = Topology(api_servers=1, data_parallel=1, pipeline_parallel=1, tensor_parallel=1)
+    assert topo.titles() == [
+        "switchboard::Gateway_0",
+        "switchboard::EngineCore_DP0",
+        "switchboard::Worker_DP0_PP0_TP0",
+    ]
+
+
+def test_topology_command_prints_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["topology", "-tp", "2", "-dp", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "total processes" in out
+    assert out.splitlines()[-2].split()[-1] == "17"
