@@ -1,0 +1,377 @@
+"""The scheduler: which requests compute which tokens in the next step, on the paged KV cache.
+
+One scheduling model, no prefill/decode phases: every request has ``num_computed_tokens`` and
+each step gives it tokens to catch up with ``num_tokens`` (prompt + outputs), under a token
+budget (``max_num_batched_tokens``) and a cap on running requests (``max_num_seqs``):
+
+1. running requests, decoding ones first (one token each) so a long prefill chunk never takes
+   their turn, then partly prefilled ones (a chunk of at most ``long_prefill_token_threshold``
+   when another request is eligible). A request that finds no free KV block preempts others
+   (FCFS: the newest running; priority: the lowest priority) until it fits or is itself the
+   victim;
+2. waiting requests in queue order (FCFS, or (priority, arrival)), each after a prefix-cache
+   lookup, while budget, sequence slots and blocks last; skipped for the step if step 1
+   preempted (memory is short). Under the priority policy a waiting request may also preempt
+   running requests of strictly lower priority, so urgent work does not wait for it to finish.
+
+Preemption is by recompute: blocks freed, ``num_computed_tokens`` reset, outputs kept, request
+back at the front of the waiting queue; its id goes out in ``finished_request_ids`` so workers
+drop their state, and on resume it is a NewRequest again whose tokens are prompt + outputs.
+
+The step's :class:`SchedulerOutput` is a delta (see ``wire/step_msgs.py``). A request id never
+appears both in ``finished_request_ids`` and among the scheduled requests of one output.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+from switchboard.config import CacheConfig, SchedulerConfig
+from switchboard.engine.kv_cache import KVCacheManager
+from switchboard.engine.request import Request, RequestStatus
+from switchboard.engine.request_queue import make_request_queue
+from switchboard.engine.step_plan import StepPlan
+from switchboard.engine.stop_check import check_stop
+from switchboard.wire.engine_msgs import (
+    EngineCoreOutput,
+    EventType,
+    FinishReason,
+    SchedulerStats,
+)
+from switchboard.wire.step_msgs import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_RUNNING = RequestStatus.RUNNING
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        max_model_len: int,
+    ) -> None:
+        if scheduler_config.max_num_seqs <= 0 or scheduler_config.max_num_batched_tokens <= 0:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        block_size = cache_config.block_size
+        if max_model_len <= 0 or -(-max_model_len // block_size) > num_blocks:
+            raise ValueError(
+                f"max_model_len {max_model_len} does not fit {num_blocks} blocks of "
+                f"{block_size} tokens: one full-length request must fit the KV cache"
+            )
+        self.config = scheduler_config
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.policy = scheduler_config.scheduling_policy
+        self.enable_prefix_caching = cache_config.enable_prefix_caching
+        self.kv = KVCacheManager(num_blocks, block_size, cache_config.enable_prefix_caching)
+        self.waiting = make_request_queue(self.policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
+        self._finished_ids: dict[str, None] = {}  # for the next output (ordered set)
+        self._step_id = 0
+        self._num_preemptions = 0
+        self._last_step_tokens = 0
+        logger.info(
+            "scheduler: policy=%s max_num_seqs=%d max_num_batched_tokens=%d "
+            "long_prefill_token_threshold=%d blocks=%d x %d tokens prefix_caching=%s",
+            self.policy,
+            scheduler_config.max_num_seqs,
+            scheduler_config.max_num_batched_tokens,
+            scheduler_config.long_prefill_token_threshold,
+            num_blocks,
+            block_size,
+            self.enable_prefix_caching,
+        )
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request (stamps QUEUED). ValueError if it can never run."""
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request {rid!r} is already in the scheduler")
+        if not 0 < request.num_prompt_tokens <= self.max_model_len:
+            raise ValueError(
+                f"request {rid!r}: prompt of {request.num_prompt_tokens} tokens, "
+                f"allowed 1..{self.max_model_len}"
+            )
+        if request.block_size != self.block_size:
+            raise ValueError(f"request {rid!r} was hashed for block size {request.block_size}")
+        if request.hash_blocks != self.enable_prefix_caching:
+            request.hash_blocks = self.enable_prefix_caching
+            request.update_block_hashes()
+        request.record_event(EventType.QUEUED, time.monotonic_ns())
+        self.requests[rid] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: Iterable[str] | str, reason: FinishReason) -> None:
+        """End requests from outside (aborts): no output is produced for them. Idempotent;
+        unknown ids are ignored."""
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        waiting: set[Request] = set()
+        running: set[Request] = set()
+        for rid in request_ids:
+            request = self.requests.pop(rid, None)
+            if request is None:
+                continue
+            if request.status == _RUNNING:
+                running.add(request)
+                self._finished_ids[rid] = None  # workers hold its state
+            else:
+                waiting.add(request)
+            self.kv.free(request)
+            request.status = RequestStatus.FINISHED
+            request.finish_reason = reason
+        if waiting:
+            self.waiting.remove_requests(waiting)
+        if running:
+            self.running = [r for r in self.running if r not in running]
+        if waiting or running:
+            logger.debug("ended %d requests from outside (%s)", len(waiting) + len(running), reason)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def has_finished_requests(self) -> bool:
+        """Ids the workers must still be told to drop (send a step even with nothing to run)."""
+        return bool(self._finished_ids)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> SchedulerOutput:
+        plan = StepPlan(self.config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted:
+            self._schedule_waiting(plan)
+        self._step_id += 1
+        self._last_step_tokens = plan.num_scheduled_tokens
+        finished_ids = list(self._finished_ids)
+        self._finished_ids.clear()
+        return plan.commit(self._step_id, self.requests, self.kv, finished_ids)
+
+    def _chunk_cap(self) -> int:
+        threshold = self.config.long_prefill_token_threshold
+        if threshold > 0 and len(self.running) + len(self.waiting) > 1:
+            return threshold
+        return 0
+
+    def _schedule_running(self, plan: StepPlan) -> None:
+        cap = self._chunk_cap()
+        prefilling: list[Request] = []
+        for request in list(self.running):  # decoding requests first
+            if plan.budget <= 0:
+                break
+            if request.status != _RUNNING:  # preempted earlier in this step
+                continue
+            if len(request.all_token_ids) - request.num_computed_tokens == 1:
+                self._schedule_one_running(plan, request, 1)
+            else:
+                prefilling.append(request)
+        for request in prefilling:
+            if plan.budget <= 0:
+                break
+            if request.status != _RUNNING:
+                continue
+            num_tokens = request.num_tokens - request.num_computed_tokens
+            if cap and num_tokens > cap:
+                num_tokens = cap
+            self._schedule_one_running(plan, request, num_tokens)
+
+    def _schedule_one_running(self, plan: StepPlan, request: Request, num_tokens: int) -> None:
+        num_tokens = min(num_tokens, plan.budget, self.max_model_len - request.num_computed_tokens)
+        if num_tokens <= 0:
+            return
+        while self.kv.allocate_slots(request, num_tokens) is None:
+            victim = self._pick_victim()
+            self._preempt(victim, plan)
+            if victim is request:
+                return
+        plan.add(request, num_tokens)
+
+    def _schedule_waiting(self, plan: StepPlan) -> None:
+        cap = self._chunk_cap()
+        max_num_seqs = self.config.max_num_seqs
+        while self.waiting and plan.budget > 0:
+            request = self.waiting.peek()
+            if request in plan.preempted:  # not back in the step that preempted it
+                break
+            if len(self.running) >= max_num_seqs:
+                if self._preempt_for(request, plan):
+                    continue
+                break
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_tokens = request.num_tokens - num_hit_tokens
+            if cap and num_tokens > cap:
+                num_tokens = cap
+            num_tokens = min(num_tokens, plan.budget, self.max_model_len - num_hit_tokens)
+            if self.kv.allocate_slots(request, num_tokens, hits) is None:
+                if self._preempt_for(request, plan):
+                    continue
+                break
+            self.waiting.pop()
+            self._admit(plan, request, num_hit_tokens, num_tokens)
+
+    def _admit(
+        self, plan: StepPlan, request: Request, num_hit_tokens: int, num_tokens: int
+    ) -> None:
+        request.status = _RUNNING
+        request.num_computed_tokens = num_hit_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+        if self.enable_prefix_caching:
+            self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
+        request.record_event(EventType.SCHEDULED, plan.timestamp_ns)
+        self.running.append(request)
+        plan.new_requests.append(request)
+        plan.add(request, num_tokens)
+
+    def _pick_victim(self) -> Request:
+        if self.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_ns))
+        return self.running[-1]
+
+    def _preempt_for(self, request: Request, plan: StepPlan) -> bool:
+        """Priority policy: make room for a waiting request by preempting the lowest-priority
+        running request, if its priority is strictly lower (a larger value). False if none."""
+        if self.policy != "priority" or not self.running:
+            return False
+        victim = self._pick_victim()
+        if victim.priority <= request.priority:
+            return False
+        self._preempt(victim, plan)
+        return True
+
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        if self.running[-1] is request:
+            self.running.pop()
+        else:
+            self.running.remove(request)
+        self.kv.free(request)
+        plan.withdraw(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_block_ids_sent = 0
+        request.num_preemptions += 1
+        request.record_event(EventType.PREEMPTED, time.monotonic_ns())
+        self.waiting.add_preempted(request)
+        self._finished_ids[request.request_id] = None  # workers drop its state
+        self._num_preemptions += 1
+        log = logger.warning if self._num_preemptions == 1 else logger.debug
+        log(
+            "preempted request %s (%s policy, %d tokens, %d free blocks); preemptions "
+            "recompute work: more KV cache memory or fewer max_num_seqs avoids them",
+            request.request_id,
+            self.policy,
+            request.num_tokens,
+            self.kv.num_free_blocks,
+        )
+
+    # ------------------------------------------------------------------ after the step
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> dict[int, list[EngineCoreOutput]]:
+        """Append sampled tokens, run stop checks, free finished requests and register newly
+        computed full blocks in the prefix cache. Returns the outputs by client_index."""
+        sampled = dict(zip(runner_output.request_ids, runner_output.sampled_token_ids, strict=True))
+        outputs: dict[int, list[EngineCoreOutput]] = {}
+        requests = self.requests
+        kv = self.kv
+        block_size = self.block_size
+        any_finished = False
+        for rid, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+            request = requests.get(rid)
+            if request is None or request.status != _RUNNING:
+                continue  # aborted while the step ran: its token is discarded
+            computed = request.num_computed_tokens
+            if computed // block_size != (computed - num_scheduled) // block_size:
+                kv.cache_blocks(request)  # this step filled a block: it may be shared now
+            new_token_ids = sampled.get(rid)
+            if not new_token_ids or computed < request.num_tokens:
+                continue  # a prefill chunk that stops short samples nothing
+            output = self._append_tokens(request, new_token_ids)
+            outputs.setdefault(request.client_index, []).append(output)
+            if output.finish_reason is not None:
+                any_finished = True
+        if any_finished:
+            self.running = [r for r in self.running if r.status == _RUNNING]
+        return outputs
+
+    def _append_tokens(self, request: Request, new_token_ids: list[int]) -> EngineCoreOutput:
+        first_output = request.num_output_tokens == 0
+        stop = None
+        appended = new_token_ids
+        for i, token_id in enumerate(new_token_ids):
+            request.append_output_token(token_id)
+            stop = check_stop(request, self.max_model_len)
+            if stop is not None:
+                appended = new_token_ids[: i + 1]
+                break
+        finish_reason, stop_reason = stop if stop is not None else (None, None)
+        output = EngineCoreOutput(
+            request.request_id,
+            appended,
+            None,
+            finish_reason,
+            stop_reason,
+            request.take_events(),
+            request.num_cached_tokens if first_output else 0,
+            request.num_preemptions,
+        )
+        if finish_reason is not None:
+            request.status = RequestStatus.FINISHED
+            request.finish_reason = finish_reason
+            request.stop_reason = stop_reason
+            self.kv.free(request)
+            del self.requests[request.request_id]
+            self._finished_ids[request.request_id] = None
+        return output
+
+    # ------------------------------------------------------------------ stats and utilities
+
+    def make_stats(self) -> SchedulerStats:
+        """Gauges now, counters cumulative since start-up, tokens of the last step."""
+        return SchedulerStats(
+            len(self.running),
+            len(self.waiting),
+            self.kv.usage(),
+            self.kv.prefix_queries,
+            self.kv.prefix_hits,
+            self._num_preemptions,
+            self._last_step_tokens,
+        )
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.reset_prefix_cache()
+
+    def get_stats(self) -> dict:
+        """The ``get_stats`` utility: plain values an operator can read."""
+        queries = self.kv.prefix_queries
+        return {
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "kv_cache_usage": self.kv.usage(),
+            "num_blocks": self.kv.num_blocks,
+            "num_free_blocks": self.kv.num_free_blocks,
+            "block_size": self.block_size,
+            "prefix_caching": self.enable_prefix_caching,
+            "prefix_cache_queries": queries,
+            "prefix_cache_hits": self.kv.prefix_hits,
+            "prefix_cache_hit_rate": self.kv.prefix_hits / queries if queries else 0.0,
+            "num_preemptions": self._num_preemptions,
+            "scheduling_policy": self.policy,
+        }
