@@ -1,0 +1,384 @@
+"""The engine core process: start-up, the busy loop, and the fate of the process.
+
+Threads (DESIGN.md §3)::
+
+    gateways ─DEALER─> InputThread ─input_queue─> busy loop ─output_queue─> OutputThread ─PUSH─┐
+                          │                        ^  │                                   gateways
+                          └──────aborts_queue──────┘  └─ executor ─shm ring─> workers
+
+The busy loop (main thread) touches only the queues, the scheduler and the executor; all
+socket I/O and (de)serialisation live on the I/O threads (``io_threads``).
+
+Fate: a fatal error anywhere in the loop (a dead worker arrives as EXECUTOR_FAILED) logs
+"EngineCore encountered a fatal error", sends ENGINE_CORE_DEAD to every gateway, stops the
+workers and exits non-zero. SIGTERM/SIGINT, or the parent process dying, stop everything
+cleanly: threads, workers, the ring and the sockets.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import queue
+import shutil
+import signal
+import threading
+import time
+import uuid
+from typing import Any
+
+import msgspec
+import setproctitle
+import zmq
+
+from switchboard import __version__
+from switchboard.config import EngineConfig, new_run_dir
+from switchboard.engine.executor import MultiprocExecutor
+from switchboard.engine.io_threads import InputThread, OutputThread, send_engine_dead_directly
+from switchboard.engine.request import Request
+from switchboard.engine.scheduler import Scheduler
+from switchboard.engine.utility import run_utility
+from switchboard.wire import zmq_channel
+from switchboard.wire.engine_msgs import (
+    ENGINE_CORE_DEAD,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineReady,
+    FinishReason,
+    RequestType,
+    UtilityCall,
+)
+from switchboard.wire.step_msgs import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+PARENT_POLL_INTERVAL_S = 1.0
+DEAD_SEND_TIMEOUT_S = 5.0
+IO_THREAD_FAILED = "io-thread-failed"  # input-queue kind: an I/O thread died, the engine follows
+
+
+class ShutdownRequest:
+    """Set from a signal handler or the parent watch; wakes an idle busy loop.
+
+    A signal handler runs between two bytecodes of the main thread, which may be holding the
+    input queue's (non-reentrant) lock, so the handler only sets flags; a watcher thread puts
+    the WAKEUP item on the queue.
+    """
+
+    def __init__(self, input_queue: queue.Queue) -> None:
+        self.requested = False
+        self.reason = ""
+        self._input_queue = input_queue
+        self._event = threading.Event()
+        self._parent_pid = os.getppid()
+        threading.Thread(target=self._watch, name="ShutdownWatch", daemon=True).start()
+
+    def request(self, reason: str) -> None:
+        if not self.requested:  # a second signal must not re-enter Event.set()
+            self.requested = True
+            self.reason = reason
+            self._event.set()
+
+    def on_signal(self, signum: int, _frame: Any) -> None:
+        self.request(signal.Signals(signum).name)
+
+    def _watch(self) -> None:
+        while not self._event.wait(PARENT_POLL_INTERVAL_S):
+            if os.getppid() != self._parent_pid:
+                logger.warning("Parent process %d is gone: shutting down", self._parent_pid)
+                self.request("parent died")
+        self._input_queue.put((RequestType.WAKEUP, None))
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, shutdown: ShutdownRequest, input_queue: queue.Queue):
+        self.config = config
+        self.engine_index = config.data_parallel_rank
+        self.block_size = config.cache.block_size
+        self.sleeping = False
+        self.input_queue = input_queue
+        self.aborts_queue: queue.Queue[list[str]] = queue.Queue()
+        self.output_queue: queue.Queue[Any] = queue.Queue()
+        self._shutdown = shutdown
+        self._own_run_dir = not config.run_dir
+        self.run_dir = config.run_dir or new_run_dir()
+        self._ctx = zmq.Context()
+        self.executor: MultiprocExecutor | None = None
+        self._input_thread: InputThread | None = None
+        self._output_thread: OutputThread | None = None
+
+    def start(self) -> None:
+        """Start the workers, load the model, size the KV cache, then open the wire to the
+        gateways (READY goes first). ``shutdown`` cleans up after a failure here too."""
+        config = self.config
+        logger.info(
+            "Loading model %s on %d worker(s)", config.model.model, config.parallel.world_size
+        )
+        self.executor = MultiprocExecutor(config, self.run_dir, self._on_executor_failure)
+        logger.info("Workers ready: pids %s", [w.pid for w in self.executor.workers])
+        summary = self.executor.load_model()
+        self.num_gpu_blocks = config.cache.num_gpu_blocks_override or (
+            self.executor.determine_num_kv_blocks(
+                self.block_size, config.cache.kv_cache_memory_bytes
+            )
+        )
+        self.max_model_len = self._fit_max_model_len(summary.max_position_embeddings)
+        self.executor.initialize_kv_cache(self.num_gpu_blocks, self.block_size)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d",
+            self.num_gpu_blocks,
+            self.block_size,
+            self.kv_capacity_tokens,
+            self.max_model_len,
+        )
+        self.scheduler = Scheduler(
+            config.scheduler, config.cache, self.num_gpu_blocks, self.max_model_len
+        )
+        self._ready = EngineReady(
+            engine_id=f"EngineCore_DP{self.engine_index}-{uuid.uuid4().hex[:8]}",
+            data_parallel_rank=self.engine_index,
+            max_model_len=self.max_model_len,
+            num_gpu_blocks=self.num_gpu_blocks,
+            block_size=self.block_size,
+            kv_capacity_tokens=self.kv_capacity_tokens,
+            wall_clock_ns=0,  # stamped when sent
+            monotonic_ns=0,
+            vocab_size=summary.vocab_size,
+            dtype=summary.dtype,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            tensor_parallel_size=config.parallel.tensor_parallel_size,
+            pipeline_parallel_size=config.parallel.pipeline_parallel_size,
+            engine_version=__version__,
+        )
+        # Everything allocated while loading is permanent: full collections skip it from now on.
+        gc.collect()
+        gc.freeze()
+        self._start_io_threads()
+        logger.info("EngineCore_DP%d ready", self.engine_index)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_gpu_blocks * self.block_size
+
+    def _fit_max_model_len(self, max_position_embeddings: int) -> int:
+        max_model_len = self.config.model.max_model_len or max_position_embeddings
+        if max_model_len > max_position_embeddings:
+            logger.warning(
+                "max_model_len %d exceeds the model's %d positions; using %d",
+                max_model_len,
+                max_position_embeddings,
+                max_position_embeddings,
+            )
+            max_model_len = max_position_embeddings
+        if max_model_len > self.kv_capacity_tokens:
+            logger.warning(
+                "The KV cache holds %d tokens, less than max_model_len %d: "
+                "max_model_len auto-fitted down to %d",
+                self.kv_capacity_tokens,
+                max_model_len,
+                self.kv_capacity_tokens,
+            )
+            max_model_len = self.kv_capacity_tokens
+        return max_model_len
+
+    def _start_io_threads(self) -> None:
+        self._output_thread = OutputThread(
+            self._ctx,
+            list(self.config.gateway_output_addresses),
+            self.output_queue,
+            self.engine_index,
+            self.config.heartbeat_interval_s,
+            self._on_io_thread_failure,
+        )
+        self._input_thread = InputThread(
+            self._ctx,
+            list(self.config.gateway_input_addresses),
+            zmq_channel.engine_identity(self.engine_index),
+            self._make_ready,
+            self._prepare_add,
+            self.input_queue,
+            self.aborts_queue,
+            self._on_io_thread_failure,
+        )
+        self._output_thread.start()
+        self._input_thread.start()
+
+    def _make_ready(self) -> EngineReady:
+        wall_clock_ns, monotonic_ns = time.time_ns(), time.monotonic_ns()  # one clock anchor
+        return msgspec.structs.replace(
+            self._ready, wall_clock_ns=wall_clock_ns, monotonic_ns=monotonic_ns
+        )
+
+    def _prepare_add(self, request: EngineCoreRequest) -> Request | None:
+        """Input thread: build the scheduler's request (and hash its prompt blocks) here, so
+        the work overlaps with the forward pass. A bad request fails alone, with ERROR."""
+        try:
+            if not 0 < len(request.prompt_token_ids) <= self.max_model_len:
+                raise ValueError(
+                    f"prompt of {len(request.prompt_token_ids)} tokens does not "
+                    f"fit max_model_len {self.max_model_len}"
+                )
+            return Request.from_engine_core_request(
+                request,
+                self.block_size,
+                time.monotonic_ns(),
+                hash_blocks=self.config.cache.enable_prefix_caching,
+            )
+        except Exception as exc:
+            self._reject(request.request_id, request.client_index, exc)
+            return None
+
+    def _reject(self, request_id: str, client_index: int, error: Exception) -> None:
+        """End one request with ERROR (called from the input thread or the busy loop)."""
+        logger.warning("Rejected request %s: %s", request_id, error)
+        failed = EngineCoreOutput(request_id, finish_reason=FinishReason.ERROR)
+        self.output_queue.put((client_index, self._outputs([failed])))
+
+    def _on_executor_failure(self, reason: str) -> None:
+        """Monitor thread: hand the failure to the busy loop, which raises."""
+        self.input_queue.put((RequestType.EXECUTOR_FAILED, reason))
+
+    def _on_io_thread_failure(self, reason: str) -> None:
+        self.input_queue.put((IO_THREAD_FAILED, reason))
+
+    # ---- the busy loop --------------------------------------------------------------------
+
+    def run_busy_loop(self) -> None:
+        """Serve until shutdown is requested.
+
+        Each turn: wait on the input queue while there is nothing to do (blocking, not
+        spinning), take in everything else already queued, then run one step if there is
+        work: schedule → execute on the workers → finish requests aborted during the forward
+        pass → update the requests from the sampled tokens → put the outputs.
+        """
+        while not self._shutdown.requested:
+            self._process_input_queue()
+            if self._has_work():
+                self._step()
+        logger.info("Shutdown requested (%s)", self._shutdown.reason)
+
+    def _has_work(self) -> bool:
+        return not self.sleeping and self.scheduler.has_unfinished_requests()
+
+    def _process_input_queue(self) -> None:
+        if not self._has_work():
+            _drain(self.aborts_queue)  # idle: every abort also arrives on the input queue
+            self._handle_input(*self.input_queue.get())
+        while True:
+            try:
+                item = self.input_queue.get_nowait()
+            except queue.Empty:
+                return
+            self._handle_input(*item)
+
+    def _handle_input(self, kind: RequestType | str, payload: Any) -> None:
+        if kind == RequestType.ADD:
+            self._add_request(payload)
+        elif kind == RequestType.ABORT:
+            self.scheduler.finish_requests(payload, FinishReason.ABORT)
+        elif kind == RequestType.UTILITY:
+            self._run_utility(payload)
+        elif kind == RequestType.EXECUTOR_FAILED:
+            raise RuntimeError(f"Executor failed: {payload}")
+        elif kind == IO_THREAD_FAILED:
+            raise RuntimeError(f"Engine I/O failed: {payload}")
+        # WAKEUP only unblocks the loop so that it sees a shutdown request.
+
+    def _add_request(self, request: Request) -> None:
+        try:
+            self.scheduler.add_request(request)
+        except ValueError as exc:  # e.g. a request id already in flight: fail it alone
+            self._reject(request.request_id, request.client_index, exc)
+
+    def _step(self) -> None:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self._execute(scheduler_output)
+        self._finish_aborted_requests()
+        outputs_by_client = self.scheduler.update_from_output(scheduler_output, runner_output)
+        stats = self.scheduler.make_stats()
+        for client_index, outputs in outputs_by_client.items():
+            self.output_queue.put((client_index, self._outputs(outputs, stats)))
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_request_ids:
+            return self.executor.execute_model(scheduler_output)
+        time.sleep(0.001)  # nothing could be scheduled: let the I/O threads run
+        return ModelRunnerOutput(step_id=scheduler_output.step_id)
+
+    def _finish_aborted_requests(self) -> None:
+        for request_ids in _drain(self.aborts_queue):
+            self.scheduler.finish_requests(request_ids, FinishReason.ABORT)
+
+    def _run_utility(self, call: UtilityCall) -> None:
+        output = EngineCoreOutputs(
+            self.engine_index, time.monotonic_ns(), utility_output=run_utility(self, call)
+        )
+        self.output_queue.put((call.client_index, output))
+
+    def _outputs(self, outputs: list[EngineCoreOutput], stats: Any = None) -> EngineCoreOutputs:
+        return EngineCoreOutputs(
+            self.engine_index, time.monotonic_ns(), outputs, scheduler_stats=stats
+        )
+
+    # ---- the end --------------------------------------------------------------------------
+
+    def send_engine_dead(self) -> None:
+        """Last word to every gateway; the output thread exits after sending it."""
+        if self._output_thread is None or not self._output_thread.is_alive():
+            send_engine_dead_directly(self._ctx, list(self.config.gateway_output_addresses))
+            return
+        self.output_queue.put(ENGINE_CORE_DEAD)
+        self._output_thread.join(DEAD_SEND_TIMEOUT_S)
+        if self._output_thread.is_alive():
+            logger.critical("ENGINE_CORE_DEAD could not be sent within %ss", DEAD_SEND_TIMEOUT_S)
+
+    def shutdown(self) -> None:
+        """Stop the I/O threads, the workers and the ring; safe after a failed start."""
+        if self._input_thread is not None:
+            self._input_thread.stop()
+        if self._output_thread is not None and self._output_thread.is_alive():
+            self._output_thread.stop()  # sends what is already queued first
+        if self.executor is not None:
+            self.executor.shutdown()
+        threads = (self._input_thread, self._output_thread)
+        if any(t is not None and t.is_alive() for t in threads):
+            self._ctx.destroy(linger=0)  # a stuck thread must not hold the exit hostage
+        else:
+            self._ctx.term()
+        if self._own_run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+        gc.unfreeze()
+        logger.info("EngineCore_DP%d shut down", self.engine_index)
+
+
+def _drain(q: queue.Queue) -> list[Any]:
+    items = []
+    while True:
+        try:
+            items.append(q.get_nowait())
+        except queue.Empty:
+            return items
+
+
+def run_engine_core(config: EngineConfig) -> int:
+    """Body of the process ``switchboard::EngineCore_DP<rank>``; returns its exit code."""
+    setproctitle.setproctitle(f"switchboard::EngineCore_DP{config.data_parallel_rank}")
+    input_queue: queue.Queue[Any] = queue.Queue()
+    shutdown = ShutdownRequest(input_queue)
+    # Installed before the (long) start-up: a signal meanwhile is kept and acted on after it.
+    signal.signal(signal.SIGTERM, shutdown.on_signal)
+    signal.signal(signal.SIGINT, shutdown.on_signal)
+    core = EngineCore(config, shutdown, input_queue)
+    try:
+        core.start()
+        core.run_busy_loop()
+        return 0
+    except Exception:
+        logger.exception("EngineCore encountered a fatal error")
+        core.send_engine_dead()
+        return 1
+    finally:
+        core.shutdown()

@@ -1,0 +1,298 @@
+"""The executor: the engine core's handle on its worker processes (wire 2).
+
+It starts one worker process per device by module name (``python -m switchboard.worker``; the
+engine never imports ``worker/``), broadcasts method calls to all of them over the
+shared-memory ring, and reads the one reply it asked for on a ZeroMQ PULL::
+
+    engine core ──RpcCall──> shm ring ──> worker 0 … worker N-1   (every worker runs it)
+        ^                                        │
+        └──────────── PULL <──RpcReply── worker output_rank (only that one answers)
+
+A monitor thread watches the worker processes. When one dies unexpectedly it marks the
+executor failed (a call waiting for a reply then raises) and calls ``on_failure``; the engine
+core turns that into EXECUTOR_FAILED on its input queue and dies. Shutdown asks the workers to
+exit, then escalates: wait, SIGTERM, wait, SIGKILL; it then unlinks the ring and the socket.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import zmq
+
+from switchboard.config import EngineConfig, encode_config
+from switchboard.wire import zmq_channel
+from switchboard.wire.shm_ring import ShmRingWriter
+from switchboard.wire.step_msgs import (
+    ModelRunnerOutput,
+    ModelSummary,
+    RpcCall,
+    RpcReply,
+    SchedulerOutput,
+    WorkerStartup,
+)
+
+logger = logging.getLogger(__name__)
+
+WORKER_MODULE = "switchboard.worker"
+STARTUP_TIMEOUT_S = 600.0  # workers import torch and attach to the ring
+LOAD_MODEL_TIMEOUT_S = 3600.0  # a large checkpoint on a slow disk
+RPC_TIMEOUT_S = 300.0
+WORKER_EXIT_GRACE_S = 5.0  # after the shutdown call, before SIGTERM
+WORKER_TERM_GRACE_S = 4.0  # after SIGTERM, before SIGKILL
+_MONITOR_INTERVAL_S = 0.2
+_REPLY_POLL_MS = 100  # a waiting call checks this often whether a worker died
+
+
+class ExecutorFailed(RuntimeError):
+    """A worker died, failed a call, or did not answer in time: fatal to the engine core."""
+
+
+class WorkerProcess:
+    """The executor's handle on one worker process."""
+
+    def __init__(self, rank: int, tp_rank: int, pp_rank: int, process: subprocess.Popen) -> None:
+        self.rank = rank
+        self.tp_rank = tp_rank
+        self.pp_rank = pp_rank
+        self.process = process
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+
+class MultiprocExecutor:
+    def __init__(
+        self, config: EngineConfig, run_dir: str, on_failure: Callable[[str], None]
+    ) -> None:
+        parallel = config.parallel
+        self.world_size = parallel.world_size
+        # Sampled tokens exist on the last pipeline stage; its first TP rank answers steps.
+        self.output_rank = self.world_size - parallel.tensor_parallel_size
+        self._config = config
+        self._on_failure = on_failure
+        self._execute_timeout_s = config.worker.execute_timeout_s
+        self._call_ids = itertools.count()
+        self._reply_decoder = msgspec.msgpack.Decoder(RpcReply)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._failure: str | None = None
+        self._shutting_down = False
+        self._stop_monitor = threading.Event()
+        self.workers: list[WorkerProcess] = []
+        self._ring: ShmRingWriter | None = None
+        self._ctx = zmq.Context()
+        self._reply_path = os.path.join(run_dir, f"replies-{uuid.uuid4().hex[:8]}")
+        self._reply_socket: zmq.Socket | None = None
+        try:
+            self._reply_socket = zmq_channel.make_socket(
+                self._ctx, zmq.PULL, f"ipc://{self._reply_path}", bind=True
+            )
+            self._ring = ShmRingWriter(self.world_size, run_dir)
+            self._start_workers(run_dir)
+            self._wait_for_workers()
+        except BaseException:
+            self.shutdown()
+            raise
+        self._monitor = threading.Thread(
+            target=self._monitor_workers, name="WorkerMonitor", daemon=True
+        )
+        self._monitor.start()
+
+    # ---- start-up -------------------------------------------------------------------------
+
+    def _start_workers(self, run_dir: str) -> None:
+        parallel = self._config.parallel
+        ring_handle = msgspec.to_builtins(self._ring.handle)
+        engine_config_json = encode_config(self._config)
+        for pp_rank in range(parallel.pipeline_parallel_size):
+            for tp_rank in range(parallel.tensor_parallel_size):
+                rank = pp_rank * parallel.tensor_parallel_size + tp_rank
+                startup = WorkerStartup(
+                    rank=rank,
+                    world_size=self.world_size,
+                    data_parallel_rank=self._config.data_parallel_rank,
+                    pp_rank=pp_rank,
+                    tp_rank=tp_rank,
+                    ring_handle=ring_handle,
+                    reply_address=f"ipc://{self._reply_path}",
+                    engine_config_json=engine_config_json,
+                    parent_pid=os.getpid(),
+                )
+                argv = [sys.executable, "-m", WORKER_MODULE, "--startup-json"]
+                argv.append(msgspec.json.encode(startup).decode())
+                process = subprocess.Popen(argv, close_fds=True)
+                self.workers.append(WorkerProcess(rank, tp_rank, pp_rank, process))
+                logger.info(
+                    "Started worker rank %d (TP %d, PP %d) pid %d",
+                    rank,
+                    tp_rank,
+                    pp_rank,
+                    process.pid,
+                )
+
+    def _wait_for_workers(self) -> None:
+        """Until every worker has attached to the ring; fail fast if one exits meanwhile."""
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            self._raise_if_a_worker_exited()
+            try:
+                self._ring.wait_for_readers(timeout=1.0)
+                return
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise ExecutorFailed(
+                        f"workers did not attach to the ring within {STARTUP_TIMEOUT_S:.0f}s"
+                    ) from None
+
+    def _raise_if_a_worker_exited(self) -> None:
+        for worker in self.workers:
+            code = worker.process.poll()
+            if code is not None:
+                raise ExecutorFailed(
+                    f"worker rank {worker.rank} (pid {worker.pid}) exited with code {code}"
+                )
+
+    # ---- calls ----------------------------------------------------------------------------
+
+    def collective_rpc(
+        self,
+        method: str,
+        args: tuple | list = (),
+        kwargs: dict[str, Any] | None = None,
+        output_rank: int = 0,
+        timeout: float | None = RPC_TIMEOUT_S,
+    ) -> Any:
+        """Run ``method`` on every worker; return ``output_rank``'s result (plain msgpack
+        values). Raises ExecutorFailed on a worker error, a dead worker or a timeout."""
+        if self._failure is not None:
+            raise ExecutorFailed(self._failure)
+        call = RpcCall(next(self._call_ids), method, list(args), kwargs or {}, output_rank)
+        try:
+            self._ring.enqueue(self._encoder.encode(call), timeout=timeout)
+        except TimeoutError as exc:
+            raise ExecutorFailed(f"RPC call to {method} could not be sent: {exc}") from exc
+        reply = self._wait_for_reply(call, timeout)
+        if reply.error is not None:
+            raise ExecutorFailed(f"worker rank {reply.rank} failed in {method}: {reply.error}")
+        return reply.result
+
+    def _wait_for_reply(self, call: RpcCall, timeout: float | None) -> RpcReply:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if self._reply_socket.poll(_REPLY_POLL_MS):
+                reply = self._reply_decoder.decode(self._reply_socket.recv(copy=False).buffer)
+                if reply.call_id == call.call_id:
+                    return reply
+                logger.warning(
+                    "Discarded a stale reply to call %d from rank %d", reply.call_id, reply.rank
+                )
+                continue
+            if self._failure is not None:
+                raise ExecutorFailed(f"{call.method}: {self._failure}")
+            if deadline is not None and time.monotonic() > deadline:
+                raise ExecutorFailed(f"RPC call to {call.method} timed out after {timeout:.0f}s")
+
+    def load_model(self) -> ModelSummary:
+        result = self.collective_rpc("load_model", timeout=LOAD_MODEL_TIMEOUT_S)
+        return msgspec.convert(result, ModelSummary)
+
+    def determine_num_kv_blocks(self, block_size: int, kv_cache_memory_bytes: int | None) -> int:
+        # Every worker holds the same share of KV heads, so any rank's answer is the answer.
+        return int(
+            self.collective_rpc("determine_num_kv_blocks", (block_size, kv_cache_memory_bytes))
+        )
+
+    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.collective_rpc("initialize_kv_cache", (num_blocks, block_size))
+
+    def free_kv_cache(self) -> None:
+        self.collective_rpc("free_kv_cache")
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        result = self.collective_rpc(
+            "execute_model",
+            (scheduler_output,),
+            output_rank=self.output_rank,
+            timeout=self._execute_timeout_s,
+        )
+        return msgspec.convert(result, ModelRunnerOutput)
+
+    # ---- liveness and shutdown ------------------------------------------------------------
+
+    def _monitor_workers(self) -> None:
+        while not self._stop_monitor.wait(_MONITOR_INTERVAL_S):
+            for worker in self.workers:
+                code = worker.process.poll()
+                if code is None or self._shutting_down:
+                    continue
+                self._failure = (
+                    f"worker rank {worker.rank} (pid {worker.pid}) died unexpectedly "
+                    f"with exit code {code}"
+                )
+                logger.error("Executor failed: %s", self._failure)
+                self._on_failure(self._failure)
+                return
+
+    def shutdown(self) -> None:
+        """Stop the workers (ask, SIGTERM, SIGKILL), then unlink the ring and the socket.
+        Idempotent; safe after a failure."""
+        if self._shutting_down:
+            return
+        self._shutting_down = True
+        self._stop_monitor.set()
+        if self._failure is None and all(w.process.poll() is None for w in self.workers):
+            self._ask_workers_to_exit()
+        self._terminate_workers()
+        if self._ring is not None:
+            self._ring.close()
+        if self._reply_socket is not None:
+            self._reply_socket.close(linger=0)
+        self._ctx.term()
+        if os.path.exists(self._reply_path):
+            os.unlink(self._reply_path)
+        logger.info("Executor shut down: workers stopped, ring unlinked")
+
+    def _ask_workers_to_exit(self) -> None:
+        if self._ring is None:
+            return
+        try:
+            call = RpcCall(next(self._call_ids), "shutdown", output_rank=-1)  # nobody replies
+            self._ring.enqueue(self._encoder.encode(call), timeout=1.0)
+        except Exception as exc:  # a worker may already be gone; the ladder below follows
+            logger.warning("Could not send shutdown to the workers: %s", exc)
+
+    def _terminate_workers(self) -> None:
+        alive = self._wait_exit(self.workers, WORKER_EXIT_GRACE_S)
+        for worker in alive:
+            logger.warning(
+                "Worker rank %d (pid %d) still running: SIGTERM", worker.rank, worker.pid
+            )
+            worker.process.terminate()
+        alive = self._wait_exit(alive, WORKER_TERM_GRACE_S)
+        for worker in alive:
+            logger.warning(
+                "Worker rank %d (pid %d) ignored SIGTERM: SIGKILL", worker.rank, worker.pid
+            )
+            worker.process.kill()
+        self._wait_exit(alive, WORKER_TERM_GRACE_S)
+
+    @staticmethod
+    def _wait_exit(workers: list[WorkerProcess], timeout_s: float) -> list[WorkerProcess]:
+        deadline = time.monotonic() + timeout_s
+        for worker in workers:
+            try:
+                worker.process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        return [w for w in workers if w.process.poll() is None]
