@@ -261,7 +261,11 @@ class EngineCore:
         logger.info("Shutdown requested (%s)", self._shutdown.reason)
 
     def _has_work(self) -> bool:
-        return not self.sleeping and self.scheduler.has_unfinished_requests()
+        # Finished ids still owed to the workers count as work: they free the workers' state.
+        scheduler = self.scheduler
+        return not self.sleeping and (
+            scheduler.has_unfinished_requests() or scheduler.has_finished_requests()
+        )
 
     def _process_input_queue(self) -> None:
         if not self._has_work():

@@ -88,3 +88,19 @@ class RpcReply(_Wire):
     rank: int
     result: Any = None
     error: str | None = None  # set when the method raised: the call failed on this rank
+
+
+class WorkerStartup(_Wire):
+    """The one argument of ``python -m switchboard.worker --startup-json JSON``."""
+
+    rank: int  # within this engine's workers (0 .. world_size - 1)
+    world_size: int
+    data_parallel_rank: int
+    pp_rank: int
+    tp_rank: int
+    # msgspec.to_builtins(shm_ring.RingHandle): a list, since RingHandle is array_like (a dict
+    # of its fields is accepted too); the worker rebuilds it with msgspec.convert.
+    ring_handle: Any
+    reply_address: str  # ipc:// address of the engine's PULL for RpcReply (worker connects PUSH)
+    engine_config_json: str  # config.EngineConfig, encoded with config.encode_config
+    parent_pid: int  # the worker exits when its parent is gone

@@ -1,0 +1,143 @@
+"""Paged attention over a block-structured KV cache, in plain torch.
+
+One layer's cache is one tensor::
+
+    kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]
+             |  `--------- one block = block_size token slots
+             `-- 0 = keys, 1 = values
+
+A token at position ``p`` of a request lives in slot ``block_table[p // block_size] *
+block_size + p % block_size``. Each step first writes the new tokens' K/V into their slots
+(``slot_mapping``), then every request attends over its own blocks, gathered through its
+block table. Decoding requests (one query token each) are gathered and attended in one padded
+batch; requests with several query tokens (prefill chunks) one at a time, with a causal mask
+shifted by the tokens already in the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    """A request with several query tokens in this step."""
+
+    token_start: int  # first row of its query tokens in the flattened batch
+    num_tokens: int
+    context_len: int  # tokens in the cache after this step, this chunk included
+    block_ids: torch.Tensor  # [ceil(context_len / block_size)] long, on the device
+
+
+@dataclass
+class DecodeBatch:
+    """Requests with exactly one query token each; they occupy rows ``0..size-1``."""
+
+    block_table: torch.Tensor  # [size, max_blocks] long; padded rows point at block 0
+    context_lens: torch.Tensor  # [size] long
+    max_context_len: int
+
+    @property
+    def size(self) -> int:
+        return self.block_table.shape[0]
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens go in the cache and what each request attends to."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] long
+    decode: DecodeBatch | None = None
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+def new_kv_cache(
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> torch.Tensor:
+    # Zeroed, not empty: masked-out slots are still multiplied by a zero weight, and a NaN left
+    # in never-written memory would poison the sum.
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def write_kv(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store ``key``/``value`` (``[num_tokens, kv_heads, head_dim]``) in their slots."""
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Attention for all requests of a step.
+
+    ``query`` is ``[num_tokens, heads, head_dim]``; ``key``/``value`` are this step's new
+    ``[num_tokens, kv_heads, head_dim]``. Returns ``[num_tokens, heads * head_dim]``.
+    """
+    write_kv(kv_cache, key, value, metadata.slot_mapping)
+    output = torch.empty_like(query)
+    if metadata.decode is not None:
+        decode = metadata.decode
+        output[: decode.size] = _decode_attention(query[: decode.size], kv_cache, decode, scale)
+    for span in metadata.prefills:
+        rows = slice(span.token_start, span.token_start + span.num_tokens)
+        output[rows] = _prefill_attention(query[rows], kv_cache, span, scale)
+    return output.flatten(1)
+
+
+def _decode_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, batch: DecodeBatch, scale: float
+) -> torch.Tensor:
+    size, max_blocks = batch.block_table.shape
+    block_size, _, head_dim = kv_cache.shape[2:]
+    length = batch.max_context_len
+    # [2, size, max_blocks, block_size, kv_heads, head_dim] -> [2, size, kv_heads, length, dim]
+    gathered = kv_cache[:, batch.block_table].view(2, size, max_blocks * block_size, -1, head_dim)
+    keys = gathered[0, :, :length].transpose(1, 2)
+    values = gathered[1, :, :length].transpose(1, 2)
+    positions = torch.arange(length, device=query.device)
+    mask = (positions[None, :] < batch.context_lens[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(
+        query[:, :, None, :], keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return out[:, :, 0, :]
+
+
+def _prefill_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan, scale: float
+) -> torch.Tensor:
+    length = span.context_len
+    blocks = kv_cache[:, span.block_ids].flatten(1, 2)[:, :length]  # [2, length, kv_heads, dim]
+    keys = blocks[0].transpose(0, 1)[None]
+    values = blocks[1].transpose(0, 1)[None]
+    queries = query.transpose(0, 1)[None]  # [1, heads, num_tokens, dim]
+    if span.num_tokens == length:  # nothing cached before this chunk: plain causal
+        out = F.scaled_dot_product_attention(
+            queries, keys, values, is_causal=True, scale=scale, enable_gqa=True
+        )
+    else:
+        # Query i sits at position (length - num_tokens + i) and sees keys up to it.
+        first = length - span.num_tokens
+        query_pos = torch.arange(first, length, device=query.device)
+        key_pos = torch.arange(length, device=query.device)
+        mask = key_pos[None, :] <= query_pos[:, None]
+        out = F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+        )
+    return out[0].transpose(0, 1)

@@ -1,0 +1,141 @@
+"""Building blocks shared by the model families: norm, rotary embedding, fused linears.
+
+Every layer works on *flattened* tokens: the tokens of all requests in a step are one
+``[num_tokens, ...]`` batch, so the linear layers see one big matmul per step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from switchboard.models.hf_config import RopeConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 like the reference implementation."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x32 = x.to(torch.float32)
+        variance = x32.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(input_dtype)
+
+
+class VocabEmbedding(nn.Module):
+    """Token embedding table, uninitialised: its weights always come from a checkpoint."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(token_ids, self.weight)
+
+
+class Linear(nn.Module):
+    """``y = x W^T + b`` with uninitialised parameters: the checkpoint fills them, so random
+    init (seconds for a large model on CPU) would be wasted work."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+
+
+class MergedLinear(Linear):
+    """One linear layer holding several checkpoint matrices stacked along the output dim.
+
+    ``shards`` names each stacked part and its output size, in order; ``load_shard`` copies
+    one checkpoint tensor (weight or bias) into its rows. One matmul replaces several.
+    """
+
+    def __init__(self, in_features: int, shards: dict[str, int], bias: bool) -> None:
+        super().__init__(in_features, sum(shards.values()), bias=bias)
+        self.shard_sizes = dict(shards)
+        self.shard_offsets: dict[str, int] = {}
+        offset = 0
+        for name, size in shards.items():
+            self.shard_offsets[name] = offset
+            offset += size
+
+    def load_shard(self, shard: str, param_name: str, tensor: torch.Tensor) -> None:
+        target = self.weight if param_name == "weight" else self.bias
+        start, size = self.shard_offsets[shard], self.shard_sizes[shard]
+        if tensor.shape[0] != size:
+            raise ValueError(f"shard {shard!r} has {tensor.shape[0]} rows, expected {size}")
+        with torch.no_grad():
+            target[start : start + size].copy_(tensor)
+
+    def split(self, output: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return output.split(list(self.shard_sizes.values()), dim=-1)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Per-pair rotation speeds (float32, ``[head_dim // 2]``), with linear or llama3 scaling."""
+    # Explicit device and dtypes: models are built under a default device and (maybe half)
+    # default dtype, and these frequencies must be computed exactly as the reference does.
+    steps = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu")
+    exponents = steps.to(torch.float32) / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.type == "linear":
+        return inv_freq / rope.factor
+    if rope.type != "llama3":
+        return inv_freq
+    # Llama 3.1: slow (long-wavelength) pairs are divided by `factor`, fast ones kept, and the
+    # band in between interpolated smoothly.
+    old_len = rope.original_max_position_embeddings
+    low_freq_wavelen = old_len / rope.low_freq_factor
+    high_freq_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding in the "rotate half" layout of Hugging Face checkpoints."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, device: torch.device | str) -> None:
+        super().__init__()
+        # A plain attribute, not a buffer: computed here, never loaded, and kept in float32
+        # whatever dtype the model is cast to.
+        self.inv_freq = rope_inverse_frequencies(rope, head_dim).to(device)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """``cos``/``sin`` of shape ``[num_tokens, head_dim]`` for these positions."""
+        freqs = positions[:, None].to(torch.float32) * self.inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` of shape ``[num_tokens, heads, head_dim]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]

@@ -1,0 +1,155 @@
+"""Loading a Hugging Face checkpoint directory into one of our model families.
+
+A checkpoint is ``config.json`` plus either one ``model.safetensors`` or several shards
+listed in ``model.safetensors.index.json``. The model is built directly on the target device
+in the target dtype with uninitialised parameters (no random init, no second copy), then
+filled tensor by tensor; a parameter the checkpoint does not fill is an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from switchboard.models.attention import AttentionMetadata
+from switchboard.models.hf_config import TransformerConfig, load_transformer_config
+from switchboard.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+class CausalLM(Protocol):
+    """What the model runner needs from a model family."""
+
+    config: TransformerConfig
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+# Hugging Face architecture name -> our implementation. Qwen2, Mistral and GPT-2 come later.
+MODEL_FAMILIES: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+}
+# For configs without "architectures": model_type -> architecture name.
+_MODEL_TYPES = {"llama": "LlamaForCausalLM"}
+
+
+def model_family(config: TransformerConfig) -> type[nn.Module]:
+    name = config.architecture
+    if name not in MODEL_FAMILIES:
+        name = _MODEL_TYPES.get(config.model_type, name)
+    if name not in MODEL_FAMILIES:
+        raise ValueError(
+            f"unsupported architecture {config.architecture!r} (model_type "
+            f"{config.model_type!r}); supported: {', '.join(sorted(MODEL_FAMILIES))}"
+        )
+    return MODEL_FAMILIES[name]
+
+
+def resolve_dtype(requested: str, config: TransformerConfig, device: torch.device) -> torch.dtype:
+    """``auto`` = the checkpoint's dtype on an accelerator, float32 on CPU (fast and exact)."""
+    if requested != "auto":
+        if requested not in _DTYPES:
+            raise ValueError(f"unknown dtype {requested!r}; use auto, float32, float16, bfloat16")
+        return _DTYPES[requested]
+    if device.type == "cpu":
+        return torch.float32
+    return _DTYPES.get(str(config.checkpoint_dtype).removeprefix("torch."), torch.float32)
+
+
+def resolve_device(requested: str, local_rank: int = 0) -> torch.device:
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda":
+        return torch.device("cuda", local_rank)
+    return torch.device(requested)
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    index_path = os.path.join(model_dir, SAFETENSORS_INDEX)
+    if os.path.isfile(index_path):
+        with open(index_path, encoding="utf-8") as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        return [os.path.join(model_dir, name) for name in sorted(set(weight_map.values()))]
+    single = os.path.join(model_dir, SAFETENSORS_SINGLE)
+    if os.path.isfile(single):
+        return [single]
+    raise FileNotFoundError(
+        f"no {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX} in {model_dir!r} "
+        "(only safetensors checkpoints are supported)"
+    )
+
+
+def iterate_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint, one at a time (CPU, checkpoint dtype)."""
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, f.get_tensor(name)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(
+    model_dir: str, device: torch.device, dtype: torch.dtype
+) -> tuple[nn.Module, TransformerConfig]:
+    started = time.monotonic()
+    config = load_transformer_config(model_dir)
+    family = model_family(config)
+    with torch.device(device), _default_dtype(dtype):
+        model = family(config, device=device)
+    loaded = model.load_weights(iterate_weights(model_dir))
+    missing = sorted(set(dict(model.named_parameters())) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint {model_dir!r} lacks weights for: {', '.join(missing[:8])}")
+    model.eval()
+    num_params = sum(p.numel() for p in model.parameters())
+    logger.info(
+        "loaded %s (%s, %.1fM parameters) on %s as %s in %.1f s",
+        model_dir,
+        config.architecture,
+        num_params / 1e6,
+        device,
+        str(dtype).removeprefix("torch."),
+        time.monotonic() - started,
+    )
+    return model, config

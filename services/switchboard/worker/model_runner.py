@@ -1,0 +1,168 @@
+"""The model runner: one model, its paged KV cache, per-request state, and the sampler.
+
+``execute_model`` = apply the step's delta -> lay out the tokens -> forward -> logits of the
+requests that reached the end of their tokens -> sample -> append the sampled tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from switchboard.config import ModelConfig
+from switchboard.models.attention import new_kv_cache
+from switchboard.models.hf_config import TransformerConfig, load_transformer_config
+from switchboard.models.loader import load_model, resolve_dtype
+from switchboard.wire.step_msgs import ModelRunnerOutput, ModelSummary, SchedulerOutput
+from switchboard.worker.input_batch import RequestStates, StepInputs, build_step_inputs
+from switchboard.worker.sampler import SamplingBatch, new_request_generator, sample
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepLogits:
+    """The forward half of a step: logits of the requests to sample, in this order."""
+
+    step_id: int
+    inputs: StepInputs
+    logits: torch.Tensor  # [len(inputs.sampled_request_ids), vocab] float32
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, device: torch.device) -> None:
+        self.model_config = model_config
+        self.device = device
+        self.model: torch.nn.Module | None = None
+        self.config: TransformerConfig | None = None
+        self.dtype = torch.float32
+        self.kv_caches: list[torch.Tensor] = []
+        self.block_size = 0
+        self.requests = RequestStates()
+
+    # -- set-up -----------------------------------------------------------------------------
+
+    def load_model(self) -> ModelSummary:
+        config = load_transformer_config(self.model_config.model)
+        self.dtype = resolve_dtype(self.model_config.dtype, config, self.device)
+        logger.info(
+            "dtype %s (requested %r, checkpoint %s, device %s)",
+            _dtype_name(self.dtype),
+            self.model_config.dtype,
+            config.checkpoint_dtype,
+            self.device.type,
+        )
+        self.model, self.config = load_model(self.model_config.model, self.device, self.dtype)
+        return self.summary()
+
+    def summary(self) -> ModelSummary:
+        config = self._require_config()
+        return ModelSummary(
+            num_layers=config.num_layers,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            vocab_size=config.vocab_size,
+            max_position_embeddings=config.max_position_embeddings,
+            dtype=_dtype_name(self.dtype),
+            kv_cache_bytes_per_token=self.kv_cache_bytes_per_token(),
+        )
+
+    def kv_cache_bytes_per_token(self) -> int:
+        config = self._require_config()
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element_size
+
+    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        config = self._require_config()
+        started = time.monotonic()
+        self.block_size = block_size
+        self.kv_caches = [
+            new_kv_cache(
+                num_blocks,
+                block_size,
+                config.num_kv_heads,
+                config.head_dim,
+                self.dtype,
+                self.device,
+            )
+            for _ in range(config.num_layers)
+        ]
+        logger.info(
+            "KV cache: %d blocks x %d tokens (%.1f MiB) in %.2f s",
+            num_blocks,
+            block_size,
+            num_blocks * block_size * self.kv_cache_bytes_per_token() / 2**20,
+            time.monotonic() - started,
+        )
+
+    def free_kv_cache(self) -> None:
+        self.kv_caches = []
+        self.requests.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        logger.info("KV cache freed")
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        return self.sample_step(self.forward_step(step))
+
+    @torch.inference_mode()
+    def forward_step(self, step: SchedulerOutput) -> StepLogits | ModelRunnerOutput:
+        """Apply the delta and run the model; a step with no tokens returns its output."""
+        if self.model is None or not self.kv_caches:
+            raise RuntimeError("execute_model before load_model and initialize_kv_cache")
+        self.requests.apply(step, self._make_generator)
+        if not any(n > 0 for n in step.num_scheduled_tokens.values()):
+            return ModelRunnerOutput(step_id=step.step_id)
+        inputs = build_step_inputs(step, self.requests, self.block_size, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+        logits = self.model.compute_logits(hidden[inputs.logits_rows])
+        for request_id, n in step.num_scheduled_tokens.items():
+            if n > 0:
+                self.requests[request_id].num_computed_tokens += n
+        return StepLogits(step.step_id, inputs, logits)
+
+    @torch.inference_mode()
+    def sample_step(self, step: StepLogits | ModelRunnerOutput) -> ModelRunnerOutput:
+        if isinstance(step, ModelRunnerOutput):
+            return step
+        inputs = step.inputs
+        states = [self.requests[rid] for rid in inputs.sampled_request_ids]
+        sampled: dict[str, int] = {}
+        if states:
+            batch = SamplingBatch.build(
+                temperatures=[s.sampling_params.temperature for s in states],
+                top_ks=[s.sampling_params.top_k for s in states],
+                top_ps=[s.sampling_params.top_p for s in states],
+                generators={i: s.generator for i, s in enumerate(states) if s.generator},
+                vocab_size=step.logits.shape[-1],
+                device=self.device,
+            )
+            token_ids = sample(step.logits, batch).tolist()
+            for state, token_id in zip(states, token_ids, strict=True):
+                state.token_ids.append(token_id)
+                sampled[state.request_id] = token_id
+        return ModelRunnerOutput(
+            step_id=step.step_id,
+            request_ids=list(inputs.request_ids),
+            sampled_token_ids=[
+                [sampled[rid]] if rid in sampled else [] for rid in inputs.request_ids
+            ],
+        )
+
+    def _make_generator(self, seed: int, num_output_tokens: int) -> torch.Generator:
+        config = self._require_config()
+        return new_request_generator(seed, self.device, num_output_tokens, config.vocab_size)
+
+    def _require_config(self) -> TransformerConfig:
+        if self.config is None:
+            raise RuntimeError("the model is not loaded yet (call load_model first)")
+        return self.config
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,126 @@
+"""The worker's RPC surface and its busy loop.
+
+Busy loop: wait for the next :class:`RpcCall` on the ring -> call the method -> if this rank is
+the call's ``output_rank``, send the :class:`RpcReply` to the engine. It leaves when ``shutdown``
+is called, when asked to stop (a signal), or when the parent process is gone; every wait on the
+ring is bounded so those checks happen at least once a second.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from switchboard.config import EngineConfig
+from switchboard.models.loader import resolve_device
+from switchboard.wire.step_msgs import ModelRunnerOutput, ModelSummary, SchedulerOutput
+from switchboard.worker.model_runner import ModelRunner
+from switchboard.worker.rpc import decode_call, dispatch, encode_reply
+
+logger = logging.getLogger(__name__)
+
+CPU_KV_CACHE_DEFAULT_BYTES = 1 << 30  # KV budget on CPU when the engine sets none
+POLL_INTERVAL_S = 1.0  # longest wait on the ring between checks of the parent and signals
+
+
+class Worker:
+    """One device's model runner, driven by the engine through the methods in RPC_METHODS."""
+
+    RPC_METHODS = frozenset(
+        {
+            "load_model",
+            "determine_num_kv_blocks",
+            "initialize_kv_cache",
+            "execute_model",
+            "free_kv_cache",
+            "shutdown",
+            "ping",
+        }
+    )
+
+    def __init__(self, config: EngineConfig, rank: int) -> None:
+        self.config = config
+        self.rank = rank
+        self.device = resolve_device(config.worker.device, local_rank=rank)
+        self.runner = ModelRunner(config.model, self.device)
+        self.shutdown_requested = False
+        logger.info("device %s (requested %r)", self.device, config.worker.device)
+
+    def load_model(self) -> ModelSummary:
+        return self.runner.load_model()
+
+    def determine_num_kv_blocks(self, block_size: int, kv_cache_memory_bytes: int | None) -> int:
+        """How many KV blocks fit: the given budget, else 1 GiB on CPU or a share of free
+        device memory (``gpu_memory_utilization``) on CUDA."""
+        if kv_cache_memory_bytes is not None:
+            budget, source = kv_cache_memory_bytes, "configured"
+        elif self.device.type == "cuda":
+            free_bytes, _ = torch.cuda.mem_get_info(self.device)
+            fraction = self.config.cache.gpu_memory_utilization
+            budget, source = int(free_bytes * fraction), f"{fraction:.0%} of free device memory"
+        else:
+            budget, source = CPU_KV_CACHE_DEFAULT_BYTES, "CPU default"
+        bytes_per_block = block_size * self.runner.kv_cache_bytes_per_token()
+        num_blocks = budget // bytes_per_block
+        logger.info(
+            "KV budget %.1f MiB (%s): %d blocks of %d tokens",
+            budget / 2**20,
+            source,
+            num_blocks,
+            block_size,
+        )
+        return num_blocks
+
+    def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.runner.initialize_kv_cache(num_blocks, block_size)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output)
+
+    def free_kv_cache(self) -> None:
+        self.runner.free_kv_cache()
+
+    def shutdown(self) -> None:
+        logger.info("shutdown requested by the engine")
+        self.shutdown_requested = True
+
+    def ping(self) -> str:
+        return "pong"
+
+
+class RingReader(Protocol):
+    def dequeue(self, timeout: float | None = None) -> bytes: ...
+
+
+class ReplySender(Protocol):
+    def send(self, data: bytes) -> object: ...
+
+
+def run_busy_loop(
+    worker: Worker,
+    reader: RingReader,
+    replies: ReplySender,
+    parent_pid: int,
+    stop_requested: Callable[[], bool] = lambda: False,
+) -> str:
+    """Serve calls until told to stop; returns why it stopped (for the log)."""
+    rank = worker.rank
+    while True:
+        if stop_requested():
+            return "signal"
+        try:
+            payload = reader.dequeue(timeout=POLL_INTERVAL_S)
+        except TimeoutError:
+            if os.getppid() != parent_pid:
+                return f"parent process {parent_pid} is gone"
+            continue
+        call = decode_call(payload)
+        reply = dispatch(worker, Worker.RPC_METHODS, call, rank)
+        if call.output_rank == rank:
+            replies.send(encode_reply(reply))
+        if worker.shutdown_requested:
+            return "shutdown RPC"

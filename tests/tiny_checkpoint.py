@@ -1,0 +1,183 @@
+"""A tiny random-weight Llama checkpoint for tests, in the Hugging Face directory layout.
+
+``make_tiny_llama(path)`` writes ``config.json``, ``model.safetensors``, ``tokenizer.json``
+(a byte-level BPE trained here on a few standard-library sources, with ``<|bos|>``/``<|eos|>``
+special tokens; encoding prepends ``<|bos|>`` like Llama tokenizers do), ``tokenizer_config.json``
+and ``generation_config.json``. Weights are random but seeded, and drawn with a wider spread
+than transformers' default so that logits are peaked: greedy decoding then has clear winners
+and does not flip on rounding differences between implementations.
+
+``tiny_llama_dir(**kwargs)`` builds one checkpoint per distinct set of arguments per process
+and reuses it (the directories are removed when the process exits); ``tiny_llama`` is the
+matching session-scoped pytest fixture (import it into a test module to use it).
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import os
+import shutil
+import sysconfig
+import tempfile
+from typing import Any
+
+import pytest
+
+BOS_TOKEN = "<|bos|>"
+EOS_TOKEN = "<|eos|>"
+PAD_TOKEN = "<|pad|>"
+SPECIAL_TOKENS = [BOS_TOKEN, EOS_TOKEN, PAD_TOKEN]  # ids 0, 1, 2
+
+# A few stdlib sources (~250 KB of English-ish Python): enough text for a few hundred merges.
+_CORPUS_MODULES = ["textwrap.py", "string.py", "shlex.py", "fnmatch.py", "glob.py", "bisect.py"]
+
+
+def _corpus_files() -> list[str]:
+    stdlib = sysconfig.get_paths()["stdlib"]
+    files = [os.path.join(stdlib, name) for name in _CORPUS_MODULES]
+    return [path for path in files if os.path.exists(path)]
+
+
+def _train_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train(_corpus_files(), trainer)
+    bos_id = tokenizer.token_to_id(BOS_TOKEN)
+    tokenizer.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single=f"{BOS_TOKEN} $A",
+                pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
+                special_tokens=[(BOS_TOKEN, bos_id)],
+            ),
+        ]
+    )
+    return tokenizer
+
+
+def make_tiny_llama(
+    path: str,
+    *,
+    seed: int = 0,
+    vocab_size: int = 1024,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 512,
+    tie_word_embeddings: bool = False,
+    rope_theta: float = 10000.0,
+    rope_scaling: dict[str, Any] | None = None,
+    initializer_range: float = 0.25,
+) -> str:
+    """Write a tiny seeded Llama checkpoint directory at ``path`` and return ``path``.
+
+    ``rope_scaling`` is merged into transformers' ``rope_parameters`` (e.g. a ``llama3`` dict).
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    os.makedirs(path, exist_ok=True)
+    tokenizer = _train_tokenizer(vocab_size)
+    tokenizer.save(os.path.join(path, "tokenizer.json"))
+    bos_id = tokenizer.token_to_id(BOS_TOKEN)
+    eos_id = tokenizer.token_to_id(EOS_TOKEN)
+    pad_id = tokenizer.token_to_id(PAD_TOKEN)
+
+    rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": rope_theta}
+    if rope_scaling:
+        rope_parameters.update(rope_scaling)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        rope_parameters=rope_parameters,
+        tie_word_embeddings=tie_word_embeddings,
+        initializer_range=initializer_range,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+        # Norm weights start at 1; jitter them so a loader that skips them fails the tests.
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.add_(torch.randn_like(param) * 0.1)
+    model.save_pretrained(path)
+    _write_json(
+        os.path.join(path, "generation_config.json"),
+        {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id},
+    )
+    _write_json(
+        os.path.join(path, "tokenizer_config.json"),
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": BOS_TOKEN,
+            "eos_token": EOS_TOKEN,
+            "pad_token": PAD_TOKEN,
+            "model_max_length": max_position_embeddings,
+        },
+    )
+    for name in os.listdir(path):
+        os.chmod(os.path.join(path, name), 0o644)
+    return path
+
+
+def _write_json(path: str, value: dict[str, Any]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=2)
+
+
+_cache_root: str | None = None
+_built: dict[str, str] = {}
+
+
+def _remove_cache_root() -> None:
+    if _cache_root is not None:
+        shutil.rmtree(_cache_root, ignore_errors=True)
+
+
+def tiny_llama_dir(**kwargs: Any) -> str:
+    """The checkpoint ``make_tiny_llama(path, **kwargs)`` writes, built once per process."""
+    global _cache_root
+    key = hashlib.sha1(json.dumps(kwargs, sort_keys=True).encode()).hexdigest()[:12]
+    if key in _built:
+        return _built[key]
+    if _cache_root is None:
+        _cache_root = tempfile.mkdtemp(prefix="switchboard-tiny-llama-")
+        atexit.register(_remove_cache_root)
+    path = os.path.join(_cache_root, f"tiny-llama-{key}")
+    building = path + ".partial"
+    make_tiny_llama(building, **kwargs)
+    os.rename(building, path)  # readers never see a half-written checkpoint
+    _built[key] = path
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama() -> str:
+    """Path of the default tiny Llama checkpoint (shared by the whole test session)."""
+    return tiny_llama_dir()
