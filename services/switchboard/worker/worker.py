@@ -120,7 +120,9 @@ def run_busy_loop(
             continue
         call = decode_call(payload)
         reply = dispatch(worker, Worker.RPC_METHODS, call, rank)
-        if call.output_rank == rank:
+        # A failure is always reported, whichever rank it happened on: otherwise the engine
+        # would only learn of it from the execute timeout.
+        if call.output_rank == rank or reply.error is not None:
             replies.send(encode_reply(reply))
         if worker.shutdown_requested:
             return "shutdown RPC"
