@@ -1,0 +1,96 @@
+"""switchboard.v1.AdminService: engine-core UTILITY calls behind a gateway-side allow-list.
+
+A utility call is a remote method call into the engine core, so the gateway forwards only the
+methods named here, whatever the engine would accept. The service is registered only when the
+gateway runs with ``enable_admin``; otherwise gRPC answers UNIMPLEMENTED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import grpc
+import msgspec
+from google.protobuf import json_format, struct_pb2
+from google.rpc import status_pb2
+
+from switchboard.api.v1 import admin_service_pb2 as pb
+from switchboard.api.v1 import admin_service_pb2_grpc as pb_grpc
+from switchboard.gateway.engine_types import EngineHandle
+from switchboard.gateway.errors import ApiError, invalid_argument, unavailable
+from switchboard.gateway.state import GatewayState
+
+logger = logging.getLogger(__name__)
+
+UTILITY_ALLOW_LIST = frozenset(
+    {"reset_prefix_cache", "sleep", "wake_up", "is_sleeping", "get_stats"}
+)
+UTILITY_TIMEOUT_S = 60.0
+
+
+def _to_value(result: Any) -> struct_pb2.Value:
+    value = struct_pb2.Value()
+    json_format.ParseDict(msgspec.to_builtins(result, str_keys=True), value)
+    return value
+
+
+class AdminServicer(pb_grpc.AdminServiceServicer):
+    def __init__(self, state: GatewayState) -> None:
+        self._state = state
+
+    async def Utility(
+        self, request: pb.UtilityRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UtilityResponse:
+        try:
+            engines = self._check(request)
+        except ApiError as error:
+            await error.abort(context)
+        args = json_format.MessageToDict(request.args) if request.HasField("args") else []
+        logger.info(
+            "admin utility %s%s on %s", request.method, args, [e.engine_id for e in engines]
+        )
+        results = await asyncio.gather(
+            *(self._call(engine, request.method, args) for engine in engines)
+        )
+        return pb.UtilityResponse(results=results)
+
+    def _check(self, request: pb.UtilityRequest) -> list[EngineHandle]:
+        if request.method not in UTILITY_ALLOW_LIST:
+            raise ApiError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"method {request.method!r} is not on the utility allow-list "
+                f"{sorted(UTILITY_ALLOW_LIST)}",
+                reason="METHOD_NOT_ALLOWED",
+                field="method",
+            )
+        if request.HasField("kwargs") and request.kwargs.fields:
+            raise invalid_argument(
+                "kwargs", "kwargs: utility calls take positional args only; use args"
+            )
+        live = self._state.engines.live_engines
+        if not request.engine_ids:
+            if not live:
+                raise unavailable("no engine core is ready")
+            return live
+        by_id = {e.engine_id: e for e in live}
+        unknown = [i for i in request.engine_ids if i not in by_id]
+        if unknown:
+            raise ApiError(
+                grpc.StatusCode.NOT_FOUND,
+                f"engine_ids: no live engine core named {unknown} (live: {sorted(by_id)})",
+                reason="ENGINE_NOT_FOUND",
+                field="engine_ids",
+            )
+        return [by_id[i] for i in request.engine_ids]
+
+    async def _call(self, engine: EngineHandle, method: str, args: list) -> pb.UtilityResult:
+        result = pb.UtilityResult(engine_id=engine.engine_id)
+        try:
+            value = await self._state.engines.call_utility(engine, method, args, UTILITY_TIMEOUT_S)
+            result.result.CopyFrom(_to_value(value))
+        except ApiError as error:
+            status = status_pb2.Status(code=error.code.value[0], message=error.message)
+            result.status.CopyFrom(status)
+        return result

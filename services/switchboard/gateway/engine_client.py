@@ -1,0 +1,363 @@
+"""Wire 1, gateway side: talks to every engine core over ZeroMQ (``zmq.asyncio``).
+
+The gateway binds a ROUTER (requests out) and a PULL (outputs in). An engine core connects a
+DEALER and a PUSH and speaks first: its READY arrives on the ROUTER as ``[identity, body]``,
+and from then on the gateway addresses it as ``[identity, type byte, body]``. Outputs of all
+engines arrive on the PULL; one asyncio task reads them and hands each request's outputs to
+that request's queue. An engine is dead when it says ``ENGINE_CORE_DEAD``, when a send to it
+fails, or when it has been silent (no output, no heartbeat) for ``heartbeat_timeout_s``; its
+pending requests then fail with UNAVAILABLE. A restarted engine is re-admitted by its READY.
+
+Sends never block: the sockets have no high-water mark, so ``send_multipart`` completes at
+once, which lets ``abort`` be called from a ``finally`` block of a cancelled stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import zmq
+import zmq.asyncio
+
+from switchboard.gateway.engine_types import (
+    EngineHandle,
+    EngineState,
+    RequestAborted,
+    RequestChannel,
+    RequestFailed,
+    StepOutput,
+)
+from switchboard.gateway.errors import ApiError, unavailable
+from switchboard.wire import zmq_channel
+from switchboard.wire.engine_msgs import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineReady,
+    RequestType,
+    UtilityCall,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class EngineClient:
+    def __init__(
+        self,
+        input_address: str,
+        output_address: str,
+        *,
+        client_index: int = 0,
+        heartbeat_timeout_s: float = 10.0,
+        on_engines_changed: Callable[[], None] | None = None,
+    ) -> None:
+        self.input_address = input_address
+        self.output_address = output_address
+        self.client_index = client_index
+        self._heartbeat_timeout_s = heartbeat_timeout_s
+        self._on_engines_changed = on_engines_changed or (lambda: None)
+        self._ctx: zmq.asyncio.Context | None = None
+        self._router: zmq.asyncio.Socket | None = None
+        self._pull: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.engines: dict[int, EngineHandle] = {}  # by data-parallel rank
+        self._requests: dict[str, RequestChannel] = {}
+        self._utility_calls: dict[int, tuple[EngineHandle, asyncio.Future]] = {}
+        self._call_ids = itertools.count(1)
+        self._any_ready = asyncio.Event()
+        self._ipc_paths: list[str] = []
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._router = zmq_channel.make_socket(self._ctx, zmq.ROUTER, self.input_address, bind=True)
+        # Sending to a peer that is gone raises instead of dropping the message silently.
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._pull = zmq_channel.make_socket(self._ctx, zmq.PULL, self.output_address, bind=True)
+        self.input_address = zmq_channel.bound_address(self._router)
+        self.output_address = zmq_channel.bound_address(self._pull)
+        self._ipc_paths = [
+            a.removeprefix("ipc://")
+            for a in (self.input_address, self.output_address)
+            if a.startswith("ipc://")
+        ]
+        self._tasks = [
+            asyncio.create_task(self._ready_loop(), name="engine-ready-loop"),
+            asyncio.create_task(self._output_loop(), name="engine-output-loop"),
+            asyncio.create_task(self._heartbeat_watchdog(), name="engine-heartbeat-watchdog"),
+        ]
+        logger.info(
+            "wire 1: ROUTER bound at %s, PULL bound at %s; waiting for engine READY",
+            self.input_address,
+            self.output_address,
+        )
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        for channel in list(self._requests.values()):
+            channel.put(RequestFailed(unavailable("the gateway is shutting down")))
+        self._requests.clear()
+        for _, future in self._utility_calls.values():
+            if not future.done():
+                future.set_exception(unavailable("the gateway is shutting down"))
+        self._utility_calls.clear()
+        for sock in (self._router, self._pull):
+            if sock is not None:
+                sock.close(linger=0)
+        for path in self._ipc_paths:  # libzmq leaves the socket files it bound behind
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        self._ipc_paths = []
+        if self._ctx is not None:
+            self._ctx.term()
+        self._router = self._pull = self._ctx = None
+        logger.info("wire 1: sockets closed")
+
+    async def wait_until_ready(self, timeout_s: float | None = None) -> bool:
+        """True once at least one engine sent READY (False on timeout)."""
+        try:
+            await asyncio.wait_for(self._any_ready.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    @property
+    def live_engines(self) -> list[EngineHandle]:
+        return [e for e in self.engines.values() if e.alive]
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def is_live(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def add_request(self, request: EngineCoreRequest) -> RequestChannel:
+        """Send ADD to the least-loaded live engine; outputs arrive on the returned channel."""
+        if request.request_id in self._requests:
+            raise ApiError(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request_id {request.request_id!r} is already in flight",
+                reason="DUPLICATE_REQUEST_ID",
+                field="request_id",
+            )
+        live = self.live_engines
+        if not live:
+            raise unavailable("no engine core is ready")
+        engine = min(live, key=lambda e: e.num_requests)
+        channel = RequestChannel(request.request_id, engine)
+        self._requests[request.request_id] = channel
+        engine.num_requests += 1
+        if not self._send(engine, RequestType.ADD, request):
+            self._forget(request.request_id)
+            raise unavailable(f"engine {engine.engine_id} is unreachable")
+        return channel
+
+    def abort(self, request_ids: list[str], reason: str = "aborted") -> list[str]:
+        """Abort in-flight requests: ABORT to their engines, RequestAborted to their channels.
+        Returns the ids that were in flight; unknown ids are ignored (aborting is idempotent)."""
+        by_engine: dict[int, tuple[EngineHandle, list[str]]] = {}
+        aborted = []
+        for request_id in request_ids:
+            channel = self._forget(request_id)
+            if channel is None:
+                continue
+            aborted.append(request_id)
+            channel.put(RequestAborted(reason))
+            rank = channel.engine.ready.data_parallel_rank
+            by_engine.setdefault(rank, (channel.engine, []))[1].append(request_id)
+        for engine, ids in by_engine.values():
+            if engine.alive:
+                self._send(engine, RequestType.ABORT, ids)
+        if aborted:
+            logger.debug("aborted %d request(s) (%s): %s", len(aborted), reason, aborted)
+        return aborted
+
+    def _forget(self, request_id: str) -> RequestChannel | None:
+        channel = self._requests.pop(request_id, None)
+        if channel is not None:
+            channel.engine.num_requests -= 1
+        return channel
+
+    # -- utility calls -------------------------------------------------------------------------
+
+    async def call_utility(
+        self, engine: EngineHandle, method: str, args: list[Any], timeout_s: float = 30.0
+    ) -> Any:
+        """Call an engine-core utility method; raise ApiError if the engine reports failure."""
+        if not engine.alive:
+            raise unavailable(f"engine {engine.engine_id} is not ready")
+        call_id = next(self._call_ids)
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._utility_calls[call_id] = (engine, future)
+        try:
+            call = UtilityCall(self.client_index, call_id, method, args)
+            if not self._send(engine, RequestType.UTILITY, call):
+                raise unavailable(f"engine {engine.engine_id} is unreachable")
+            return await asyncio.wait_for(future, timeout_s)
+        except TimeoutError:
+            raise ApiError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"engine {engine.engine_id} did not answer {method} within {timeout_s}s",
+            ) from None
+        finally:
+            self._utility_calls.pop(call_id, None)
+
+    # -- sockets -------------------------------------------------------------------------------
+
+    def _send(self, engine: EngineHandle, request_type: RequestType, body: Any) -> bool:
+        """Send one request frame; False (and the engine is marked dead) if it cannot go out."""
+        assert self._router is not None
+        frames = [engine.identity, *zmq_channel.request_frames(request_type, body)]
+        sent = self._router.send_multipart(frames, copy=False)
+        if not sent.done():  # queued behind an earlier send (never with HWM 0): check later
+            sent.add_done_callback(lambda f: self._check_late_send(f, engine))
+            return True
+        if sent.exception() is not None:
+            self._mark_dead(engine, f"a send to it failed ({sent.exception()})")
+            return False
+        return True
+
+    def _check_late_send(self, sent: asyncio.Future, engine: EngineHandle) -> None:
+        if not sent.cancelled() and sent.exception() is not None:
+            self._mark_dead(engine, f"a send to it failed ({sent.exception()})")
+
+    async def _ready_loop(self) -> None:
+        assert self._router is not None
+        while True:
+            frames = await self._router.recv_multipart()
+            if len(frames) != 2:
+                logger.warning("dropped a ROUTER message of %d frames (want 2: READY)", len(frames))
+                continue
+            identity, body = frames
+            try:
+                ready = zmq_channel.parse_ready(body)
+            except zmq_channel.BadFrame as exc:
+                logger.warning("dropped a bad READY from %r: %s", identity, exc)
+                continue
+            self._admit(identity, ready)
+
+    def _admit(self, identity: bytes, ready: EngineReady) -> None:
+        previous = self.engines.get(ready.data_parallel_rank)
+        if previous is not None and previous.alive:
+            self._mark_dead(previous, "it sent READY again (restarted)")
+        self.engines[ready.data_parallel_rank] = EngineHandle(
+            identity=identity, ready=ready, last_seen=time.monotonic()
+        )
+        logger.info(
+            "engine %s (DP rank %d) READY: max_model_len=%d, vocab_size=%d, %d KV blocks of %d "
+            "tokens (%d tokens), TP=%d PP=%d",
+            ready.engine_id,
+            ready.data_parallel_rank,
+            ready.max_model_len,
+            ready.vocab_size,
+            ready.num_gpu_blocks,
+            ready.block_size,
+            ready.kv_capacity_tokens,
+            ready.tensor_parallel_size,
+            ready.pipeline_parallel_size,
+        )
+        self._any_ready.set()
+        self._on_engines_changed()
+
+    async def _output_loop(self) -> None:
+        assert self._pull is not None
+        while True:
+            frames = await self._pull.recv_multipart(copy=False)
+            try:
+                outputs, _ = zmq_channel.parse_output_frames(frames)
+            except zmq_channel.BadFrame as exc:
+                logger.warning("dropped a bad output frame: %s", exc)
+                continue
+            if outputs is None:
+                self._on_engine_dead_message()
+            else:
+                self._dispatch(outputs)
+
+    def _on_engine_dead_message(self) -> None:
+        live = self.live_engines
+        if len(live) == 1:
+            self._mark_dead(live[0], "it sent ENGINE_CORE_DEAD")
+        else:
+            # The PULL socket does not say which peer sent a frame: the silent one is found by
+            # the heartbeat watchdog.
+            logger.error(
+                "an engine core sent ENGINE_CORE_DEAD; %d engines are live, the dead one will "
+                "be found by its missing heartbeats",
+                len(live),
+            )
+
+    def _dispatch(self, outputs: EngineCoreOutputs) -> None:
+        engine = self.engines.get(outputs.engine_index)
+        if engine is None or not engine.alive:
+            logger.warning("dropped outputs from engine index %d: not ready", outputs.engine_index)
+            return
+        engine.last_seen = time.monotonic()
+        if outputs.scheduler_stats is not None:
+            engine.scheduler_stats = outputs.scheduler_stats
+        if outputs.utility_output is not None:
+            self._resolve_utility(outputs.utility_output)
+        for output in outputs.outputs:
+            channel = self._requests.get(output.request_id)
+            if channel is None:
+                continue  # finished, aborted or failed here already
+            channel.put(StepOutput(output, outputs.timestamp_ns))
+            if output.finish_reason is not None:
+                self._forget(output.request_id)
+
+    def _resolve_utility(self, result: Any) -> None:
+        entry = self._utility_calls.get(result.call_id)
+        if entry is None or entry[1].done():
+            logger.warning("dropped a utility result for unknown call %d", result.call_id)
+            return
+        engine, future = entry
+        if result.failure_message is not None:
+            future.set_exception(
+                ApiError(
+                    grpc.StatusCode.INTERNAL,
+                    f"engine {engine.engine_id}: {result.failure_message}",
+                    reason="UTILITY_FAILED",
+                )
+            )
+        else:
+            future.set_result(result.result)
+
+    async def _heartbeat_watchdog(self) -> None:
+        period = max(0.05, min(1.0, self._heartbeat_timeout_s / 4))
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for engine in self.live_engines:
+                silence = now - engine.last_seen
+                if silence > self._heartbeat_timeout_s:
+                    self._mark_dead(engine, f"no output or heartbeat for {silence:.1f}s")
+
+    def _mark_dead(self, engine: EngineHandle, why: str) -> None:
+        if not engine.alive:
+            return
+        engine.state = EngineState.DEAD
+        failed = [c for c in self._requests.values() if c.engine is engine]
+        logger.error(
+            "engine %s (DP rank %d) is dead: %s; failing its %d in-flight request(s)",
+            engine.engine_id,
+            engine.ready.data_parallel_rank,
+            why,
+            len(failed),
+        )
+        for channel in failed:
+            self._forget(channel.request_id)
+            channel.put(RequestFailed(unavailable(f"engine {engine.engine_id} died: {why}")))
+        for call_id, (call_engine, future) in list(self._utility_calls.items()):
+            if call_engine is engine and not future.done():
+                future.set_exception(unavailable(f"engine {engine.engine_id} died: {why}"))
+                self._utility_calls.pop(call_id, None)
+        self._on_engines_changed()

@@ -1,0 +1,78 @@
+"""What the gateway's engine client hands out: engine handles, and per-request channels of events.
+
+A request's channel yields, in order, ``StepOutput``s (one per engine step that touched the
+request) and ends with a finished ``StepOutput``, a ``RequestFailed`` (the engine died or the
+gateway is shutting down: UNAVAILABLE) or a ``RequestAborted`` (Abort RPC, stop string).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+
+from switchboard.gateway.errors import ApiError
+from switchboard.wire.engine_msgs import EngineCoreOutput, EngineReady, SchedulerStats
+
+
+class EngineState(enum.Enum):
+    READY = "ready"
+    DEAD = "dead"
+
+
+@dataclasses.dataclass
+class EngineHandle:
+    """One engine core as the gateway sees it."""
+
+    identity: bytes
+    ready: EngineReady
+    state: EngineState = EngineState.READY
+    last_seen: float = 0.0  # time.monotonic() of its last message
+    scheduler_stats: SchedulerStats | None = None
+    num_requests: int = 0  # this gateway's requests in flight on it
+
+    @property
+    def engine_id(self) -> str:
+        return self.ready.engine_id
+
+    @property
+    def alive(self) -> bool:
+        return self.state is EngineState.READY
+
+    def wall_clock_ns(self, engine_monotonic_ns: int) -> int:
+        """Place an engine monotonic timestamp on the wall clock (READY's clock anchor)."""
+        return self.ready.wall_clock_ns + (engine_monotonic_ns - self.ready.monotonic_ns)
+
+
+@dataclasses.dataclass(slots=True)
+class StepOutput:
+    output: EngineCoreOutput
+    timestamp_ns: int  # the engine's monotonic clock when the step's outputs were made
+
+
+@dataclasses.dataclass(slots=True)
+class RequestFailed:
+    error: ApiError
+
+
+@dataclasses.dataclass(slots=True)
+class RequestAborted:
+    reason: str
+
+
+RequestEvent = StepOutput | RequestFailed | RequestAborted
+
+
+class RequestChannel:
+    """The outputs of one request, in order, ending with a finish, a failure or an abort."""
+
+    def __init__(self, request_id: str, engine: EngineHandle) -> None:
+        self.request_id = request_id
+        self.engine = engine
+        self._queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
+
+    def put(self, event: RequestEvent) -> None:
+        self._queue.put_nowait(event)
+
+    async def get(self) -> RequestEvent:
+        return await self._queue.get()

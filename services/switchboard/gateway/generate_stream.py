@@ -1,0 +1,192 @@
+"""One Generate call: engine outputs in, GenerateResponse messages out.
+
+Holds the per-request state (text so far, token counts, engine event timestamps) and decides,
+per engine step, what the client gets according to its OutputKind:
+
+* DELTA: the new text / token ids of each step (steps with nothing new send nothing);
+* CUMULATIVE: everything so far, whenever something is new;
+* FINAL_ONLY: one message at the end.
+
+PromptInfo rides on the first message sent, Usage and RequestMetrics on the last.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from switchboard.api.v1 import generation_service_pb2 as pb
+from switchboard.gateway.engine_types import (
+    EngineHandle,
+    RequestAborted,
+    RequestEvent,
+    RequestFailed,
+    StepOutput,
+)
+from switchboard.gateway.errors import ApiError
+from switchboard.gateway.text import IncrementalDetokenizer, TextStream, Tokenizer
+from switchboard.gateway.validation import GeneratePlan
+from switchboard.wire.engine_msgs import EngineCoreOutput, EventType, FinishReason
+
+_FINISH_REASONS = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+    FinishReason.ERROR: pb.FINISH_REASON_ERROR,
+    FinishReason.REPETITION: pb.FINISH_REASON_REPETITION,
+}
+
+
+class GenerateStream:
+    def __init__(
+        self,
+        plan: GeneratePlan,
+        prompt_token_ids: list[int],
+        tokenizer: Tokenizer,
+        engine: EngineHandle,
+        arrival_time: float,
+    ) -> None:
+        self.plan = plan
+        self._prompt_token_ids = prompt_token_ids
+        self._engine = engine
+        self._arrival_time = arrival_time
+        self._text: TextStream | None = None
+        if plan.detokenize:
+            detokenizer = IncrementalDetokenizer(
+                tokenizer, prompt_token_ids, plan.skip_special_tokens
+            )
+            self._text = TextStream(detokenizer, plan.stop, plan.include_stop_str_in_output)
+        self._token_ids: list[int] = []
+        self._released_text = ""
+        self._num_cached_tokens = 0
+        self._num_preemptions = 0
+        self._queued_ns: int | None = None
+        self._scheduled_ns: int | None = None
+        self._first_token_ns: int | None = None
+        self._last_token_ns: int | None = None
+        self._sent_first = False
+        self.finish_reason = pb.FINISH_REASON_UNSPECIFIED
+        self.stop_token_id: int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+
+    @property
+    def stopped_by_string(self) -> bool:
+        """The gateway ended it (stop string): the engine still runs it and needs an ABORT."""
+        return self._text is not None and self._text.stopped
+
+    def handle(self, event: RequestEvent) -> pb.GenerateResponse | None:
+        """Feed one event of the request's channel; return the message to send, if any."""
+        if isinstance(event, RequestFailed):
+            raise event.error
+        if isinstance(event, RequestAborted):
+            return self._finish(pb.FINISH_REASON_ABORT, "", [])
+        return self._step(event)
+
+    def _step(self, step: StepOutput) -> pb.GenerateResponse | None:
+        output = step.output
+        self._record_stats(output)
+        new_ids = list(output.new_token_ids)
+        if new_ids:
+            self._first_token_ns = self._first_token_ns or step.timestamp_ns
+            self._last_token_ns = step.timestamp_ns
+        self._token_ids += new_ids
+        new_text = self._text.push(new_ids) if self._text is not None else ""
+        if output.finish_reason == FinishReason.ERROR:
+            raise ApiError(
+                grpc.StatusCode.INTERNAL,
+                f"the engine failed request {self.plan.request_id!r}",
+                reason="ENGINE_REQUEST_ERROR",
+            )
+        if self.stopped_by_string:
+            return self._finish(pb.FINISH_REASON_STOP, new_text, new_ids)
+        if output.finish_reason is not None:
+            if isinstance(output.stop_reason, int):
+                self.stop_token_id = output.stop_reason
+            return self._finish(_FINISH_REASONS[output.finish_reason], new_text, new_ids)
+        return self._message(new_text, new_ids)
+
+    def _record_stats(self, output: EngineCoreOutput) -> None:
+        self._num_cached_tokens = max(self._num_cached_tokens, output.num_cached_tokens)
+        self._num_preemptions = max(self._num_preemptions, output.num_preemptions)
+        for event in output.events or ():
+            if event.type == EventType.QUEUED and self._queued_ns is None:
+                self._queued_ns = event.timestamp_ns
+            elif event.type == EventType.SCHEDULED and self._scheduled_ns is None:
+                self._scheduled_ns = event.timestamp_ns
+
+    def _finish(self, reason: int, new_text: str, new_ids: list[int]) -> pb.GenerateResponse:
+        self.finish_reason = reason
+        if self._text is not None:
+            new_text += self._text.finish()
+        response = self._message(new_text, new_ids, final=True)
+        assert response is not None
+        return response
+
+    def _message(
+        self, new_text: str, new_ids: list[int], final: bool = False
+    ) -> pb.GenerateResponse | None:
+        self._released_text += new_text
+        kind = self.plan.output_kind
+        has_news = bool(new_text) or (self.plan.return_token_ids and bool(new_ids))
+        if not final and (kind == pb.OUTPUT_KIND_FINAL_ONLY or not has_news):
+            return None
+        whole = (final and kind == pb.OUTPUT_KIND_FINAL_ONLY) or kind == pb.OUTPUT_KIND_CUMULATIVE
+        sequence = pb.SequenceOutput(
+            index=0,
+            text=self._released_text if whole else new_text,
+            finish_reason=self.finish_reason,
+        )
+        if self.plan.return_token_ids:
+            sequence.token_ids.extend(self._token_ids if whole else new_ids)
+        if final and self._text is not None and self._text.stop_string is not None:
+            sequence.stop_string = self._text.stop_string
+        elif final and self.stop_token_id is not None:
+            sequence.stop_token_id = self.stop_token_id
+        response = pb.GenerateResponse(request_id=self.plan.request_id, outputs=[sequence])
+        if not self._sent_first:
+            self._sent_first = True
+            response.prompt_info.CopyFrom(self._prompt_info())
+        if final:
+            response.usage.CopyFrom(self.usage())
+            response.metrics.CopyFrom(self._metrics())
+        return response
+
+    def _prompt_info(self) -> pb.PromptInfo:
+        info = pb.PromptInfo(
+            num_prompt_tokens=len(self._prompt_token_ids),
+            num_cached_tokens=self._num_cached_tokens,
+        )
+        if self.plan.return_token_ids:
+            info.token_ids.extend(self._prompt_token_ids)
+        return info
+
+    def usage(self) -> pb.Usage:
+        return pb.Usage(
+            prompt_tokens=len(self._prompt_token_ids),
+            completion_tokens=len(self._token_ids),
+            cached_prompt_tokens=self._num_cached_tokens,
+        )
+
+    def _metrics(self) -> pb.RequestMetrics:
+        now = time.time()
+        metrics = pb.RequestMetrics(
+            num_preemptions=self._num_preemptions, engine_id=self._engine.engine_id
+        )
+        metrics.arrival_time.FromNanoseconds(int(self._arrival_time * 1e9))
+        metrics.e2e_latency.FromNanoseconds(max(0, int((now - self._arrival_time) * 1e9)))
+        queued, scheduled = self._queued_ns, self._scheduled_ns
+        first, last = self._first_token_ns, self._last_token_ns
+        if queued is not None and scheduled is not None:
+            metrics.queue_time.FromNanoseconds(max(0, scheduled - queued))
+        if scheduled is not None and first is not None:
+            metrics.prefill_time.FromNanoseconds(max(0, first - scheduled))
+        if first is not None and last is not None:
+            metrics.decode_time.FromNanoseconds(max(0, last - first))
+        if first is not None:
+            ttft_ns = self._engine.wall_clock_ns(first) - int(self._arrival_time * 1e9)
+            metrics.time_to_first_token.FromNanoseconds(max(0, ttft_ns))
+        return metrics

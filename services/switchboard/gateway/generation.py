@@ -1,0 +1,171 @@
+"""GenerationService: Generate, Abort, Tokenize, Detokenize; Embed is UNIMPLEMENTED."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from switchboard.api.v1 import generation_service_pb2 as pb
+from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
+from switchboard.gateway.engine_types import RequestChannel
+from switchboard.gateway.errors import ApiError, invalid_argument, unavailable
+from switchboard.gateway.generate_stream import GenerateStream
+from switchboard.gateway.state import GatewayState
+from switchboard.gateway.validation import (
+    GeneratePlan,
+    build_engine_request,
+    check_model,
+    plan_generate,
+    resolve_prompt,
+)
+
+logger = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "x-request-id"
+_TRACE_HEADERS = ("traceparent", "tracestate")
+
+
+@dataclasses.dataclass
+class _LiveRequest:
+    aborted: bool = False  # by the Abort RPC, possibly before the engine got it
+
+
+class GenerationServicer(pb_grpc.GenerationServiceServicer):
+    def __init__(self, state: GatewayState) -> None:
+        self._state = state
+        self._live: dict[str, _LiveRequest] = {}
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        arrival_time = time.time()
+        request_id = request.request_id or f"req-{uuid.uuid4().hex}"
+        await context.send_initial_metadata(((REQUEST_ID_HEADER, request_id),))
+        if request_id in self._live:
+            await ApiError(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request_id {request_id!r} is already in flight",
+                reason="DUPLICATE_REQUEST_ID",
+                field="request_id",
+            ).abort(context)
+        live = self._live[request_id] = _LiveRequest()
+        channel: RequestChannel | None = None
+        finished = False
+        try:
+            plan = plan_generate(request, request_id, self._state.facts)
+            channel, prompt_token_ids = await self._submit(plan, arrival_time, context)
+            if live.aborted:  # the Abort RPC came while the prompt was being tokenized
+                self._state.engines.abort([request_id], "Abort RPC")
+            stream = GenerateStream(
+                plan, prompt_token_ids, self._state.tokenizer, channel.engine, arrival_time
+            )
+            while not stream.finished:
+                response = stream.handle(await channel.get())
+                if stream.stopped_by_string:
+                    self._state.engines.abort([request_id], "stop string")
+                if response is not None:
+                    yield response
+            finished = True
+            logger.debug("request %s finished: %s", request_id, stream.usage())
+        except ApiError as error:
+            finished = True  # the engine client already forgot a failed request
+            await error.abort(context)
+        finally:
+            del self._live[request_id]
+            if channel is not None and not finished:
+                # Cancelled, disconnected or past its deadline: free the engine's slot now.
+                self._state.engines.abort([request_id], "client cancelled or deadline")
+                logger.info("request %s: client went away; sent ABORT", request_id)
+
+    async def _submit(
+        self, plan: GeneratePlan, arrival_time: float, context: grpc.aio.ServicerContext
+    ) -> tuple[RequestChannel, list[int]]:
+        state = self._state
+        if not state.engines.live_engines:
+            raise unavailable("no engine core is ready")
+        if plan.prompt_text is not None:
+            token_ids = await state.in_pool(state.tokenizer.encode, plan.prompt_text)
+        else:
+            token_ids = plan.prompt_token_ids or []
+        facts = state.facts
+        prompt_token_ids = resolve_prompt(plan, token_ids, facts)
+        metadata = dict(context.invocation_metadata() or ())
+        trace_context = {k: metadata[k] for k in _TRACE_HEADERS if k in metadata} or None
+        engine_request = build_engine_request(
+            plan,
+            prompt_token_ids,
+            facts,
+            client_index=state.config.client_index,
+            arrival_time=arrival_time,
+            trace_context=trace_context,
+        )
+        return state.engines.add_request(engine_request), prompt_token_ids
+
+    async def Abort(
+        self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AbortResponse:
+        response = pb.AbortResponse()
+        for request_id in request.request_ids:
+            live = self._live.get(request_id)
+            if live is None:
+                response.unknown_request_ids.append(request_id)
+                continue
+            live.aborted = True
+            self._state.engines.abort([request_id], request.reason or "Abort RPC")
+            response.aborted_request_ids.append(request_id)
+        if response.aborted_request_ids:
+            logger.info(
+                "Abort RPC (%s): aborted %s",
+                request.reason or "no reason given",
+                list(response.aborted_request_ids),
+            )
+        return response
+
+    async def Embed(
+        self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> pb.EmbedResponse:
+        await ApiError(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "Embed is not served by this deployment: its model only generates",
+        ).abort(context)
+        raise AssertionError("unreachable")
+
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
+        state = self._state
+        try:
+            check_model(request.model, state.facts)
+        except ApiError as error:
+            await error.abort(context)
+        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        token_ids = await state.in_pool(state.tokenizer.encode, request.text, add_special)
+        response = pb.TokenizeResponse(token_ids=token_ids, max_model_len=state.facts.max_model_len)
+        if request.return_token_strs:
+            response.token_strs.extend(state.tokenizer.token_strs(token_ids))
+        return response
+
+    async def Detokenize(
+        self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DetokenizeResponse:
+        state = self._state
+        try:
+            check_model(request.model, state.facts)
+            vocab_size = state.tokenizer.vocab_size
+            for i, token_id in enumerate(request.token_ids):
+                if token_id >= vocab_size:
+                    raise invalid_argument(
+                        f"token_ids[{i}]",
+                        f"token_ids[{i}] = {token_id} is out of range: the tokenizer has "
+                        f"{vocab_size} tokens",
+                    )
+        except ApiError as error:
+            await error.abort(context)
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        text = await state.in_pool(state.tokenizer.decode, list(request.token_ids), skip)
+        return pb.DetokenizeResponse(text=text)

@@ -1,0 +1,201 @@
+"""The gateway's grpc.aio server: the switchboard.v1 services, health, reflection, clean stop.
+
+Health (grpc.health.v1, Check and Watch):
+* ``""``: SERVING while the process runs (liveness);
+* ``switchboard.v1.GenerationService``: SERVING while at least one engine core is READY and the
+  gateway is not stopping (readiness). On a stop it turns NOT_SERVING first, then the server
+  drains for ``STOP_GRACE_S``.
+
+With ``exit_when_engines_dead`` (one machine) the gateway stops with a non-zero exit code when its
+last engine dies, or when no engine is READY within ``startup_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from switchboard.api.v1 import (
+    admin_service_pb2,
+    admin_service_pb2_grpc,
+    generation_service_pb2,
+    generation_service_pb2_grpc,
+    model_service_pb2,
+    model_service_pb2_grpc,
+)
+from switchboard.config import GatewayRoleConfig
+from switchboard.gateway.admin import AdminServicer
+from switchboard.gateway.engine_client import EngineClient
+from switchboard.gateway.generation import GenerationServicer
+from switchboard.gateway.model_facts import ModelFacts
+from switchboard.gateway.model_service import ModelServicer
+from switchboard.gateway.state import GatewayState
+from switchboard.gateway.text import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+GENERATION_SERVICE = generation_service_pb2.DESCRIPTOR.services_by_name[
+    "GenerationService"
+].full_name
+STOP_GRACE_S = 5.0
+EXIT_ENGINES_DEAD = 1
+
+
+def _service_names(enable_admin: bool) -> list[str]:
+    names = [
+        GENERATION_SERVICE,
+        model_service_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name,
+    ]
+    if enable_admin:
+        names.append(admin_service_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name)
+    return names
+
+
+def _grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        # Long silent generations must survive client keepalive pings (as in vLLM's server).
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+class GatewayServer:
+    def __init__(self, config: GatewayRoleConfig) -> None:
+        self.config = config
+        self.port = 0
+        self._exit_code: int | None = None
+        self._stop_requested = asyncio.Event()
+        self._health = health.aio.HealthServicer()
+        self._engines = EngineClient(
+            config.input_address,
+            config.output_address,
+            client_index=config.client_index,
+            heartbeat_timeout_s=config.heartbeat_timeout_s,
+            on_engines_changed=self._on_engines_changed,
+        )
+        tokenizer = Tokenizer.from_model_dir(config.model.model)
+        self.state = GatewayState(
+            config=config,
+            tokenizer=tokenizer,
+            checkpoint_facts=ModelFacts.from_checkpoint(config.model, tokenizer.vocab_size),
+            engines=self._engines,
+            executor=ThreadPoolExecutor(
+                max_workers=config.gateway.tokenizer_threads, thread_name_prefix="tokenizer"
+            ),
+        )
+        self._server = grpc.aio.server(options=_grpc_options(config.gateway.max_message_bytes))
+        self._health_tasks: set[asyncio.Task] = set()
+        self._stopped = False
+
+    @property
+    def engines(self) -> EngineClient:
+        return self._engines
+
+    async def start(self) -> int:
+        """Bind wire 1 and the gRPC port, start serving; return the bound gRPC port."""
+        gateway = self.config.gateway
+        await self._engines.start()
+        state = self.state
+        generation_service_pb2_grpc.add_GenerationServiceServicer_to_server(
+            GenerationServicer(state), self._server
+        )
+        model_service_pb2_grpc.add_ModelServiceServicer_to_server(
+            ModelServicer(state), self._server
+        )
+        if gateway.enable_admin:
+            admin_service_pb2_grpc.add_AdminServiceServicer_to_server(
+                AdminServicer(state), self._server
+            )
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        services = _service_names(gateway.enable_admin)
+        reflection.enable_server_reflection(
+            [*services, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
+        )
+        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self._health.set(GENERATION_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+        address = f"{gateway.host}:{gateway.port}"
+        if ":" in gateway.host:
+            address = f"[{gateway.host}]:{gateway.port}"
+        self.port = self._server.add_insecure_port(address)
+        await self._server.start()
+        logger.info(
+            "Gateway_%d listening on %s:%d (gRPC: %s; admin %s)",
+            self.config.client_index,
+            gateway.host,
+            self.port,
+            ", ".join(services),
+            "enabled" if gateway.enable_admin else "disabled",
+        )
+        return self.port
+
+    def request_stop(self, exit_code: int = 0) -> None:
+        if self._exit_code is None:
+            self._exit_code = exit_code
+        self._stop_requested.set()
+
+    async def run(self) -> int:
+        """Serve until asked to stop (or, on one machine, until the engines are gone)."""
+        watch = asyncio.create_task(self._watch_startup())
+        try:
+            await self._stop_requested.wait()
+        finally:
+            watch.cancel()
+            await self.stop()
+        return self._exit_code or 0
+
+    async def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        logger.info("gateway stopping: NOT_SERVING, draining for up to %.0fs", STOP_GRACE_S)
+        await self._health.enter_graceful_shutdown()
+        await self._server.stop(STOP_GRACE_S)
+        await self._engines.close()
+        self.state.executor.shutdown(wait=False, cancel_futures=True)
+        logger.info("gateway stopped")
+
+    async def _watch_startup(self) -> None:
+        timeout = self.config.gateway.startup_timeout_s
+        if await self._engines.wait_until_ready(timeout):
+            return
+        if self.config.exit_when_engines_dead:
+            logger.error("no engine core sent READY within %.0fs; exiting", timeout)
+            self.request_stop(EXIT_ENGINES_DEAD)
+        else:
+            logger.warning("no engine core sent READY within %.0fs; still waiting", timeout)
+
+    def _on_engines_changed(self) -> None:
+        self.state.refresh_facts()
+        live = self._engines.live_engines
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if live and not self._stop_requested.is_set()
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        task = asyncio.get_running_loop().create_task(self._health.set(GENERATION_SERVICE, status))
+        self._health_tasks.add(task)
+        task.add_done_callback(self._health_tasks.discard)
+        if not live and self._engines.engines and self.config.exit_when_engines_dead:
+            logger.error("every engine core is dead; the gateway exits")
+            self.request_stop(EXIT_ENGINES_DEAD)
+
+
+async def serve(config: GatewayRoleConfig) -> int:
+    """Run one gateway until SIGINT/SIGTERM (exit code 0) or its engines die (non-zero)."""
+    server = GatewayServer(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, server.request_stop, 0)
+    await server.start()
+    return await server.run()

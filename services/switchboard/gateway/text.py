@@ -1,0 +1,163 @@
+"""Text handling: the tokenizer, incremental detokenization and stop strings.
+
+The engine core is tokens in, tokens out; all text lives here, in the gateway.
+
+Incremental detokenization uses the prefix/read-offset scheme of TGI and vLLM: each step decodes
+a small window of tokens twice, once without and once with the new tokens, and emits the
+difference. The window starts a few tokens back so that decoders which strip a leading space
+from the first token (SentencePiece's "▁") see the same context in both decodes. While the new
+text ends in U+FFFD, the last token holds only part of a multi-byte UTF-8 character, and the
+text is held back until the character is complete.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import tokenizers
+
+# How many tokens before the first new one are decoded along with it (for leading-space context).
+_CONTEXT_TOKENS = 5
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class Tokenizer:
+    """A Hugging Face fast tokenizer loaded from a checkpoint's ``tokenizer.json``."""
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer) -> None:
+        self._tokenizer = tokenizer
+
+    @classmethod
+    def from_file(cls, path: str) -> Tokenizer:
+        return cls(tokenizers.Tokenizer.from_file(path))
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str) -> Tokenizer:
+        return cls.from_file(os.path.join(model_dir, "tokenizer.json"))
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_strs(self, token_ids: Sequence[int]) -> list[str]:
+        return [self._tokenizer.id_to_token(t) or "" for t in token_ids]
+
+    def token_id(self, token: str) -> int | None:
+        return self._tokenizer.token_to_id(token)
+
+
+class IncrementalDetokenizer:
+    """Turns the token ids of one sequence, as they arrive, into text deltas."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: Sequence[int],
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        # Only a window of ids is kept: [0, read_offset) was emitted already (it is decoded
+        # again only as context), [read_offset, end) is not emitted yet.
+        self._ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._read_offset = len(self._ids)
+
+    def step(self, token_id: int) -> str:
+        """Add one token; return the text it completes ("" while a character is incomplete)."""
+        self._ids.append(token_id)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """At the end of the sequence: whatever is held back, even an incomplete character."""
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        if self._read_offset >= len(self._ids):
+            return ""
+        prefix_text = self._decode(self._ids[: self._read_offset])
+        new_text = self._decode(self._ids)
+        if not final and (
+            len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR)
+        ):
+            return ""
+        delta = new_text[len(prefix_text) :]
+        # All of it is emitted now; the last few ids stay as the next window's context.
+        del self._ids[: -min(_CONTEXT_TOKENS, len(self._ids))]
+        self._read_offset = len(self._ids)
+        return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+
+class TextStream:
+    """Detokenizes one sequence and applies its stop strings.
+
+    Text is *released* to the client only when no stop string can still begin in it: without
+    ``include_stop_str_in_output`` the last ``len(longest stop) - 1`` characters are held back
+    until the next token shows they are not the start of a stop string, so a client never sees
+    part of a stop string that later matches.
+    """
+
+    def __init__(
+        self,
+        detokenizer: IncrementalDetokenizer,
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+    ) -> None:
+        self._detokenizer = detokenizer
+        self._stop = [s for s in stop if s]
+        self._include_stop = include_stop_str_in_output
+        longest = max((len(s) for s in self._stop), default=0)
+        self._holdback = 0 if include_stop_str_in_output else max(0, longest - 1)
+        self._longest = longest
+        self.text = ""  # all text so far (cut at the stop string once one matched)
+        self._released = 0
+        self.stop_string: str | None = None
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop_string is not None
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Add tokens; return the newly released text. Tokens after a stop match are ignored."""
+        for token_id in token_ids:
+            if self.stopped:
+                break
+            self._append(self._detokenizer.step(token_id))
+        return self._release(everything=self.stopped)
+
+    def finish(self) -> str:
+        """The sequence ended: release everything held back."""
+        if not self.stopped:
+            self._append(self._detokenizer.flush())
+        return self._release(everything=True)
+
+    def _append(self, delta: str) -> None:
+        if not delta:
+            return
+        start = max(0, len(self.text) - self._longest + 1)
+        self.text += delta
+        if self._stop:
+            self._match_stop(start)
+
+    def _match_stop(self, start: int) -> None:
+        hits = [(i, s) for s in self._stop if (i := self.text.find(s, start)) >= 0]
+        if not hits:
+            return
+        index, stop = min(hits, key=lambda hit: (hit[0], -len(hit[1])))
+        self.stop_string = stop
+        self.text = self.text[: index + len(stop) if self._include_stop else index]
+
+    def _release(self, everything: bool) -> str:
+        end = len(self.text) if everything else max(self._released, len(self.text) - self._holdback)
+        released = self.text[self._released : end]
+        self._released = end
+        return released

@@ -1,0 +1,251 @@
+"""GenerateRequest -> EngineCoreRequest, or INVALID_ARGUMENT naming the field and the rule.
+
+Validation runs in two halves around tokenization: ``plan_generate`` checks everything that does
+not need the prompt's tokens (cheap, on the event loop), ``build_engine_request`` checks lengths
+and token ids once the prompt is tokenized. Knobs the engine cannot honour yet are rejected, not
+silently ignored: a client must not believe it got a penalty or a grammar it did not get.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+from switchboard.api.v1 import generation_service_pb2 as pb
+from switchboard.gateway.errors import invalid_argument, model_not_found, not_supported
+from switchboard.gateway.model_facts import ModelFacts
+from switchboard.wire.engine_msgs import EngineCoreRequest, SamplingParams
+
+MAX_REQUEST_ID_CHARS = 256
+_OUTPUT_KINDS = frozenset(pb.OutputKind.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class GeneratePlan:
+    """A validated request, waiting for its prompt's token ids."""
+
+    request_id: str
+    prompt_text: str | None  # exactly one of prompt_text / prompt_token_ids is set
+    prompt_token_ids: list[int] | None
+    truncate_prompt_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    max_tokens: int | None  # None = the room max_model_len leaves after the prompt
+    min_tokens: int
+    stop: list[str]
+    stop_token_ids: list[int]
+    include_stop_str_in_output: bool
+    ignore_eos: bool
+    output_kind: int  # pb.OutputKind, UNSPECIFIED resolved to DELTA
+    return_token_ids: bool
+    detokenize: bool
+    skip_special_tokens: bool
+    priority: int
+    cache_salt: str | None
+    labels: dict[str, str]
+
+
+def check_model(model: str, facts: ModelFacts) -> None:
+    if model and model != facts.name:
+        raise model_not_found(model, facts.name)
+
+
+def _finite(field: str, value: float) -> float:
+    if not math.isfinite(value):
+        raise invalid_argument(field, f"{field} must be a finite number, got {value}")
+    return value
+
+
+def _check_sampling(s: pb.SamplingParams) -> None:
+    if s.HasField("temperature") and _finite("sampling.temperature", s.temperature) < 0:
+        raise invalid_argument(
+            "sampling.temperature", f"sampling.temperature must be >= 0, got {s.temperature}"
+        )
+    if s.HasField("top_p") and not 0 < _finite("sampling.top_p", s.top_p) <= 1:
+        raise invalid_argument("sampling.top_p", f"sampling.top_p must be in (0, 1], got {s.top_p}")
+    if s.HasField("top_k") and s.top_k < -1:
+        raise invalid_argument(
+            "sampling.top_k", f"sampling.top_k must be >= -1 (0 or -1 = off), got {s.top_k}"
+        )
+    no_op_values = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+    no_op_values["repetition_penalty"] = 1.0
+    for knob, no_op in no_op_values.items():
+        if s.HasField(knob) and getattr(s, knob) != no_op:
+            raise not_supported(f"sampling.{knob}", knob)
+    if s.n > 1:
+        raise not_supported("sampling.n", f"n={s.n} (more than one sequence per request)")
+    for field in ("logit_bias", "allowed_token_ids", "bad_words"):
+        if len(getattr(s, field)):
+            raise not_supported(f"sampling.{field}", field)
+
+
+def _check_stopping(st: pb.StoppingCriteria) -> None:
+    if st.HasField("max_tokens") and st.max_tokens < 1:
+        raise invalid_argument(
+            "stopping.max_tokens", f"stopping.max_tokens must be >= 1, got {st.max_tokens}"
+        )
+    if st.HasField("max_tokens") and st.min_tokens > st.max_tokens:
+        raise invalid_argument(
+            "stopping.min_tokens",
+            f"stopping.min_tokens ({st.min_tokens}) must be <= stopping.max_tokens "
+            f"({st.max_tokens})",
+        )
+    for i, stop in enumerate(st.stop):
+        if not stop:
+            raise invalid_argument(f"stopping.stop[{i}]", f"stopping.stop[{i}] must not be empty")
+    if st.HasField("repetition_detection"):
+        raise not_supported("stopping.repetition_detection", "repetition detection")
+
+
+def _check_output(o: pb.OutputOptions) -> None:
+    if o.kind not in _OUTPUT_KINDS:
+        raise invalid_argument("output.kind", f"output.kind: unknown OutputKind value {o.kind}")
+    for field in ("logprobs", "prompt_logprobs"):
+        if o.HasField(field):
+            raise not_supported(f"output.{field}", field)
+
+
+def _check_prompt(request: pb.GenerateRequest) -> None:
+    which = request.WhichOneof("prompt")
+    if which is None:
+        raise invalid_argument("prompt", "prompt: set either text or token_ids")
+    if which == "text" and not request.text:
+        raise invalid_argument("text", "text: the prompt must not be empty")
+    if which == "token_ids" and not request.token_ids.ids:
+        raise invalid_argument("token_ids.ids", "token_ids.ids: the prompt must not be empty")
+    if request.HasField("truncate_prompt_tokens") and request.truncate_prompt_tokens < 1:
+        raise invalid_argument(
+            "truncate_prompt_tokens",
+            f"truncate_prompt_tokens must be >= 1, got {request.truncate_prompt_tokens}",
+        )
+
+
+def plan_generate(request: pb.GenerateRequest, request_id: str, facts: ModelFacts) -> GeneratePlan:
+    """Check everything that does not need the prompt's tokens; raise ApiError on a violation."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise invalid_argument(
+            "request_id", f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters"
+        )
+    check_model(request.model, facts)
+    _check_prompt(request)
+    _check_sampling(request.sampling)
+    _check_stopping(request.stopping)
+    _check_output(request.output)
+    if request.structured_output.WhichOneof("constraint"):
+        raise not_supported("structured_output", "structured output")
+    if request.HasField("extra_args") and request.extra_args.fields:
+        raise not_supported("extra_args", "engine passthrough arguments")
+    s, st, o = request.sampling, request.stopping, request.output
+    detokenize = o.detokenize if o.HasField("detokenize") else True
+    if st.stop and not detokenize:
+        raise invalid_argument(
+            "stopping.stop", "stopping.stop needs detokenized text: unset output.detokenize=false"
+        )
+    default = facts.sampling_defaults.get
+    return GeneratePlan(
+        request_id=request_id,
+        prompt_text=request.text if request.WhichOneof("prompt") == "text" else None,
+        prompt_token_ids=list(request.token_ids.ids) if request.HasField("token_ids") else None,
+        truncate_prompt_tokens=(
+            request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens") else None
+        ),
+        temperature=s.temperature if s.HasField("temperature") else default("temperature", 1.0),
+        top_p=s.top_p if s.HasField("top_p") else default("top_p", 1.0),
+        top_k=s.top_k if s.HasField("top_k") else int(default("top_k", 0)),
+        seed=s.seed if s.HasField("seed") else None,
+        max_tokens=st.max_tokens if st.HasField("max_tokens") else None,
+        min_tokens=st.min_tokens,
+        stop=list(st.stop),
+        stop_token_ids=list(st.stop_token_ids),
+        include_stop_str_in_output=st.include_stop_str_in_output,
+        ignore_eos=st.ignore_eos,
+        output_kind=o.kind or pb.OUTPUT_KIND_DELTA,
+        return_token_ids=o.return_token_ids,
+        detokenize=detokenize,
+        skip_special_tokens=o.skip_special_tokens if o.HasField("skip_special_tokens") else True,
+        priority=request.priority,
+        cache_salt=request.cache_salt or None,
+        labels=dict(request.labels),
+    )
+
+
+def _check_token_ids(field: str, token_ids: list[int], vocab_size: int) -> None:
+    if not vocab_size:
+        return
+    for i, token_id in enumerate(token_ids):
+        if token_id >= vocab_size:
+            raise invalid_argument(
+                f"{field}[{i}]",
+                f"{field}[{i}] = {token_id} is out of range: the vocabulary has {vocab_size} "
+                "tokens",
+            )
+
+
+def resolve_prompt(plan: GeneratePlan, token_ids: list[int], facts: ModelFacts) -> list[int]:
+    """Truncate and check the tokenized prompt; return the ids the engine gets."""
+    if plan.truncate_prompt_tokens is not None:
+        token_ids = token_ids[-plan.truncate_prompt_tokens :]
+    if not token_ids:
+        raise invalid_argument("text", "text: the prompt has no tokens after tokenization")
+    if plan.prompt_token_ids is not None:
+        _check_token_ids("token_ids.ids", token_ids, facts.vocab_size)
+    field = "text" if plan.prompt_text is not None else "token_ids.ids"
+    if len(token_ids) >= facts.max_model_len:
+        raise invalid_argument(
+            field,
+            f"{field}: the prompt has {len(token_ids)} tokens but max_model_len is "
+            f"{facts.max_model_len}, which leaves no room for output",
+            reason="PROMPT_TOO_LONG",
+        )
+    return token_ids
+
+
+def build_engine_request(
+    plan: GeneratePlan,
+    prompt_token_ids: list[int],
+    facts: ModelFacts,
+    *,
+    client_index: int = 0,
+    arrival_time: float | None = None,
+    trace_context: dict[str, str] | None = None,
+) -> EngineCoreRequest:
+    """The wire-1 request for a checked prompt (see ``resolve_prompt``)."""
+    room = facts.max_model_len - len(prompt_token_ids)
+    max_tokens = plan.max_tokens if plan.max_tokens is not None else room
+    if max_tokens > room:
+        raise invalid_argument(
+            "stopping.max_tokens",
+            f"stopping.max_tokens: the prompt ({len(prompt_token_ids)} tokens) + max_tokens "
+            f"({max_tokens}) exceeds max_model_len ({facts.max_model_len})",
+        )
+    if plan.min_tokens > max_tokens:
+        raise invalid_argument(
+            "stopping.min_tokens",
+            f"stopping.min_tokens ({plan.min_tokens}) exceeds the {max_tokens} tokens "
+            "max_model_len leaves after the prompt",
+        )
+    _check_token_ids("stopping.stop_token_ids", plan.stop_token_ids, facts.vocab_size)
+    sampling = SamplingParams(
+        temperature=float(plan.temperature),
+        top_p=float(plan.top_p),
+        top_k=int(plan.top_k),
+        seed=plan.seed,
+        max_tokens=max_tokens,
+        min_tokens=plan.min_tokens,
+        stop_token_ids=plan.stop_token_ids,
+        eos_token_ids=list(facts.eos_token_ids),
+        ignore_eos=plan.ignore_eos,
+    )
+    return EngineCoreRequest(
+        request_id=plan.request_id,
+        prompt_token_ids=prompt_token_ids,
+        sampling_params=sampling,
+        arrival_time=arrival_time if arrival_time is not None else time.time(),
+        cache_salt=plan.cache_salt,
+        client_index=client_index,
+        priority=plan.priority,
+        trace_context=trace_context,
+    )

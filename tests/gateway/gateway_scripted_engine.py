@@ -1,0 +1,160 @@
+"""A scripted engine-core peer for gateway tests: the real wire 1 (zmq), no scheduler, no model.
+
+It connects a DEALER and a PUSH like an engine core, sends READY, and answers each ADD by pushing
+one token per step from a fixed script until max_tokens (finish LENGTH), sending heartbeats in
+between. Tests steer it with ``mode`` and inspect what it received (adds, aborts, utility calls).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+import zmq
+import zmq.asyncio
+from switchboard.wire import zmq_channel
+from switchboard.wire.engine_msgs import (
+    ENGINE_CORE_DEAD,
+    EngineCoreEvent,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineReady,
+    EventType,
+    FinishReason,
+    RequestType,
+    SchedulerStats,
+    UtilityOutput,
+)
+
+
+class ScriptedEngine:
+    def __init__(
+        self,
+        input_address: str,
+        output_address: str,
+        script_token_ids: list[int],
+        *,
+        max_model_len: int = 64,
+        vocab_size: int = 300,
+        step_s: float = 0.005,
+        heartbeat_s: float = 0.1,
+        rank: int = 0,
+    ) -> None:
+        self.input_address = input_address
+        self.output_address = output_address
+        self.script = script_token_ids
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.step_s = step_s
+        self.heartbeat_s = heartbeat_s
+        self.rank = rank
+        self.engine_id = f"scripted-{rank}"
+        self.mode = "normal"  # normal | hang (accept, never answer) | error (finish ERROR)
+        self.silent = False  # stop all outputs and heartbeats (a silent death)
+        self.added: dict[str, EngineCoreRequest] = {}
+        self.aborted: list[str] = []
+        self.utility_calls: list[tuple[str, list]] = []
+        self._tasks: list[asyncio.Task] = []
+        self._ctx = zmq.asyncio.Context()
+        self._dealer: zmq.asyncio.Socket | None = None
+        self._push: zmq.asyncio.Socket | None = None
+
+    async def start(self) -> None:
+        identity = zmq_channel.engine_identity(self.rank)
+        self._dealer = zmq_channel.make_socket(
+            self._ctx, zmq.DEALER, self.input_address, bind=False, identity=identity
+        )
+        self._push = zmq_channel.make_socket(self._ctx, zmq.PUSH, self.output_address, bind=False)
+        ready = EngineReady(
+            engine_id=self.engine_id,
+            data_parallel_rank=self.rank,
+            max_model_len=self.max_model_len,
+            num_gpu_blocks=32,
+            block_size=16,
+            kv_capacity_tokens=512,
+            wall_clock_ns=time.time_ns(),
+            monotonic_ns=time.monotonic_ns(),
+            vocab_size=self.vocab_size,
+            dtype="float32",
+        )
+        await self._dealer.send(zmq_channel.encode(ready))
+        self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._beat())]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for sock in (self._dealer, self._push):
+            if sock is not None:
+                sock.close(linger=0)
+        self._ctx.term()
+
+    async def send_raw(self, frames: list[bytes]) -> None:
+        assert self._push is not None
+        await self._push.send_multipart(frames)
+
+    async def die(self) -> None:
+        self.silent = True
+        await self.send_raw([ENGINE_CORE_DEAD])
+
+    async def _push_outputs(self, outputs: EngineCoreOutputs) -> None:
+        if not self.silent:
+            await self.send_raw([zmq_channel.encode(outputs)])
+
+    async def _beat(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            stats = SchedulerStats(num_running_reqs=len(self.added) - len(self.aborted))
+            await self._push_outputs(
+                EngineCoreOutputs(
+                    engine_index=self.rank,
+                    timestamp_ns=time.monotonic_ns(),
+                    scheduler_stats=stats,
+                    heartbeat=True,
+                )
+            )
+
+    async def _recv_loop(self) -> None:
+        assert self._dealer is not None
+        while True:
+            frames = await self._dealer.recv_multipart()
+            request_type, body, _ = zmq_channel.parse_request_frames(frames)
+            if request_type is RequestType.ADD:
+                self.added[body.request_id] = body
+                self._tasks.append(asyncio.create_task(self._generate(body)))
+            elif request_type is RequestType.ABORT:
+                self.aborted.extend(body)
+            elif request_type is RequestType.UTILITY:
+                self.utility_calls.append((body.method_name, body.args))
+                reply = UtilityOutput(body.call_id, result={"method": body.method_name})
+                if body.method_name == "is_sleeping":
+                    reply = UtilityOutput(body.call_id, failure_message="not today")
+                await self._push_outputs(EngineCoreOutputs(self.rank, utility_output=reply))
+
+    async def _generate(self, request: EngineCoreRequest) -> None:
+        queued = EngineCoreEvent(EventType.QUEUED, time.monotonic_ns())
+        if self.mode == "hang":
+            return
+        assert request.sampling_params is not None
+        max_tokens = request.sampling_params.max_tokens
+        tokens = itertools.cycle(self.script)
+        for step in range(max_tokens):
+            await asyncio.sleep(self.step_s)
+            if request.request_id in self.aborted:
+                return
+            output = EngineCoreOutput(request.request_id, [next(tokens)])
+            if step == 0:
+                scheduled = EngineCoreEvent(EventType.SCHEDULED, time.monotonic_ns())
+                output.events = [queued, scheduled]
+                output.num_cached_tokens = 2
+            if self.mode == "error":
+                output.finish_reason = FinishReason.ERROR
+            elif step == max_tokens - 1:
+                output.finish_reason = FinishReason.LENGTH
+            await self._push_outputs(
+                EngineCoreOutputs(self.rank, time.monotonic_ns(), outputs=[output])
+            )
+            if output.finish_reason is not None:
+                return

@@ -1,0 +1,166 @@
+"""Each validation rule ends in INVALID_ARGUMENT (or NOT_FOUND) with a message naming the field."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from switchboard.api.v1 import generation_service_pb2 as pb
+from switchboard.gateway.errors import ApiError
+from switchboard.gateway.model_facts import ModelFacts
+from switchboard.gateway.validation import build_engine_request, plan_generate, resolve_prompt
+
+FACTS = ModelFacts(
+    name="tiny",
+    model_path="/models/tiny",
+    max_model_len=64,
+    vocab_size=300,
+    eos_token_ids=(0, 2),
+    bos_token_id=1,
+    dtype="float32",
+    generation_config={"temperature": 0.7},
+    sampling_defaults={"temperature": 0.7},
+)
+
+
+def _request(**fields) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(text="hello")
+    for path, value in fields.items():
+        target = request
+        *parents, leaf = path.split("__")
+        for parent in parents:
+            target = getattr(target, parent)
+        if isinstance(value, list):
+            getattr(target, leaf).extend(value)
+        else:
+            setattr(target, leaf, value)
+    return request
+
+
+def _engine_request(request: pb.GenerateRequest, prompt_len: int = 4):
+    plan = plan_generate(request, "req-1", FACTS)
+    ids = plan.prompt_token_ids if plan.prompt_token_ids is not None else [5] * prompt_len
+    prompt = resolve_prompt(plan, ids, FACTS)
+    return build_engine_request(plan, prompt, FACTS)
+
+
+# (request builder, prompt length after tokenization, field named, words in the message)
+CASES: list[tuple[str, Callable[[], pb.GenerateRequest], int, str, str]] = [
+    ("no prompt", lambda: pb.GenerateRequest(), 4, "prompt", "set either text or token_ids"),
+    ("empty text", lambda: _request(text=""), 4, "text", "must not be empty"),
+    ("empty ids", lambda: pb.GenerateRequest(token_ids=pb.TokenIds()), 4, "token_ids", "empty"),
+    ("negative temperature", lambda: _request(sampling__temperature=-0.5), 4,
+     "sampling.temperature", ">= 0"),
+    ("nan temperature", lambda: _request(sampling__temperature=math.nan), 4,
+     "sampling.temperature", "finite"),
+    ("top_p zero", lambda: _request(sampling__top_p=0.0), 4, "sampling.top_p", "(0, 1]"),
+    ("top_p above one", lambda: _request(sampling__top_p=1.5), 4, "sampling.top_p", "(0, 1]"),
+    ("top_k below -1", lambda: _request(sampling__top_k=-2), 4, "sampling.top_k", ">= -1"),
+    ("n above one", lambda: _request(sampling__n=2), 4, "sampling.n", "not supported yet"),
+    ("presence penalty", lambda: _request(sampling__presence_penalty=0.5), 4,
+     "sampling.presence_penalty", "not supported yet"),
+    ("logit bias", lambda: pb.GenerateRequest(
+        text="hi", sampling=pb.SamplingParams(logit_bias={3: 1.0})), 4,
+     "sampling.logit_bias", "not supported yet"),
+    ("max_tokens zero", lambda: _request(stopping__max_tokens=0), 4,
+     "stopping.max_tokens", ">= 1"),
+    ("min above max", lambda: _request(stopping__max_tokens=2, stopping__min_tokens=3), 4,
+     "stopping.min_tokens", "<= stopping.max_tokens"),
+    ("empty stop string", lambda: _request(stopping__stop=["ok", ""]), 4,
+     "stopping.stop[1]", "must not be empty"),
+    ("stop without text", lambda: pb.GenerateRequest(
+        text="hi", stopping=pb.StoppingCriteria(stop=["x"]),
+        output=pb.OutputOptions(detokenize=False)), 4, "stopping.stop", "detokenize"),
+    ("repetition detection", lambda: pb.GenerateRequest(
+        text="hi", stopping=pb.StoppingCriteria(repetition_detection=pb.RepetitionDetection())),
+     4, "stopping.repetition_detection", "not supported yet"),
+    ("unknown output kind", lambda: _request(output__kind=9), 4, "output.kind", "unknown"),
+    ("logprobs", lambda: _request(output__logprobs=2), 4, "output.logprobs", "not supported"),
+    ("structured output", lambda: pb.GenerateRequest(
+        text="hi", structured_output=pb.StructuredOutput(regex="a+")), 4,
+     "structured_output", "not supported yet"),
+    ("prompt too long", lambda: _request(), 64, "text", "max_model_len is 64"),
+    ("prompt ids too long", lambda: pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 70)), 0,
+     "token_ids.ids", "70 tokens"),
+    ("token id out of vocab", lambda: pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 300])), 0,
+     "token_ids.ids[1]", "300 is out of range"),
+    ("max_tokens past max_model_len", lambda: _request(stopping__max_tokens=61), 4,
+     "stopping.max_tokens", "exceeds max_model_len (64)"),
+    ("stop token out of vocab", lambda: _request(stopping__stop_token_ids=[999]), 4,
+     "stopping.stop_token_ids[0]", "out of range"),
+    ("truncate zero", lambda: _request(truncate_prompt_tokens=0), 4,
+     "truncate_prompt_tokens", ">= 1"),
+    ("long request id", lambda: _request(request_id="x" * 300), 4, "request_id", "at most"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("build", "prompt_len", "field", "words"),
+    [case[1:] for case in CASES],
+    ids=[case[0] for case in CASES],
+)
+def test_each_rule_is_invalid_argument_naming_the_field(build, prompt_len, field, words) -> None:
+    request = build()
+    with pytest.raises(ApiError) as caught:
+        plan = plan_generate(request, request.request_id or "req-1", FACTS)
+        ids = plan.prompt_token_ids if plan.prompt_token_ids is not None else [5] * prompt_len
+        build_engine_request(plan, resolve_prompt(plan, ids, FACTS), FACTS)
+    error = caught.value
+    assert error.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in error.message and words in error.message, error.message
+    assert error.field.startswith(field.split("[")[0])
+
+
+def test_details_carry_bad_request_and_error_info() -> None:
+    with pytest.raises(ApiError) as caught:
+        _engine_request(_request(), prompt_len=64)
+    status = caught.value.status_proto()
+    assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    info, bad_request = error_details_pb2.ErrorInfo(), error_details_pb2.BadRequest()
+    assert status.details[0].Unpack(info) and info.reason == "PROMPT_TOO_LONG"
+    assert status.details[1].Unpack(bad_request)
+    assert bad_request.field_violations[0].field == "text"
+
+
+def test_unknown_model_is_not_found() -> None:
+    with pytest.raises(ApiError) as caught:
+        plan_generate(_request(model="gpt-9"), "req-1", FACTS)
+    assert caught.value.code == grpc.StatusCode.NOT_FOUND
+    assert "gpt-9" in caught.value.message
+
+
+def test_defaults_come_from_the_model_and_max_tokens_fills_the_room() -> None:
+    engine_request = _engine_request(_request(model="tiny"), prompt_len=10)
+    sampling = engine_request.sampling_params
+    assert sampling.temperature == pytest.approx(0.7)  # generation_config.json
+    assert sampling.max_tokens == 64 - 10
+    assert sampling.eos_token_ids == [0, 2]
+    assert engine_request.prompt_token_ids == [5] * 10
+
+
+def test_explicit_knobs_reach_the_engine_request() -> None:
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=[7, 8, 9]),
+        sampling=pb.SamplingParams(temperature=0.0, top_p=0.5, top_k=-1, seed=42, n=1),
+        stopping=pb.StoppingCriteria(
+            max_tokens=5, min_tokens=1, stop_token_ids=[3], ignore_eos=True
+        ),
+        priority=-2,
+        cache_salt="tenant-a",
+        truncate_prompt_tokens=2,
+    )
+    engine_request = _engine_request(request)
+    sampling = engine_request.sampling_params
+    assert engine_request.prompt_token_ids == [8, 9]
+    assert (sampling.temperature, sampling.top_p, sampling.top_k) == (0.0, 0.5, -1)
+    assert (sampling.seed, sampling.max_tokens, sampling.min_tokens) == (42, 5, 1)
+    assert sampling.stop_token_ids == [3] and sampling.ignore_eos
+    assert engine_request.priority == -2 and engine_request.cache_salt == "tenant-a"
+
+
+def test_no_op_values_of_unsupported_knobs_are_accepted() -> None:
+    request = _request(sampling__repetition_penalty=1.0, sampling__min_p=0.0, sampling__n=1)
+    assert _engine_request(request).sampling_params.max_tokens == 60
