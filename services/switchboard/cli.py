@@ -53,13 +53,13 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     )
 
     s = p.add_argument_group("scheduler and KV cache")
-    s.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+    s.add_argument("--max-num-seqs", type=int, default=SchedulerConfig().max_num_seqs)
     s.add_argument(
-        "--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens
+        "--max-num-batched-tokens", type=int, default=SchedulerConfig().max_num_batched_tokens
     )
     s.add_argument("--long-prefill-token-threshold", type=int, default=0)
     s.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
-    s.add_argument("--block-size", type=int, default=CacheConfig.block_size)
+    s.add_argument("--block-size", type=int, default=CacheConfig().block_size)
     s.add_argument("--num-gpu-blocks-override", type=int, default=None)
     s.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -73,7 +73,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     w.add_argument(
         "--torch-threads",
         type=int,
-        default=WorkerConfig.torch_threads,
+        default=WorkerConfig().torch_threads,
         help="torch intra-op threads per worker (default 1: processes outnumber cores)",
     )
 

@@ -143,20 +143,26 @@ class Supervisor:
         return None
 
     def _stop_all(self) -> None:
-        # Gateways first: they report NOT_SERVING and end their streams before engines go.
-        ordered = sorted(self._children, key=lambda c: not c.role.startswith("Gateway"))
-        for child in ordered:
-            if child.process.poll() is None:
-                child.process.send_signal(signal.SIGTERM)
+        # Gateways first, and wait for them: they report NOT_SERVING and drain their streams
+        # while the engines are still there to finish them.
+        gateways = [c for c in self._children if c.role.startswith("Gateway")]
+        others = [c for c in self._children if not c.role.startswith("Gateway")]
         deadline = time.monotonic() + STOP_GRACE_S
-        for child in ordered:
-            remaining = max(0.1, deadline - time.monotonic())
-            try:
-                child.process.wait(remaining)
-            except subprocess.TimeoutExpired:
-                logger.warning("%s (pid %d) did not stop: killing", child.role, child.process.pid)
-                child.process.kill()
-                child.process.wait()
+        for group in (gateways, others):
+            for child in group:
+                if child.process.poll() is None:
+                    child.process.send_signal(signal.SIGTERM)
+            for child in group:
+                self._wait_or_kill(child, deadline)
+
+    @staticmethod
+    def _wait_or_kill(child: Child, deadline: float) -> None:
+        try:
+            child.process.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            logger.warning("%s (pid %d) did not stop: killing", child.role, child.process.pid)
+            child.process.kill()
+            child.process.wait()
 
 
 def serve(gateway: GatewayRoleConfig, engine: EngineConfig, run_dir_base: str | None = None) -> int:
