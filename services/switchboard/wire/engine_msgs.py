@@ -106,15 +106,25 @@ class TensorRef(_Wire):
     frame_index: int  # index into the tensor frames that follow the body
 
 
+class TokenLogprobs(_Wire):
+    """Logprobs at one position: the chosen (sampled or prompt) token first, then the top-N."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]  # each token's rank in the vocabulary at this position (1 = most likely)
+
+
 class EngineCoreOutput(_Wire):
     request_id: str
     new_token_ids: list[int] = []
-    new_logprobs: list[list[float]] | None = None
+    new_logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked for
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id that ended it
     events: list[EngineCoreEvent] | None = None
     num_cached_tokens: int = 0  # prefill stat: prompt tokens served from the prefix cache
     num_preemptions: int = 0
+    prompt_logprobs: list[TokenLogprobs] | None = None  # first output only, when asked for
+    pooled_output: list[float] | None = None  # embedding (pooling requests), final output only
 
 
 class UtilityOutput(_Wire):

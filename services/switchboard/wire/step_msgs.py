@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from switchboard.wire.engine_msgs import SamplingParams
+from switchboard.wire.engine_msgs import SamplingParams, TokenLogprobs
 
 
 class _Wire(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -61,6 +61,10 @@ class ModelRunnerOutput(_Wire):
     step_id: int
     request_ids: list[str] = []  # same order as sampled_token_ids
     sampled_token_ids: list[list[int]] = []  # [] for a prefill chunk that sampled nothing
+    # Parallel to sampled_token_ids, for requests that asked for logprobs ([] otherwise).
+    logprobs: list[list[TokenLogprobs]] = []
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = {}  # per request, once its prompt is done
+    pooled_outputs: dict[str, list[float]] = {}  # pooling requests, once their prompt is done
 
 
 class ModelSummary(_Wire):
