@@ -33,6 +33,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import zmq
+
 from switchboard.wire import shm_ring
 from switchboard.wire.shm_ring import ShmRingReader, ShmRingWriter
 

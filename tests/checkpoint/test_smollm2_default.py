@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 from safetensors import safe_open
-from switchboard.checkpoint import resolve_model
 from tokenizers import Tokenizer
+
+from switchboard.checkpoint import resolve_model
 
 pytestmark = pytest.mark.slow
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+
 from switchboard.config import (
     CacheConfig,
     EngineConfig,
@@ -38,7 +39,6 @@ from switchboard.wire.engine_msgs import (
     UtilityCall,
     UtilityOutput,
 )
-
 from tests.tiny_checkpoint import tiny_llama_dir
 
 pytestmark = pytest.mark.slow

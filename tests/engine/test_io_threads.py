@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 import zmq
+
 from switchboard.engine.io_threads import InputThread, OutputThread, send_engine_dead_directly
 from switchboard.wire import zmq_channel
 from switchboard.wire.engine_msgs import (

@@ -6,6 +6,7 @@ import hashlib
 import struct
 
 import pytest
+
 from switchboard.engine.block_hash import ROOT_HASH, extend_block_hashes, token_bytes
 from switchboard.engine.block_pool import BlockPool
 from switchboard.engine.kv_cache import KVCacheManager

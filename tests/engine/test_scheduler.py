@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 from fake_worker import Driver, FakeWorker, default_token
+
 from switchboard.config import CacheConfig, SchedulerConfig
 from switchboard.engine.request import Request, RequestStatus
 from switchboard.engine.scheduler import Scheduler

@@ -13,9 +13,10 @@ import json
 from pathlib import Path
 
 import pytest
-from switchboard.gateway.text import Tokenizer
 from tokenizers import Tokenizer as HfTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+from switchboard.gateway.text import Tokenizer
 
 CORPUS = [
     "The capital of France is Paris. Hello world! héllo wörld, naïve café",

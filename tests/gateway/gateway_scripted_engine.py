@@ -13,6 +13,7 @@ import time
 
 import zmq
 import zmq.asyncio
+
 from switchboard.wire import zmq_channel
 from switchboard.wire.engine_msgs import (
     ENGINE_CORE_DEAD,

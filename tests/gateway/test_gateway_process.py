@@ -16,6 +16,7 @@ import grpc
 import pytest
 from gateway_scripted_engine import ScriptedEngine
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from switchboard.config import (
     GatewayConfig,
     GatewayRoleConfig,

@@ -22,6 +22,7 @@ from gateway_scripted_engine import ScriptedEngine
 from google.protobuf import struct_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
 from switchboard.api.v1 import admin_service_pb2 as admin_pb
 from switchboard.api.v1 import admin_service_pb2_grpc as admin_grpc
 from switchboard.api.v1 import generation_service_pb2 as pb

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from switchboard.gateway.text import IncrementalDetokenizer, TextStream, Tokenizer
 
 TEXTS = [

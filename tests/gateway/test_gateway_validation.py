@@ -8,6 +8,7 @@ from collections.abc import Callable
 import grpc
 import pytest
 from google.rpc import error_details_pb2
+
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.gateway.errors import ApiError
 from switchboard.gateway.model_facts import ModelFacts

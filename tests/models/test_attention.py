@@ -6,6 +6,7 @@ import random
 
 import torch
 import torch.nn.functional as F
+
 from switchboard.models.attention import (
     AttentionMetadata,
     DecodeBatch,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pytest
+
 from switchboard.models.hf_config import RopeConfig, parse_rope, parse_transformer_config
 
 BASE = {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from switchboard.models.hf_config import RopeConfig
 from switchboard.models.layers import (
     MergedLinear,

@@ -9,9 +9,9 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+
 from switchboard.models.hf_config import load_transformer_config
 from switchboard.models.loader import load_model, resolve_dtype
-
 from tests.tiny_checkpoint import tiny_llama_dir
 
 CPU = torch.device("cpu")

@@ -6,6 +6,7 @@ import msgspec
 import numpy as np
 import pytest
 import zmq
+
 from switchboard.wire import zmq_channel
 from switchboard.wire.engine_msgs import (
     ENGINE_CORE_DEAD,
@@ -20,6 +21,7 @@ from switchboard.wire.engine_msgs import (
     SamplingParams,
     SchedulerStats,
     TensorRef,
+    TokenLogprobs,
     UtilityCall,
     UtilityOutput,
 )
@@ -58,7 +60,10 @@ def full_outputs() -> EngineCoreOutputs:
     output = EngineCoreOutput(
         request_id="req-1",
         new_token_ids=[11, 12],
-        new_logprobs=[[-0.5], [-1.25]],
+        new_logprobs=[
+            TokenLogprobs([7, 3], [-0.5, -1.0], [1, 2]),
+            TokenLogprobs([9], [-1.25], [3]),
+        ],
         finish_reason=FinishReason.STOP,
         stop_reason=12,
         events=[

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 
 import msgspec
 import pytest
+
 from switchboard.wire.shm_ring import RingHandle, ShmRingReader, ShmRingWriter
 
 CTX = mp.get_context("spawn")

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+
 from switchboard.config import ModelConfig
 from switchboard.wire.engine_msgs import SamplingParams
 from switchboard.wire.step_msgs import CachedRequest, NewRequest, SchedulerOutput
 from switchboard.worker.model_runner import ModelRunner, StepLogits
-
 from tests.tiny_checkpoint import tiny_llama_dir
 
 BLOCK_SIZE = 4

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from switchboard.worker.sampler import (
     SamplingBatch,
     apply_top_k_top_p,

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import msgspec
 import pytest
 import zmq
+
 from switchboard.config import EngineConfig, ModelConfig, WorkerConfig, encode_config
 from switchboard.wire.engine_msgs import SamplingParams
 from switchboard.wire.shm_ring import ShmRingWriter
@@ -29,7 +30,6 @@ from switchboard.wire.step_msgs import (
     SchedulerOutput,
     WorkerStartup,
 )
-
 from tests.tiny_checkpoint import tiny_llama_dir
 
 pytestmark = pytest.mark.slow

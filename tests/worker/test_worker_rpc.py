@@ -6,6 +6,7 @@ import os
 
 import msgspec
 import pytest
+
 from switchboard.config import EngineConfig, ModelConfig, WorkerConfig
 from switchboard.wire.engine_msgs import SamplingParams
 from switchboard.wire.step_msgs import (
@@ -18,7 +19,6 @@ from switchboard.wire.step_msgs import (
 )
 from switchboard.worker.rpc import dispatch
 from switchboard.worker.worker import Worker, run_busy_loop
-
 from tests.tiny_checkpoint import tiny_llama_dir
 
 
