@@ -34,6 +34,7 @@ from switchboard.config import (
     ipc_address,
     new_run_dir,
 )
+from switchboard.wire.shm_ring import unlink_orphaned_segments
 
 logger = logging.getLogger("switchboard.launcher")
 
@@ -124,8 +125,16 @@ class Supervisor:
             return 0 if failed is None else 1
         finally:
             self._stop_all()
+            self._remove_orphaned_rings()
             shutil.rmtree(self._run_dir, ignore_errors=True)
             logger.info("removed run directory %s", self._run_dir)
+
+    def _remove_orphaned_rings(self) -> None:
+        """An engine killed with -9 cannot unlink its shared-memory ring: do it for it."""
+        for child in self._children:
+            if child.role.startswith("EngineCore"):
+                for name in unlink_orphaned_segments(child.process.pid):
+                    logger.warning("removed shared-memory ring %s left by %s", name, child.role)
 
     def _on_signal(self, signum: int, _frame) -> None:
         logger.info("received %s: stopping", signal.Signals(signum).name)

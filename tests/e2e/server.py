@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +17,34 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 READINESS_SERVICE = "switchboard.v1.GenerationService"
+
+
+def descendants(pid: int) -> list[int]:
+    """Pids of every process below ``pid`` (children, grandchildren, ...)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def process_title(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
 
 
 def free_port() -> int:
@@ -29,9 +59,19 @@ class RunningServer:
     target: str
     run_base: Path  # SWITCHBOARD_RPC_BASE_PATH: the server's run directory is created in here
     log_path: Path
+    leftovers: list[str] | None = None  # what stop() found in run_base (must be nothing)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def titled_processes(self) -> dict[str, int]:
+        """switchboard:: title -> pid, for the processes this server started."""
+        found = {}
+        for pid in descendants(self.process.pid):
+            title = process_title(pid)
+            if title.startswith("switchboard::"):
+                found[title.split()[0]] = pid
+        return found
 
     def channel(self) -> grpc.Channel:
         return grpc.insecure_channel(self.target)
@@ -42,7 +82,8 @@ class RunningServer:
             return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
 
     def stop(self, timeout: float = 60.0) -> int:
-        """SIGTERM the supervisor and wait; returns its exit code."""
+        """SIGTERM the supervisor and wait; returns its exit code. Records what the server left
+        in its run base in ``leftovers`` and removes the base."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         try:
@@ -51,17 +92,23 @@ class RunningServer:
             self.process.kill()
             self.process.wait()
             raise AssertionError(f"server did not stop within {timeout}s\n{self.log()}") from None
+        finally:
+            self.leftovers = sorted(p.name for p in self.run_base.iterdir())
+            shutil.rmtree(self.run_base, ignore_errors=True)
 
 
 def start_server(
-    model_dir: str, workdir: Path, *extra_args: str, ready_timeout: float = 180.0
+    model_dir: str | None, workdir: Path, *extra_args: str, ready_timeout: float = 180.0
 ) -> RunningServer:
+    """Start `switchboard serve` (model_dir None: the built-in default model) on a free port and
+    wait until it reports SERVING for generation."""
     port = free_port()
-    run_base = workdir / "run"
-    run_base.mkdir(parents=True, exist_ok=True)
+    # ipc:// paths must stay under 107 bytes: a short base in /tmp, not pytest's deep tmp_path.
+    run_base = Path(tempfile.mkdtemp(prefix="sb-"))
     log_path = workdir / "server.log"
     env = dict(os.environ, SWITCHBOARD_RPC_BASE_PATH=str(run_base), PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "switchboard.cli", "serve", "--model", model_dir,
+    model_args = ["--model", model_dir] if model_dir else []
+    cmd = [sys.executable, "-m", "switchboard.cli", "serve", *model_args,
            "--host", "127.0.0.1", "--port", str(port), *extra_args]  # fmt: skip
     with open(log_path, "wb") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

@@ -91,6 +91,30 @@ WRITER_MIN_SLEEP_S = 20e-6
 WRITER_MAX_SLEEP_S = 1e-3
 
 
+def segment_prefix(writer_pid: int) -> str:
+    """Every ring segment a process creates is named with this prefix and a random token."""
+    return f"sb_ring_{writer_pid}_"
+
+
+def unlink_orphaned_segments(writer_pid: int, shm_dir: str = "/dev/shm") -> list[str]:
+    """Unlink the segments of a writer that died without closing its rings (kill -9).
+
+    Only for a supervisor that knows ``writer_pid`` is gone; returns the names removed."""
+    removed = []
+    prefix = segment_prefix(writer_pid)
+    try:
+        names = [n for n in os.listdir(shm_dir) if n.startswith(prefix)]
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        try:
+            os.unlink(os.path.join(shm_dir, name))
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
 class RingHandle(msgspec.Struct, frozen=True, array_like=True):
     """Everything a reader needs to attach; travels as msgpack/JSON to the worker processes."""
 
@@ -128,7 +152,7 @@ class ShmRingWriter:
         os.makedirs(run_dir, exist_ok=True)
         notify_address = ipc_address(run_dir, f"ring-{token}-notify")
         side_address = ipc_address(run_dir, f"ring-{token}-side")
-        self._shm = create_segment(f"sb_ring_{os.getpid()}_{token}", size)
+        self._shm = create_segment(f"{segment_prefix(os.getpid())}{token}", size)
         try:
             self._sockets = WriterSockets(notify_address, side_address)
         except BaseException:

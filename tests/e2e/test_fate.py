@@ -1,0 +1,96 @@
+"""The fate model on one machine (DESIGN.md §5): stop cleanly, or die together and say so."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from switchboard.api.v1 import generation_service_pb2 as pb
+from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
+from tests.e2e.server import RunningServer, descendants, start_server
+from tests.tiny_checkpoint import make_tiny_llama
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
+
+
+def ring_segments(engine_pid: int) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"sb_ring_{engine_pid}_")]
+
+
+def assert_nothing_left(server: RunningServer, pids: list[int]) -> None:
+    if server.leftovers is None:
+        server.stop()
+    assert server.leftovers == [], "the run directory must be removed"
+    deadline = time.monotonic() + 15
+    while any(os.path.exists(f"/proc/{pid}") for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
+    assert left == [], f"processes left behind: {left}"
+
+
+def start_long_stream(server: RunningServer) -> tuple[threading.Thread, dict]:
+    """A greedy stream that runs until something stops it; records how it ended."""
+    outcome: dict = {"messages": 0}
+
+    def run() -> None:
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[0, 5, 6]))
+        request.sampling.temperature = 0.0
+        request.stopping.ignore_eos = True
+        request.stopping.max_tokens = 500
+        with server.channel() as channel:
+            stub = pb_grpc.GenerationServiceStub(channel)
+            try:
+                for _ in stub.Generate(request, timeout=120):
+                    outcome["messages"] += 1
+                    time.sleep(0.01)  # a slow reader keeps the request alive in the engine
+                outcome["code"] = grpc.StatusCode.OK
+            except grpc.RpcError as exc:
+                outcome["code"] = exc.code()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while outcome["messages"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return thread, outcome
+
+
+def test_sigterm_stops_everything_cleanly(tiny_model: str, tmp_path: Path) -> None:
+    server = start_server(tiny_model, tmp_path)
+    titled = server.titled_processes()
+    engine_pid = titled["switchboard::EngineCore_DP0"]
+    assert ring_segments(engine_pid), "the engine's ring lives in /dev/shm while it runs"
+    assert server.stop() == 0, server.log()
+    assert ring_segments(engine_pid) == []
+    assert_nothing_left(server, list(titled.values()))
+
+
+@pytest.mark.parametrize(
+    "victim", ["switchboard::Worker_DP0_PP0_TP0", "switchboard::EngineCore_DP0"]
+)
+def test_a_dead_process_takes_the_server_down(tiny_model: str, tmp_path: Path, victim: str) -> None:
+    """A worker death is reported by the engine (ENGINE_CORE_DEAD); an engine killed with -9 is
+    found by the gateway's heartbeat watch. Either way the pending stream fails UNAVAILABLE and
+    the whole server exits non-zero, leaving nothing behind."""
+    server = start_server(tiny_model, tmp_path)
+    titled = server.titled_processes()
+    engine_pid = titled["switchboard::EngineCore_DP0"]
+    thread, outcome = start_long_stream(server)
+    os.kill(titled[victim], signal.SIGKILL)
+    thread.join(60)
+    assert outcome.get("code") == grpc.StatusCode.UNAVAILABLE, (outcome, server.log())
+    code = server.process.wait(60)
+    assert code != 0, server.log()
+    assert ring_segments(engine_pid) == []
+    assert_nothing_left(server, list(titled.values()) + descendants(server.process.pid))
