@@ -271,3 +271,30 @@ def test_generate_command_streams_to_the_terminal(server: RunningServer, tmp_pat
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip()
     assert "completion tokens" in done.stderr
+
+
+def test_grpcurl_calls_the_api_through_reflection(server: RunningServer) -> None:
+    grpcurl = Path(sys.prefix) / "bin" / "grpcurl"
+    listed = subprocess.run(
+        [grpcurl, "-plaintext", server.target, "list"], capture_output=True, text=True, timeout=30
+    )
+    assert listed.returncode == 0, listed.stderr
+    assert {"switchboard.v1.GenerationService", "grpc.health.v1.Health"} <= set(
+        listed.stdout.split()
+    )
+    body = '{"text": "Hello", "sampling": {"temperature": 0}, "stopping": {"max_tokens": 3}}'
+    called = subprocess.run(
+        [
+            grpcurl,
+            "-plaintext",
+            "-d",
+            body,
+            server.target,
+            "switchboard.v1.GenerationService/Generate",
+        ],  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert called.returncode == 0, called.stderr
+    assert '"completionTokens": 3' in called.stdout or '"completion_tokens": 3' in called.stdout
