@@ -181,3 +181,210 @@ def tiny_llama_dir(**kwargs: Any) -> str:
 def tiny_llama() -> str:
     """Path of the default tiny Llama checkpoint (shared by the whole test session)."""
     return tiny_llama_dir()
+
+
+# -- other families: Qwen2, Mistral, GPT-2 ---------------------------------------------------
+
+
+def _jitter_norms_and_biases(model) -> None:
+    """transformers starts norm weights at 1 and biases at 0; jitter them so that a loader that
+    skips them (or swaps them) fails the tests."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            is_norm = "norm" in name or ".ln_" in name
+            if name.endswith(".bias") or (is_norm and name.endswith(".weight")):
+                param.add_(torch.randn_like(param) * 0.1)
+
+
+def _save_tiny(path: str, build_model, vocab_size: int, max_position_embeddings: int, seed: int):
+    """Train the tokenizer, build the model with ``build_model(bos, eos, pad)`` under ``seed``,
+    and write the whole checkpoint directory like ``make_tiny_llama`` does."""
+    import torch
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    os.makedirs(path, exist_ok=True)
+    tokenizer = _train_tokenizer(vocab_size)
+    tokenizer.save(os.path.join(path, "tokenizer.json"))
+    bos_id = tokenizer.token_to_id(BOS_TOKEN)
+    eos_id = tokenizer.token_to_id(EOS_TOKEN)
+    pad_id = tokenizer.token_to_id(PAD_TOKEN)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = build_model(bos_id, eos_id, pad_id)
+        _jitter_norms_and_biases(model)
+    model.save_pretrained(path)
+    _write_json(
+        os.path.join(path, "generation_config.json"),
+        {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id},
+    )
+    _write_json(
+        os.path.join(path, "tokenizer_config.json"),
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": BOS_TOKEN,
+            "eos_token": EOS_TOKEN,
+            "pad_token": PAD_TOKEN,
+            "model_max_length": max_position_embeddings,
+        },
+    )
+    for name in os.listdir(path):
+        os.chmod(os.path.join(path, name), 0o644)
+    return path
+
+
+def make_tiny_qwen2(
+    path: str,
+    *,
+    seed: int = 0,
+    vocab_size: int = 1024,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 512,
+    tie_word_embeddings: bool = False,
+    rope_theta: float = 10000.0,
+    sliding_window: int | None = None,
+    max_window_layers: int = 1,
+    initializer_range: float = 0.25,
+) -> str:
+    """A tiny seeded Qwen2 checkpoint (biases on q/k/v). ``sliding_window`` switches the
+    window on (``use_sliding_window``) for layers ``max_window_layers`` and up."""
+
+    def build(bos_id: int, eos_id: int, pad_id: int):
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        config = Qwen2Config(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            max_position_embeddings=max_position_embeddings,
+            rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+            use_sliding_window=sliding_window is not None,
+            sliding_window=sliding_window,
+            max_window_layers=max_window_layers,
+            tie_word_embeddings=tie_word_embeddings,
+            initializer_range=initializer_range,
+            bos_token_id=bos_id,
+            eos_token_id=eos_id,
+            pad_token_id=pad_id,
+            dtype="float32",
+        )
+        return Qwen2ForCausalLM(config)
+
+    return _save_tiny(path, build, vocab_size, max_position_embeddings, seed)
+
+
+def make_tiny_mistral(
+    path: str,
+    *,
+    seed: int = 0,
+    vocab_size: int = 1024,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int | None = None,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 512,
+    rope_theta: float = 10000.0,
+    sliding_window: int | None = 12,
+    initializer_range: float = 0.25,
+) -> str:
+    """A tiny seeded Mistral checkpoint; ``sliding_window`` (on every layer) defaults to fewer
+    tokens than the test prompts so the window matters."""
+
+    def build(bos_id: int, eos_id: int, pad_id: int):
+        from transformers import MistralConfig, MistralForCausalLM
+
+        config = MistralConfig(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=max_position_embeddings,
+            rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+            sliding_window=sliding_window,
+            initializer_range=initializer_range,
+            bos_token_id=bos_id,
+            eos_token_id=eos_id,
+            pad_token_id=pad_id,
+            dtype="float32",
+        )
+        return MistralForCausalLM(config)
+
+    return _save_tiny(path, build, vocab_size, max_position_embeddings, seed)
+
+
+def make_tiny_gpt2(
+    path: str,
+    *,
+    seed: int = 0,
+    vocab_size: int = 1024,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_heads: int = 4,
+    max_position_embeddings: int = 512,
+    tie_word_embeddings: bool = True,
+    activation_function: str = "gelu_new",
+    initializer_range: float = 0.25,
+) -> str:
+    """A tiny seeded GPT-2 checkpoint (learned positions, LayerNorm, fused Conv1D c_attn)."""
+
+    def build(bos_id: int, eos_id: int, pad_id: int):
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(
+            vocab_size=vocab_size,
+            n_embd=hidden_size,
+            n_layer=num_layers,
+            n_head=num_heads,
+            n_positions=max_position_embeddings,
+            activation_function=activation_function,
+            tie_word_embeddings=tie_word_embeddings,
+            initializer_range=initializer_range,
+            bos_token_id=bos_id,
+            eos_token_id=eos_id,
+            pad_token_id=pad_id,
+            dtype="float32",
+        )
+        return GPT2LMHeadModel(config)
+
+    return _save_tiny(path, build, vocab_size, max_position_embeddings, seed)
+
+
+TINY_FAMILIES = {
+    "llama": make_tiny_llama,
+    "qwen2": make_tiny_qwen2,
+    "mistral": make_tiny_mistral,
+    "gpt2": make_tiny_gpt2,
+}
+
+
+def tiny_checkpoint_dir(family: str, **kwargs: Any) -> str:
+    """The checkpoint ``TINY_FAMILIES[family](path, **kwargs)`` writes, built once per process."""
+    if family == "llama":
+        return tiny_llama_dir(**kwargs)
+    global _cache_root
+    key = hashlib.sha1(json.dumps([family, kwargs], sort_keys=True).encode()).hexdigest()[:12]
+    if key in _built:
+        return _built[key]
+    if _cache_root is None:
+        _cache_root = tempfile.mkdtemp(prefix="switchboard-tiny-llama-")
+        atexit.register(_remove_cache_root)
+    path = os.path.join(_cache_root, f"tiny-{family}-{key}")
+    building = path + ".partial"
+    TINY_FAMILIES[family](building, **kwargs)
+    os.rename(building, path)  # readers never see a half-written checkpoint
+    _built[key] = path
+    return path

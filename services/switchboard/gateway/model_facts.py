@@ -3,6 +3,12 @@
 The checkpoint gives the end-of-sequence ids and the sampling defaults (generation_config.json);
 the engine's READY gives the facts that may differ from configuration (max_model_len after
 fitting the KV cache, vocabulary size, dtype), and those win once an engine is ready.
+
+Sampling defaults follow vLLM: the knobs generation_config.json sets (temperature, top_p, top_k,
+min_p, repetition_penalty, and max_new_tokens as a cap on max_tokens) fill the request fields a
+client leaves unset; a field the client sets always wins. Like vLLM, ``do_sample`` is not read:
+a checkpoint that sets ``temperature`` samples by default. A value outside its valid range is
+dropped with a warning rather than making every request fail.
 """
 
 from __future__ import annotations
@@ -10,7 +16,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 from switchboard.config import ModelConfig
@@ -18,8 +26,43 @@ from switchboard.wire.engine_msgs import EngineReady
 
 logger = logging.getLogger(__name__)
 
-# Sampling knobs whose unset value comes from generation_config.json (as in vLLM).
-_DEFAULT_KNOBS = ("temperature", "top_p", "top_k")
+# Sampling knobs whose unset value comes from generation_config.json (as in vLLM), each with
+# the rule a value must follow to be used.
+_DEFAULT_KNOBS: dict[str, Callable[[float], bool]] = {
+    "temperature": lambda v: v >= 0,
+    "top_p": lambda v: 0 < v <= 1,
+    "top_k": lambda v: v >= -1 and float(v).is_integer(),
+    "min_p": lambda v: 0 <= v <= 1,
+    "repetition_penalty": lambda v: v > 0,
+}
+# generation_config.json name -> our name, for knobs that are named differently.
+_RENAMED_KNOBS = {"max_new_tokens": "max_tokens"}
+
+
+def sampling_defaults_from(generation_config: dict[str, Any]) -> dict[str, float | int]:
+    """The request defaults a generation_config.json supplies: knob -> value.
+
+    ``max_tokens`` (from ``max_new_tokens``) caps the default output length; the others are
+    used as is. ``top_k`` and ``max_tokens`` are ints, the rest floats.
+    """
+    defaults: dict[str, float | int] = {}
+    for knob, is_valid in _DEFAULT_KNOBS.items():
+        value = generation_config.get(knob)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            logger.warning("generation_config.json: %s=%r is not a number; ignored", knob, value)
+        elif not math.isfinite(value) or not is_valid(value):
+            logger.warning("generation_config.json: %s=%r is out of range; ignored", knob, value)
+        else:
+            defaults[knob] = int(value) if knob == "top_k" else float(value)
+    for source, knob in _RENAMED_KNOBS.items():
+        value = generation_config.get(source)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+            defaults[knob] = value
+        elif value is not None:
+            logger.warning("generation_config.json: %s=%r is not >= 1; ignored", source, value)
+    return defaults
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -48,7 +91,7 @@ class ModelFacts:
     bos_token_id: int | None
     dtype: str
     generation_config: dict[str, Any]  # the checkpoint's generation_config.json, as is
-    sampling_defaults: dict[str, float | int]  # temperature / top_p / top_k from it
+    sampling_defaults: dict[str, float | int]  # see sampling_defaults_from
 
     @classmethod
     def from_checkpoint(cls, model: ModelConfig, tokenizer_vocab_size: int = 0) -> ModelFacts:
@@ -58,13 +101,12 @@ class ModelFacts:
         for source in (config, generation_config):
             eos += [t for t in _token_ids(source.get("eos_token_id")) if t not in eos]
         bos = generation_config.get("bos_token_id", config.get("bos_token_id"))
-        max_model_len = model.max_model_len or int(config.get("max_position_embeddings") or 0)
+        max_positions = config.get("max_position_embeddings") or config.get("n_positions")
+        max_model_len = model.max_model_len or int(max_positions or 0)
         vocab_size = int(config.get("vocab_size") or tokenizer_vocab_size)
-        defaults = {
-            knob: generation_config[knob]
-            for knob in _DEFAULT_KNOBS
-            if isinstance(generation_config.get(knob), int | float)
-        }
+        defaults = sampling_defaults_from(generation_config)
+        if defaults:
+            logger.info("request defaults from generation_config.json: %s", defaults)
         return cls(
             name=model.name,
             model_path=model.model,
@@ -72,7 +114,9 @@ class ModelFacts:
             vocab_size=vocab_size,
             eos_token_ids=tuple(eos),
             bos_token_id=bos if isinstance(bos, int) else None,
-            dtype=model.dtype if model.dtype != "auto" else str(config.get("torch_dtype", "")),
+            dtype=model.dtype
+            if model.dtype != "auto"
+            else str(config.get("dtype") or config.get("torch_dtype") or ""),
             generation_config=generation_config,
             sampling_defaults=defaults,
         )

@@ -214,7 +214,9 @@ def build_engine_request(
 ) -> EngineCoreRequest:
     """The wire-1 request for a checked prompt (see ``resolve_prompt``)."""
     room = facts.max_model_len - len(prompt_token_ids)
-    max_tokens = plan.max_tokens if plan.max_tokens is not None else room
+    # Unset: as much as the room allows, capped by generation_config.json's max_new_tokens.
+    default_max_tokens = min(room, int(facts.sampling_defaults.get("max_tokens", room)))
+    max_tokens = plan.max_tokens if plan.max_tokens is not None else default_max_tokens
     if max_tokens > room:
         raise invalid_argument(
             "stopping.max_tokens",

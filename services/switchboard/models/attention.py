@@ -12,6 +12,10 @@ block_size + p % block_size``. Each step first writes the new tokens' K/V into t
 block table. Decoding requests (one query token each) are gathered and attended in one padded
 batch; requests with several query tokens (prefill chunks) one at a time, with a causal mask
 shifted by the tokens already in the cache.
+
+A sliding-window layer (Mistral, some Qwen2 layers) masks keys more than ``sliding_window - 1``
+positions behind each query, as transformers does (``kv_pos > q_pos - window``). The blocks
+behind the window stay allocated: the mask is exact, only the memory saving is not taken.
 """
 
 from __future__ import annotations
@@ -84,25 +88,33 @@ def paged_attention(
     kv_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Attention for all requests of a step.
 
     ``query`` is ``[num_tokens, heads, head_dim]``; ``key``/``value`` are this step's new
     ``[num_tokens, kv_heads, head_dim]``. Returns ``[num_tokens, heads * head_dim]``.
+    ``sliding_window`` = how many positions (the query's own included) a query sees.
     """
     write_kv(kv_cache, key, value, metadata.slot_mapping)
     output = torch.empty_like(query)
     if metadata.decode is not None:
         decode = metadata.decode
-        output[: decode.size] = _decode_attention(query[: decode.size], kv_cache, decode, scale)
+        output[: decode.size] = _decode_attention(
+            query[: decode.size], kv_cache, decode, scale, sliding_window
+        )
     for span in metadata.prefills:
         rows = slice(span.token_start, span.token_start + span.num_tokens)
-        output[rows] = _prefill_attention(query[rows], kv_cache, span, scale)
+        output[rows] = _prefill_attention(query[rows], kv_cache, span, scale, sliding_window)
     return output.flatten(1)
 
 
 def _decode_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, batch: DecodeBatch, scale: float
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    batch: DecodeBatch,
+    scale: float,
+    sliding_window: int | None,
 ) -> torch.Tensor:
     size, max_blocks = batch.block_table.shape
     block_size, _, head_dim = kv_cache.shape[2:]
@@ -112,7 +124,10 @@ def _decode_attention(
     keys = gathered[0, :, :length].transpose(1, 2)
     values = gathered[1, :, :length].transpose(1, 2)
     positions = torch.arange(length, device=query.device)
-    mask = (positions[None, :] < batch.context_lens[:, None])[:, None, None, :]
+    mask = positions[None, :] < batch.context_lens[:, None]
+    if sliding_window is not None:  # the query sits at context_len - 1
+        mask &= positions[None, :] >= (batch.context_lens - sliding_window)[:, None]
+    mask = mask[:, None, None, :]
     out = F.scaled_dot_product_attention(
         query[:, :, None, :], keys, values, attn_mask=mask, scale=scale, enable_gqa=True
     )
@@ -120,14 +135,19 @@ def _decode_attention(
 
 
 def _prefill_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, span: PrefillSpan, scale: float
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    span: PrefillSpan,
+    scale: float,
+    sliding_window: int | None,
 ) -> torch.Tensor:
     length = span.context_len
     blocks = kv_cache[:, span.block_ids].flatten(1, 2)[:, :length]  # [2, length, kv_heads, dim]
     keys = blocks[0].transpose(0, 1)[None]
     values = blocks[1].transpose(0, 1)[None]
     queries = query.transpose(0, 1)[None]  # [1, heads, num_tokens, dim]
-    if span.num_tokens == length:  # nothing cached before this chunk: plain causal
+    if span.num_tokens == length and (sliding_window is None or sliding_window >= length):
+        # Nothing cached before this chunk and no window cut: plain causal.
         out = F.scaled_dot_product_attention(
             queries, keys, values, is_causal=True, scale=scale, enable_gqa=True
         )
@@ -137,6 +157,8 @@ def _prefill_attention(
         query_pos = torch.arange(first, length, device=query.device)
         key_pos = torch.arange(length, device=query.device)
         mask = key_pos[None, :] <= query_pos[:, None]
+        if sliding_window is not None:
+            mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
         out = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
         )

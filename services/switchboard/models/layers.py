@@ -1,4 +1,5 @@
-"""Building blocks shared by the model families: norm, rotary embedding, fused linears.
+"""Building blocks shared by the model families: norms, embeddings, activations, rotary
+embedding, fused linears.
 
 Every layer works on *flattened* tokens: the tokens of all requests in a step are one
 ``[num_tokens, ...]`` batch, so the linear layers see one big matmul per step.
@@ -7,6 +8,7 @@ Every layer works on *flattened* tokens: the tokens of all requests in a step ar
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +32,19 @@ class RMSNorm(nn.Module):
         return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(input_dtype)
 
 
+class LayerNorm(nn.Module):
+    """Mean-and-variance norm with a bias (GPT-2), computed like ``nn.LayerNorm``."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.bias = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
 class VocabEmbedding(nn.Module):
     """Token embedding table, uninitialised: its weights always come from a checkpoint."""
 
@@ -39,6 +54,10 @@ class VocabEmbedding(nn.Module):
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(token_ids, self.weight)
+
+
+class PositionEmbedding(VocabEmbedding):
+    """Learned absolute positions (GPT-2): row ``p`` is added to the token at position ``p``."""
 
 
 class Linear(nn.Module):
@@ -90,6 +109,28 @@ class MergedLinear(Linear):
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# transformers' ACT2FN names -> the function. gelu_new (GPT-2's) is the tanh approximation.
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu,
+    "gelu_new": _gelu_tanh,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu_fast": _gelu_tanh,
+    "relu": F.relu,
+    "silu": F.silu,
+    "swish": F.silu,
+}
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"unsupported activation {name!r}; supported: {', '.join(_ACTIVATIONS)}")
+    return _ACTIVATIONS[name]
 
 
 def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:

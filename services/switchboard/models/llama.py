@@ -3,11 +3,16 @@
 Parameters keep Hugging Face's names except two fused layers: ``qkv_proj`` holds
 ``q_proj``/``k_proj``/``v_proj`` and ``gate_up_proj`` holds ``gate_proj``/``up_proj``
 (one matmul instead of three or two). ``load_weights`` maps checkpoint names onto them.
+
+Qwen2 and Mistral are this architecture with other attention choices (biases, sliding
+window); their families subclass :class:`LlamaForCausalLM` and override
+:meth:`LlamaForCausalLM.attention_layout`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -23,33 +28,34 @@ from switchboard.models.layers import (
     apply_rotary,
     silu_and_mul,
 )
+from switchboard.models.weights import LLAMA_STACKED_MODULES, load_named_weights
 
-# checkpoint module name -> (our fused module name, shard name)
-_STACKED_MODULES = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", "gate"),
-    "up_proj": ("gate_up_proj", "up"),
-}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+@dataclass(frozen=True)
+class AttentionLayout:
+    """The choices that differ between Llama-style families, per layer."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    sliding_window: int | None = None  # None = full causal attention
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config: TransformerConfig) -> None:
+    def __init__(self, config: TransformerConfig, layout: AttentionLayout) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
+        self.sliding_window = layout.sliding_window
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(
-            config.hidden_size,
-            {"q": q_size, "k": kv_size, "v": kv_size},
-            bias=config.attention_bias,
+            config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=layout.qkv_bias
         )
-        self.o_proj = Linear(q_size, config.hidden_size, bias=config.attention_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=layout.o_bias)
 
     def forward(
         self,
@@ -64,7 +70,9 @@ class LlamaAttention(nn.Module):
         query = apply_rotary(query.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
         key = apply_rotary(key.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
         value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
-        attended = paged_attention(query, key, value, kv_cache, metadata, self.scale)
+        attended = paged_attention(
+            query, key, value, kv_cache, metadata, self.scale, self.sliding_window
+        )
         return self.o_proj(attended)
 
 
@@ -84,10 +92,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: TransformerConfig) -> None:
+    def __init__(self, config: TransformerConfig, layout: AttentionLayout) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config)
+        self.self_attn = LlamaAttention(config, layout)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
@@ -104,10 +112,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: TransformerConfig) -> None:
+    def __init__(self, config: TransformerConfig, layouts: list[AttentionLayout]) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, layout) for layout in layouts)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -119,13 +127,23 @@ class LlamaForCausalLM(nn.Module):
         allocated (uninitialised) where they will live, then filled by ``load_weights``."""
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        layouts = [self.attention_layout(config, i) for i in range(config.num_layers)]
+        self.model = LlamaModel(config, layouts)
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, device)
         # Tied embeddings: the output projection reuses embed_tokens.weight, so there is
         # no lm_head parameter at all (and a checkpoint's copy of it is ignored).
         self.lm_head: Linear | None = None
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @classmethod
+    def attention_layout(cls, config: TransformerConfig, layer_index: int) -> AttentionLayout:
+        """Llama: one ``attention_bias`` switch for all four projections."""
+        return AttentionLayout(
+            qkv_bias=config.attention_bias,
+            o_bias=config.attention_bias,
+            sliding_window=config.layer_sliding_window(layer_index),
+        )
 
     def forward(
         self,
@@ -147,45 +165,14 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors into the parameters; returns the parameter names filled."""
-        params = dict(self.named_parameters())
-        modules = dict(self.named_modules())
-        loaded: set[str] = set()
+        return load_named_weights(self, self._checkpoint_tensors(weights), LLAMA_STACKED_MODULES)
+
+    def _checkpoint_tensors(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterable[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
             if name.startswith("lm_head.") and self.lm_head is None:
-                continue
-            module_path, _, param_name = name.rpartition(".")
-            parent, _, module_name = module_path.rpartition(".")
-            if module_name in _STACKED_MODULES:
-                fused_name, shard = _STACKED_MODULES[module_name]
-                fused_path = f"{parent}.{fused_name}"
-                modules[fused_path].load_shard(shard, param_name, tensor)
-                loaded.add(f"{fused_path}.{param_name}#{shard}")
-                continue
-            if name not in params:
-                raise KeyError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            param = params[name]
-            if param.shape != tensor.shape:
-                raise ValueError(
-                    f"{name}: checkpoint shape {tuple(tensor.shape)}, "
-                    f"model shape {tuple(param.shape)}"
-                )
-            with torch.no_grad():
-                param.copy_(tensor)
-            loaded.add(name)
-        return _collapse_shards(loaded, modules)
-
-
-def _collapse_shards(loaded: set[str], modules: dict[str, nn.Module]) -> set[str]:
-    """Count a fused parameter as loaded once every one of its shards was."""
-    result = {name for name in loaded if "#" not in name}
-    shards_seen: dict[str, set[str]] = {}
-    for name in loaded - result:
-        param_path, shard = name.split("#")
-        shards_seen.setdefault(param_path, set()).add(shard)
-    for param_path, shards in shards_seen.items():
-        module = modules[param_path.rpartition(".")[0]]
-        if shards == set(module.shard_sizes):
-            result.add(param_path)
-    return result
+                continue  # a tied checkpoint's copy of the embedding matrix
+            yield name, tensor

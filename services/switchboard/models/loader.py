@@ -21,8 +21,11 @@ from safetensors import safe_open
 from torch import nn
 
 from switchboard.models.attention import AttentionMetadata
+from switchboard.models.gpt2 import GPT2LMHeadModel
 from switchboard.models.hf_config import TransformerConfig, load_transformer_config
 from switchboard.models.llama import LlamaForCausalLM
+from switchboard.models.mistral import MistralForCausalLM
+from switchboard.models.qwen2 import Qwen2ForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -57,12 +60,20 @@ class CausalLM(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
-# Hugging Face architecture name -> our implementation. Qwen2, Mistral and GPT-2 come later.
+# Hugging Face architecture name -> our implementation.
 MODEL_FAMILIES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "GPT2LMHeadModel": GPT2LMHeadModel,
 }
 # For configs without "architectures": model_type -> architecture name.
-_MODEL_TYPES = {"llama": "LlamaForCausalLM"}
+_MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+}
 
 
 def model_family(config: TransformerConfig) -> type[nn.Module]:

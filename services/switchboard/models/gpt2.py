@@ -1,0 +1,160 @@
+"""The GPT-2 family: learned absolute positions, LayerNorm before each block, GELU MLP, and
+multi-head attention whose query, key and value come from one fused ``c_attn`` projection.
+
+Parameters keep Hugging Face's names (``transformer.wte``, ``transformer.h.<i>.attn.c_attn`` …).
+Checkpoints store GPT-2's projections as ``Conv1D`` weights, ``[in, out]``; ``load_weights``
+transposes them into our ``[out, in]`` linears and splits ``c_attn`` into its q/k/v shards (so a
+tensor-parallel linear can take its slice of each). Old checkpoints without the
+``transformer.`` prefix load too; their causal-mask buffers (``attn.bias``,
+``attn.masked_bias``) are not weights and are skipped. The output projection is tied to
+``wte`` unless ``tie_word_embeddings`` is false.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from switchboard.models.attention import AttentionMetadata, paged_attention
+from switchboard.models.hf_config import TransformerConfig
+from switchboard.models.layers import (
+    LayerNorm,
+    Linear,
+    MergedLinear,
+    PositionEmbedding,
+    VocabEmbedding,
+    activation,
+)
+from switchboard.models.weights import load_named_weights
+
+_PREFIX = "transformer."
+_CONV1D_MODULES = ("c_attn", "c_proj", "c_fc")
+_MASK_BUFFERS = (".attn.bias", ".attn.masked_bias")
+# The split parts of c_attn -> (fused module, shard); see ``_checkpoint_tensors``.
+_STACKED_MODULES = {
+    "q_proj": ("c_attn", "q"),
+    "k_proj": ("c_attn", "k"),
+    "v_proj": ("c_attn", "v"),
+}
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, config: TransformerConfig, layer_index: int) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.num_heads = config.num_heads
+        self.head_dim = hidden // config.num_heads
+        self.scale = self.head_dim**-0.5 if config.raw.get("scale_attn_weights", True) else 1.0
+        if config.raw.get("scale_attn_by_inverse_layer_idx", False):
+            self.scale /= float(layer_index + 1)
+        self.c_attn = MergedLinear(hidden, {"q": hidden, "k": hidden, "v": hidden}, bias=True)
+        self.c_proj = Linear(hidden, hidden, bias=True)
+
+    def forward(
+        self, hidden: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        shape = (hidden.shape[0], self.num_heads, self.head_dim)
+        query, key, value = (part.view(shape) for part in self.c_attn.split(self.c_attn(hidden)))
+        return self.c_proj(paged_attention(query, key, value, kv_cache, metadata, self.scale))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.c_fc = Linear(config.hidden_size, config.intermediate_size, bias=True)
+        self.act = activation(config.hidden_act)
+        self.c_proj = Linear(config.intermediate_size, config.hidden_size, bias=True)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.act(self.c_fc(hidden)))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, config: TransformerConfig, layer_index: int) -> None:
+        super().__init__()
+        self.ln_1 = LayerNorm(config.hidden_size, config.layer_norm_eps)
+        self.attn = GPT2Attention(config, layer_index)
+        self.ln_2 = LayerNorm(config.hidden_size, config.layer_norm_eps)
+        self.mlp = GPT2MLP(config)
+
+    def forward(
+        self, hidden: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        hidden = hidden + self.attn(self.ln_1(hidden), kv_cache, metadata)
+        return hidden + self.mlp(self.ln_2(hidden))
+
+
+class GPT2Model(nn.Module):
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.wte = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.wpe = PositionEmbedding(config.max_position_embeddings, config.hidden_size)
+        self.h = nn.ModuleList(GPT2Block(config, i) for i in range(config.num_layers))
+        self.ln_f = LayerNorm(config.hidden_size, config.layer_norm_eps)
+
+
+class GPT2LMHeadModel(nn.Module):
+    """``forward`` maps this step's flattened tokens to final hidden states."""
+
+    def __init__(self, config: TransformerConfig, device: torch.device | str) -> None:
+        super().__init__()
+        if config.raw.get("add_cross_attention"):
+            raise ValueError("GPT-2 with cross-attention (an encoder-decoder) is not supported")
+        if config.hidden_size % config.num_heads:
+            raise ValueError(
+                f"hidden size {config.hidden_size} is not divisible by {config.num_heads} heads"
+            )
+        self.config = config
+        self.transformer = GPT2Model(config)
+        self.lm_head: Linear | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = self.transformer.wte(input_ids) + self.transformer.wpe(positions)
+        for block, kv_cache in zip(self.transformer.h, kv_caches, strict=True):
+            hidden = block(hidden, kv_cache, metadata)
+        return self.transformer.ln_f(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[rows, vocab]`` for the given final hidden states."""
+        weight = self.lm_head.weight if self.lm_head else self.transformer.wte.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors into the parameters; returns the parameter names filled."""
+        return load_named_weights(self, self._checkpoint_tensors(weights), _STACKED_MODULES)
+
+    def _checkpoint_tensors(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterable[tuple[str, torch.Tensor]]:
+        """Checkpoint tensors renamed, transposed and split into this model's layout."""
+        for name, tensor in weights:
+            if name.startswith("lm_head."):
+                if self.lm_head is not None:
+                    yield name, tensor
+                continue  # tied: a copy of wte
+            if not name.startswith(_PREFIX):
+                name = _PREFIX + name
+            if name.endswith(_MASK_BUFFERS):
+                continue
+            module_path, _, param_name = name.rpartition(".")
+            parent, _, module_name = module_path.rpartition(".")
+            if module_name not in _CONV1D_MODULES:
+                yield name, tensor
+                continue
+            if param_name == "weight":
+                tensor = tensor.t()
+            if module_name != "c_attn":
+                yield name, tensor
+                continue
+            for part, piece in zip(("q_proj", "k_proj", "v_proj"), tensor.chunk(3), strict=True):
+                yield f"{parent}.{part}.{param_name}", piece
