@@ -331,7 +331,7 @@ def test_sleep_frees_kv_and_requests_wait_until_wake_up(engine: EngineUnderTest)
         assert outputs is not None
         collected += [o for o in outputs.outputs if o.request_id == "sleepy"]
     assert sum(len(o.new_token_ids) for o in collected) == 3
-    assert engine.call_utility(205, "sleep", 2).failure_message  # level 2 is not supported
+    assert engine.call_utility(205, "sleep", 3).failure_message  # levels are 1 and 2 only
 
 
 def test_engine_exits_when_its_parent_dies(model_dir: str) -> None:

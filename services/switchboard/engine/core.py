@@ -36,6 +36,7 @@ from switchboard import __version__
 from switchboard.config import EngineConfig, new_run_dir
 from switchboard.engine.executor import MultiprocExecutor
 from switchboard.engine.io_threads import InputThread, OutputThread, send_engine_dead_directly
+from switchboard.engine.kv_sizing import check_num_blocks, fit_max_model_len
 from switchboard.engine.request import Request
 from switchboard.engine.scheduler import Scheduler
 from switchboard.engine.utility import run_utility
@@ -98,6 +99,7 @@ class EngineCore:
         self.engine_index = config.data_parallel_rank
         self.block_size = config.cache.block_size
         self.sleeping = False
+        self.sleep_level = 0  # 1: KV cache freed; 2: weights dropped too (engine/utility.py)
         self.input_queue = input_queue
         self.aborts_queue: queue.Queue[list[str]] = queue.Queue()
         self.output_queue: queue.Queue[Any] = queue.Queue()
@@ -119,12 +121,17 @@ class EngineCore:
         self.executor = MultiprocExecutor(config, self.run_dir, self._on_executor_failure)
         logger.info("Workers ready: pids %s", [w.pid for w in self.executor.workers])
         summary = self.executor.load_model()
-        self.num_gpu_blocks = config.cache.num_gpu_blocks_override or (
-            self.executor.determine_num_kv_blocks(
+        if config.cache.num_gpu_blocks_override:
+            num_blocks, source = config.cache.num_gpu_blocks_override, "--num-gpu-blocks-override"
+        else:
+            num_blocks = self.executor.determine_num_kv_blocks(
                 self.block_size, config.cache.kv_cache_memory_bytes
             )
+            source = "the workers' memory budget"
+        self.num_gpu_blocks = check_num_blocks(num_blocks, self.block_size, source)
+        self.max_model_len = fit_max_model_len(
+            config.model.max_model_len, summary.max_position_embeddings, self.kv_capacity_tokens
         )
-        self.max_model_len = self._fit_max_model_len(summary.max_position_embeddings)
         self.executor.initialize_kv_cache(self.num_gpu_blocks, self.block_size)
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens); max_model_len %d",
@@ -162,27 +169,6 @@ class EngineCore:
     @property
     def kv_capacity_tokens(self) -> int:
         return self.num_gpu_blocks * self.block_size
-
-    def _fit_max_model_len(self, max_position_embeddings: int) -> int:
-        max_model_len = self.config.model.max_model_len or max_position_embeddings
-        if max_model_len > max_position_embeddings:
-            logger.warning(
-                "max_model_len %d exceeds the model's %d positions; using %d",
-                max_model_len,
-                max_position_embeddings,
-                max_position_embeddings,
-            )
-            max_model_len = max_position_embeddings
-        if max_model_len > self.kv_capacity_tokens:
-            logger.warning(
-                "The KV cache holds %d tokens, less than max_model_len %d: "
-                "max_model_len auto-fitted down to %d",
-                self.kv_capacity_tokens,
-                max_model_len,
-                self.kv_capacity_tokens,
-            )
-            max_model_len = self.kv_capacity_tokens
-        return max_model_len
 
     def _start_io_threads(self) -> None:
         self._output_thread = OutputThread(

@@ -219,6 +219,13 @@ class MultiprocExecutor:
     def free_kv_cache(self) -> None:
         self.collective_rpc("free_kv_cache")
 
+    def sleep(self, level: int) -> None:
+        self.collective_rpc("sleep", (level,))
+
+    def wake_up(self) -> None:
+        # Level 2 reloads the weights from the checkpoint: as long as loading them at start.
+        self.collective_rpc("wake_up", timeout=LOAD_MODEL_TIMEOUT_S)
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         result = self.collective_rpc(
             "execute_model",

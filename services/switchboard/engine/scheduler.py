@@ -358,6 +358,19 @@ class Scheduler:
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
 
+    def preempt_all(self) -> int:
+        """Put every running request back in the waiting queue with its blocks freed (the
+        engine is going to sleep; they are recomputed after waking). Returns how many.
+
+        Sleeping workers drop every request's state themselves, so the victims' ids are not
+        sent as finished: they would otherwise meet their own re-admission in the next step."""
+        victims = list(self.running)
+        plan = StepPlan(0)
+        for request in reversed(victims):  # newest first: the oldest ends at the queue's front
+            self._preempt(request, plan)
+            del self._finished_ids[request.request_id]
+        return len(victims)
+
     def get_stats(self) -> dict:
         """The ``get_stats`` utility: plain values an operator can read."""
         queries = self.kv.prefix_queries

@@ -7,9 +7,11 @@ reach the engine's socket must not be able to reach arbitrary engine (or worker)
 way ``getattr`` would allow. Any other name, and any exception, becomes a failure reply; a
 utility never takes the engine down.
 
-Sleep (level 1) frees the workers' KV cache and keeps the model loaded; while asleep the
-engine takes requests but schedules nothing, and ``wake_up`` re-creates the KV cache with the
-same number of blocks so that the scheduler's block accounting stays valid.
+Sleep frees device memory: level 1 the workers' KV cache, level 2 the model weights too.
+Requests running at that moment are preempted (they are recomputed after waking, the same
+as any preemption); while asleep the engine takes requests but schedules nothing. ``wake_up``
+reloads the weights from the checkpoint (level 2) and re-creates the KV cache with the same
+number of blocks, so the scheduler's block accounting stays valid.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class UtilityTarget(Protocol):
     num_gpu_blocks: int
     block_size: int
     sleeping: bool
+    sleep_level: int
 
 
 def reset_prefix_cache(core: UtilityTarget) -> bool:
@@ -41,6 +44,7 @@ def reset_prefix_cache(core: UtilityTarget) -> bool:
 def get_stats(core: UtilityTarget) -> dict[str, Any]:
     stats = dict(core.scheduler.get_stats())
     stats["is_sleeping"] = core.sleeping
+    stats["sleep_level"] = core.sleep_level
     return stats
 
 
@@ -49,25 +53,31 @@ def is_sleeping(core: UtilityTarget) -> bool:
 
 
 def sleep(core: UtilityTarget, level: int = 1) -> None:
-    """Free the KV cache on every worker; new requests wait until ``wake_up``."""
-    if level != 1:
-        raise ValueError(f"sleep level {level} is not supported (only level 1: free the KV cache)")
-    if core.sleeping:
+    """Free the KV cache (level 1) and the weights (level 2) on every worker; requests wait
+    until ``wake_up``. Sleeping deeper than now is allowed; shallower is a no-op."""
+    if level not in (1, 2):  # JSON numbers may arrive as 2.0: compare by value
+        raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+    level = int(level)
+    if core.sleeping and level <= core.sleep_level:
         return
-    in_flight = core.scheduler.num_running + core.scheduler.num_waiting
-    if in_flight:
-        raise RuntimeError(f"cannot sleep with {in_flight} requests in flight")
-    core.scheduler.reset_prefix_cache()  # cached blocks will not survive freeing the memory
-    core.executor.free_kv_cache()
+    if not core.sleeping:
+        num_preempted = core.scheduler.preempt_all()
+        if num_preempted:
+            logger.info("Preempted %d running requests to sleep", num_preempted)
+        core.scheduler.reset_prefix_cache()  # cached blocks will not survive freeing the memory
+    core.executor.sleep(level)
     core.sleeping = True
-    logger.info("Engine asleep: KV cache freed (level 1)")
+    core.sleep_level = level
+    freed = "KV cache and weights" if level == 2 else "KV cache"
+    logger.info("Engine asleep (level %d): %s freed; requests wait for wake_up", level, freed)
 
 
 def wake_up(core: UtilityTarget) -> None:
     if not core.sleeping:
         return
-    core.executor.initialize_kv_cache(core.num_gpu_blocks, core.block_size)
+    core.executor.wake_up()
     core.sleeping = False
+    core.sleep_level = 0
     logger.info("Engine awake: KV cache re-created with %d blocks", core.num_gpu_blocks)
 
 

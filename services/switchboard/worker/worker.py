@@ -8,6 +8,7 @@ ring is bounded so those checks happen at least once a second.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from collections.abc import Callable
@@ -37,6 +38,8 @@ class Worker:
             "initialize_kv_cache",
             "execute_model",
             "free_kv_cache",
+            "sleep",
+            "wake_up",
             "shutdown",
             "ping",
         }
@@ -48,6 +51,8 @@ class Worker:
         self.device = resolve_device(config.worker.device, local_rank=rank)
         self.runner = ModelRunner(config.model, self.device)
         self.shutdown_requested = False
+        self._kv_cache_shape: tuple[int, int] | None = None  # (num_blocks, block_size)
+        self.sleep_level = 0  # 0 awake; 1 KV cache freed; 2 weights dropped too
         logger.info("device %s (requested %r)", self.device, config.worker.device)
 
     def load_model(self) -> ModelSummary:
@@ -77,12 +82,41 @@ class Worker:
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.runner.initialize_kv_cache(num_blocks, block_size)
+        self._kv_cache_shape = (num_blocks, block_size)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
 
     def free_kv_cache(self) -> None:
         self.runner.free_kv_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Give the device memory back: level 1 frees the KV cache (and every request's state),
+        level 2 also drops the weights; ``wake_up`` restores both."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        self.runner.free_kv_cache()
+        if level == 2 and self.runner.model is not None:
+            self.runner.model = None
+            gc.collect()  # the weights are freed now, not at some later collection
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            logger.info("asleep (level 2): KV cache freed and weights dropped")
+        else:
+            logger.info("asleep (level %d): KV cache freed", level)
+        self.sleep_level = max(self.sleep_level, level)
+
+    def wake_up(self) -> None:
+        """Reload the weights from the checkpoint if sleep dropped them, then re-create the KV
+        cache with the shape it had, so the engine's block accounting stays valid."""
+        if self.runner.model is None:
+            self.runner.load_model()
+        if self._kv_cache_shape is None:
+            raise RuntimeError("wake_up before initialize_kv_cache")
+        if not self.runner.kv_caches:
+            self.runner.initialize_kv_cache(*self._kv_cache_shape)
+        logger.info("awake (was asleep at level %d)", self.sleep_level)
+        self.sleep_level = 0
 
     def shutdown(self) -> None:
         logger.info("shutdown requested by the engine")
