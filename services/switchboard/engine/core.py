@@ -40,6 +40,7 @@ from switchboard.engine.kv_sizing import check_num_blocks, fit_max_model_len
 from switchboard.engine.request import Request
 from switchboard.engine.scheduler import Scheduler
 from switchboard.engine.utility import run_utility
+from switchboard.model_tasks import read_model_tasks
 from switchboard.wire import zmq_channel
 from switchboard.wire.engine_msgs import (
     ENGINE_CORE_DEAD,
@@ -121,6 +122,7 @@ class EngineCore:
         self.executor = MultiprocExecutor(config, self.run_dir, self._on_executor_failure)
         logger.info("Workers ready: pids %s", [w.pid for w in self.executor.workers])
         summary = self.executor.load_model()
+        self.embed_only = read_model_tasks(config.model.model).encoder_only  # an encoder
         if config.cache.num_gpu_blocks_override:
             num_blocks, source = config.cache.num_gpu_blocks_override, "--num-gpu-blocks-override"
         else:
@@ -207,6 +209,8 @@ class EngineCore:
                     f"prompt of {len(request.prompt_token_ids)} tokens does not "
                     f"fit max_model_len {self.max_model_len}"
                 )
+            if self.embed_only and request.pooling_params is None:
+                raise ValueError("the model is an encoder: it embeds and cannot generate")
             return Request.from_engine_core_request(
                 request,
                 self.block_size,

@@ -25,6 +25,7 @@ from switchboard.wire.engine_msgs import (
     EngineCoreRequest,
     EventType,
     FinishReason,
+    PoolingParams,
     SamplingParams,
 )
 
@@ -58,6 +59,7 @@ class Request:
         "block_hashes",
         "hash_blocks",
         "num_block_ids_sent",
+        "pooling_params",
     )
 
     def __init__(
@@ -72,6 +74,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         hash_blocks: bool = True,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.client_index = client_index
@@ -94,6 +97,8 @@ class Request:
         self.block_hashes: list[BlockHash] = []
         self.hash_blocks = hash_blocks
         self.num_block_ids_sent = 0  # block-table entries the workers already know
+        # Set for an embedding request: prefill only, finished with its pooled vector.
+        self.pooling_params = pooling_params
         self.update_block_hashes()
 
     @classmethod
@@ -121,6 +126,7 @@ class Request:
             priority=req.priority,
             cache_salt=req.cache_salt,
             hash_blocks=hash_blocks,
+            pooling_params=req.pooling_params,
         )
 
     @property

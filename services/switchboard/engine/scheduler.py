@@ -213,7 +213,11 @@ class Scheduler:
                 if self._preempt_for(request, plan):
                     continue
                 break
-            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            hits, num_hit_tokens = (  # pooling needs every position's hidden state
+                ([], 0)
+                if request.pooling_params is not None
+                else self.kv.get_computed_blocks(request)
+            )
             num_tokens = request.num_tokens - num_hit_tokens
             if cap and num_tokens > cap:
                 num_tokens = cap
@@ -300,6 +304,14 @@ class Scheduler:
             computed = request.num_computed_tokens
             if computed // block_size != (computed - num_scheduled) // block_size:
                 kv.cache_blocks(request)  # this step filled a block: it may be shared now
+            if request.pooling_params is not None:
+                if computed >= request.num_tokens:  # the prompt is done: that is all it needs
+                    vector = runner_output.pooled_outputs.get(rid)
+                    outputs.setdefault(request.client_index, []).append(
+                        self._finish_pooling(request, vector)
+                    )
+                    any_finished = True
+                continue
             new_token_ids = sampled.get(rid)
             if not new_token_ids or computed < request.num_tokens:
                 continue  # a prefill chunk that stops short samples nothing
@@ -339,6 +351,26 @@ class Scheduler:
             self.kv.free(request)
             del self.requests[request.request_id]
             self._finished_ids[request.request_id] = None
+        return output
+
+    def _finish_pooling(self, request: Request, vector: list[float] | None) -> EngineCoreOutput:
+        """End a pooling request with its vector (STOP), or ERROR if the worker sent none."""
+        reason = FinishReason.STOP if vector is not None else FinishReason.ERROR
+        if vector is None:
+            logger.error("pooling request %s: the worker sent no vector", request.request_id)
+        output = EngineCoreOutput(
+            request.request_id,
+            finish_reason=reason,
+            events=request.take_events(),
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_preemptions=request.num_preemptions,
+            pooled_output=vector,
+        )
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self._finished_ids[request.request_id] = None
         return output
 
     # ------------------------------------------------------------------ stats and utilities

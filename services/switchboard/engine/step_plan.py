@@ -65,6 +65,7 @@ class StepPlan:
                     list(block_ids),
                     request.num_computed_tokens,
                     len(request.output_token_ids),
+                    request.pooling_params,
                 )
             )
             request.num_block_ids_sent = len(block_ids)

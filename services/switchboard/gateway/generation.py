@@ -1,4 +1,4 @@
-"""GenerationService: Generate, Abort, Tokenize, Detokenize; Embed is UNIMPLEMENTED."""
+"""GenerationService: Generate, Abort, Tokenize, Detokenize; Embed (in ``embedding.py``)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import grpc
 
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
+from switchboard.gateway.embedding import Embedder
 from switchboard.gateway.engine_types import RequestChannel
 from switchboard.gateway.errors import ApiError, invalid_argument, unavailable
 from switchboard.gateway.generate_stream import GenerateStream
@@ -39,6 +40,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     def __init__(self, state: GatewayState) -> None:
         self._state = state
         self._live: dict[str, _LiveRequest] = {}
+        self._embedder = Embedder(state)
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -57,6 +59,12 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         channel: RequestChannel | None = None
         finished = False
         try:
+            if not self._state.facts.tasks.can_generate:
+                raise ApiError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"model {self._state.facts.name!r} is an encoder: it serves Embed only",
+                    reason="TASK_NOT_SUPPORTED",
+                )
             plan = plan_generate(request, request_id, self._state.facts)
             channel, prompt_token_ids = await self._submit(plan, arrival_time, context)
             if live.aborted:  # the Abort RPC came while the prompt was being tokenized
@@ -129,11 +137,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     async def Embed(
         self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext
     ) -> pb.EmbedResponse:
-        await ApiError(
-            grpc.StatusCode.UNIMPLEMENTED,
-            "Embed is not served by this deployment: its model only generates",
-        ).abort(context)
-        raise AssertionError("unreachable")
+        return await self._embedder.embed(request, context)
 
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from switchboard.config import ModelConfig
+from switchboard.model_tasks import ModelTasks, read_model_tasks
 from switchboard.wire.engine_msgs import EngineReady
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ class ModelFacts:
     dtype: str
     generation_config: dict[str, Any]  # the checkpoint's generation_config.json, as is
     sampling_defaults: dict[str, float | int]  # see sampling_defaults_from
+    tasks: ModelTasks = ModelTasks()  # generate and/or embed, and the pooling defaults
 
     @classmethod
     def from_checkpoint(cls, model: ModelConfig, tokenizer_vocab_size: int = 0) -> ModelFacts:
@@ -119,6 +121,7 @@ class ModelFacts:
             else str(config.get("dtype") or config.get("torch_dtype") or ""),
             generation_config=generation_config,
             sampling_defaults=defaults,
+            tasks=read_model_tasks(model.model),
         )
 
     def with_engine(self, ready: EngineReady) -> ModelFacts:

@@ -22,7 +22,10 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         self._state = state
 
     def _card(self) -> pb.ModelCard:
-        return pb.ModelCard(name=self._state.facts.name, tasks=[common_pb2.MODEL_TASK_GENERATE])
+        tasks = [common_pb2.MODEL_TASK_EMBED]
+        if self._state.facts.tasks.can_generate:
+            tasks.insert(0, common_pb2.MODEL_TASK_GENERATE)
+        return pb.ModelCard(name=self._state.facts.name, tasks=tasks)
 
     async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext

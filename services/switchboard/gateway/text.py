@@ -26,6 +26,11 @@ class Tokenizer:
     """A Hugging Face fast tokenizer loaded from a checkpoint's ``tokenizer.json``."""
 
     def __init__(self, tokenizer: tokenizers.Tokenizer) -> None:
+        # A tokenizer.json may switch padding and truncation on (all-MiniLM-L6-v2's pads every
+        # input to 128 tokens and cuts it there): lengths are the server's business, so both
+        # are off and a prompt's ids are exactly its tokens.
+        tokenizer.no_padding()
+        tokenizer.no_truncation()
         self._tokenizer = tokenizer
 
     @classmethod

@@ -21,6 +21,7 @@ from safetensors import safe_open
 from torch import nn
 
 from switchboard.models.attention import AttentionMetadata
+from switchboard.models.bert import BertModel
 from switchboard.models.gpt2 import GPT2LMHeadModel
 from switchboard.models.hf_config import TransformerConfig, load_transformer_config
 from switchboard.models.llama import LlamaForCausalLM
@@ -63,6 +64,7 @@ class CausalLM(Protocol):
 # Hugging Face architecture name -> our implementation.
 MODEL_FAMILIES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
+    "BertModel": BertModel,  # an encoder: serves embeddings only (model_tasks.py)
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
@@ -89,14 +91,41 @@ def model_family(config: TransformerConfig) -> type[nn.Module]:
 
 
 def resolve_dtype(requested: str, config: TransformerConfig, device: torch.device) -> torch.dtype:
-    """``auto`` = the checkpoint's dtype on an accelerator, float32 on CPU (fast and exact)."""
+    """``auto`` = the checkpoint's dtype (``dtype``/``torch_dtype`` in config.json) on an
+    accelerator, float32 on CPU: half-precision matmuls are slow there and float32 is exact.
+    A checkpoint that names no dtype runs in float32; bfloat16 on a GPU without it, in float16.
+    Logs the reason whenever the choice is not simply the one asked for."""
     if requested != "auto":
         if requested not in _DTYPES:
             raise ValueError(f"unknown dtype {requested!r}; use auto, float32, float16, bfloat16")
+        if device.type == "cpu" and _DTYPES[requested] != torch.float32:
+            logger.warning("dtype %s on CPU is slow; --dtype auto would use float32", requested)
         return _DTYPES[requested]
+    checkpoint = _DTYPES.get(str(config.checkpoint_dtype).removeprefix("torch."))
     if device.type == "cpu":
+        if checkpoint not in (None, torch.float32):
+            logger.info(
+                "dtype auto: float32 on CPU instead of the checkpoint's %s (faster and exact)",
+                config.checkpoint_dtype,
+            )
         return torch.float32
-    return _DTYPES.get(str(config.checkpoint_dtype).removeprefix("torch."), torch.float32)
+    if checkpoint is None:
+        logger.info(
+            "dtype auto: float32 (the checkpoint's dtype %r is not float32/float16/bfloat16)",
+            config.checkpoint_dtype,
+        )
+        return torch.float32
+    if checkpoint == torch.bfloat16 and device.type == "cuda" and not _cuda_bf16(device):
+        logger.warning("dtype auto: float16, since %s has no bfloat16 support", device)
+        return torch.float16
+    return checkpoint
+
+
+def _cuda_bf16(device: torch.device) -> bool:
+    if not torch.cuda.is_available():  # only planning (tests): assume a current GPU
+        return True
+    with torch.cuda.device(device):
+        return torch.cuda.is_bf16_supported()
 
 
 def resolve_device(requested: str, local_rank: int = 0) -> torch.device:

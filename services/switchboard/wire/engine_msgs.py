@@ -87,7 +87,7 @@ class EngineCoreRequest(_Wire):
     prompt_token_ids: list[int]
     mm_features: list[Any] | None = None
     sampling_params: SamplingParams | None = None
-    pooling_params: dict[str, Any] | None = None
+    pooling_params: PoolingParams | None = None  # set: an embedding request (prefill only)
     arrival_time: float = 0.0  # gateway wall clock, seconds
     lora_request: dict[str, Any] | None = None
     cache_salt: str | None = None
@@ -181,3 +181,30 @@ class EngineReady(_Wire):
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     engine_version: str = ""
+
+
+# ---- appended for embeddings (issue 4): what a pooling request wants -------------------------
+
+
+class PoolingType(enum.StrEnum):
+    """How a sequence's final hidden states become one vector."""
+
+    LAST = "last"  # the last token's (decoders: the only one that saw the whole input)
+    MEAN = "mean"  # the average over every token
+    CLS = "cls"  # the first token's (BERT's [CLS])
+    MAX = "max"  # the element-wise maximum over every token
+    MEAN_SQRT_LEN = "mean_sqrt_len"  # the sum over every token divided by sqrt(tokens)
+
+
+class PoolingParams(_Wire):
+    """An embedding request (``EngineCoreRequest.pooling_params``), validated by the gateway.
+
+    The engine runs its prompt only (prefill; no sampling, ``max_tokens`` irrelevant) and
+    finishes it with STOP and ``EngineCoreOutput.pooled_output`` once every prompt token is
+    computed. The worker pools, keeps the first ``dimensions`` values (Matryoshka), then
+    L2-normalizes when ``normalize``.
+    """
+
+    pooling_type: PoolingType = PoolingType.LAST
+    normalize: bool = True
+    dimensions: int | None = None  # None = every dimension of the hidden state

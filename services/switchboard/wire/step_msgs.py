@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from switchboard.wire.engine_msgs import SamplingParams, TokenLogprobs
+from switchboard.wire.engine_msgs import PoolingParams, SamplingParams, TokenLogprobs
 
 
 class _Wire(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -38,6 +38,7 @@ class NewRequest(_Wire):
     block_ids: list[int]  # the whole block table
     num_computed_tokens: int  # > 0 when the prefix cache supplied the first blocks
     num_output_tokens: int = 0  # tokens of prompt_token_ids that were generated (resume)
+    pooling_params: PoolingParams | None = None  # set: pool the prompt, sample nothing
 
 
 class CachedRequest(_Wire):

@@ -18,6 +18,7 @@ from switchboard.models.hf_config import TransformerConfig, load_transformer_con
 from switchboard.models.loader import load_model, resolve_dtype
 from switchboard.wire.step_msgs import ModelRunnerOutput, ModelSummary, SchedulerOutput
 from switchboard.worker.input_batch import RequestStates, StepInputs, build_step_inputs
+from switchboard.worker.pooler import PoolingRequests
 from switchboard.worker.sampler import SamplingBatch, new_request_generator, sample
 
 logger = logging.getLogger(__name__)
@@ -30,6 +31,7 @@ class StepLogits:
     step_id: int
     inputs: StepInputs
     logits: torch.Tensor  # [len(inputs.sampled_request_ids), vocab] float32
+    pooled: dict[str, list[float]] | None = None  # pooling requests whose prompt is done
 
 
 class ModelRunner:
@@ -42,6 +44,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = 0
         self.requests = RequestStates()
+        self.pooling = PoolingRequests()  # embedding requests: pooled, never sampled
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -101,6 +104,7 @@ class ModelRunner:
     def free_kv_cache(self) -> None:
         self.kv_caches = []
         self.requests.clear()
+        self.pooling.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         logger.info("KV cache freed")
@@ -116,15 +120,18 @@ class ModelRunner:
         if self.model is None or not self.kv_caches:
             raise RuntimeError("execute_model before load_model and initialize_kv_cache")
         self.requests.apply(step, self._make_generator)
+        self.pooling.apply(step)
         if not any(n > 0 for n in step.num_scheduled_tokens.values()):
             return ModelRunnerOutput(step_id=step.step_id)
         inputs = build_step_inputs(step, self.requests, self.block_size, self.device)
+        inputs = self.pooling.without_pooling(inputs)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
         logits = self.model.compute_logits(hidden[inputs.logits_rows])
+        pooled = self.pooling.collect(step, inputs, hidden, self.requests)
         for request_id, n in step.num_scheduled_tokens.items():
             if n > 0:
                 self.requests[request_id].num_computed_tokens += n
-        return StepLogits(step.step_id, inputs, logits)
+        return StepLogits(step.step_id, inputs, logits, pooled=pooled)
 
     @torch.inference_mode()
     def sample_step(self, step: StepLogits | ModelRunnerOutput) -> ModelRunnerOutput:
@@ -152,6 +159,7 @@ class ModelRunner:
             sampled_token_ids=[
                 [sampled[rid]] if rid in sampled else [] for rid in inputs.request_ids
             ],
+            pooled_outputs=step.pooled or {},
         )
 
     def _make_generator(self, seed: int, num_output_tokens: int) -> torch.Generator:

@@ -17,8 +17,10 @@ from typing import Protocol
 import torch
 
 from switchboard.config import EngineConfig
+from switchboard.model_tasks import read_model_tasks
 from switchboard.models.loader import resolve_device
 from switchboard.wire.step_msgs import ModelRunnerOutput, ModelSummary, SchedulerOutput
+from switchboard.worker.encoder_runner import EncoderRunner
 from switchboard.worker.model_runner import ModelRunner
 from switchboard.worker.rpc import decode_call, dispatch, encode_reply
 
@@ -49,7 +51,9 @@ class Worker:
         self.config = config
         self.rank = rank
         self.device = resolve_device(config.worker.device, local_rank=rank)
-        self.runner = ModelRunner(config.model, self.device)
+        encoder = read_model_tasks(config.model.model).encoder_only
+        runner_class = EncoderRunner if encoder else ModelRunner
+        self.runner: ModelRunner | EncoderRunner = runner_class(config.model, self.device)
         self.shutdown_requested = False
         self._kv_cache_shape: tuple[int, int] | None = None  # (num_blocks, block_size)
         self.sleep_level = 0  # 0 awake; 1 KV cache freed; 2 weights dropped too
@@ -60,7 +64,11 @@ class Worker:
 
     def determine_num_kv_blocks(self, block_size: int, kv_cache_memory_bytes: int | None) -> int:
         """How many KV blocks fit: the given budget, else 1 GiB on CPU or a share of free
-        device memory (``gpu_memory_utilization``) on CUDA."""
+        device memory (``gpu_memory_utilization``) on CUDA. An encoder has no KV cache: its
+        blocks are bookkeeping for the scheduler and cost nothing."""
+        if isinstance(self.runner, EncoderRunner):
+            max_num_seqs = self.config.scheduler.max_num_seqs
+            return self.runner.num_bookkeeping_blocks(block_size, max_num_seqs)
         if kv_cache_memory_bytes is not None:
             budget, source = kv_cache_memory_bytes, "configured"
         elif self.device.type == "cuda":
