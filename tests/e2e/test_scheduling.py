@@ -42,6 +42,7 @@ from tests.tiny_checkpoint import tiny_llama_dir
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 16
+LONG_MAX_TOKENS = 450  # hundreds of steps: still running when a utility call arrives
 RPC_TIMEOUT_S = 120.0  # generous: other tests share the two cores
 WAIT_S = 60.0
 BLOCK_SIZE = 16  # the server default
@@ -299,6 +300,33 @@ def test_sleep_and_wake_up(main: Served, reference: dict[str, Result], level: in
     assert result.num_cached_tokens == 0
     if level == 2:
         assert "weights dropped" in main.server.log()
+
+
+def test_sleep_preempts_a_running_request_and_it_resumes_identically(main: Served) -> None:
+    """A long request is running when the engine goes to sleep: it is preempted, waits, and
+    after wake_up is recomputed and finishes with the tokens it would have had anyway."""
+    channel = main.channel
+    long_request = greedy(PROMPTS["mid"])
+    long_request.stopping.max_tokens = LONG_MAX_TOKENS
+    stub = pb_grpc.GenerationServiceStub(channel)
+    (alone,) = list(stub.Generate(long_request, timeout=RPC_TIMEOUT_S))
+    long_request.output.kind = pb.OUTPUT_KIND_DELTA
+    stream = stub.Generate(long_request, timeout=RPC_TIMEOUT_S)
+    try:
+        first = next(stream)  # it is running now: a token came back
+        utility(channel, "sleep", 1)
+        try:
+            stats = utility(channel, "get_stats")
+            assert stats["num_running"] == 0 and stats["num_waiting"] == 1
+        finally:
+            utility(channel, "wake_up")
+        messages = [first, *stream]
+    finally:
+        stream.cancel()
+    token_ids = [t for m in messages for o in m.outputs for t in o.token_ids]
+    assert token_ids == list(alone.outputs[0].token_ids)
+    assert len(token_ids) == LONG_MAX_TOKENS
+    assert messages[-1].metrics.num_preemptions == 1
 
 
 # ---------------------------------------------------------------- a tiny token budget
