@@ -77,6 +77,34 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         help="torch intra-op threads per worker (default 1: processes outnumber cores)",
     )
 
+    o = p.add_argument_group("observability (docs/observability.md)")
+    o.add_argument(
+        "--otlp-traces-endpoint",
+        default="",
+        help="export request traces over OTLP to this collector, e.g. http://jaeger:4317 "
+        "(default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT; unset = no tracing)",
+    )
+    o.add_argument(
+        "--otlp-traces-protocol",
+        choices=["grpc", "http/protobuf"],
+        default="",
+        help="OTLP protocol (default: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, else grpc)",
+    )
+    o.add_argument(
+        "--trace-content",
+        action="store_true",
+        help="put prompt and output text in span attributes (off: they may be sensitive)",
+    )
+    o.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus /metrics on this port (gateway i of one machine: port + i)",
+    )
+    o.add_argument(
+        "--disable-log-stats", action="store_true", help="no periodic throughput log line"
+    )
+
 
 def build_configs(
     args: argparse.Namespace, model_dir: str
@@ -114,7 +142,16 @@ def build_configs(
     )
     gateway = GatewayRoleConfig(
         model=model,
-        gateway=GatewayConfig(host=args.host, port=args.port, enable_admin=args.enable_admin),
+        gateway=GatewayConfig(
+            host=args.host,
+            port=args.port,
+            enable_admin=args.enable_admin,
+            otlp_traces_endpoint=args.otlp_traces_endpoint,
+            otlp_traces_protocol=args.otlp_traces_protocol,
+            trace_content=args.trace_content,
+            metrics_port=args.metrics_port,
+            log_stats_interval_s=0.0 if args.disable_log_stats else 10.0,
+        ),
         num_engines=parallel.data_parallel_size,
     )
     return gateway, engine

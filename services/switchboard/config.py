@@ -73,6 +73,12 @@ class GatewayConfig(_Config):
     tokenizer_threads: int = 2
     max_message_bytes: int = 64 * 1024 * 1024
     startup_timeout_s: float = 600.0
+    # Appended for observability (issue 6).
+    otlp_traces_endpoint: str = ""  # "" = OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, or no tracing
+    otlp_traces_protocol: str = ""  # grpc | http/protobuf; "" = OTEL_EXPORTER_OTLP_* or grpc
+    trace_content: bool = False  # prompt and output text in span attributes (opt-in)
+    metrics_port: int | None = None  # /metrics on this port + client_index; None = off
+    log_stats_interval_s: float = 10.0  # the periodic stats log line; 0 = off
 
 
 class EngineConfig(_Config):

@@ -34,6 +34,7 @@ import zmq
 
 from switchboard import __version__
 from switchboard.config import EngineConfig, new_run_dir
+from switchboard.engine import clock
 from switchboard.engine.executor import MultiprocExecutor
 from switchboard.engine.io_threads import InputThread, OutputThread, send_engine_dead_directly
 from switchboard.engine.kv_sizing import check_num_blocks, fit_max_model_len
@@ -166,6 +167,12 @@ class EngineCore:
         gc.collect()
         gc.freeze()
         self._start_io_threads()
+        if clock.TEST_CLOCK_OFFSET_NS:
+            logger.warning(
+                "test hook %s: every timestamp of this engine is offset by %d ns",
+                clock.TEST_CLOCK_OFFSET_ENV,
+                clock.TEST_CLOCK_OFFSET_NS,
+            )
         logger.info("EngineCore_DP%d ready", self.engine_index)
 
     @property
@@ -195,7 +202,7 @@ class EngineCore:
         self._input_thread.start()
 
     def _make_ready(self) -> EngineReady:
-        wall_clock_ns, monotonic_ns = time.time_ns(), time.monotonic_ns()  # one clock anchor
+        wall_clock_ns, monotonic_ns = time.time_ns(), clock.monotonic_ns()  # one clock anchor
         return msgspec.structs.replace(
             self._ready, wall_clock_ns=wall_clock_ns, monotonic_ns=monotonic_ns
         )
@@ -214,7 +221,7 @@ class EngineCore:
             return Request.from_engine_core_request(
                 request,
                 self.block_size,
-                time.monotonic_ns(),
+                clock.monotonic_ns(),
                 hash_blocks=self.config.cache.enable_prefix_caching,
             )
         except Exception as exc:
@@ -248,7 +255,14 @@ class EngineCore:
             self._process_input_queue()
             if self._has_work():
                 self._step()
+            self._publish_stats()
         logger.info("Shutdown requested (%s)", self._shutdown.reason)
+
+    def _publish_stats(self) -> None:
+        """Heartbeats carry the latest stats (a reference handed over, no lock needed), so a
+        gateway's gauges return to zero when the engine goes idle."""
+        if self._output_thread is not None:
+            self._output_thread.latest_stats = self.scheduler.make_stats()
 
     def _has_work(self) -> bool:
         # Finished ids still owed to the workers count as work: they free the workers' state.
@@ -308,13 +322,13 @@ class EngineCore:
 
     def _run_utility(self, call: UtilityCall) -> None:
         output = EngineCoreOutputs(
-            self.engine_index, time.monotonic_ns(), utility_output=run_utility(self, call)
+            self.engine_index, clock.monotonic_ns(), utility_output=run_utility(self, call)
         )
         self.output_queue.put((call.client_index, output))
 
     def _outputs(self, outputs: list[EngineCoreOutput], stats: Any = None) -> EngineCoreOutputs:
         return EngineCoreOutputs(
-            self.engine_index, time.monotonic_ns(), outputs, scheduler_stats=stats
+            self.engine_index, clock.monotonic_ns(), outputs, scheduler_stats=stats
         )
 
     # ---- the end --------------------------------------------------------------------------

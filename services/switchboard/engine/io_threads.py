@@ -30,6 +30,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from switchboard.engine import clock
 from switchboard.wire import zmq_channel
 from switchboard.wire.engine_msgs import (
     ENGINE_CORE_DEAD,
@@ -37,6 +38,7 @@ from switchboard.wire.engine_msgs import (
     EngineCoreRequest,
     EngineReady,
     RequestType,
+    SchedulerStats,
 )
 
 logger = logging.getLogger(__name__)
@@ -161,6 +163,8 @@ class OutputThread(threading.Thread):
         self._output_queue = output_queue
         self._engine_index = engine_index
         self._heartbeat_interval_s = heartbeat_interval_s
+        # Set by the busy loop every turn; heartbeats carry it (engine-level metrics stay fresh).
+        self.latest_stats: SchedulerStats | None = None
         self._encoder = msgspec.msgpack.Encoder()
         self._buffers = _BufferPool(capacity=len(addresses) + 1)
 
@@ -217,7 +221,8 @@ class OutputThread(threading.Thread):
             if now - last_sent[index] >= self._heartbeat_interval_s:
                 heartbeat = EngineCoreOutputs(
                     engine_index=self._engine_index,
-                    timestamp_ns=time.monotonic_ns(),
+                    timestamp_ns=clock.monotonic_ns(),
+                    scheduler_stats=self.latest_stats,
                     heartbeat=True,
                 )
                 self._send(sock, heartbeat)

@@ -24,17 +24,19 @@ appears both in ``finished_request_ids`` and among the scheduled requests of one
 
 from __future__ import annotations
 
+import bisect
 import logging
-import time
 from collections.abc import Iterable
 
 from switchboard.config import CacheConfig, SchedulerConfig
+from switchboard.engine import clock
 from switchboard.engine.kv_cache import KVCacheManager
 from switchboard.engine.request import Request, RequestStatus
 from switchboard.engine.request_queue import make_request_queue
 from switchboard.engine.step_plan import StepPlan
 from switchboard.engine.stop_check import check_stop
 from switchboard.wire.engine_msgs import (
+    ITERATION_TOKENS_BUCKETS,
     EngineCoreOutput,
     EventType,
     FinishReason,
@@ -76,6 +78,9 @@ class Scheduler:
         self._step_id = 0
         self._num_preemptions = 0
         self._last_step_tokens = 0
+        # Tokens per step, as counts per ITERATION_TOKENS_BUCKETS bucket (+ one for more).
+        self._iteration_tokens_counts = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
+        self._iteration_tokens_sum = 0
         logger.info(
             "scheduler: policy=%s max_num_seqs=%d max_num_batched_tokens=%d "
             "long_prefill_token_threshold=%d blocks=%d x %d tokens prefix_caching=%s",
@@ -105,7 +110,7 @@ class Scheduler:
         if request.hash_blocks != self.enable_prefix_caching:
             request.hash_blocks = self.enable_prefix_caching
             request.update_block_hashes()
-        request.record_event(EventType.QUEUED, time.monotonic_ns())
+        request.record_event(EventType.QUEUED, clock.monotonic_ns())
         self.requests[rid] = request
         self.waiting.add(request)
 
@@ -159,6 +164,10 @@ class Scheduler:
             self._schedule_waiting(plan)
         self._step_id += 1
         self._last_step_tokens = plan.num_scheduled_tokens
+        if plan.num_scheduled_tokens:
+            bucket = bisect.bisect_left(ITERATION_TOKENS_BUCKETS, plan.num_scheduled_tokens)
+            self._iteration_tokens_counts[bucket] += 1
+            self._iteration_tokens_sum += plan.num_scheduled_tokens
         finished_ids = list(self._finished_ids)
         self._finished_ids.clear()
         return plan.commit(self._step_id, self.requests, self.kv, finished_ids)
@@ -270,7 +279,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_block_ids_sent = 0
         request.num_preemptions += 1
-        request.record_event(EventType.PREEMPTED, time.monotonic_ns())
+        request.record_event(EventType.PREEMPTED, clock.monotonic_ns())
         self.waiting.add_preempted(request)
         self._finished_ids[request.request_id] = None  # workers drop its state
         self._num_preemptions += 1
@@ -385,6 +394,8 @@ class Scheduler:
             self.kv.prefix_hits,
             self._num_preemptions,
             self._last_step_tokens,
+            list(self._iteration_tokens_counts),  # a copy: the output thread encodes it later
+            self._iteration_tokens_sum,
         )
 
     def reset_prefix_cache(self) -> bool:

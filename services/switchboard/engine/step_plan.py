@@ -12,8 +12,7 @@ and advances every scheduled request's ``num_computed_tokens`` by its share of t
 
 from __future__ import annotations
 
-import time
-
+from switchboard.engine import clock
 from switchboard.engine.kv_cache import KVCacheManager
 from switchboard.engine.request import Request
 from switchboard.wire.step_msgs import CachedRequest, NewRequest, SchedulerOutput
@@ -23,7 +22,7 @@ class StepPlan:
     __slots__ = ("timestamp_ns", "token_budget", "budget", "scheduled", "new_requests", "preempted")
 
     def __init__(self, token_budget: int) -> None:
-        self.timestamp_ns = time.monotonic_ns()  # every admission of the step shares it
+        self.timestamp_ns = clock.monotonic_ns()  # every admission of the step shares it
         self.token_budget = token_budget
         self.budget = token_budget  # tokens left
         self.scheduled: dict[str, int] = {}  # request_id -> tokens, in batch order

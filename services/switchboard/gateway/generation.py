@@ -16,6 +16,7 @@ from switchboard.gateway.embedding import Embedder
 from switchboard.gateway.engine_types import RequestChannel
 from switchboard.gateway.errors import ApiError, invalid_argument, unavailable
 from switchboard.gateway.generate_stream import GenerateStream
+from switchboard.gateway.observability import RequestObserver
 from switchboard.gateway.state import GatewayState
 from switchboard.gateway.validation import (
     GeneratePlan,
@@ -57,7 +58,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             ).abort(context)
         live = self._live[request_id] = _LiveRequest()
         channel: RequestChannel | None = None
+        stream: GenerateStream | None = None
         finished = False
+        observer = self._state.observability.begin(request_id, arrival_time, context)
         try:
             if not self._state.facts.tasks.can_generate:
                 raise ApiError(
@@ -66,14 +69,19 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     reason="TASK_NOT_SUPPORTED",
                 )
             plan = plan_generate(request, request_id, self._state.facts)
-            channel, prompt_token_ids = await self._submit(plan, arrival_time, context)
+            channel, prompt_token_ids = await self._submit(
+                plan, arrival_time, context, observer=observer
+            )
+            observer.submitted(channel.engine)
             if live.aborted:  # the Abort RPC came while the prompt was being tokenized
                 self._state.engines.abort([request_id], "Abort RPC")
             stream = GenerateStream(
                 plan, prompt_token_ids, self._state.tokenizer, channel.engine, arrival_time
             )
             while not stream.finished:
-                response = stream.handle(await channel.get())
+                event = await channel.get()
+                observer.on_event(event)
+                response = stream.handle(event)
                 if stream.stopped_by_string:
                     self._state.engines.abort([request_id], "stop string")
                 if response is not None:
@@ -84,6 +92,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             finished = True  # the engine client already forgot a failed request
             await error.abort(context)
         finally:
+            observer.end(stream)
             del self._live[request_id]
             if channel is not None and not finished:
                 # Cancelled, disconnected or past its deadline: free the engine's slot now.
@@ -91,7 +100,12 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 logger.info("request %s: client went away; sent ABORT", request_id)
 
     async def _submit(
-        self, plan: GeneratePlan, arrival_time: float, context: grpc.aio.ServicerContext
+        self,
+        plan: GeneratePlan,
+        arrival_time: float,
+        context: grpc.aio.ServicerContext,
+        *,
+        observer: RequestObserver,
     ) -> tuple[RequestChannel, list[int]]:
         state = self._state
         if not state.engines.live_engines:
@@ -112,6 +126,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             arrival_time=arrival_time,
             trace_context=trace_context,
         )
+        observer.submitting(plan, engine_request)  # with tracing: the engine's trace context
         return state.engines.add_request(engine_request), prompt_token_ids
 
     async def Abort(

@@ -35,6 +35,7 @@ from switchboard.gateway.engine_client import EngineClient
 from switchboard.gateway.generation import GenerationServicer
 from switchboard.gateway.model_facts import ModelFacts
 from switchboard.gateway.model_service import ModelServicer
+from switchboard.gateway.observability import Observability
 from switchboard.gateway.state import GatewayState
 from switchboard.gateway.text import Tokenizer
 
@@ -93,6 +94,7 @@ class GatewayServer:
             executor=ThreadPoolExecutor(
                 max_workers=config.gateway.tokenizer_threads, thread_name_prefix="tokenizer"
             ),
+            observability=Observability(config, tokenizer, self._engines),
         )
         self._server = grpc.aio.server(options=_grpc_options(config.gateway.max_message_bytes))
         self._health_tasks: set[asyncio.Task] = set()
@@ -107,6 +109,7 @@ class GatewayServer:
         gateway = self.config.gateway
         await self._engines.start()
         state = self.state
+        state.observability.start()
         generation_service_pb2_grpc.add_GenerationServiceServicer_to_server(
             GenerationServicer(state), self._server
         )
@@ -162,6 +165,7 @@ class GatewayServer:
         await self._health.enter_graceful_shutdown()
         await self._server.stop(STOP_GRACE_S)
         await self._engines.close()
+        await self.state.observability.stop()
         self.state.executor.shutdown(wait=False, cancel_futures=True)
         logger.info("gateway stopped")
 

@@ -12,6 +12,7 @@ from typing import TypeVar
 from switchboard.config import GatewayRoleConfig
 from switchboard.gateway.engine_client import EngineClient
 from switchboard.gateway.model_facts import ModelFacts
+from switchboard.gateway.observability import Observability
 from switchboard.gateway.text import Tokenizer
 
 T = TypeVar("T")
@@ -24,6 +25,7 @@ class GatewayState:
     checkpoint_facts: ModelFacts  # from the checkpoint directory alone
     engines: EngineClient
     executor: ThreadPoolExecutor  # tokenization runs here, never on the event loop
+    observability: Observability  # traces, metrics, the stats log line
     facts: ModelFacts = dataclasses.field(init=False)  # checkpoint facts + the engine's READY
 
     def __post_init__(self) -> None:

@@ -133,7 +133,14 @@ class UtilityOutput(_Wire):
     result: Any = None
 
 
+# Bucket bounds of SchedulerStats.iteration_tokens_counts (vLLM's iteration_tokens buckets).
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
 class SchedulerStats(_Wire):
+    """Sent with every step's outputs and every heartbeat: gauges of now, counters (and the
+    iteration histogram) cumulative since the engine started."""
+
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
     kv_cache_usage: float = 0.0  # 0..1
@@ -141,6 +148,11 @@ class SchedulerStats(_Wire):
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     step_num_tokens: int = 0
+    # Appended for metrics (issue 6): tokens per engine step since start-up, as a count per
+    # bucket of ITERATION_TOKENS_BUCKETS (count i: steps of at most bucket i tokens and more
+    # than bucket i-1; the last count: more than the last bucket), and their sum.
+    iteration_tokens_counts: list[int] = []
+    iteration_tokens_sum: int = 0
 
 
 class EngineCoreOutputs(_Wire):

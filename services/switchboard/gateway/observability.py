@@ -1,0 +1,390 @@
+"""Traces, metrics and the stats log line of one gateway, behind one small per-request API.
+
+The request path calls, per Generate::
+
+    observer = state.observability.begin(request_id, arrival_time, context)
+    observer.submitting(plan, engine_request)   # tokenized and checked; ADD about to go out
+    observer.submitted(channel.engine)          # the engine that got it
+    observer.on_event(event)                    # every event of the request's channel
+    observer.end(stream)                        # in ``finally``: however the call ended
+
+Each piece costs nothing when off: no tracer without an OTLP endpoint (OpenTelemetry is not even
+imported), no Prometheus registry without ``--metrics-port``. What is always kept is the
+request's timeline (a few integers per engine step) and two token counters for the log line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from switchboard.api.v1 import generation_service_pb2 as pb
+from switchboard.config import GatewayRoleConfig
+from switchboard.gateway.engine_clock import EngineClock
+from switchboard.gateway.engine_types import (
+    EngineHandle,
+    RequestAborted,
+    RequestEvent,
+    RequestFailed,
+    StepOutput,
+)
+from switchboard.gateway.request_timeline import RequestTimeline
+from switchboard.gateway.stats_log import StatsLogger, TokenCounts
+from switchboard.gateway.trace_phases import request_phases
+from switchboard.gateway.tracing_config import tracing_settings
+from switchboard.wire.engine_msgs import EngineCoreRequest, FinishReason
+
+if TYPE_CHECKING:
+    from switchboard.gateway.engine_client import EngineClient
+    from switchboard.gateway.generate_stream import GenerateStream
+    from switchboard.gateway.metrics import GatewayMetrics
+    from switchboard.gateway.text import Tokenizer
+    from switchboard.gateway.tracing import GatewayTracer, RequestSpans
+    from switchboard.gateway.validation import GeneratePlan
+
+logger = logging.getLogger(__name__)
+
+_PB_FINISH_WORDS = {
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_ABORT: "abort",
+    pb.FINISH_REASON_ERROR: "error",
+    pb.FINISH_REASON_REPETITION: "repetition",
+}
+_CANCELLED = (asyncio.CancelledError, GeneratorExit)
+
+
+def metrics_port(config: GatewayRoleConfig) -> int | None:
+    """This gateway's /metrics port: ``--metrics-port`` + client_index when the gateways of one
+    machine share it (one-machine serve), the port itself for a gateway that runs alone
+    (engines join it over TCP: its pod has the port to itself)."""
+    port = config.gateway.metrics_port
+    if port is None:
+        return None
+    alone = bool(getattr(config, "handshake_address", ""))
+    return port if alone or port == 0 else port + config.client_index
+
+
+class Observability:
+    """Owned by the gateway server; ``start``/``stop`` with it."""
+
+    def __init__(
+        self, config: GatewayRoleConfig, tokenizer: Tokenizer, engines: EngineClient
+    ) -> None:
+        self.config = config
+        self.model_name = config.model.name
+        self._tokenizer = tokenizer
+        self._engines = engines
+        self.counts = TokenCounts()
+        self._clocks: dict[str, EngineClock] = {}
+        self.tracer: GatewayTracer | None = None
+        settings = tracing_settings(config.gateway)
+        if settings is not None:
+            from switchboard.gateway.tracing import GatewayTracer
+
+            self.tracer = GatewayTracer(
+                settings, config.client_index, config.gateway.host, config.gateway.port
+            )
+        self.trace_content = settings is not None and settings.trace_content
+        self.metrics: GatewayMetrics | None = None
+        if config.gateway.metrics_port is not None:
+            from switchboard.gateway.metrics import GatewayMetrics
+
+            self.metrics = GatewayMetrics(
+                self.model_name,
+                config.model.max_model_len or 1 << 20,
+                lambda: list(engines.engines.values()),
+                export_engine_stats=config.client_index == 0,
+            )
+        self._stats_task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        """Serve /metrics and start the stats log line (inside the event loop)."""
+        port = metrics_port(self.config)
+        if self.metrics is not None and port is not None:
+            self.metrics.serve(self.config.gateway.host, port)
+        interval = self.config.gateway.log_stats_interval_s
+        if interval > 0:
+            stats = StatsLogger(
+                self.config.client_index,
+                interval,
+                self.counts,
+                lambda: list(self._engines.engines.values()),
+            )
+            self._stats_task = asyncio.get_running_loop().create_task(stats.run(), name="stats-log")
+
+    async def stop(self) -> None:
+        if self._stats_task is not None:
+            self._stats_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._stats_task
+            self._stats_task = None
+        if self.metrics is not None:
+            self.metrics.stop()
+        if self.tracer is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.tracer.shutdown)
+
+    def begin(
+        self, request_id: str, arrival_time: float, context: grpc.aio.ServicerContext
+    ) -> RequestObserver:
+        return RequestObserver(self, request_id, arrival_time, context)
+
+    def clock(self, engine: EngineHandle) -> EngineClock:
+        """One clock per engine incarnation (a restarted engine has a new id and anchor)."""
+        clock = self._clocks.get(engine.engine_id)
+        if clock is None:
+            if len(self._clocks) > 64:  # restarts pile up: forget engines no longer known
+                live = {e.engine_id for e in self._engines.engines.values()}
+                self._clocks = {k: v for k, v in self._clocks.items() if k in live}
+            ready = engine.ready
+            clock = EngineClock(engine.engine_id, ready.wall_clock_ns, ready.monotonic_ns)
+            self._clocks[engine.engine_id] = clock
+        return clock
+
+    def text(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(token_ids, False)
+
+
+class RequestObserver:
+    """One Generate call: records its timeline and reports it to the tracer and the metrics."""
+
+    def __init__(
+        self,
+        observability: Observability,
+        request_id: str,
+        arrival_time: float,
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        self._obs = observability
+        self._context = context
+        self.timeline = RequestTimeline(request_id, int(arrival_time * 1e9))
+        self._clock: EngineClock | None = None
+        self._engine_label = ""
+        self._prompt_text: str | None = None
+        self._ended = False
+        self._spans: RequestSpans | None = None
+        observability.counts.requests_in_flight += 1
+        if observability.tracer is not None:
+            metadata = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
+            self._spans = observability.tracer.start_request(
+                request_id,
+                observability.model_name,
+                self.timeline.arrival_ns,
+                metadata,
+                context.peer() or "",
+            )
+
+    def submitting(self, plan: GeneratePlan, request: EngineCoreRequest) -> None:
+        """The request is tokenized and checked; its ADD goes out next. With tracing on, the
+        engine gets the text_completion span's context instead of the caller's."""
+        timeline = self.timeline
+        timeline.submitted_ns = time.time_ns()
+        timeline.num_prompt_tokens = len(request.prompt_token_ids)
+        if self._spans is not None:
+            self._spans.set_request_attributes(_request_attributes(plan, request))
+            request.trace_context = self._spans.engine_trace_context()
+            if self._obs.trace_content:
+                timeline.output_token_ids = []
+                self._prompt_text = plan.prompt_text
+                if self._prompt_text is None:
+                    self._prompt_text = self._obs.text(request.prompt_token_ids)
+
+    def submitted(self, engine: EngineHandle) -> None:
+        self.timeline.engine_index = engine.ready.data_parallel_rank
+        self.timeline.engine_id = engine.engine_id
+        self._engine_label = str(engine.ready.data_parallel_rank)
+        self._clock = self._obs.clock(engine)
+
+    def on_event(self, event: RequestEvent) -> None:
+        timeline = self.timeline
+        if isinstance(event, RequestAborted):
+            timeline.finish_reason = timeline.finish_reason or FinishReason.ABORT
+            return
+        if isinstance(event, RequestFailed):
+            timeline.finish_reason = timeline.finish_reason or FinishReason.ERROR
+            return
+        assert isinstance(event, StepOutput)
+        clock = self._clock
+        if clock is not None:
+            clock.not_after(event.timestamp_ns, time.time_ns())  # it was stamped before now
+        previous_token_ns = timeline.last_token_ns
+        num_new = timeline.record_output(event.output, event.timestamp_ns)
+        if not num_new:
+            return
+        counts, metrics = self._obs.counts, self._obs.metrics
+        counts.generation_tokens += num_new
+        first = previous_token_ns is None
+        if first:
+            counts.prompt_tokens += timeline.num_prompt_tokens
+        if metrics is None:
+            return
+        requests = metrics.requests
+        if first:
+            requests.first_token(
+                self._engine_label,
+                self._ttft_s() or 0.0,
+                timeline.num_prompt_tokens,
+                timeline.num_cached_tokens,
+            )
+            requests.tokens(self._engine_label, num_new, None)
+        else:
+            assert previous_token_ns is not None
+            requests.tokens(
+                self._engine_label, num_new, (event.timestamp_ns - previous_token_ns) / 1e9
+            )
+
+    def end(self, stream: GenerateStream | None) -> None:
+        """The call is over (normally, by an error, or cancelled): report it. Call it from the
+        servicer's ``finally`` block; it reads the exception in flight, if any."""
+        if self._ended:
+            return
+        self._ended = True
+        timeline = self.timeline
+        timeline.end_ns = max(time.time_ns(), timeline.arrival_ns)
+        obs = self._obs
+        obs.counts.requests_in_flight -= 1
+        code = self._status_code()
+        reason = self._finish_word(stream, code)
+        clock = self._clock
+        queued = timeline.queued_ns
+        if clock is not None and queued is not None and timeline.submitted_ns is not None:
+            clock.not_before(queued, timeline.submitted_ns)  # queued after the ADD went out
+        try:
+            if obs.metrics is not None:
+                self._report_metrics(code, reason)
+            if self._spans is not None:
+                self._report_spans(code, reason)
+        except Exception:  # observability must never break a request
+            logger.exception("request %s: reporting traces/metrics failed", timeline.request_id)
+
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _status_code(self) -> grpc.StatusCode:
+        error = sys.exc_info()[1]
+        code = self._context.code()
+        if isinstance(code, grpc.StatusCode) and code != grpc.StatusCode.OK:
+            return code
+        if isinstance(error, _CANCELLED):
+            remaining = self._context.time_remaining()
+            if remaining is not None and remaining <= 0:
+                return grpc.StatusCode.DEADLINE_EXCEEDED
+            return grpc.StatusCode.CANCELLED
+        if error is not None:
+            return grpc.StatusCode.UNKNOWN
+        return grpc.StatusCode.OK
+
+    def _finish_word(self, stream: GenerateStream | None, code: grpc.StatusCode) -> str:
+        if stream is not None and stream.finished and code == grpc.StatusCode.OK:
+            return _PB_FINISH_WORDS.get(stream.finish_reason, "stop")
+        if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
+            return "abort"
+        if code != grpc.StatusCode.OK:
+            return "error"
+        reason = self.timeline.finish_reason
+        return str(reason) if reason is not None else "stop"
+
+    def _ttft_s(self) -> float | None:
+        first = self.timeline.first_token_ns
+        if first is None or self._clock is None:
+            return None
+        return max(0, self._clock.to_wall_ns(first) - self.timeline.arrival_ns) / 1e9
+
+    def _engine_phases_s(self) -> dict[str, float | None]:
+        t = self.timeline
+        queued, scheduled, first, last = (
+            t.queued_ns,
+            t.scheduled_ns,
+            t.first_token_ns,
+            t.last_token_ns,
+        )
+
+        def span(a: int | None, b: int | None) -> float | None:
+            return None if a is None or b is None else max(0, b - a) / 1e9
+
+        return {
+            "queue": span(queued, scheduled),
+            "prefill": span(scheduled, first),
+            "decode": span(first, last),
+            "inference": span(scheduled, last),
+        }
+
+    def _report_metrics(self, code: grpc.StatusCode, reason: str) -> None:
+        metrics = self._obs.metrics
+        assert metrics is not None
+        t = self.timeline
+        assert t.end_ns is not None
+        e2e_s = (t.end_ns - t.arrival_ns) / 1e9
+        phases = self._engine_phases_s()
+        if t.submitted_ns is not None and self._engine_label:
+            metrics.requests.finished(
+                self._engine_label,
+                reason,
+                e2e_s,
+                phases,
+                t.num_prompt_tokens,
+                t.num_output_tokens,
+            )
+        decode = phases["decode"]
+        tpot = decode / (t.num_output_tokens - 1) if decode and t.num_output_tokens > 1 else None
+        metrics.requests.gen_ai(
+            "" if code == grpc.StatusCode.OK else code.name,
+            e2e_s,
+            self._ttft_s(),
+            tpot,
+            t.num_prompt_tokens,
+            t.num_output_tokens,
+        )
+
+    def _report_spans(self, code: grpc.StatusCode, reason: str) -> None:
+        spans = self._spans
+        assert spans is not None
+        t = self.timeline
+        assert t.end_ns is not None
+        ended_normally = code == grpc.StatusCode.OK and reason not in ("abort", "error")
+        to_wall = self._clock.to_wall_ns if self._clock is not None else (lambda ns: ns)
+        phases = request_phases(t, to_wall, ended_normally)
+        attributes: dict[str, Any] = {
+            "gen_ai.response.model": self._obs.model_name,
+            "gen_ai.response.finish_reasons": [reason],
+        }
+        if t.submitted_ns is not None:
+            attributes["gen_ai.usage.input_tokens"] = t.num_prompt_tokens
+            attributes["gen_ai.usage.output_tokens"] = t.num_output_tokens
+            attributes["gen_ai.usage.cache_read.input_tokens"] = t.num_cached_tokens
+        ttft = self._ttft_s()
+        if ttft is not None:
+            attributes["gen_ai.response.time_to_first_chunk"] = ttft
+        if t.engine_index is not None:
+            attributes["switchboard.engine.index"] = t.engine_index
+            attributes["switchboard.engine.id"] = t.engine_id
+            attributes["switchboard.request.num_preemptions"] = t.num_preemptions
+        content = None
+        if self._obs.trace_content and t.output_token_ids is not None:
+            content = (self._prompt_text or "", self._obs.text(t.output_token_ids))
+        spans.finish(t.end_ns, code, attributes, phases, content)
+
+
+def _request_attributes(plan: GeneratePlan, request: EngineCoreRequest) -> dict[str, Any]:
+    """gen_ai.request.* from what the engine was asked to do (defaults already applied)."""
+    attributes: dict[str, Any] = {}
+    sampling = request.sampling_params
+    if sampling is not None:
+        attributes["gen_ai.request.max_tokens"] = sampling.max_tokens
+        attributes["gen_ai.request.temperature"] = float(sampling.temperature)
+        attributes["gen_ai.request.top_p"] = float(sampling.top_p)
+        if sampling.top_k > 0:
+            attributes["gen_ai.request.top_k"] = float(sampling.top_k)
+        if sampling.seed is not None:
+            attributes["gen_ai.request.seed"] = sampling.seed
+    stop = getattr(plan, "stop", None)
+    if stop:
+        attributes["gen_ai.request.stop_sequences"] = list(stop)
+    if request.priority:
+        attributes["switchboard.request.priority"] = request.priority
+    return attributes
