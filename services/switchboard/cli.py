@@ -1,4 +1,4 @@
-"""The `switchboard` command: serve | generate | topology | ps.
+"""The `switchboard` command: serve | gateway | engine | generate | topology | ps.
 
 Flag names follow vLLM's where the concept is the same, so a vLLM user's command line works.
 """
@@ -9,6 +9,7 @@ import argparse
 import logging
 import sys
 
+from switchboard import cli_roles
 from switchboard.config import (
     DEFAULT_GRPC_PORT,
     CacheConfig,
@@ -174,11 +175,8 @@ def _validate_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespa
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if (
-        args.tensor_parallel_size * args.pipeline_parallel_size * args.data_parallel_size > 1
-        or (args.api_servers or 1) > 1
-    ):
-        parser.error("only -tp 1 -pp 1 -dp 1 --api-servers 1 is supported so far")
+    if getattr(args, "data_parallel_rank", None) is not None and args.data_parallel_rank < 0:
+        parser.error("--data-parallel-rank must be at least 0")
 
 
 def cmd_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -189,6 +187,17 @@ def cmd_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     model_dir = resolve_model(args.model)
     gateway, engine = build_configs(args, model_dir)
     return serve(gateway, engine)
+
+
+def cmd_role(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """`switchboard gateway` / `switchboard engine`: one role in this process."""
+    from switchboard.checkpoint import resolve_model
+
+    _validate_serve_args(parser, args)
+    gateway, engine = build_configs(args, resolve_model(args.model))
+    if args.command == "gateway":
+        return cli_roles.cmd_gateway(args, gateway)
+    return cli_roles.cmd_engine(args, engine)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -215,10 +224,10 @@ def cmd_topology(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_ps(_args: argparse.Namespace) -> int:
+def cmd_ps(args: argparse.Namespace) -> int:
     from switchboard.processes import format_ps, list_processes
 
-    print(format_ps(list_processes()))
+    print(format_ps(list_processes(args.pid)))
     return 0
 
 
@@ -229,6 +238,13 @@ def make_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="start gateway, engine core and workers on this machine")
     _add_serve_args(serve)
+
+    gateway = sub.add_parser("gateway", help="run one gateway; engines on other hosts join it")
+    _add_serve_args(gateway)
+    cli_roles.add_gateway_args(gateway)
+    engine = sub.add_parser("engine", help="run one engine core and its workers for gateways")
+    _add_serve_args(engine)
+    cli_roles.add_engine_args(engine)
 
     gen = sub.add_parser("generate", help="stream a completion from a running server")
     gen.add_argument("prompt")
@@ -242,7 +258,8 @@ def make_parser() -> argparse.ArgumentParser:
     topo.add_argument("-dp", "--data-parallel-size", type=int, default=1)
     topo.add_argument("--api-servers", type=int, default=None)
 
-    sub.add_parser("ps", help="list running switchboard processes")
+    ps = sub.add_parser("ps", help="list running switchboard processes")
+    ps.add_argument("--pid", type=int, default=None, help="only this process and its descendants")
     return parser
 
 
@@ -252,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
     if args.command == "serve":
         return cmd_serve(parser, args)
+    if args.command in ("gateway", "engine"):
+        return cmd_role(parser, args)
     if args.command == "generate":
         return cmd_generate(args)
     if args.command == "topology":

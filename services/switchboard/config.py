@@ -95,6 +95,14 @@ class EngineConfig(_Config):
     gateway_output_addresses: list[str] = []  # the gateways' PULLs (engine connects a PUSH)
     run_dir: str = ""  # where this engine may create ipc:// sockets
     heartbeat_interval_s: float = 1.0
+    # Appended for topologies (issue 5).
+    coordinator_address: str = ""  # the coordinator's PULL for EngineLoad ("" = no coordinator)
+    # Engines on other hosts: "name:port" of the gateways' handshake port. The name is resolved
+    # every discovery_interval_s and every address it lists is a gateway; the static address
+    # lists above are then unused.
+    gateway_discovery: str = ""
+    discovery_interval_s: float = 5.0
+    load_report_interval_s: float = 0.1  # EngineLoad at most this often
 
 
 class GatewayRoleConfig(_Config):
@@ -108,6 +116,21 @@ class GatewayRoleConfig(_Config):
     num_engines: int = 1
     exit_when_engines_dead: bool = True  # one machine: the gateway exits with its engine
     heartbeat_timeout_s: float = 10.0
+    # Appended for topologies (issue 5).
+    coordinator_publish_address: str = ""  # the coordinator's PUB of LoadReport ("" = none)
+    # Engines on other hosts: the fixed TCP address engines say hello to ("" = one machine).
+    # The data sockets then bind on port 0 of the same host and are announced in the answer.
+    handshake_address: str = ""
+
+
+class CoordinatorConfig(_Config):
+    """The coordinator (only when DP > 1): engines' load in, one report to every gateway out."""
+
+    input_address: str  # PULL bind: EngineLoad from every engine
+    publish_address: str  # PUB bind: LoadReport to every gateway
+    num_engines: int = 1
+    publish_interval_s: float = 0.1  # at most this often, when something changed
+    keepalive_interval_s: float = 5.0  # at least this often, changed or not
 
 
 C = TypeVar("C", bound=_Config)

@@ -28,12 +28,14 @@ from dataclasses import dataclass
 import msgspec
 
 from switchboard.config import (
+    CoordinatorConfig,
     EngineConfig,
     GatewayRoleConfig,
     encode_config,
     ipc_address,
     new_run_dir,
 )
+from switchboard.start_method import require_main_process
 from switchboard.wire.shm_ring import unlink_orphaned_segments
 
 logger = logging.getLogger("switchboard.launcher")
@@ -47,11 +49,25 @@ class Child:
     process: subprocess.Popen
 
 
+def plan_coordinator(engine: EngineConfig, run_dir: str) -> CoordinatorConfig | None:
+    """The coordinator of a one-machine server: only when DP > 1."""
+    num_engines = engine.parallel.data_parallel_size
+    if num_engines <= 1:
+        return None
+    return CoordinatorConfig(
+        input_address=ipc_address(run_dir, "coordinator-input"),
+        publish_address=ipc_address(run_dir, "coordinator-publish"),
+        num_engines=num_engines,
+    )
+
+
 def plan_server(
     gateway: GatewayRoleConfig, engine: EngineConfig, run_dir: str
 ) -> tuple[list[GatewayRoleConfig], list[EngineConfig]]:
-    """The per-process configs of a one-machine server: A gateways, DP engine cores."""
+    """The per-process configs of a one-machine server: A gateways, DP engine cores (each
+    connected to every gateway, and to the coordinator when DP > 1)."""
     parallel = engine.parallel
+    coordinator = plan_coordinator(engine, run_dir)
     gateways = [
         _replace(
             gateway,
@@ -59,6 +75,7 @@ def plan_server(
             input_address=ipc_address(run_dir, f"gateway{i}-input"),
             output_address=ipc_address(run_dir, f"gateway{i}-output"),
             num_engines=parallel.data_parallel_size,
+            coordinator_publish_address=coordinator.publish_address if coordinator else "",
         )
         for i in range(parallel.api_servers)
     ]
@@ -69,6 +86,7 @@ def plan_server(
             gateway_input_addresses=[g.input_address for g in gateways],
             gateway_output_addresses=[g.output_address for g in gateways],
             run_dir=run_dir,
+            coordinator_address=coordinator.input_address if coordinator else "",
         )
         for rank in range(parallel.data_parallel_size)
     ]
@@ -88,10 +106,15 @@ def _start(role: str, module: str, config_json: str) -> Child:
 
 class Supervisor:
     def __init__(
-        self, gateways: list[GatewayRoleConfig], engines: list[EngineConfig], run_dir: str
+        self,
+        gateways: list[GatewayRoleConfig],
+        engines: list[EngineConfig],
+        run_dir: str,
+        coordinator: CoordinatorConfig | None = None,
     ):
         self._gateways = gateways
         self._engines = engines
+        self._coordinator = coordinator
         self._run_dir = run_dir
         self._children: list[Child] = []
         self._stop_requested = threading.Event()
@@ -101,6 +124,12 @@ class Supervisor:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
         try:
+            if self._coordinator is not None:  # binds first: engines and gateways connect
+                self._children.append(
+                    _start(
+                        "Coordinator", "switchboard.coordinator", encode_config(self._coordinator)
+                    )
+                )
             for cfg in self._gateways:
                 self._children.append(
                     _start(f"Gateway_{cfg.client_index}", "switchboard.gateway", encode_config(cfg))
@@ -175,7 +204,13 @@ class Supervisor:
 
 
 def serve(gateway: GatewayRoleConfig, engine: EngineConfig, run_dir_base: str | None = None) -> int:
+    """Run a whole server on this machine until SIGINT/SIGTERM (0) or a child's death (1).
+
+    Library use: call it under ``if __name__ == "__main__":`` (see ``start_method``); it
+    raises ``MissingMainGuard`` when called from a multiprocessing child instead."""
+    require_main_process()
     run_dir = new_run_dir(run_dir_base)
     logger.info("run directory %s (pid %d)", run_dir, os.getpid())
     gateways, engines = plan_server(gateway, engine, run_dir)
-    return Supervisor(gateways, engines, run_dir).run()
+    coordinator = plan_coordinator(engine, run_dir)
+    return Supervisor(gateways, engines, run_dir, coordinator).run()

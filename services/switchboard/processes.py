@@ -22,6 +22,7 @@ class SwitchboardProcess:
     rank: str  # "0", "DP0", "DP0_PP0_TP1", "" for the coordinator
     cpu_seconds: float
     cpu_percent: float  # average over the process's lifetime
+    ppid: int = 0
 
 
 def _clock_ticks() -> int:
@@ -33,12 +34,41 @@ def _uptime_s() -> float:
         return float(f.read().split()[0])
 
 
-def list_processes() -> list[SwitchboardProcess]:
-    """Every running process whose title is a switchboard title, ordered by role then rank."""
+def _parent_pids() -> dict[int, int]:
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    return parents
+
+
+def descendants(root_pid: int) -> set[int]:
+    """Pids below ``root_pid`` (children, grandchildren, ...)."""
+    children: dict[int, list[int]] = {}
+    for pid, ppid in _parent_pids().items():
+        children.setdefault(ppid, []).append(pid)
+    found: set[int] = set()
+    todo = [root_pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def list_processes(root_pid: int | None = None) -> list[SwitchboardProcess]:
+    """Every running process whose title is a switchboard title, ordered by role then rank;
+    with ``root_pid``, only that process and its descendants (one server's processes)."""
     found = []
     ticks, uptime = _clock_ticks(), _uptime_s()
+    wanted = None if root_pid is None else descendants(root_pid) | {root_pid}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
+        if not entry.isdigit() or (wanted is not None and int(entry) not in wanted):
             continue
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
@@ -60,6 +90,7 @@ def list_processes() -> list[SwitchboardProcess]:
                 rank=match.group(2) or "",
                 cpu_seconds=cpu_s,
                 cpu_percent=100.0 * cpu_s / age_s,
+                ppid=int(fields[1]),
             )
         )
     order = {"Gateway": 0, "Coordinator": 1, "EngineCore": 2, "Worker": 3}
@@ -67,11 +98,12 @@ def list_processes() -> list[SwitchboardProcess]:
 
 
 def format_ps(processes: list[SwitchboardProcess]) -> str:
-    lines = [f"{'ROLE':<12} {'RANK':<14} {'PID':>8} {'CPU s':>9} {'CPU %':>7}"]
+    lines = [f"{'ROLE':<12} {'RANK':<14} {'PID':>8} {'PPID':>8} {'CPU s':>9} {'CPU %':>7}"]
     for p in processes:
         rank = p.rank or "-"
         lines.append(
-            f"{p.role:<12} {rank:<14} {p.pid:>8} {p.cpu_seconds:>9.1f} {p.cpu_percent:>7.1f}"
+            f"{p.role:<12} {rank:<14} {p.pid:>8} {p.ppid:>8} {p.cpu_seconds:>9.1f} "
+            f"{p.cpu_percent:>7.1f}"
         )
     lines.append(f"{len(processes)} switchboard processes")
     return "\n".join(lines)

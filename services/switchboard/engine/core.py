@@ -38,6 +38,7 @@ from switchboard.engine import clock
 from switchboard.engine.executor import MultiprocExecutor
 from switchboard.engine.io_threads import InputThread, OutputThread, send_engine_dead_directly
 from switchboard.engine.kv_sizing import check_num_blocks, fit_max_model_len
+from switchboard.engine.peers import EnginePeers
 from switchboard.engine.request import Request
 from switchboard.engine.scheduler import Scheduler
 from switchboard.engine.utility import run_utility
@@ -112,6 +113,7 @@ class EngineCore:
         self.executor: MultiprocExecutor | None = None
         self._input_thread: InputThread | None = None
         self._output_thread: OutputThread | None = None
+        self._peers: EnginePeers | None = None  # coordinator, discovered gateways
 
     def start(self) -> None:
         """Start the workers, load the model, size the KV cache, then open the wire to the
@@ -187,6 +189,7 @@ class EngineCore:
             self.engine_index,
             self.config.heartbeat_interval_s,
             self._on_io_thread_failure,
+            engine_id=self._ready.engine_id,
         )
         self._input_thread = InputThread(
             self._ctx,
@@ -200,6 +203,10 @@ class EngineCore:
         )
         self._output_thread.start()
         self._input_thread.start()
+        self._peers = EnginePeers(
+            self._ctx, self.config, self._ready.engine_id, self._input_thread, self.output_queue
+        )
+        self._peers.start()
 
     def _make_ready(self) -> EngineReady:
         wall_clock_ns, monotonic_ns = time.time_ns(), clock.monotonic_ns()  # one clock anchor
@@ -255,8 +262,18 @@ class EngineCore:
             self._process_input_queue()
             if self._has_work():
                 self._step()
+            self._report_load()
             self._publish_stats()
         logger.info("Shutdown requested (%s)", self._shutdown.reason)
+
+    def _report_load(self) -> None:
+        """Coordinator (DP > 1): the peers' reporter sends it when it changed, at most every
+        100 ms; here it is only compared and stored."""
+        if self._peers is not None:
+            scheduler = self.scheduler
+            self._peers.report_load(
+                scheduler.num_waiting, scheduler.num_running, scheduler.kv.usage()
+            )
 
     def _publish_stats(self) -> None:
         """Heartbeats carry the latest stats (a reference handed over, no lock needed), so a
@@ -336,7 +353,12 @@ class EngineCore:
     def send_engine_dead(self) -> None:
         """Last word to every gateway; the output thread exits after sending it."""
         if self._output_thread is None or not self._output_thread.is_alive():
-            send_engine_dead_directly(self._ctx, list(self.config.gateway_output_addresses))
+            addresses = (
+                self._peers.gateway_output_addresses()
+                if self._peers is not None
+                else list(self.config.gateway_output_addresses)
+            )
+            send_engine_dead_directly(self._ctx, addresses, self.engine_index)
             return
         self.output_queue.put(ENGINE_CORE_DEAD)
         self._output_thread.join(DEAD_SEND_TIMEOUT_S)
@@ -345,6 +367,8 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stop the I/O threads, the workers and the ring; safe after a failed start."""
+        if self._peers is not None:
+            self._peers.stop()
         if self._input_thread is not None:
             self._input_thread.stop()
         if self._output_thread is not None and self._output_thread.is_alive():

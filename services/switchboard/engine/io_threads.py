@@ -15,6 +15,11 @@ so decoding a request and encoding a step's outputs overlap with the forward pas
 
 Input queue items are ``(RequestType, payload)``: ADD -> prepared request, ABORT -> list of
 request ids (also put on the aborts queue), UTILITY -> ``UtilityCall``.
+
+Gateways are keyed by ``client_index``. One machine: the launcher's address lists, index i =
+list position. Engines on other hosts: gateways come and go (``engine/handshake.py`` finds
+them), through :meth:`InputThread.add_gateway` / ``remove_gateway`` and :class:`GatewayChange`
+items on the output queue, so each thread alone owns its sockets.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -51,6 +57,14 @@ STOP_OUTPUT = None  # output-queue sentinel: flush and exit without declaring de
 PrepareAdd = Callable[[EngineCoreRequest], Any | None]
 
 
+@dataclass(frozen=True)
+class GatewayChange:
+    """Output-queue item: connect a PUSH to a gateway's PULL (``address``) or drop it (None)."""
+
+    client_index: int
+    address: str | None
+
+
 class InputThread(threading.Thread):
     def __init__(
         self,
@@ -73,38 +87,68 @@ class InputThread(threading.Thread):
         self._input_queue = input_queue
         self._aborts_queue = aborts_queue
         self._stop_event = threading.Event()
+        self._changes: queue.Queue[tuple[int, str | None]] = queue.Queue()
+        self._sockets: dict[int, zmq.Socket] = {}
+        self._poller = zmq.Poller()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop_event.set()
         if self.is_alive():
             self.join(timeout_s)
 
+    def add_gateway(self, client_index: int, address: str) -> None:
+        """Connect a DEALER to one more gateway's ROUTER and send it READY (thread-safe)."""
+        self._changes.put((client_index, address))
+
+    def remove_gateway(self, client_index: int) -> None:
+        self._changes.put((client_index, None))
+
     def run(self) -> None:
-        sockets = [
-            zmq_channel.make_socket(
-                self._ctx, zmq.DEALER, address, bind=False, identity=self._identity
-            )
-            for address in self._addresses
-        ]
         try:
-            ready = zmq_channel.encode(self._make_ready())
-            for sock in sockets:
-                sock.send(ready)
-            logger.info("Sent READY to %d gateway(s)", len(sockets))
-            self._serve(sockets)
+            for client_index, address in enumerate(self._addresses):
+                self._connect(client_index, address)
+            if self._addresses:
+                logger.info("Sent READY to %d gateway(s)", len(self._addresses))
+            self._serve()
         except Exception as exc:
             logger.exception("Engine input thread failed")
             self._on_failure(f"input thread failed: {exc!r}")
         finally:
-            for sock in sockets:
+            for sock in self._sockets.values():
                 sock.close(linger=0)
 
-    def _serve(self, sockets: list[zmq.Socket]) -> None:
-        poller = zmq.Poller()
-        for sock in sockets:
-            poller.register(sock, zmq.POLLIN)
+    def _connect(self, client_index: int, address: str) -> None:
+        self._disconnect(client_index)
+        sock = zmq_channel.make_socket(
+            self._ctx, zmq.DEALER, address, bind=False, identity=self._identity
+        )
+        sock.send(zmq_channel.encode(self._make_ready()))
+        self._sockets[client_index] = sock
+        self._poller.register(sock, zmq.POLLIN)
+
+    def _disconnect(self, client_index: int) -> None:
+        sock = self._sockets.pop(client_index, None)
+        if sock is not None:
+            self._poller.unregister(sock)
+            sock.close(linger=0)
+
+    def _apply_changes(self) -> None:
+        while True:
+            try:
+                client_index, address = self._changes.get_nowait()
+            except queue.Empty:
+                return
+            if address is None:
+                self._disconnect(client_index)
+                logger.info("Disconnected from gateway %d", client_index)
+            else:
+                self._connect(client_index, address)
+                logger.info("Sent READY to gateway %d at %s", client_index, address)
+
+    def _serve(self) -> None:
         while not self._stop_event.is_set():
-            for sock, _ in poller.poll(POLL_INTERVAL_MS):
+            self._apply_changes()
+            for sock, _ in self._poller.poll(POLL_INTERVAL_MS):
                 self._handle_frames(sock.recv_multipart(copy=False))
 
     def _handle_frames(self, frames: list[zmq.Frame]) -> None:
@@ -155,6 +199,7 @@ class OutputThread(threading.Thread):
         engine_index: int,
         heartbeat_interval_s: float,
         on_failure: Callable[[str], None],
+        engine_id: str = "",
     ) -> None:
         super().__init__(name="EngineCoreOutput", daemon=True)
         self._on_failure = on_failure
@@ -162,6 +207,9 @@ class OutputThread(threading.Thread):
         self._addresses = addresses
         self._output_queue = output_queue
         self._engine_index = engine_index
+        self._engine_id = engine_id
+        self._sockets: dict[int, zmq.Socket] = {}
+        self._last_sent: dict[int, float] = {}
         self._heartbeat_interval_s = heartbeat_interval_s
         # Set by the busy loop every turn; heartbeats carry it (engine-level metrics stay fresh).
         self.latest_stats: SchedulerStats | None = None
@@ -175,49 +223,62 @@ class OutputThread(threading.Thread):
             self.join(timeout_s)
 
     def run(self) -> None:
-        sockets = [
-            zmq_channel.make_socket(
-                self._ctx, zmq.PUSH, address, bind=False, linger_ms=DEAD_LINGER_MS
-            )
-            for address in self._addresses
-        ]
         try:
-            self._serve(sockets)
+            for client_index, address in enumerate(self._addresses):
+                self._change(GatewayChange(client_index, address))
+            self._serve()
         except Exception as exc:
             logger.exception("Engine output thread failed")
             self._on_failure(f"output thread failed: {exc!r}")
         finally:
-            for sock in sockets:
+            for sock in self._sockets.values():
                 sock.close()  # lingers up to DEAD_LINGER_MS so the last frames arrive
 
-    def _serve(self, sockets: list[zmq.Socket]) -> None:
-        last_sent = [time.monotonic()] * len(sockets)
+    def _change(self, change: GatewayChange) -> None:
+        old = self._sockets.pop(change.client_index, None)
+        self._last_sent.pop(change.client_index, None)
+        if old is not None:
+            old.close(linger=0)  # the gateway is gone: nobody will read what is queued
+        if change.address is not None:
+            self._sockets[change.client_index] = zmq_channel.make_socket(
+                self._ctx, zmq.PUSH, change.address, bind=False, linger_ms=DEAD_LINGER_MS
+            )
+            self._last_sent[change.client_index] = time.monotonic()
+
+    def _serve(self) -> None:
         while True:
-            wait_s = max(0.0, min(last_sent) + self._heartbeat_interval_s - time.monotonic())
+            oldest = min(self._last_sent.values(), default=time.monotonic())
+            wait_s = max(0.0, oldest + self._heartbeat_interval_s - time.monotonic())
             try:
                 item = self._output_queue.get(timeout=wait_s)
             except queue.Empty:
-                self._send_heartbeats(sockets, last_sent)
+                self._send_heartbeats()
                 continue
             if item is STOP_OUTPUT:
                 return
+            if isinstance(item, GatewayChange):
+                self._change(item)
+                continue
             if item == ENGINE_CORE_DEAD:
-                for sock in sockets:
-                    sock.send(ENGINE_CORE_DEAD)
-                logger.info("Sent ENGINE_CORE_DEAD to %d gateway(s)", len(sockets))
+                frames = zmq_channel.engine_dead_frames(self._engine_index, self._engine_id)
+                for sock in self._sockets.values():
+                    sock.send_multipart(frames)
+                logger.info("Sent ENGINE_CORE_DEAD to %d gateway(s)", len(self._sockets))
                 return
             client_index, outputs = item
-            if not 0 <= client_index < len(sockets):
+            sock = self._sockets.get(client_index)
+            if sock is None:
                 logger.warning(
                     "Dropped outputs for unknown gateway (client_index %s)", client_index
                 )
                 continue
-            self._send(sockets[client_index], outputs)
-            last_sent[client_index] = time.monotonic()
+            self._send(sock, outputs)
+            self._last_sent[client_index] = time.monotonic()
 
-    def _send_heartbeats(self, sockets: list[zmq.Socket], last_sent: list[float]) -> None:
+    def _send_heartbeats(self) -> None:
         now = time.monotonic()
-        for index, sock in enumerate(sockets):
+        last_sent = self._last_sent
+        for index, sock in self._sockets.items():
             if now - last_sent[index] >= self._heartbeat_interval_s:
                 heartbeat = EngineCoreOutputs(
                     engine_index=self._engine_index,
@@ -235,10 +296,13 @@ class OutputThread(threading.Thread):
         self._buffers.give(buffer, tracker)
 
 
-def send_engine_dead_directly(ctx: zmq.Context, addresses: list[str]) -> None:
+def send_engine_dead_directly(
+    ctx: zmq.Context, addresses: list[str], engine_index: int = 0, engine_id: str = ""
+) -> None:
     """ENGINE_CORE_DEAD from a fresh PUSH per gateway, for a death before the output thread runs."""
+    frames = zmq_channel.engine_dead_frames(engine_index, engine_id)
     for address in addresses:
         sock = zmq_channel.make_socket(ctx, zmq.PUSH, address, bind=False, linger_ms=DEAD_LINGER_MS)
-        sock.send(ENGINE_CORE_DEAD)
+        sock.send_multipart(frames)
         sock.close()
     logger.info("Sent ENGINE_CORE_DEAD to %d gateway(s)", len(addresses))

@@ -6,7 +6,12 @@ and from then on the gateway addresses it as ``[identity, type byte, body]``. Ou
 engines arrive on the PULL; one asyncio task reads them and hands each request's outputs to
 that request's queue. An engine is dead when it says ``ENGINE_CORE_DEAD``, when a send to it
 fails, or when it has been silent (no output, no heartbeat) for ``heartbeat_timeout_s``; its
-pending requests then fail with UNAVAILABLE. A restarted engine is re-admitted by its READY.
+pending requests then fail with UNAVAILABLE. A restarted engine is re-admitted by its READY
+(the ROUTER hands the engine's identity over to the new connection).
+
+Several engines (DP > 1): ``engine_pool`` picks one per request (power of two choices, on the
+coordinator's load reports when ``coordinator_publish_address`` is set). Engines on other hosts:
+``handshake_address`` binds the fixed handshake port that tells them the data sockets' ports.
 
 Sends never block: the sockets have no high-water mark, so ``send_multipart`` completes at
 once, which lets ``abort`` be called from a ``finally`` block of a cancelled stream.
@@ -16,10 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import os
+import random
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +33,7 @@ import grpc
 import zmq
 import zmq.asyncio
 
+from switchboard.gateway.engine_pool import LoadSubscriber, choose_engine
 from switchboard.gateway.engine_types import (
     EngineHandle,
     EngineState,
@@ -36,11 +43,15 @@ from switchboard.gateway.engine_types import (
     StepOutput,
 )
 from switchboard.gateway.errors import ApiError, unavailable
+from switchboard.gateway.handshake_server import HandshakeServer, port_of
+from switchboard.gateway.utility_calls import PendingUtilityCalls
 from switchboard.wire import zmq_channel
 from switchboard.wire.engine_msgs import (
     EngineCoreOutputs,
     EngineCoreRequest,
+    EngineDead,
     EngineReady,
+    GatewayAddresses,
     RequestType,
     UtilityCall,
 )
@@ -57,10 +68,16 @@ class EngineClient:
         client_index: int = 0,
         heartbeat_timeout_s: float = 10.0,
         on_engines_changed: Callable[[], None] | None = None,
+        coordinator_publish_address: str = "",
+        handshake_address: str = "",
     ) -> None:
         self.input_address = input_address
         self.output_address = output_address
         self.client_index = client_index
+        self.coordinator_publish_address = coordinator_publish_address
+        self.handshake_address = handshake_address
+        self.gateway_id = f"Gateway_{client_index}-{uuid.uuid4().hex[:8]}"
+        self._rng = random.Random()
         self._heartbeat_timeout_s = heartbeat_timeout_s
         self._on_engines_changed = on_engines_changed or (lambda: None)
         self._ctx: zmq.asyncio.Context | None = None
@@ -69,8 +86,7 @@ class EngineClient:
         self._tasks: list[asyncio.Task] = []
         self.engines: dict[int, EngineHandle] = {}  # by data-parallel rank
         self._requests: dict[str, RequestChannel] = {}
-        self._utility_calls: dict[int, tuple[EngineHandle, asyncio.Future]] = {}
-        self._call_ids = itertools.count(1)
+        self._utility_calls = PendingUtilityCalls()
         self._any_ready = asyncio.Event()
         self._ipc_paths: list[str] = []
 
@@ -81,6 +97,9 @@ class EngineClient:
         self._router = zmq_channel.make_socket(self._ctx, zmq.ROUTER, self.input_address, bind=True)
         # Sending to a peer that is gone raises instead of dropping the message silently.
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A restarted engine reconnects with the identity of its dead predecessor (its DP rank):
+        # the new connection takes the identity over instead of being refused.
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._pull = zmq_channel.make_socket(self._ctx, zmq.PULL, self.output_address, bind=True)
         self.input_address = zmq_channel.bound_address(self._router)
         self.output_address = zmq_channel.bound_address(self._pull)
@@ -94,6 +113,21 @@ class EngineClient:
             asyncio.create_task(self._output_loop(), name="engine-output-loop"),
             asyncio.create_task(self._heartbeat_watchdog(), name="engine-heartbeat-watchdog"),
         ]
+        if self.coordinator_publish_address:
+            loads = LoadSubscriber(
+                self._ctx, self.coordinator_publish_address, lambda: self.engines
+            )
+            self._tasks.append(asyncio.create_task(loads.run(), name="engine-load-subscriber"))
+        if self.handshake_address:
+            answer = GatewayAddresses(
+                gateway_id=self.gateway_id,
+                client_index=self.client_index,
+                input_port=port_of(self.input_address),
+                output_port=port_of(self.output_address),
+            )
+            handshake = HandshakeServer(self._ctx, self.handshake_address, answer)
+            self.handshake_address = handshake.address
+            self._tasks.append(asyncio.create_task(handshake.run(), name="engine-handshake"))
         logger.info(
             "wire 1: ROUTER bound at %s, PULL bound at %s; waiting for engine READY",
             self.input_address,
@@ -108,10 +142,7 @@ class EngineClient:
         for channel in list(self._requests.values()):
             channel.put(RequestFailed(unavailable("the gateway is shutting down")))
         self._requests.clear()
-        for _, future in self._utility_calls.values():
-            if not future.done():
-                future.set_exception(unavailable("the gateway is shutting down"))
-        self._utility_calls.clear()
+        self._utility_calls.fail(unavailable("the gateway is shutting down"))
         for sock in (self._router, self._pull):
             if sock is not None:
                 sock.close(linger=0)
@@ -142,7 +173,8 @@ class EngineClient:
         return request_id in self._requests
 
     def add_request(self, request: EngineCoreRequest) -> RequestChannel:
-        """Send ADD to the least-loaded live engine; outputs arrive on the returned channel."""
+        """Send ADD to the engine ``engine_pool`` picks (or the pinned ``data_parallel_rank``);
+        outputs arrive on the returned channel."""
         if request.request_id in self._requests:
             raise ApiError(
                 grpc.StatusCode.ALREADY_EXISTS,
@@ -150,13 +182,11 @@ class EngineClient:
                 reason="DUPLICATE_REQUEST_ID",
                 field="request_id",
             )
-        live = self.live_engines
-        if not live:
-            raise unavailable("no engine core is ready")
-        engine = min(live, key=lambda e: e.num_requests)
+        engine = choose_engine(self.engines, request.data_parallel_rank, self._rng)
         channel = RequestChannel(request.request_id, engine)
         self._requests[request.request_id] = channel
         engine.num_requests += 1
+        engine.added_since_load += 1
         if not self._send(engine, RequestType.ADD, request):
             self._forget(request.request_id)
             raise unavailable(f"engine {engine.engine_id} is unreachable")
@@ -196,9 +226,7 @@ class EngineClient:
         """Call an engine-core utility method; raise ApiError if the engine reports failure."""
         if not engine.alive:
             raise unavailable(f"engine {engine.engine_id} is not ready")
-        call_id = next(self._call_ids)
-        future: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._utility_calls[call_id] = (engine, future)
+        call_id, future = self._utility_calls.open(engine)
         try:
             call = UtilityCall(self.client_index, call_id, method, args)
             if not self._send(engine, RequestType.UTILITY, call):
@@ -210,7 +238,7 @@ class EngineClient:
                 f"engine {engine.engine_id} did not answer {method} within {timeout_s}s",
             ) from None
         finally:
-            self._utility_calls.pop(call_id, None)
+            self._utility_calls.close(call_id)
 
     # -- sockets -------------------------------------------------------------------------------
 
@@ -279,11 +307,22 @@ class EngineClient:
                 logger.warning("dropped a bad output frame: %s", exc)
                 continue
             if outputs is None:
-                self._on_engine_dead_message()
+                self._on_engine_dead_message(zmq_channel.parse_engine_dead(frames))
             else:
                 self._dispatch(outputs)
 
-    def _on_engine_dead_message(self) -> None:
+    def _on_engine_dead_message(self, dead: EngineDead | None) -> None:
+        if dead is not None:
+            engine = self.engines.get(dead.engine_index)
+            if engine is None or (dead.engine_id and dead.engine_id != engine.engine_id):
+                logger.info(
+                    "ENGINE_CORE_DEAD from engine %s (DP rank %d), which is not ready here",
+                    dead.engine_id,
+                    dead.engine_index,
+                )
+                return
+            self._mark_dead(engine, "it sent ENGINE_CORE_DEAD")
+            return
         live = self.live_engines
         if len(live) == 1:
             self._mark_dead(live[0], "it sent ENGINE_CORE_DEAD")
@@ -305,7 +344,7 @@ class EngineClient:
         if outputs.scheduler_stats is not None:
             engine.scheduler_stats = outputs.scheduler_stats
         if outputs.utility_output is not None:
-            self._resolve_utility(outputs.utility_output)
+            self._utility_calls.resolve(outputs.utility_output)
         for output in outputs.outputs:
             channel = self._requests.get(output.request_id)
             if channel is None:
@@ -313,23 +352,6 @@ class EngineClient:
             channel.put(StepOutput(output, outputs.timestamp_ns))
             if output.finish_reason is not None:
                 self._forget(output.request_id)
-
-    def _resolve_utility(self, result: Any) -> None:
-        entry = self._utility_calls.get(result.call_id)
-        if entry is None or entry[1].done():
-            logger.warning("dropped a utility result for unknown call %d", result.call_id)
-            return
-        engine, future = entry
-        if result.failure_message is not None:
-            future.set_exception(
-                ApiError(
-                    grpc.StatusCode.INTERNAL,
-                    f"engine {engine.engine_id}: {result.failure_message}",
-                    reason="UTILITY_FAILED",
-                )
-            )
-        else:
-            future.set_result(result.result)
 
     async def _heartbeat_watchdog(self) -> None:
         period = max(0.05, min(1.0, self._heartbeat_timeout_s / 4))
@@ -356,8 +378,5 @@ class EngineClient:
         for channel in failed:
             self._forget(channel.request_id)
             channel.put(RequestFailed(unavailable(f"engine {engine.engine_id} died: {why}")))
-        for call_id, (call_engine, future) in list(self._utility_calls.items()):
-            if call_engine is engine and not future.done():
-                future.set_exception(unavailable(f"engine {engine.engine_id} died: {why}"))
-                self._utility_calls.pop(call_id, None)
+        self._utility_calls.fail(unavailable(f"engine {engine.engine_id} died: {why}"), engine)
         self._on_engines_changed()

@@ -12,7 +12,12 @@ import dataclasses
 import enum
 
 from switchboard.gateway.errors import ApiError
-from switchboard.wire.engine_msgs import EngineCoreOutput, EngineReady, SchedulerStats
+from switchboard.wire.engine_msgs import (
+    EngineCoreOutput,
+    EngineLoad,
+    EngineReady,
+    SchedulerStats,
+)
 
 
 class EngineState(enum.Enum):
@@ -30,6 +35,8 @@ class EngineHandle:
     last_seen: float = 0.0  # time.monotonic() of its last message
     scheduler_stats: SchedulerStats | None = None
     num_requests: int = 0  # this gateway's requests in flight on it
+    load: EngineLoad | None = None  # the coordinator's latest report of it (DP > 1)
+    added_since_load: int = 0  # requests this gateway sent it since that report
 
     @property
     def engine_id(self) -> str:

@@ -9,6 +9,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
+import msgspec
 
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
@@ -69,8 +70,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     reason="TASK_NOT_SUPPORTED",
                 )
             plan = plan_generate(request, request_id, self._state.facts)
+            pinned_rank = (
+                request.data_parallel_rank if request.HasField("data_parallel_rank") else None
+            )
             channel, prompt_token_ids = await self._submit(
-                plan, arrival_time, context, observer=observer
+                plan, arrival_time, context, pinned_rank, observer=observer
             )
             observer.submitted(channel.engine)
             if live.aborted:  # the Abort RPC came while the prompt was being tokenized
@@ -104,6 +108,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         plan: GeneratePlan,
         arrival_time: float,
         context: grpc.aio.ServicerContext,
+        data_parallel_rank: int | None = None,
         *,
         observer: RequestObserver,
     ) -> tuple[RequestChannel, list[int]]:
@@ -126,6 +131,10 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             arrival_time=arrival_time,
             trace_context=trace_context,
         )
+        if data_parallel_rank is not None:  # pinned: engine_pool honours it
+            engine_request = msgspec.structs.replace(
+                engine_request, data_parallel_rank=data_parallel_rank
+            )
         observer.submitting(plan, engine_request)  # with tracing: the engine's trace context
         return state.engines.add_request(engine_request), prompt_token_ids
 

@@ -68,6 +68,8 @@ def _grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
         ("grpc.http2.max_pings_without_data", 0),
+        # Several gateways (--api-servers) bind the same port; the kernel spreads connections.
+        ("grpc.so_reuseport", 1),
     ]
 
 
@@ -84,6 +86,8 @@ class GatewayServer:
             client_index=config.client_index,
             heartbeat_timeout_s=config.heartbeat_timeout_s,
             on_engines_changed=self._on_engines_changed,
+            coordinator_publish_address=config.coordinator_publish_address,
+            handshake_address=config.handshake_address,
         )
         tokenizer = Tokenizer.from_model_dir(config.model.model)
         self.state = GatewayState(

@@ -13,8 +13,13 @@ Frames engine -> gateway:
 
 * on the DEALER, first and once: ``[msgpack EngineReady]`` (a ROUTER can only address peers it
   has heard from, so the engine speaks first), later utility replies travel on the PUSH;
-* on the PUSH: ``[msgpack EngineCoreOutputs][tensor frames...]`` once per engine step, or the
-  literal single frame ``ENGINE_CORE_DEAD`` as the engine's last word.
+* on the PUSH: ``[msgpack EngineCoreOutputs][tensor frames...]`` once per engine step, or
+  ``[b"ENGINE_CORE_DEAD"][msgpack EngineDead]`` as the engine's last word (older engines send
+  the first frame alone).
+
+Beside wire 1 proper (appended for several engines and hosts): ``EngineLoad``/``LoadReport``
+between engines, the coordinator and the gateways, and the TCP handshake
+(``GatewayHello``/``GatewayAddresses``) of engines that run on other hosts.
 """
 
 from __future__ import annotations
@@ -193,6 +198,55 @@ class EngineReady(_Wire):
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     engine_version: str = ""
+
+
+# ---- appended for topologies (issue 5): death notice, load reports, TCP handshake ------------
+
+
+class EngineDead(_Wire):
+    """Second frame of ``ENGINE_CORE_DEAD`` (``[b"ENGINE_CORE_DEAD"][msgpack EngineDead]``): which
+    engine died, so a gateway with several engines fails only that engine's requests. A
+    single-frame ``ENGINE_CORE_DEAD`` (older engines) names no engine."""
+
+    engine_index: int
+    engine_id: str = ""
+
+
+class EngineLoad(_Wire):
+    """Engine -> coordinator (PUSH -> PULL), sent when the counts change, at most every 100 ms."""
+
+    engine_index: int
+    num_waiting_reqs: int
+    num_running_reqs: int
+    kv_cache_usage: float = 0.0  # 0..1
+    engine_id: str = ""
+
+
+class LoadReport(_Wire):
+    """Coordinator -> gateways (PUB -> SUB): the freshest load of every engine it heard from,
+    published every 100 ms when something changed and every 5 s otherwise (a keep-alive)."""
+
+    sequence: int  # increases by one per publication
+    engines: list[EngineLoad] = []
+
+
+class GatewayHello(_Wire):
+    """Engine -> gateway on the gateway's fixed TCP handshake port (DEALER -> ROUTER)."""
+
+    engine_index: int
+    engine_id: str = ""
+
+
+class GatewayAddresses(_Wire):
+    """Gateway -> engine, the answer to ``GatewayHello``: the ports the kernel gave the
+    gateway's data sockets (the engine connects to them on the address it reached the
+    handshake port at), and the ``client_index`` that routes outputs back to this gateway."""
+
+    gateway_id: str  # changes when the gateway restarts: the engine then reconnects
+    client_index: int
+    input_port: int  # the gateway's ROUTER: the engine connects a DEALER and sends READY
+    output_port: int  # the gateway's PULL: the engine connects a PUSH
+    coordinator_address: str = ""  # where the engine pushes EngineLoad ("" = nowhere)
 
 
 # ---- appended for embeddings (issue 4): what a pooling request wants -------------------------

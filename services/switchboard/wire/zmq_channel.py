@@ -6,7 +6,8 @@ Frame layouts (see ``engine_msgs`` for the bodies)::
                                        (the DEALER receives it without the identity frame)
     engine DEALER -> gateway ROUTER   [body: EngineReady]            (first message, once)
     engine PUSH -> gateway PULL       [body: EngineCoreOutputs][tensor frame]...
-                                      | [b"ENGINE_CORE_DEAD"]        (last message)
+                                      | [b"ENGINE_CORE_DEAD"][body: EngineDead]  (last message;
+                                        older engines send the first frame alone)
 
 A tensor travels as a frame of raw bytes after the body; the body holds a ``TensorRef``
 (dtype, shape, frame index) in its place, so large data is never copied into msgpack.
@@ -22,8 +23,10 @@ import msgspec
 import zmq
 
 from switchboard.wire.engine_msgs import (
+    ENGINE_CORE_DEAD,
     EngineCoreOutputs,
     EngineCoreRequest,
+    EngineDead,
     EngineReady,
     RequestType,
     UtilityCall,
@@ -135,9 +138,31 @@ def parse_request_frames(frames: Sequence[Buffer]) -> tuple[RequestType, Any, li
     return request_type, body, [memoryview(f) for f in frames[2:]]
 
 
+def engine_dead_frames(engine_index: int, engine_id: str = "") -> list[bytes]:
+    """An engine's last word: ``ENGINE_CORE_DEAD`` and which engine says it."""
+    return [ENGINE_CORE_DEAD, encode(EngineDead(engine_index, engine_id))]
+
+
+def _is_engine_dead(frames: Sequence[Buffer]) -> bool:
+    return len(frames) in (1, 2) and bytes(frames[0]) == ENGINE_CORE_DEAD
+
+
+def parse_engine_dead(frames: Sequence[Buffer]) -> EngineDead | None:
+    """Which engine an ``ENGINE_CORE_DEAD`` message names; None for the one-frame form (or a
+    second frame that does not decode: the death still counts, the sender is unknown)."""
+    if not _is_engine_dead(frames) or len(frames) == 1:
+        return None
+    try:
+        return msgspec.msgpack.decode(frames[1], type=EngineDead)
+    except msgspec.DecodeError:
+        logger.warning("ENGINE_CORE_DEAD with an undecodable engine frame")
+        return None
+
+
 def parse_output_frames(frames: Sequence[Buffer]) -> tuple[EngineCoreOutputs | None, list]:
-    """Decode frames received on a gateway's PULL. ``None`` means the engine died."""
-    if len(frames) == 1 and bytes(frames[0]) == b"ENGINE_CORE_DEAD":
+    """Decode frames received on a gateway's PULL. ``None`` means the engine died (see
+    ``parse_engine_dead`` for which one)."""
+    if _is_engine_dead(frames):
         return None, []
     try:
         outputs = msgspec.msgpack.decode(frames[0], type=EngineCoreOutputs)

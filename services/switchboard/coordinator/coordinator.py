@@ -1,0 +1,104 @@
+"""The coordinator: one table of every engine's load, published to every gateway.
+
+Only started when DP > 1 (``switchboard::Coordinator``). Engines push an ``EngineLoad`` when
+their waiting/running counts or KV usage change (at most every 100 ms each); the coordinator
+keeps the latest per engine and publishes the whole table as one ``LoadReport``::
+
+    EngineCore_DP0 ─PUSH─┐                         ┌─SUB─ Gateway_0
+    EngineCore_DP1 ─PUSH─┼─> PULL  Coordinator  PUB ┼─SUB─ Gateway_1
+    EngineCore_DPn ─PUSH─┘                         └─SUB─ ...
+
+It publishes at most every ``publish_interval_s`` when something changed, and every
+``keepalive_interval_s`` regardless, so a gateway that subscribed late (PUB/SUB drops what was
+published before a subscriber joined) has the full table within one keep-alive. Gateways use it
+for power-of-two-choices routing; nothing else depends on it, so its loss only makes routing
+rely on each gateway's own in-flight counts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import msgspec
+import zmq
+
+from switchboard.config import CoordinatorConfig
+from switchboard.wire import zmq_channel
+from switchboard.wire.engine_msgs import EngineLoad, LoadReport
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 100  # the longest the loop sleeps before checking whether it must stop or publish
+
+
+class Coordinator:
+    def __init__(self, config: CoordinatorConfig) -> None:
+        self.config = config
+        self.loads: dict[int, EngineLoad] = {}
+        self._sequence = 0
+        self._changed = False
+        self._last_publish = 0.0
+        self._decoder = msgspec.msgpack.Decoder(EngineLoad)
+        self._ctx = zmq.Context()
+        self._pull = zmq_channel.make_socket(self._ctx, zmq.PULL, config.input_address, bind=True)
+        self._pub = zmq_channel.make_socket(self._ctx, zmq.PUB, config.publish_address, bind=True)
+        self.input_address = zmq_channel.bound_address(self._pull)
+        self.publish_address = zmq_channel.bound_address(self._pub)
+        logger.info(
+            "Coordinator: engine loads in at %s, reports out at %s",
+            self.input_address,
+            self.publish_address,
+        )
+
+    def run(self, should_stop: Callable[[], bool]) -> None:
+        """Receive and publish until ``should_stop()``."""
+        while not should_stop():
+            if self._pull.poll(self._poll_timeout_ms()):
+                self._receive_all()
+            self._maybe_publish(time.monotonic())
+
+    def _poll_timeout_ms(self) -> int:
+        if not self._changed:
+            return POLL_MS
+        due = self._last_publish + self.config.publish_interval_s - time.monotonic()
+        return max(0, min(POLL_MS, int(due * 1000)))
+
+    def _receive_all(self) -> None:
+        while True:
+            try:
+                data = self._pull.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                load = self._decoder.decode(data)
+            except msgspec.DecodeError as exc:
+                logger.warning("Dropped a bad EngineLoad: %s", exc)
+                continue
+            if load.engine_index not in self.loads:
+                logger.info("First load report from engine %d", load.engine_index)
+            if self.loads.get(load.engine_index) != load:
+                self.loads[load.engine_index] = load
+                self._changed = True
+
+    def _maybe_publish(self, now: float) -> None:
+        since = now - self._last_publish
+        if (self._changed and since >= self.config.publish_interval_s) or (
+            since >= self.config.keepalive_interval_s
+        ):
+            self._sequence += 1
+            report = LoadReport(self._sequence, [self.loads[i] for i in sorted(self.loads)])
+            self._pub.send(zmq_channel.encode(report))
+            self._changed = False
+            self._last_publish = now
+
+    def close(self) -> None:
+        for sock in (self._pull, self._pub):
+            sock.close(linger=0)
+        self._ctx.term()
+        for address in (self.input_address, self.publish_address):
+            if address.startswith("ipc://") and os.path.exists(address[len("ipc://") :]):
+                os.unlink(address[len("ipc://") :])
+        logger.info("Coordinator closed after %d reports", self._sequence)

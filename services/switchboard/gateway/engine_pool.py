@@ -1,0 +1,113 @@
+"""Which engine core gets a request (DP > 1), and the load reports that decision reads.
+
+Power of two choices: draw two live engines at random and send the request to the less loaded
+one. It spreads a burst (a plain "least loaded" would send the whole burst to the same engine
+until the next report arrives, and every gateway would pick the same one), and it needs only
+two scores per request.
+
+An engine's score is the larger of
+* this gateway's own requests in flight on it (exact, and current), and
+* the coordinator's last count of its waiting + running requests (all gateways' requests, but
+  up to ~100 ms old) plus the requests this gateway sent it since that report,
+plus a penalty when the engine has requests waiting while its KV cache is more than half full
+(as vLLM does: those will wait for blocks). Without a coordinator (DP = 1, or engines on other
+hosts) the first term alone decides.
+
+A request may pin a data-parallel rank (``EngineCoreRequest.data_parallel_rank``): it goes to
+that engine if it is ready, and fails with UNAVAILABLE otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from switchboard.gateway.engine_types import EngineHandle
+from switchboard.gateway.errors import unavailable
+from switchboard.wire import zmq_channel
+from switchboard.wire.engine_msgs import LoadReport
+
+logger = logging.getLogger(__name__)
+
+KV_PRESSURE_WEIGHT = 6.0  # per waiting request, per unit of KV usage above one half
+
+
+def engine_score(engine: EngineHandle) -> float:
+    score = float(engine.num_requests)
+    load = engine.load
+    if load is not None:
+        reported = load.num_waiting_reqs + load.num_running_reqs + engine.added_since_load
+        score = max(score, float(reported))
+        if load.num_waiting_reqs:
+            pressure = max(0.0, load.kv_cache_usage - 0.5)
+            score += load.num_waiting_reqs * KV_PRESSURE_WEIGHT * pressure
+    return score
+
+
+def choose_engine(
+    engines: dict[int, EngineHandle], pinned_rank: int | None, rng: random.Random
+) -> EngineHandle:
+    """The engine for one request (see the module docstring); raises UNAVAILABLE if none."""
+    if pinned_rank is not None:
+        engine = engines.get(pinned_rank)
+        if engine is None or not engine.alive:
+            ready = sorted(r for r, e in engines.items() if e.alive)
+            raise unavailable(
+                f"data_parallel_rank {pinned_rank}: that engine core is not ready "
+                f"(ready ranks: {ready})"
+            )
+        return engine
+    live = [e for e in engines.values() if e.alive]
+    if not live:
+        raise unavailable("no engine core is ready")
+    if len(live) == 1:
+        return live[0]
+    first, second = rng.sample(live, 2)
+    return second if engine_score(second) < engine_score(first) else first
+
+
+class LoadSubscriber:
+    """Keeps ``EngineHandle.load`` fresh from the coordinator's LoadReport publications."""
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        publish_address: str,
+        engines: Callable[[], dict[int, EngineHandle]],
+    ) -> None:
+        self._engines = engines
+        self._sock = zmq_channel.make_socket(ctx, zmq.SUB, publish_address, bind=False)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._decoder = msgspec.msgpack.Decoder(LoadReport)
+        self.num_reports = 0
+        logger.info("subscribed to engine load reports at %s", publish_address)
+
+    async def run(self) -> None:
+        try:
+            while True:
+                data = await self._sock.recv()
+                try:
+                    report = self._decoder.decode(data)
+                except msgspec.DecodeError as exc:
+                    logger.warning("dropped a bad load report: %s", exc)
+                    continue
+                self.num_reports += 1
+                apply_load_report(self._engines(), report)
+        except asyncio.CancelledError:
+            self._sock.close(linger=0)
+            raise
+
+
+def apply_load_report(engines: dict[int, EngineHandle], report: LoadReport) -> None:
+    for load in report.engines:
+        engine = engines.get(load.engine_index)
+        if engine is None or (load.engine_id and load.engine_id != engine.engine_id):
+            continue  # not ready here yet, or a report about its previous incarnation
+        engine.load = load
+        engine.added_since_load = 0

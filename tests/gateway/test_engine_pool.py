@@ -1,0 +1,70 @@
+"""Engine choice: power of two choices on load reports and own in-flight counts; pinning."""
+
+from __future__ import annotations
+
+import random
+
+import grpc
+import pytest
+
+from switchboard.gateway.engine_pool import apply_load_report, choose_engine, engine_score
+from switchboard.gateway.engine_types import EngineHandle, EngineState
+from switchboard.gateway.errors import ApiError
+from switchboard.wire.engine_msgs import EngineLoad, EngineReady, LoadReport
+
+
+def handle(rank: int, **fields) -> EngineHandle:
+    ready = EngineReady(f"e{rank}", rank, 512, 64, 16, 1024, 0, 0)
+    return EngineHandle(identity=bytes([rank, 0]), ready=ready, **fields)
+
+
+def test_score_is_the_larger_of_own_and_reported_load() -> None:
+    assert engine_score(handle(0)) == 0
+    assert engine_score(handle(0, num_requests=3)) == 3
+    reported = handle(0, num_requests=1, load=EngineLoad(0, 2, 4), added_since_load=1)
+    assert engine_score(reported) == 7  # 2 waiting + 4 running + 1 sent since the report
+    full = handle(0, load=EngineLoad(0, 2, 0, kv_cache_usage=1.0))
+    assert engine_score(full) == pytest.approx(2 + 2 * 6 * 0.5)  # waiting on a full KV cache
+
+
+def test_two_engines_the_less_loaded_wins() -> None:
+    engines = {0: handle(0, num_requests=5), 1: handle(1, num_requests=1)}
+    rng = random.Random(0)
+    assert {choose_engine(engines, None, rng).engine_id for _ in range(20)} == {"e1"}
+
+
+def test_power_of_two_choices_never_picks_the_busiest_of_three() -> None:
+    engines = {r: handle(r, num_requests=n) for r, n in enumerate([0, 4, 9])}
+    rng = random.Random(1)
+    picks = [choose_engine(engines, None, rng).engine_id for _ in range(300)]
+    assert "e2" not in picks
+    assert {"e0", "e1"} == set(picks)  # e1 wins its draws against e2
+
+
+def test_dead_engines_are_skipped_and_none_ready_is_unavailable() -> None:
+    engines = {0: handle(0, state=EngineState.DEAD), 1: handle(1, num_requests=50)}
+    assert choose_engine(engines, None, random.Random()).engine_id == "e1"
+    engines[1].state = EngineState.DEAD
+    with pytest.raises(ApiError) as error:
+        choose_engine(engines, None, random.Random())
+    assert error.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_pinned_rank() -> None:
+    engines = {0: handle(0), 1: handle(1, num_requests=99)}
+    assert choose_engine(engines, 1, random.Random()).engine_id == "e1"
+    for rank in (2, 0):
+        if rank == 0:
+            engines[0].state = EngineState.DEAD
+        with pytest.raises(ApiError) as error:
+            choose_engine(engines, rank, random.Random())
+        assert error.value.code == grpc.StatusCode.UNAVAILABLE
+        assert f"data_parallel_rank {rank}" in error.value.message
+
+
+def test_reports_update_engines_but_not_a_restarted_one() -> None:
+    engines = {0: handle(0, added_since_load=4), 1: handle(1, added_since_load=2)}
+    report = LoadReport(1, [EngineLoad(0, 1, 2, 0.5, "e0"), EngineLoad(1, 3, 3, 0.5, "old-e1")])
+    apply_load_report(engines, report)
+    assert engines[0].load == EngineLoad(0, 1, 2, 0.5, "e0") and engines[0].added_since_load == 0
+    assert engines[1].load is None and engines[1].added_since_load == 2
