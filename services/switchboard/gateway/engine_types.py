@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+import functools
 
+from switchboard.gateway.engine_clock import EngineClock
 from switchboard.gateway.errors import ApiError
 from switchboard.wire.engine_msgs import (
     EngineCoreOutput,
@@ -46,9 +48,16 @@ class EngineHandle:
     def alive(self) -> bool:
         return self.state is EngineState.READY
 
+    @functools.cached_property
+    def clock(self) -> EngineClock:
+        """This engine's clock placed on the gateway's wall clock: READY's anchor, kept within
+        what the gateway observes (engine_clock.py)."""
+        ready = self.ready
+        return EngineClock(ready.engine_id, ready.wall_clock_ns, ready.monotonic_ns)
+
     def wall_clock_ns(self, engine_monotonic_ns: int) -> int:
-        """Place an engine monotonic timestamp on the wall clock (READY's clock anchor)."""
-        return self.ready.wall_clock_ns + (engine_monotonic_ns - self.ready.monotonic_ns)
+        """Place an engine monotonic timestamp on this gateway's wall clock."""
+        return self.clock.to_wall_ns(engine_monotonic_ns)
 
 
 @dataclasses.dataclass(slots=True)

@@ -82,7 +82,6 @@ class Observability:
         self._tokenizer = tokenizer
         self._engines = engines
         self.counts = TokenCounts()
-        self._clocks: dict[str, EngineClock] = {}
         self.tracer: GatewayTracer | None = None
         settings = tracing_settings(config.gateway)
         if settings is not None:
@@ -134,18 +133,6 @@ class Observability:
         self, request_id: str, arrival_time: float, context: grpc.aio.ServicerContext
     ) -> RequestObserver:
         return RequestObserver(self, request_id, arrival_time, context)
-
-    def clock(self, engine: EngineHandle) -> EngineClock:
-        """One clock per engine incarnation (a restarted engine has a new id and anchor)."""
-        clock = self._clocks.get(engine.engine_id)
-        if clock is None:
-            if len(self._clocks) > 64:  # restarts pile up: forget engines no longer known
-                live = {e.engine_id for e in self._engines.engines.values()}
-                self._clocks = {k: v for k, v in self._clocks.items() if k in live}
-            ready = engine.ready
-            clock = EngineClock(engine.engine_id, ready.wall_clock_ns, ready.monotonic_ns)
-            self._clocks[engine.engine_id] = clock
-        return clock
 
     def text(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, False)
@@ -199,7 +186,7 @@ class RequestObserver:
         self.timeline.engine_index = engine.ready.data_parallel_rank
         self.timeline.engine_id = engine.engine_id
         self._engine_label = str(engine.ready.data_parallel_rank)
-        self._clock = self._obs.clock(engine)
+        self._clock = engine.clock
 
     def on_event(self, event: RequestEvent) -> None:
         timeline = self.timeline

@@ -1,0 +1,142 @@
+"""Traces and metrics of the in-process gateway, with a scripted engine whose wall clock is wrong.
+
+The engine here (``ScriptedEngine``) stamps its events with the real monotonic clock, but its
+wall clock, and so READY's anchor, runs 5 s ahead, as an engine pod on a badly synchronised
+node would. The gateway must still place every span where the request spent its time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import tempfile
+import time
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import gateway_scripted_engine
+import grpc
+import pytest
+from gateway_scripted_engine import ScriptedEngine
+from prometheus_client.parser import text_string_to_metric_families
+
+from switchboard.api.v1 import generation_service_pb2 as pb
+from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
+from switchboard.config import GatewayConfig, GatewayRoleConfig, ModelConfig, ipc_address
+from switchboard.gateway.server import GatewayServer
+from tests.otlp_receiver import OtlpGrpcReceiver
+
+SKEW_NS = 5_000_000_000
+TRACE_ID, PARENT_ID = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
+WAIT_S = 10.0
+
+
+class SkewedTime:
+    """The scripted engine's ``time`` module: its wall clock runs SKEW_NS ahead."""
+
+    def time_ns(self) -> int:
+        return time.time_ns() + SKEW_NS
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+@pytest.fixture
+async def gateway(
+    checkpoint_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[tuple[GatewayServer, ScriptedEngine, OtlpGrpcReceiver]]:
+    receiver = OtlpGrpcReceiver()
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
+    monkeypatch.setattr(gateway_scripted_engine, "time", SkewedTime())
+    run_dir = tempfile.mkdtemp(prefix="sbobs-")  # short: ipc:// paths have a length limit
+    config = GatewayRoleConfig(
+        model=ModelConfig(model=str(checkpoint_dir), served_model_name="tiny"),
+        gateway=GatewayConfig(
+            host="127.0.0.1", port=0, otlp_traces_endpoint=receiver.endpoint, metrics_port=0
+        ),
+        input_address=ipc_address(run_dir, "in"),
+        output_address=ipc_address(run_dir, "out"),
+        heartbeat_timeout_s=5.0,
+    )
+    server = GatewayServer(config)
+    await server.start()
+    script = server.state.tokenizer.encode(" one two three four", add_special_tokens=False)
+    engine = ScriptedEngine(config.input_address, config.output_address, script)
+    try:
+        await engine.start()
+        assert await server.engines.wait_until_ready(WAIT_S)
+        yield server, engine, receiver
+    finally:
+        with contextlib.suppress(Exception):
+            await engine.close()
+        await server.stop()
+        receiver.stop()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+async def test_spans_are_placed_right_despite_a_skewed_engine_wall_clock(gateway) -> None:
+    server, engine, receiver = gateway
+    request = pb.GenerateRequest(text="Hello", request_id="skewed")
+    request.stopping.max_tokens = 6
+    request.output.kind = pb.OUTPUT_KIND_FINAL_ONLY
+    metadata = (("traceparent", f"00-{TRACE_ID}-{PARENT_ID}-01"),)
+    before_ns = time.time_ns()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        (final,) = [r async for r in stub.Generate(request, timeout=WAIT_S, metadata=metadata)]
+    after_ns = time.time_ns()
+
+    spans = receiver.wait_for_request("skewed", num_spans=8)
+    named = {s.name: s for s in spans}
+    completion = named["text_completion tiny"]
+    assert all(s.trace_id == TRACE_ID for s in spans)
+    # The engine was handed the text_completion span as its parent.
+    traceparent = engine.added["skewed"].trace_context["traceparent"]
+    assert traceparent == f"00-{TRACE_ID}-{completion.span_id}-01"
+    # Inside what the client saw (the anchor alone would put the engine phases 5 s later) ...
+    assert all(before_ns <= s.start_ns <= s.end_ns <= after_ns for s in spans)
+    # ... and as long as the engine measured them.
+    metrics = final.metrics
+    assert named["engine.queue"].duration_ns == metrics.queue_time.ToNanoseconds()
+    assert named["engine.prefill"].duration_ns == metrics.prefill_time.ToNanoseconds()
+    assert named["engine.decode"].duration_ns == metrics.decode_time.ToNanoseconds()
+    # The response's own time to first token uses the same corrected clock.
+    assert 0 < metrics.time_to_first_token.ToNanoseconds() <= after_ns - before_ns
+
+
+async def test_request_metrics_of_the_gateway(gateway) -> None:
+    server, _, _ = gateway
+    request = pb.GenerateRequest(text="Hello", request_id="counted")
+    request.stopping.max_tokens = 4
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        responses = [r async for r in stub.Generate(request, timeout=WAIT_S)]
+    prompt_tokens = responses[0].prompt_info.num_prompt_tokens
+    metrics = server.state.observability.metrics
+    assert metrics is not None and metrics.port
+    deadline = time.monotonic() + WAIT_S
+    while server.engines.engines[0].scheduler_stats is None:  # the first heartbeat
+        assert time.monotonic() < deadline, "no heartbeat with stats"
+        await asyncio.sleep(0.02)
+    url = f"http://127.0.0.1:{metrics.port}/metrics"
+    with urllib.request.urlopen(url, timeout=WAIT_S) as reply:
+        text = reply.read().decode()
+    samples = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+    def value(name: str, **extra: str) -> float | None:
+        labels = {"model_name": "tiny", "engine": "0", **extra}
+        return samples.get((name, tuple(sorted(labels.items()))))
+
+    assert value("switchboard:request_success_total", finished_reason="length") == 1
+    assert value("switchboard:generation_tokens_total") == 4
+    assert value("switchboard:prompt_tokens_total") == prompt_tokens
+    assert value("switchboard:e2e_request_latency_seconds_count") == 1
+    assert value("switchboard:inter_token_latency_seconds_count") == 3
+    assert value("switchboard:num_requests_running") is not None  # the engine's heartbeats
