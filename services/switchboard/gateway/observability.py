@@ -67,7 +67,7 @@ def metrics_port(config: GatewayRoleConfig) -> int | None:
     port = config.gateway.metrics_port
     if port is None:
         return None
-    alone = bool(getattr(config, "handshake_address", ""))
+    alone = bool(config.handshake_address)
     return port if alone or port == 0 else port + config.client_index
 
 
