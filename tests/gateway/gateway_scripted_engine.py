@@ -2,7 +2,8 @@
 
 It connects a DEALER and a PUSH like an engine core, sends READY, and answers each ADD by pushing
 one token per step from a fixed script until max_tokens (finish LENGTH), sending heartbeats in
-between. Tests steer it with ``mode`` and inspect what it received (adds, aborts, utility calls).
+between. When a request asks for logprobs it makes some up (``fake_logprobs``). Tests steer it
+with ``mode`` and inspect what it received (adds, aborts, utility calls).
 """
 
 from __future__ import annotations
@@ -26,8 +27,17 @@ from switchboard.wire.engine_msgs import (
     FinishReason,
     RequestType,
     SchedulerStats,
+    TokenLogprobs,
     UtilityOutput,
 )
+
+
+def fake_logprobs(token_id: int, num_top: int) -> TokenLogprobs:
+    """The chosen token at rank 2 behind ``token_id + 1``, then ``num_top`` alternatives."""
+    top = [token_id + 1, token_id, token_id + 2][:num_top]
+    return TokenLogprobs(
+        [token_id, *top], [-1.0, *[-0.5 - i for i in range(len(top))]], [2, *range(1, len(top) + 1)]
+    )
 
 
 class ScriptedEngine:
@@ -146,10 +156,18 @@ class ScriptedEngine:
             if request.request_id in self.aborted:
                 return
             output = EngineCoreOutput(request.request_id, [next(tokens)])
+            params = request.sampling_params
+            if params.logprobs is not None:
+                output.new_logprobs = [fake_logprobs(output.new_token_ids[0], params.logprobs)]
             if step == 0:
                 scheduled = EngineCoreEvent(EventType.SCHEDULED, time.monotonic_ns())
                 output.events = [queued, scheduled]
                 output.num_cached_tokens = 2
+                if params.prompt_logprobs is not None:
+                    output.prompt_logprobs = [
+                        fake_logprobs(t, params.prompt_logprobs)
+                        for t in request.prompt_token_ids[1:]
+                    ]
             if self.mode == "error":
                 output.finish_reason = FinishReason.ERROR
             elif step == max_tokens - 1:

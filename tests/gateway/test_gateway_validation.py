@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -13,6 +14,7 @@ from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.gateway.errors import ApiError
 from switchboard.gateway.model_facts import ModelFacts
 from switchboard.gateway.validation import build_engine_request, plan_generate, resolve_prompt
+from switchboard.wire.engine_msgs import RepetitionDetectionParams
 
 FACTS = ModelFacts(
     name="tiny",
@@ -60,12 +62,25 @@ CASES: list[tuple[str, Callable[[], pb.GenerateRequest], int, str, str]] = [
     ("top_p zero", lambda: _request(sampling__top_p=0.0), 4, "sampling.top_p", "(0, 1]"),
     ("top_p above one", lambda: _request(sampling__top_p=1.5), 4, "sampling.top_p", "(0, 1]"),
     ("top_k below -1", lambda: _request(sampling__top_k=-2), 4, "sampling.top_k", ">= -1"),
-    ("n above one", lambda: _request(sampling__n=2), 4, "sampling.n", "not supported yet"),
-    ("presence penalty", lambda: _request(sampling__presence_penalty=0.5), 4,
-     "sampling.presence_penalty", "not supported yet"),
-    ("logit bias", lambda: pb.GenerateRequest(
-        text="hi", sampling=pb.SamplingParams(logit_bias={3: 1.0})), 4,
-     "sampling.logit_bias", "not supported yet"),
+    ("n above the cap", lambda: _request(sampling__n=65), 4, "sampling.n", "at most 64"),
+    ("min_p above one", lambda: _request(sampling__min_p=1.5), 4, "sampling.min_p", "[0, 1]"),
+    ("min_p nan", lambda: _request(sampling__min_p=math.nan), 4, "sampling.min_p", "finite"),
+    ("presence penalty", lambda: _request(sampling__presence_penalty=2.5), 4,
+     "sampling.presence_penalty", "[-2.0, 2.0]"),
+    ("frequency penalty", lambda: _request(sampling__frequency_penalty=-3.0), 4,
+     "sampling.frequency_penalty", "[-2.0, 2.0]"),
+    ("repetition penalty", lambda: _request(sampling__repetition_penalty=0.0), 4,
+     "sampling.repetition_penalty", "> 0"),
+    ("logit bias id", lambda: pb.GenerateRequest(
+        text="hi", sampling=pb.SamplingParams(logit_bias={300: 1.0})), 4,
+     "sampling.logit_bias[300]", "out of range"),
+    ("logit bias value", lambda: pb.GenerateRequest(
+        text="hi", sampling=pb.SamplingParams(logit_bias={3: 150.0})), 4,
+     "sampling.logit_bias[3]", "[-100.0, 100.0]"),
+    ("allowed token id", lambda: _request(sampling__allowed_token_ids=[1, 400]), 4,
+     "sampling.allowed_token_ids[1]", "out of range"),
+    ("empty bad word", lambda: _request(sampling__bad_words=["ok", ""]), 4,
+     "sampling.bad_words[1]", "must not be empty"),
     ("max_tokens zero", lambda: _request(stopping__max_tokens=0), 4,
      "stopping.max_tokens", ">= 1"),
     ("min above max", lambda: _request(stopping__max_tokens=2, stopping__min_tokens=3), 4,
@@ -75,11 +90,22 @@ CASES: list[tuple[str, Callable[[], pb.GenerateRequest], int, str, str]] = [
     ("stop without text", lambda: pb.GenerateRequest(
         text="hi", stopping=pb.StoppingCriteria(stop=["x"]),
         output=pb.OutputOptions(detokenize=False)), 4, "stopping.stop", "detokenize"),
-    ("repetition detection", lambda: pb.GenerateRequest(
+    ("repetition detection unset sizes", lambda: pb.GenerateRequest(
         text="hi", stopping=pb.StoppingCriteria(repetition_detection=pb.RepetitionDetection())),
-     4, "stopping.repetition_detection", "not supported yet"),
+     4, "stopping.repetition_detection.max_pattern_size", "got 0"),
+    ("repetition detection max below min", lambda: pb.GenerateRequest(
+        text="hi", stopping=pb.StoppingCriteria(repetition_detection=pb.RepetitionDetection(
+            min_pattern_size=4, max_pattern_size=2, min_count=3))),
+     4, "stopping.repetition_detection.max_pattern_size", "[4, 256]"),
+    ("repetition detection count", lambda: pb.GenerateRequest(
+        text="hi", stopping=pb.StoppingCriteria(repetition_detection=pb.RepetitionDetection(
+            max_pattern_size=2, min_count=1))),
+     4, "stopping.repetition_detection.min_count", "[2, 256]"),
     ("unknown output kind", lambda: _request(output__kind=9), 4, "output.kind", "unknown"),
-    ("logprobs", lambda: _request(output__logprobs=2), 4, "output.logprobs", "not supported"),
+    ("logprobs above the cap", lambda: _request(output__logprobs=21), 4, "output.logprobs",
+     "at most 20"),
+    ("prompt logprobs above the cap", lambda: _request(output__prompt_logprobs=50), 4,
+     "output.prompt_logprobs", "at most 20"),
     ("structured output", lambda: pb.GenerateRequest(
         text="hi", structured_output=pb.StructuredOutput(regex="a+")), 4,
      "structured_output", "not supported yet"),
@@ -162,6 +188,46 @@ def test_explicit_knobs_reach_the_engine_request() -> None:
     assert engine_request.priority == -2 and engine_request.cache_salt == "tenant-a"
 
 
-def test_no_op_values_of_unsupported_knobs_are_accepted() -> None:
-    request = _request(sampling__repetition_penalty=1.0, sampling__min_p=0.0, sampling__n=1)
+def test_no_op_values_are_accepted_and_n_zero_means_one() -> None:
+    request = _request(sampling__repetition_penalty=1.0, sampling__min_p=0.0, sampling__n=0)
     assert _engine_request(request).sampling_params.max_tokens == 60
+    assert plan_generate(request, "req-1", FACTS).n == 1
+
+
+def test_every_sampling_knob_reaches_the_engine_request() -> None:
+    request = pb.GenerateRequest(
+        text="hi",
+        sampling=pb.SamplingParams(
+            min_p=0.1,
+            presence_penalty=0.5,
+            frequency_penalty=-0.5,
+            repetition_penalty=1.2,
+            logit_bias={3: -5.0},
+            allowed_token_ids=[3, 4, 5],
+            n=3,
+        ),
+        stopping=pb.StoppingCriteria(
+            repetition_detection=pb.RepetitionDetection(max_pattern_size=8, min_count=4)
+        ),
+        output=pb.OutputOptions(logprobs=0, prompt_logprobs=5),
+    )
+    plan = plan_generate(request, "req-1", FACTS)
+    assert plan.n == 3
+    engine_request = build_engine_request(
+        plan, resolve_prompt(plan, [5] * 4, FACTS), FACTS, bad_words_token_ids=[[7, 8]]
+    )
+    p = engine_request.sampling_params
+    assert (p.min_p, p.presence_penalty, p.frequency_penalty) == pytest.approx((0.1, 0.5, -0.5))
+    assert p.repetition_penalty == pytest.approx(1.2)
+    assert p.logit_bias == {3: -5.0} and p.allowed_token_ids == [3, 4, 5]
+    assert p.bad_words_token_ids == [[7, 8]]
+    assert (p.logprobs, p.prompt_logprobs) == (0, 5)
+    assert p.repetition_detection == RepetitionDetectionParams(1, 8, 4)
+
+
+def test_unset_penalties_take_the_models_defaults() -> None:
+    facts = dataclasses.replace(FACTS, sampling_defaults={"min_p": 0.05, "repetition_penalty": 1.1})
+    plan = plan_generate(_request(), "req-1", facts)
+    p = build_engine_request(plan, resolve_prompt(plan, [5] * 4, facts), facts).sampling_params
+    assert (p.min_p, p.repetition_penalty) == pytest.approx((0.05, 1.1))
+    assert p.logit_bias is None and p.allowed_token_ids is None and p.logprobs is None

@@ -1,34 +1,37 @@
-"""The sampler: greedy, top-k, top-p, temperature and per-request seeds."""
+"""The sampler: greedy, top-k, top-p, temperature, per-request seeds, and the draw itself."""
 
 from __future__ import annotations
 
 import torch
 
-from switchboard.worker.sampler import (
-    SamplingBatch,
-    apply_top_k_top_p,
-    new_request_generator,
-    sample,
-)
+from switchboard.worker.sampler import TOP_CANDIDATES, SamplingBatch, new_request_generator
+from switchboard.worker.sampler import sample as sample_tokens
 
 VOCAB = 50
 CPU = torch.device("cpu")
 
 
-def batch(rows: int, *, temperature=1.0, top_k=0, top_p=1.0, seeds=None) -> SamplingBatch:
+def batch(
+    rows: int, *, temperature=1.0, top_k=0, top_p=1.0, seeds=None, logits_vocab=VOCAB
+) -> SamplingBatch:
     seeds = seeds or {}
     return SamplingBatch.build(
         temperatures=[temperature] * rows,
         top_ks=[top_k] * rows,
         top_ps=[top_p] * rows,
-        generators={row: new_request_generator(seed, CPU, 0, VOCAB) for row, seed in seeds.items()},
-        vocab_size=VOCAB,
+        generators={row: new_request_generator(seed) for row, seed in seeds.items()},
+        vocab_size=logits_vocab,
         device=CPU,
     )
 
 
 def random_logits(rows: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """The sampled ids (on a copy: the sampler works on its logits in place)."""
+    return sample_tokens(logits.clone(), batch).token_ids
 
 
 def test_greedy_is_argmax():
@@ -67,11 +70,38 @@ def test_top_k_keeps_only_the_k_best():
     assert set(tokens.tolist()) == best
 
 
-def test_filtering_masks_per_row():
-    logits = torch.tensor([[1.0, 2.0, 3.0, 4.0], [4.0, 3.0, 2.0, 1.0]])
-    filtered = apply_top_k_top_p(logits, torch.tensor([2, 4]), None)
-    assert torch.isinf(filtered[0, :2]).all() and torch.isfinite(filtered[0, 2:]).all()
-    assert torch.isfinite(filtered[1]).all()
+def test_filters_apply_per_row():
+    logits = torch.tensor([[1.0, 2.0, 3.0, 4.0], [4.0, 3.0, 2.0, 1.0]]).repeat(100, 1)
+    mixed = SamplingBatch.build([1.0] * 200, [2, 0] * 100, [1.0] * 200, {}, 4, CPU)
+    tokens = sample(logits, mixed)
+    assert set(tokens[0::2].tolist()) == {2, 3}  # top-2 of the first kind of row
+    assert set(tokens[1::2].tolist()) == {0, 1, 2, 3}  # no filter on the second kind
+
+
+def test_draws_follow_the_distribution():
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.1])
+    tokens = sample(probs.log().expand(8000, 4).contiguous(), batch(8000, logits_vocab=4))
+    frequencies = torch.bincount(tokens, minlength=4).float() / 8000
+    assert torch.allclose(frequencies, probs, atol=0.03), frequencies
+
+
+def test_a_nucleus_wider_than_the_candidates_is_drawn_from_a_full_sort():
+    vocab = 4 * TOP_CANDIDATES
+    # A flat distribution: top_p 0.9 keeps ~90% of the vocabulary, far past the candidates.
+    logits = torch.zeros(600, vocab)
+    logits[:, -10:] = -30.0  # the tail: outside any nucleus below 1
+    rows = batch(600, top_p=0.9, logits_vocab=vocab)
+    tokens = sample(logits, rows)
+    assert int(tokens.max()) < vocab - 10
+    assert len(set(tokens.tolist())) > TOP_CANDIDATES / 2  # not stuck in the candidates
+
+
+def test_top_k_beyond_the_candidates_and_top_p_combine():
+    vocab = 4 * TOP_CANDIDATES
+    logits = torch.linspace(10.0, 0.0, vocab).expand(400, vocab).contiguous()
+    k = TOP_CANDIDATES + 50
+    tokens = sample(logits, batch(400, temperature=5.0, top_k=k, logits_vocab=vocab))
+    assert int(tokens.max()) < k and int(tokens.max()) > TOP_CANDIDATES / 2
 
 
 def test_temperature_flattens_the_distribution():
@@ -92,11 +122,11 @@ def test_same_seed_same_tokens_whatever_the_neighbours():
 
 def test_seeded_stream_continues_across_steps_and_resumes_after_preemption():
     row = random_logits(1, seed=3)
-    generator_batch = batch(1, seeds={0: 42})
-    uninterrupted = [sample(row, generator_batch)[0].item() for _ in range(6)]
-    # A resumed request skips the draws of the 4 tokens it already produced.
-    resumed = SamplingBatch.build(
-        [1.0], [0], [1.0], {0: new_request_generator(42, CPU, 4, VOCAB)}, VOCAB, CPU
-    )
-    assert [sample(row, resumed)[0].item() for _ in range(2)] == uninterrupted[4:]
+    uninterrupted = [
+        sample(row, SamplingBatch.build([1.0], [0], [1.0], {0: gen}, VOCAB, CPU))[0].item()
+        for gen in (new_request_generator(42, step) for step in range(6))
+    ]
+    # A request resumed with 4 outputs gets the generator of its 5th token.
+    resumed = SamplingBatch.build([1.0], [0], [1.0], {0: new_request_generator(42, 4)}, VOCAB, CPU)
+    assert sample(row, resumed)[0].item() == uninterrupted[4]
     assert len(set(uninterrupted)) > 1  # really random, not stuck on one token

@@ -222,11 +222,7 @@ class Scheduler:
                 if self._preempt_for(request, plan):
                     continue
                 break
-            hits, num_hit_tokens = (  # pooling needs every position's hidden state
-                ([], 0)
-                if request.pooling_params is not None
-                else self.kv.get_computed_blocks(request)
-            )
+            hits, num_hit_tokens = self._prefix_cache_hits(request)
             num_tokens = request.num_tokens - num_hit_tokens
             if cap and num_tokens > cap:
                 num_tokens = cap
@@ -237,6 +233,16 @@ class Scheduler:
                 break
             self.waiting.pop()
             self._admit(plan, request, num_hit_tokens, num_tokens)
+
+    def _prefix_cache_hits(self, request: Request) -> tuple[list, int]:
+        """The prefix-cache lookup, skipped for a request that still owes prompt logprobs:
+        those need the logits of every prompt position, which a cache hit would not compute.
+        Skipped for pooling requests too: mean/max pooling needs every position's hidden state."""
+        if request.pooling_params is not None:
+            return [], 0
+        if request.sampling_params.prompt_logprobs is not None and not request.output_token_ids:
+            return [], 0
+        return self.kv.get_computed_blocks(request)
 
     def _admit(
         self, plan: StepPlan, request: Request, num_hit_tokens: int, num_tokens: int
@@ -301,6 +307,12 @@ class Scheduler:
         """Append sampled tokens, run stop checks, free finished requests and register newly
         computed full blocks in the prefix cache. Returns the outputs by client_index."""
         sampled = dict(zip(runner_output.request_ids, runner_output.sampled_token_ids, strict=True))
+        logprobs = (
+            dict(zip(runner_output.request_ids, runner_output.logprobs, strict=True))
+            if runner_output.logprobs
+            else {}
+        )
+        prompt_logprobs = runner_output.prompt_logprobs
         outputs: dict[int, list[EngineCoreOutput]] = {}
         requests = self.requests
         kv = self.kv
@@ -325,6 +337,11 @@ class Scheduler:
             if not new_token_ids or computed < request.num_tokens:
                 continue  # a prefill chunk that stops short samples nothing
             output = self._append_tokens(request, new_token_ids)
+            new_logprobs = logprobs.get(rid)
+            if new_logprobs:
+                output.new_logprobs = new_logprobs[: len(output.new_token_ids)]
+            if rid in prompt_logprobs:
+                output.prompt_logprobs = prompt_logprobs[rid]
             outputs.setdefault(request.client_index, []).append(output)
             if output.finish_reason is not None:
                 any_finished = True

@@ -7,7 +7,9 @@ per engine step, what the client gets according to its OutputKind:
 * CUMULATIVE: everything so far, whenever something is new;
 * FINAL_ONLY: one message at the end.
 
-PromptInfo rides on the first message sent, Usage and RequestMetrics on the last.
+PromptInfo rides on the first message sent, Usage and RequestMetrics on the last. Logprobs (when
+asked for) ride with their tokens: a step with new tokens is news even if its text is held back.
+With ``n`` > 1 there is one stream per sequence (``index``); ``sequence_group.py`` merges them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 import grpc
 
 from switchboard.api.v1 import generation_service_pb2 as pb
+from switchboard.gateway.api_logprobs import to_api_logprobs
 from switchboard.gateway.engine_types import (
     EngineHandle,
     RequestAborted,
@@ -46,8 +49,13 @@ class GenerateStream:
         tokenizer: Tokenizer,
         engine: EngineHandle,
         arrival_time: float,
+        index: int = 0,
     ) -> None:
         self.plan = plan
+        self.index = index  # of this sequence among the request's n
+        self._token_texts = tokenizer if plan.detokenize else None  # logprobs' token strings
+        self._logprobs: list[pb.TokenLogprob] = []  # of every output token so far (if asked)
+        self._prompt_logprobs: list[pb.TokenLogprob] = []
         self._prompt_token_ids = prompt_token_ids
         self._engine = engine
         self._arrival_time = arrival_time
@@ -94,6 +102,10 @@ class GenerateStream:
             self._first_token_ns = self._first_token_ns or step.timestamp_ns
             self._last_token_ns = step.timestamp_ns
         self._token_ids += new_ids
+        new_logprobs = to_api_logprobs(output.new_logprobs, self._token_texts)
+        self._logprobs += new_logprobs
+        if output.prompt_logprobs:
+            self._prompt_logprobs = to_api_logprobs(output.prompt_logprobs, self._token_texts)
         new_text = self._text.push(new_ids) if self._text is not None else ""
         if output.finish_reason == FinishReason.ERROR:
             raise ApiError(
@@ -102,12 +114,13 @@ class GenerateStream:
                 reason="ENGINE_REQUEST_ERROR",
             )
         if self.stopped_by_string:
-            return self._finish(pb.FINISH_REASON_STOP, new_text, new_ids)
+            return self._finish(pb.FINISH_REASON_STOP, new_text, new_ids, new_logprobs)
         if output.finish_reason is not None:
             if isinstance(output.stop_reason, int):
                 self.stop_token_id = output.stop_reason
-            return self._finish(_FINISH_REASONS[output.finish_reason], new_text, new_ids)
-        return self._message(new_text, new_ids)
+            reason = _FINISH_REASONS[output.finish_reason]
+            return self._finish(reason, new_text, new_ids, new_logprobs)
+        return self._message(new_text, new_ids, new_logprobs)
 
     def _record_stats(self, output: EngineCoreOutput) -> None:
         self._num_cached_tokens = max(self._num_cached_tokens, output.num_cached_tokens)
@@ -118,30 +131,43 @@ class GenerateStream:
             elif event.type == EventType.SCHEDULED and self._scheduled_ns is None:
                 self._scheduled_ns = event.timestamp_ns
 
-    def _finish(self, reason: int, new_text: str, new_ids: list[int]) -> pb.GenerateResponse:
+    def _finish(
+        self,
+        reason: int,
+        new_text: str,
+        new_ids: list[int],
+        new_logprobs: list[pb.TokenLogprob] | None = None,
+    ) -> pb.GenerateResponse:
         self.finish_reason = reason
         if self._text is not None:
             new_text += self._text.finish()
-        response = self._message(new_text, new_ids, final=True)
+        response = self._message(new_text, new_ids, new_logprobs or [], final=True)
         assert response is not None
         return response
 
     def _message(
-        self, new_text: str, new_ids: list[int], final: bool = False
+        self,
+        new_text: str,
+        new_ids: list[int],
+        new_logprobs: list[pb.TokenLogprob],
+        final: bool = False,
     ) -> pb.GenerateResponse | None:
         self._released_text += new_text
         kind = self.plan.output_kind
-        has_news = bool(new_text) or (self.plan.return_token_ids and bool(new_ids))
+        wants_ids = self.plan.return_token_ids or self.plan.logprobs is not None
+        has_news = bool(new_text) or (wants_ids and bool(new_ids))
         if not final and (kind == pb.OUTPUT_KIND_FINAL_ONLY or not has_news):
             return None
         whole = (final and kind == pb.OUTPUT_KIND_FINAL_ONLY) or kind == pb.OUTPUT_KIND_CUMULATIVE
         sequence = pb.SequenceOutput(
-            index=0,
+            index=self.index,
             text=self._released_text if whole else new_text,
             finish_reason=self.finish_reason,
         )
         if self.plan.return_token_ids:
             sequence.token_ids.extend(self._token_ids if whole else new_ids)
+        if self.plan.logprobs is not None:
+            sequence.logprobs.extend(self._logprobs if whole else new_logprobs)
         if final and self._text is not None and self._text.stop_string is not None:
             sequence.stop_string = self._text.stop_string
         elif final and self.stop_token_id is not None:
@@ -162,6 +188,7 @@ class GenerateStream:
         )
         if self.plan.return_token_ids:
             info.token_ids.extend(self._prompt_token_ids)
+        info.prompt_logprobs.extend(self._prompt_logprobs)
         return info
 
     def usage(self) -> pb.Usage:

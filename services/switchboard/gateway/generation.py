@@ -13,11 +13,12 @@ import msgspec
 
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
+from switchboard.gateway.bad_words import tokenize_bad_words
 from switchboard.gateway.embedding import Embedder
-from switchboard.gateway.engine_types import RequestChannel
 from switchboard.gateway.errors import ApiError, invalid_argument, unavailable
 from switchboard.gateway.generate_stream import GenerateStream
 from switchboard.gateway.observability import RequestObserver
+from switchboard.gateway.sequence_group import SequenceGroup, child_requests, submit_children
 from switchboard.gateway.state import GatewayState
 from switchboard.gateway.validation import (
     GeneratePlan,
@@ -36,6 +37,7 @@ _TRACE_HEADERS = ("traceparent", "tracestate")
 @dataclasses.dataclass
 class _LiveRequest:
     aborted: bool = False  # by the Abort RPC, possibly before the engine got it
+    engine_request_ids: list[str] = dataclasses.field(default_factory=list)  # its n sequences
 
 
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
@@ -58,7 +60,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 field="request_id",
             ).abort(context)
         live = self._live[request_id] = _LiveRequest()
-        channel: RequestChannel | None = None
+        group: SequenceGroup | None = None
         stream: GenerateStream | None = None
         finished = False
         observer = self._state.observability.begin(request_id, arrival_time, context)
@@ -73,34 +75,36 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             pinned_rank = (
                 request.data_parallel_rank if request.HasField("data_parallel_rank") else None
             )
-            channel, prompt_token_ids = await self._submit(
-                plan, arrival_time, context, pinned_rank, observer=observer
-            )
-            observer.submitted(channel.engine)
+            group = await self._submit(plan, arrival_time, context, pinned_rank, observer=observer)
+            stream = group.streams[0]
+            observer.submitted(group.engine)
+            live.engine_request_ids = group.request_ids
             if live.aborted:  # the Abort RPC came while the prompt was being tokenized
-                self._state.engines.abort([request_id], "Abort RPC")
-            stream = GenerateStream(
-                plan, prompt_token_ids, self._state.tokenizer, channel.engine, arrival_time
-            )
-            while not stream.finished:
-                event = await channel.get()
+                self._state.engines.abort(group.request_ids, "Abort RPC")
+            while not group.finished:
+                index, event = await group.next_event()
                 observer.on_event(event)
-                response = stream.handle(event)
-                if stream.stopped_by_string:
-                    self._state.engines.abort([request_id], "stop string")
+                response = group.handle(index, event)
+                stopped = group.take_stopped_request_ids()
+                if stopped:
+                    self._state.engines.abort(stopped, "stop string")
                 if response is not None:
                     yield response
             finished = True
-            logger.debug("request %s finished: %s", request_id, stream.usage())
+            logger.debug("request %s finished: %s", request_id, group.usage())
         except ApiError as error:
             finished = True  # the engine client already forgot a failed request
+            if group is not None:  # ... but not its sibling sequences (n > 1)
+                self._state.engines.abort(group.request_ids, "a sibling sequence failed")
             await error.abort(context)
         finally:
             observer.end(stream)
             del self._live[request_id]
-            if channel is not None and not finished:
+            if group is not None:
+                group.close()
+            if group is not None and not finished:
                 # Cancelled, disconnected or past its deadline: free the engine's slot now.
-                self._state.engines.abort([request_id], "client cancelled or deadline")
+                self._state.engines.abort(group.request_ids, "client cancelled or deadline")
                 logger.info("request %s: client went away; sent ABORT", request_id)
 
     async def _submit(
@@ -111,7 +115,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         data_parallel_rank: int | None = None,
         *,
         observer: RequestObserver,
-    ) -> tuple[RequestChannel, list[int]]:
+    ) -> SequenceGroup:
+        """Tokenize and check; ADD the request's n sequences to the engines."""
         state = self._state
         if not state.engines.live_engines:
             raise unavailable("no engine core is ready")
@@ -121,6 +126,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             token_ids = plan.prompt_token_ids or []
         facts = state.facts
         prompt_token_ids = resolve_prompt(plan, token_ids, facts)
+        bad_words_token_ids = None
+        if plan.bad_words:
+            bad_words_token_ids = await state.in_pool(
+                tokenize_bad_words, state.tokenizer, plan.bad_words, facts.vocab_size
+            )
         metadata = dict(context.invocation_metadata() or ())
         trace_context = {k: metadata[k] for k in _TRACE_HEADERS if k in metadata} or None
         engine_request = build_engine_request(
@@ -130,13 +140,25 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             client_index=state.config.client_index,
             arrival_time=arrival_time,
             trace_context=trace_context,
+            bad_words_token_ids=bad_words_token_ids,
         )
         if data_parallel_rank is not None:  # pinned: engine_pool honours it
             engine_request = msgspec.structs.replace(
                 engine_request, data_parallel_rank=data_parallel_rank
             )
         observer.submitting(plan, engine_request)  # with tracing: the engine's trace context
-        return state.engines.add_request(engine_request), prompt_token_ids
+        channels = submit_children(
+            state.engines.add_request,
+            state.engines.abort,
+            child_requests(engine_request, plan.n),
+        )
+        streams = [
+            GenerateStream(
+                plan, prompt_token_ids, state.tokenizer, channel.engine, arrival_time, index
+            )
+            for index, channel in enumerate(channels)
+        ]
+        return SequenceGroup(streams, channels)
 
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
@@ -148,7 +170,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 response.unknown_request_ids.append(request_id)
                 continue
             live.aborted = True
-            self._state.engines.abort([request_id], request.reason or "Abort RPC")
+            engine_request_ids = live.engine_request_ids or [request_id]
+            self._state.engines.abort(engine_request_ids, request.reason or "Abort RPC")
             response.aborted_request_ids.append(request_id)
         if response.aborted_request_ids:
             logger.info(

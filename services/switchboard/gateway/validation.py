@@ -2,20 +2,30 @@
 
 Validation runs in two halves around tokenization: ``plan_generate`` checks everything that does
 not need the prompt's tokens (cheap, on the event loop), ``build_engine_request`` checks lengths
-and token ids once the prompt is tokenized. Knobs the engine cannot honour yet are rejected, not
-silently ignored: a client must not believe it got a penalty or a grammar it did not get.
+and token ids once the prompt is tokenized. The rules of the sampling knobs themselves live in
+``sampling_validation.py``. Knobs the engine cannot honour yet (structured output, extra_args)
+are rejected, not silently ignored: a client must not believe it got a grammar it did not get.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.gateway.errors import invalid_argument, model_not_found, not_supported
 from switchboard.gateway.model_facts import ModelFacts
-from switchboard.wire.engine_msgs import EngineCoreRequest, SamplingParams
+from switchboard.gateway.sampling_validation import (
+    check_logprobs,
+    check_repetition_detection,
+    check_sampling,
+    check_token_ids,
+)
+from switchboard.wire.engine_msgs import (
+    EngineCoreRequest,
+    RepetitionDetectionParams,
+    SamplingParams,
+)
 
 MAX_REQUEST_ID_CHARS = 256
 _OUTPUT_KINDS = frozenset(pb.OutputKind.values())
@@ -46,40 +56,23 @@ class GeneratePlan:
     priority: int
     cache_salt: str | None
     labels: dict[str, str]
+    # The rest of the sampling surface (issue 4); defaults are the no-op values.
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
+    allowed_token_ids: list[int] = dataclasses.field(default_factory=list)
+    bad_words: list[str] = dataclasses.field(default_factory=list)  # tokenized at submit
+    n: int = 1  # sequences; the proto's 0 means 1
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    repetition_detection: RepetitionDetectionParams | None = None
 
 
 def check_model(model: str, facts: ModelFacts) -> None:
     if model and model != facts.name:
         raise model_not_found(model, facts.name)
-
-
-def _finite(field: str, value: float) -> float:
-    if not math.isfinite(value):
-        raise invalid_argument(field, f"{field} must be a finite number, got {value}")
-    return value
-
-
-def _check_sampling(s: pb.SamplingParams) -> None:
-    if s.HasField("temperature") and _finite("sampling.temperature", s.temperature) < 0:
-        raise invalid_argument(
-            "sampling.temperature", f"sampling.temperature must be >= 0, got {s.temperature}"
-        )
-    if s.HasField("top_p") and not 0 < _finite("sampling.top_p", s.top_p) <= 1:
-        raise invalid_argument("sampling.top_p", f"sampling.top_p must be in (0, 1], got {s.top_p}")
-    if s.HasField("top_k") and s.top_k < -1:
-        raise invalid_argument(
-            "sampling.top_k", f"sampling.top_k must be >= -1 (0 or -1 = off), got {s.top_k}"
-        )
-    no_op_values = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
-    no_op_values["repetition_penalty"] = 1.0
-    for knob, no_op in no_op_values.items():
-        if s.HasField(knob) and getattr(s, knob) != no_op:
-            raise not_supported(f"sampling.{knob}", knob)
-    if s.n > 1:
-        raise not_supported("sampling.n", f"n={s.n} (more than one sequence per request)")
-    for field in ("logit_bias", "allowed_token_ids", "bad_words"):
-        if len(getattr(s, field)):
-            raise not_supported(f"sampling.{field}", field)
 
 
 def _check_stopping(st: pb.StoppingCriteria) -> None:
@@ -96,16 +89,12 @@ def _check_stopping(st: pb.StoppingCriteria) -> None:
     for i, stop in enumerate(st.stop):
         if not stop:
             raise invalid_argument(f"stopping.stop[{i}]", f"stopping.stop[{i}] must not be empty")
-    if st.HasField("repetition_detection"):
-        raise not_supported("stopping.repetition_detection", "repetition detection")
 
 
 def _check_output(o: pb.OutputOptions) -> None:
     if o.kind not in _OUTPUT_KINDS:
         raise invalid_argument("output.kind", f"output.kind: unknown OutputKind value {o.kind}")
-    for field in ("logprobs", "prompt_logprobs"):
-        if o.HasField(field):
-            raise not_supported(f"output.{field}", field)
+    check_logprobs(o)
 
 
 def _check_prompt(request: pb.GenerateRequest) -> None:
@@ -131,7 +120,7 @@ def plan_generate(request: pb.GenerateRequest, request_id: str, facts: ModelFact
         )
     check_model(request.model, facts)
     _check_prompt(request)
-    _check_sampling(request.sampling)
+    check_sampling(request.sampling, facts.vocab_size)
     _check_stopping(request.stopping)
     _check_output(request.output)
     if request.structured_output.WhichOneof("constraint"):
@@ -145,6 +134,12 @@ def plan_generate(request: pb.GenerateRequest, request_id: str, facts: ModelFact
             "stopping.stop", "stopping.stop needs detokenized text: unset output.detokenize=false"
         )
     default = facts.sampling_defaults.get
+    repetition_detection = (
+        check_repetition_detection(st.repetition_detection)
+        if st.HasField("repetition_detection")
+        else None
+    )
+    check_token_ids("stopping.stop_token_ids", list(st.stop_token_ids), facts.vocab_size)
     return GeneratePlan(
         request_id=request_id,
         prompt_text=request.text if request.WhichOneof("prompt") == "text" else None,
@@ -169,19 +164,22 @@ def plan_generate(request: pb.GenerateRequest, request_id: str, facts: ModelFact
         priority=request.priority,
         cache_salt=request.cache_salt or None,
         labels=dict(request.labels),
+        min_p=s.min_p if s.HasField("min_p") else float(default("min_p", 0.0)),
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=(
+            s.repetition_penalty
+            if s.HasField("repetition_penalty")
+            else float(default("repetition_penalty", 1.0))
+        ),
+        logit_bias=dict(s.logit_bias),
+        allowed_token_ids=list(s.allowed_token_ids),
+        bad_words=list(s.bad_words),
+        n=max(1, s.n),
+        logprobs=o.logprobs if o.HasField("logprobs") else None,
+        prompt_logprobs=o.prompt_logprobs if o.HasField("prompt_logprobs") else None,
+        repetition_detection=repetition_detection,
     )
-
-
-def _check_token_ids(field: str, token_ids: list[int], vocab_size: int) -> None:
-    if not vocab_size:
-        return
-    for i, token_id in enumerate(token_ids):
-        if token_id >= vocab_size:
-            raise invalid_argument(
-                f"{field}[{i}]",
-                f"{field}[{i}] = {token_id} is out of range: the vocabulary has {vocab_size} "
-                "tokens",
-            )
 
 
 def resolve_prompt(plan: GeneratePlan, token_ids: list[int], facts: ModelFacts) -> list[int]:
@@ -191,7 +189,7 @@ def resolve_prompt(plan: GeneratePlan, token_ids: list[int], facts: ModelFacts) 
     if not token_ids:
         raise invalid_argument("text", "text: the prompt has no tokens after tokenization")
     if plan.prompt_token_ids is not None:
-        _check_token_ids("token_ids.ids", token_ids, facts.vocab_size)
+        check_token_ids("token_ids.ids", token_ids, facts.vocab_size)
     field = "text" if plan.prompt_text is not None else "token_ids.ids"
     if len(token_ids) >= facts.max_model_len:
         raise invalid_argument(
@@ -211,8 +209,10 @@ def build_engine_request(
     client_index: int = 0,
     arrival_time: float | None = None,
     trace_context: dict[str, str] | None = None,
+    bad_words_token_ids: list[list[int]] | None = None,
 ) -> EngineCoreRequest:
-    """The wire-1 request for a checked prompt (see ``resolve_prompt``)."""
+    """The wire-1 request for a checked prompt (see ``resolve_prompt``); ``bad_words_token_ids``
+    are the plan's bad words, tokenized (``bad_words.tokenize_bad_words``)."""
     room = facts.max_model_len - len(prompt_token_ids)
     # Unset: as much as the room allows, capped by generation_config.json's max_new_tokens.
     default_max_tokens = min(room, int(facts.sampling_defaults.get("max_tokens", room)))
@@ -229,7 +229,6 @@ def build_engine_request(
             f"stopping.min_tokens ({plan.min_tokens}) exceeds the {max_tokens} tokens "
             "max_model_len leaves after the prompt",
         )
-    _check_token_ids("stopping.stop_token_ids", plan.stop_token_ids, facts.vocab_size)
     sampling = SamplingParams(
         temperature=float(plan.temperature),
         top_p=float(plan.top_p),
@@ -240,6 +239,16 @@ def build_engine_request(
         stop_token_ids=plan.stop_token_ids,
         eos_token_ids=list(facts.eos_token_ids),
         ignore_eos=plan.ignore_eos,
+        min_p=float(plan.min_p),
+        presence_penalty=float(plan.presence_penalty),
+        frequency_penalty=float(plan.frequency_penalty),
+        repetition_penalty=float(plan.repetition_penalty),
+        logit_bias=dict(plan.logit_bias) or None,
+        allowed_token_ids=list(plan.allowed_token_ids) or None,
+        bad_words_token_ids=bad_words_token_ids or None,
+        logprobs=plan.logprobs,
+        prompt_logprobs=plan.prompt_logprobs,
+        repetition_detection=plan.repetition_detection,
     )
     return EngineCoreRequest(
         request_id=plan.request_id,

@@ -78,6 +78,27 @@ class SamplingParams(_Wire):
     stop_token_ids: list[int] = []
     eos_token_ids: list[int] = []  # from the model; ignored when ignore_eos
     ignore_eos: bool = False
+    # Appended for the whole sampling surface (issue 4); each default is the knob's no-op.
+    min_p: float = 0.0
+    presence_penalty: float = 0.0  # OpenAI/vLLM: over output tokens only
+    frequency_penalty: float = 0.0  # OpenAI/vLLM: over output tokens only
+    repetition_penalty: float = 1.0  # HF/vLLM: over prompt + output tokens
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    # Token-id sequences: the last token of one is banned when the others end the output.
+    bad_words_token_ids: list[list[int]] | None = None
+    logprobs: int | None = None  # top-N alternatives per output token (0 = the chosen only)
+    prompt_logprobs: int | None = None  # top-N per prompt token (all but the first)
+    repetition_detection: RepetitionDetectionParams | None = None
+
+
+class RepetitionDetectionParams(_Wire):
+    """End a request (REPETITION) whose last output tokens repeat one pattern of
+    ``min_pattern_size..max_pattern_size`` tokens at least ``min_count`` times back to back."""
+
+    min_pattern_size: int = 1
+    max_pattern_size: int = 1
+    min_count: int = 2
 
 
 class EngineCoreEvent(_Wire):

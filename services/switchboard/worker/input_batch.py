@@ -13,13 +13,47 @@ A request's tokens this step are ``token_ids[num_computed : num_computed + n]`` 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from switchboard.models.attention import AttentionMetadata, DecodeBatch, PrefillSpan
-from switchboard.wire.engine_msgs import SamplingParams
+from switchboard.wire.engine_msgs import SamplingParams, TokenLogprobs
 from switchboard.wire.step_msgs import SchedulerOutput
+
+
+class TokenHistory:
+    """A request's output token ids as a growing CPU tensor (amortised O(1) appends), so the
+    sampler builds the batch's penalty counts from views without copying Python lists."""
+
+    __slots__ = ("_buffer", "_length")
+
+    def __init__(self, token_ids: list[int]) -> None:
+        self._buffer = torch.empty(max(64, 2 * len(token_ids)), dtype=torch.long)
+        self._buffer[: len(token_ids)] = torch.tensor(token_ids, dtype=torch.long)
+        self._length = len(token_ids)
+
+    def append(self, token_id: int) -> None:
+        if self._length == self._buffer.shape[0]:
+            grown = torch.empty(2 * self._length, dtype=torch.long)
+            grown[: self._length] = self._buffer
+            self._buffer = grown
+        self._buffer[self._length] = token_id
+        self._length += 1
+
+    def view(self) -> torch.Tensor:
+        return self._buffer[: self._length]
+
+    def __len__(self) -> int:
+        return self._length
+
+
+def uses_penalties(params: SamplingParams) -> bool:
+    return (
+        params.presence_penalty != 0.0
+        or params.frequency_penalty != 0.0
+        or params.repetition_penalty != 1.0
+    )
 
 
 @dataclass
@@ -30,6 +64,31 @@ class RequestState:
     num_computed_tokens: int
     sampling_params: SamplingParams
     generator: torch.Generator | None = None  # set when the request has a seed
+    num_prompt_tokens: int = -1  # -1: all of token_ids (set by __post_init__)
+    output_history: TokenHistory | None = None  # kept only for requests with penalties
+    # Collected across prefill chunks while the prompt runs; None when not asked for or sent.
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    prompt_token_set: torch.Tensor | None = field(default=None, repr=False)  # cache (sampler)
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens < 0:
+            self.num_prompt_tokens = len(self.token_ids)
+        if self.output_history is None and uses_penalties(self.sampling_params):
+            self.output_history = TokenHistory(self.token_ids[self.num_prompt_tokens :])
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def output_tail(self, n: int) -> list[int]:
+        """The last ``n`` output tokens (fewer if there are fewer)."""
+        n = min(n, self.num_output_tokens)
+        return self.token_ids[len(self.token_ids) - n :] if n > 0 else []
+
+    def append_output_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        if self.output_history is not None:
+            self.output_history.append(token_id)
 
 
 class RequestStates(dict[str, RequestState]):
@@ -42,14 +101,21 @@ class RequestStates(dict[str, RequestState]):
         for request_id in step.finished_request_ids:
             self.pop(request_id, None)
         for new in step.new_requests:
-            seed = new.sampling_params.seed
+            params = new.sampling_params
+            seed = params.seed
+            # Prompt logprobs are owed once: on a resume with outputs they were sent already.
+            wants_prompt_logprobs = params.prompt_logprobs is not None and not (
+                new.num_output_tokens
+            )
             self[new.request_id] = RequestState(
                 request_id=new.request_id,
                 token_ids=list(new.prompt_token_ids),
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
-                sampling_params=new.sampling_params,
+                sampling_params=params,
                 generator=None if seed is None else make_generator(seed, new.num_output_tokens),
+                num_prompt_tokens=len(new.prompt_token_ids) - new.num_output_tokens,
+                prompt_logprobs=[] if wants_prompt_logprobs else None,
             )
         for cached in step.cached_requests:
             state = self.get(cached.request_id)
@@ -67,6 +133,7 @@ class StepInputs:
     request_ids: list[str]  # every scheduled request, in row order
     sampled_request_ids: list[str]  # the requests sampled this step
     logits_rows: torch.Tensor  # [len(sampled_request_ids)]: row of each one's last token
+    first_rows: list[int] = field(default_factory=list)  # per request_ids: its first token's row
 
 
 def build_step_inputs(
@@ -80,6 +147,7 @@ def build_step_inputs(
     positions: list[torch.Tensor] = []
     slots: list[torch.Tensor] = []
     request_ids: list[str] = []
+    first_rows: list[int] = []
     sampled_ids: list[str] = []
     logits_rows: list[int] = []
     spans: list[PrefillSpan] = []
@@ -106,6 +174,7 @@ def build_step_inputs(
             block_table[token_positions // block_size] * block_size + token_positions % block_size
         )
         request_ids.append(state.request_id)
+        first_rows.append(row)
         if n > 1:
             spans.append(PrefillSpan(row, n, end, block_table.to(device)))
         if end == len(state.token_ids):
@@ -124,6 +193,7 @@ def build_step_inputs(
         request_ids=request_ids,
         sampled_request_ids=sampled_ids,
         logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=device),
+        first_rows=first_rows,
     )
 
 

@@ -16,10 +16,18 @@ from switchboard.config import ModelConfig
 from switchboard.models.attention import new_kv_cache
 from switchboard.models.hf_config import TransformerConfig, load_transformer_config
 from switchboard.models.loader import load_model, resolve_dtype
+from switchboard.wire.engine_msgs import TokenLogprobs
 from switchboard.wire.step_msgs import ModelRunnerOutput, ModelSummary, SchedulerOutput
-from switchboard.worker.input_batch import RequestStates, StepInputs, build_step_inputs
+from switchboard.worker.input_batch import (
+    RequestState,
+    RequestStates,
+    StepInputs,
+    build_step_inputs,
+)
+from switchboard.worker.logprobs import prompt_token_logprobs
 from switchboard.worker.pooler import PoolingRequests
-from switchboard.worker.sampler import SamplingBatch, new_request_generator, sample
+from switchboard.worker.sampler import new_request_generator, sample
+from switchboard.worker.sampling_batch import build_sampling_batch
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +135,7 @@ class ModelRunner:
         inputs = self.pooling.without_pooling(inputs)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
         logits = self.model.compute_logits(hidden[inputs.logits_rows])
+        self._collect_prompt_logprobs(step, inputs, hidden)
         pooled = self.pooling.collect(step, inputs, hidden, self.requests)
         for request_id, n in step.num_scheduled_tokens.items():
             if n > 0:
@@ -140,31 +149,72 @@ class ModelRunner:
         inputs = step.inputs
         states = [self.requests[rid] for rid in inputs.sampled_request_ids]
         sampled: dict[str, int] = {}
+        logprobs: dict[str, TokenLogprobs] = {}
+        prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         if states:
-            batch = SamplingBatch.build(
-                temperatures=[s.sampling_params.temperature for s in states],
-                top_ks=[s.sampling_params.top_k for s in states],
-                top_ps=[s.sampling_params.top_p for s in states],
-                generators={i: s.generator for i, s in enumerate(states) if s.generator},
-                vocab_size=step.logits.shape[-1],
-                device=self.device,
-            )
-            token_ids = sample(step.logits, batch).tolist()
-            for state, token_id in zip(states, token_ids, strict=True):
-                state.token_ids.append(token_id)
+            batch = build_sampling_batch(states, step.logits.shape[-1], self.device)
+            result = sample(step.logits, batch)
+            for row, (state, token_id) in enumerate(
+                zip(states, result.token_ids.tolist(), strict=True)
+            ):
+                state.append_output_token(token_id)
                 sampled[state.request_id] = token_id
+                if row in result.logprobs:
+                    logprobs[state.request_id] = result.logprobs[row]
+                if state.prompt_logprobs is not None:  # the prompt is done: send them once
+                    prompt_logprobs[state.request_id] = state.prompt_logprobs
+                    state.prompt_logprobs = None
         return ModelRunnerOutput(
             step_id=step.step_id,
             request_ids=list(inputs.request_ids),
             sampled_token_ids=[
                 [sampled[rid]] if rid in sampled else [] for rid in inputs.request_ids
             ],
+            logprobs=[[logprobs[rid]] if rid in logprobs else [] for rid in inputs.request_ids]
+            if logprobs
+            else [],
+            prompt_logprobs=prompt_logprobs,
             pooled_outputs=step.pooled or {},
         )
 
+    def _collect_prompt_logprobs(
+        self, step: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor
+    ) -> None:
+        """Logprobs of the prompt tokens this step computed, for the requests that want them
+        (prompt token i+1 given positions 0..i; the first prompt token has none)."""
+        rows: list[int] = []
+        next_token_ids: list[int] = []
+        num_top: list[int] = []
+        owners: list[tuple[RequestState, int]] = []
+        for request_id, first_row in zip(inputs.request_ids, inputs.first_rows, strict=True):
+            state = self.requests[request_id]
+            if state.prompt_logprobs is None:
+                continue
+            start = state.num_computed_tokens  # not advanced yet for this step
+            end = min(start + step.num_scheduled_tokens[request_id], state.num_prompt_tokens - 1)
+            if end <= start:
+                continue
+            rows += range(first_row, first_row + end - start)
+            next_token_ids += state.token_ids[start + 1 : end + 1]
+            num_top += [state.sampling_params.prompt_logprobs or 0] * (end - start)
+            owners.append((state, end - start))
+        if not rows:
+            return
+        assert self.model is not None
+        results = prompt_token_logprobs(
+            hidden[torch.tensor(rows, dtype=torch.long, device=self.device)],
+            torch.tensor(next_token_ids, dtype=torch.long, device=self.device),
+            num_top,
+            self.model.compute_logits,
+        )
+        offset = 0
+        for state, count in owners:
+            assert state.prompt_logprobs is not None
+            state.prompt_logprobs += results[offset : offset + count]
+            offset += count
+
     def _make_generator(self, seed: int, num_output_tokens: int) -> torch.Generator:
-        config = self._require_config()
-        return new_request_generator(seed, self.device, num_output_tokens, config.vocab_size)
+        return new_request_generator(seed, num_output_tokens)
 
     def _require_config(self) -> TransformerConfig:
         if self.config is None:
