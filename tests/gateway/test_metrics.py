@@ -76,7 +76,7 @@ def test_request_series() -> None:
     requests.tokens("0", 1, None)
     requests.tokens("0", 2, 0.02)
     phases = {"queue": 0.01, "prefill": 0.04, "decode": 0.2, "inference": 0.24}
-    requests.finished("0", "length", 0.3, phases, num_prompt_tokens=10, num_output_tokens=3)
+    requests.finished("0", ["length"], 0.3, phases, num_prompt_tokens=10, num_output_tokens=3)
     requests.gen_ai("", 0.3, 0.05, 0.1, 10, 3)
     requests.gen_ai("UNAVAILABLE", 0.1, None, None, 10, 0)
     value = metrics.registry.get_sample_value

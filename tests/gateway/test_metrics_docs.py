@@ -29,7 +29,7 @@ def exported_samples() -> set[str]:
     requests.first_token("0", 0.1, 1, 0)
     requests.tokens("0", 2, 0.01)
     phases = {"queue": 0.1, "prefill": 0.1, "decode": 0.1, "inference": 0.2}
-    requests.finished("0", "stop", 1.0, phases, 1, 3)
+    requests.finished("0", ["stop"], 1.0, phases, 1, 3)
     requests.gen_ai("", 1.0, 0.1, 0.1, 1, 3)
     text = generate_latest(metrics.registry).decode()
     return {

@@ -191,3 +191,38 @@ def test_timeline_counts_tokens_and_keeps_first_and_last_token_times() -> None:
         engine_ns(OFFSET + 1_700),
     )
     assert t.queued_ns == engine_ns(OFFSET + 1_150) and t.scheduled_ns == engine_ns(OFFSET + 1_300)
+
+
+def test_sequences_of_one_call_pair_their_own_preemptions() -> None:
+    # n = 2: two engine requests; their preemptions interleave, each resumes on its own.
+    t = RequestTimeline("r", OFFSET, submitted_ns=OFFSET + 10)
+    t.end_ns = OFFSET + 1_000
+
+    def output(sequence: str, at: int, *events: tuple[EventType, int], preemptions: int = 0):
+        stamped = [EngineCoreEvent(kind, wall - OFFSET) for kind, wall in events]
+        out = EngineCoreOutput(sequence, [1], events=stamped or None, num_preemptions=preemptions)
+        t.record_output(out, at - OFFSET)
+
+    output("0_r", OFFSET + 100, (EventType.QUEUED, OFFSET + 20), (EventType.SCHEDULED, OFFSET + 30))
+    output("1_r", OFFSET + 110, (EventType.QUEUED, OFFSET + 21), (EventType.SCHEDULED, OFFSET + 40))
+    output(
+        "1_r",
+        OFFSET + 400,
+        (EventType.PREEMPTED, OFFSET + 250),
+        (EventType.SCHEDULED, OFFSET + 350),
+        preemptions=1,
+    )
+    output(
+        "0_r",
+        OFFSET + 500,
+        (EventType.PREEMPTED, OFFSET + 200),
+        (EventType.SCHEDULED, OFFSET + 450),
+        preemptions=1,
+    )
+    assert t.preemptions() == [(250, 350), (200, 450)]  # engine clock = wall - OFFSET
+    assert t.num_preemptions == 2 and t.num_output_tokens == 4
+    assert (t.queued_ns, t.scheduled_ns) == (20, 30)  # the first sequence to get there
+    assert t.sequence_last_token_ns == {"0_r": 500, "1_r": 400}
+    phases = request_phases(t, to_wall, ended_normally=True)
+    assert_tiles(phases, t)
+    assert len([p for p in phases if p.name == PREEMPTED]) == 2

@@ -183,16 +183,17 @@ class RequestMetrics:
     def finished(
         self,
         engine: str,
-        finished_reason: str,
+        finished_reasons: list[str],
         e2e_s: float,
         phases_s: dict[str, float | None],
         num_prompt_tokens: int,
         num_output_tokens: int,
     ) -> None:
-        """A request the engine worked on ended; ``phases_s``: queue, prefill, decode,
-        inference, ttft (None when the request never got that far)."""
+        """A request the engine worked on ended: one finish reason per sequence (``n``);
+        ``phases_s``: queue, prefill, decode, inference (None where it never got that far)."""
         labels = self.labels(engine)
-        self.request_success.labels(*labels, finished_reason).inc()
+        for reason in finished_reasons:
+            self.request_success.labels(*labels, reason).inc()
         self.e2e.labels(*labels).observe(e2e_s)
         for name in ("queue", "prefill", "decode", "inference"):
             value = phases_s.get(name)

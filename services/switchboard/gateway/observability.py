@@ -42,7 +42,6 @@ from switchboard.wire.engine_msgs import EngineCoreRequest, FinishReason
 
 if TYPE_CHECKING:
     from switchboard.gateway.engine_client import EngineClient
-    from switchboard.gateway.generate_stream import GenerateStream
     from switchboard.gateway.metrics import GatewayMetrics
     from switchboard.gateway.text import Tokenizer
     from switchboard.gateway.tracing import GatewayTracer, RequestSpans
@@ -155,6 +154,7 @@ class RequestObserver:
         self._engine_label = ""
         self._prompt_text: str | None = None
         self._ended = False
+        self._ended_by: FinishReason | None = None  # an abort or failure the channel reported
         self._spans: RequestSpans | None = None
         observability.counts.requests_in_flight += 1
         if observability.tracer is not None:
@@ -191,22 +191,22 @@ class RequestObserver:
     def on_event(self, event: RequestEvent) -> None:
         timeline = self.timeline
         if isinstance(event, RequestAborted):
-            timeline.finish_reason = timeline.finish_reason or FinishReason.ABORT
+            self._ended_by = self._ended_by or FinishReason.ABORT
             return
         if isinstance(event, RequestFailed):
-            timeline.finish_reason = timeline.finish_reason or FinishReason.ERROR
+            self._ended_by = self._ended_by or FinishReason.ERROR
             return
         assert isinstance(event, StepOutput)
         clock = self._clock
         if clock is not None:
             clock.not_after(event.timestamp_ns, time.time_ns())  # it was stamped before now
-        previous_token_ns = timeline.last_token_ns
+        first = timeline.first_token_ns is None
+        previous_token_ns = timeline.sequence_last_token_ns.get(event.output.request_id)
         num_new = timeline.record_output(event.output, event.timestamp_ns)
         if not num_new:
             return
         counts, metrics = self._obs.counts, self._obs.metrics
         counts.generation_tokens += num_new
-        first = previous_token_ns is None
         if first:
             counts.prompt_tokens += timeline.num_prompt_tokens
         if metrics is None:
@@ -219,16 +219,16 @@ class RequestObserver:
                 timeline.num_prompt_tokens,
                 timeline.num_cached_tokens,
             )
-            requests.tokens(self._engine_label, num_new, None)
-        else:
-            assert previous_token_ns is not None
-            requests.tokens(
-                self._engine_label, num_new, (event.timestamp_ns - previous_token_ns) / 1e9
-            )
+        inter_token_s = None
+        if previous_token_ns is not None:  # this sequence's previous output
+            inter_token_s = (event.timestamp_ns - previous_token_ns) / 1e9
+        requests.tokens(self._engine_label, num_new, inter_token_s)
 
-    def end(self, stream: GenerateStream | None) -> None:
+    def end(self, streams: Any) -> None:
         """The call is over (normally, by an error, or cancelled): report it. Call it from the
-        servicer's ``finally`` block; it reads the exception in flight, if any."""
+        servicer's ``finally`` block; it reads the exception in flight, if any. ``streams``:
+        the call's ``GenerateStream``, or the group of its ``n`` sequences (anything with
+        ``streams``), whose finish reasons win (a stop string is the gateway's word)."""
         if self._ended:
             return
         self._ended = True
@@ -237,16 +237,16 @@ class RequestObserver:
         obs = self._obs
         obs.counts.requests_in_flight -= 1
         code = self._status_code()
-        reason = self._finish_word(stream, code)
+        reasons = self._finish_words(streams, code)
         clock = self._clock
         queued = timeline.queued_ns
         if clock is not None and queued is not None and timeline.submitted_ns is not None:
             clock.not_before(queued, timeline.submitted_ns)  # queued after the ADD went out
         try:
             if obs.metrics is not None:
-                self._report_metrics(code, reason)
+                self._report_metrics(code, reasons)
             if self._spans is not None:
-                self._report_spans(code, reason)
+                self._report_spans(code, reasons)
         except Exception:  # observability must never break a request
             logger.exception("request %s: reporting traces/metrics failed", timeline.request_id)
 
@@ -266,15 +266,18 @@ class RequestObserver:
             return grpc.StatusCode.UNKNOWN
         return grpc.StatusCode.OK
 
-    def _finish_word(self, stream: GenerateStream | None, code: grpc.StatusCode) -> str:
-        if stream is not None and stream.finished and code == grpc.StatusCode.OK:
-            return _PB_FINISH_WORDS.get(stream.finish_reason, "stop")
+    def _finish_words(self, streams: Any, code: grpc.StatusCode) -> list[str]:
+        """One word per sequence: ``stop``, ``length``, ``abort``, ``error``, ``repetition``."""
         if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
-            return "abort"
+            return ["abort"]
         if code != grpc.StatusCode.OK:
-            return "error"
-        reason = self.timeline.finish_reason
-        return str(reason) if reason is not None else "stop"
+            return ["error"]
+        group = getattr(streams, "streams", None)
+        finished = group if group is not None else [streams] if streams is not None else []
+        if finished and all(s.finished for s in finished):  # the gateway's word (stop strings)
+            return [_PB_FINISH_WORDS.get(s.finish_reason, "stop") for s in finished]
+        engine_words = [str(reason) for reason in self.timeline.finish_reasons.values()]
+        return engine_words or [str(self._ended_by) if self._ended_by is not None else "stop"]
 
     def _ttft_s(self) -> float | None:
         first = self.timeline.first_token_ns
@@ -301,7 +304,7 @@ class RequestObserver:
             "inference": span(scheduled, last),
         }
 
-    def _report_metrics(self, code: grpc.StatusCode, reason: str) -> None:
+    def _report_metrics(self, code: grpc.StatusCode, reasons: list[str]) -> None:
         metrics = self._obs.metrics
         assert metrics is not None
         t = self.timeline
@@ -311,7 +314,7 @@ class RequestObserver:
         if t.submitted_ns is not None and self._engine_label:
             metrics.requests.finished(
                 self._engine_label,
-                reason,
+                reasons,
                 e2e_s,
                 phases,
                 t.num_prompt_tokens,
@@ -328,17 +331,17 @@ class RequestObserver:
             t.num_output_tokens,
         )
 
-    def _report_spans(self, code: grpc.StatusCode, reason: str) -> None:
+    def _report_spans(self, code: grpc.StatusCode, reasons: list[str]) -> None:
         spans = self._spans
         assert spans is not None
         t = self.timeline
         assert t.end_ns is not None
-        ended_normally = code == grpc.StatusCode.OK and reason not in ("abort", "error")
+        ended_normally = code == grpc.StatusCode.OK and not {"abort", "error"} & set(reasons)
         to_wall = self._clock.to_wall_ns if self._clock is not None else (lambda ns: ns)
         phases = request_phases(t, to_wall, ended_normally)
         attributes: dict[str, Any] = {
             "gen_ai.response.model": self._obs.model_name,
-            "gen_ai.response.finish_reasons": [reason],
+            "gen_ai.response.finish_reasons": reasons,
         }
         if t.submitted_ns is not None:
             attributes["gen_ai.usage.input_tokens"] = t.num_prompt_tokens

@@ -19,6 +19,10 @@ from switchboard.wire.engine_msgs import EngineCoreEvent, EngineCoreOutput, Even
 
 @dataclasses.dataclass(slots=True)
 class RequestTimeline:
+    """One Generate call; with ``n`` > 1 its sequences are engine requests of their own, and the
+    call's view is theirs together: the first to be queued, scheduled and to give a token, the
+    last token of any, the tokens and preemptions of all."""
+
     request_id: str
     arrival_ns: int  # gateway wall clock: the RPC arrived
     submitted_ns: int | None = None  # gateway wall clock: tokenized and checked, ADD going out
@@ -27,36 +31,46 @@ class RequestTimeline:
     engine_id: str = ""
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    num_output_tokens: int = 0
-    num_preemptions: int = 0
-    events: list[EngineCoreEvent] = dataclasses.field(default_factory=list)  # engine clock
+    num_output_tokens: int = 0  # of every sequence
+    # Engine clock, in arrival order, with the engine request (sequence) each belongs to.
+    events: list[tuple[str, EngineCoreEvent]] = dataclasses.field(default_factory=list)
     first_token_ns: int | None = None  # engine clock: outputs that carried the first token
     last_token_ns: int | None = None  # engine clock: outputs that carried the latest token
-    finish_reason: FinishReason | None = None  # the engine's (or the gateway's) last word
+    # Per sequence (engine request id): its latest token time, preemptions and finish reason.
+    sequence_last_token_ns: dict[str, int] = dataclasses.field(default_factory=dict)
+    sequence_preemptions: dict[str, int] = dataclasses.field(default_factory=dict)
+    finish_reasons: dict[str, FinishReason] = dataclasses.field(default_factory=dict)
     output_token_ids: list[int] | None = None  # kept only when traces carry content
 
     def record_output(self, output: EngineCoreOutput, timestamp_ns: int) -> int:
         """Take in one engine output (``timestamp_ns``: its EngineCoreOutputs' stamp); return
         how many new tokens it carried."""
+        sequence = output.request_id
         if output.events:
-            self.events.extend(output.events)
+            self.events.extend((sequence, event) for event in output.events)
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
-        self.num_preemptions = max(self.num_preemptions, output.num_preemptions)
+        if output.num_preemptions:
+            self.sequence_preemptions[sequence] = output.num_preemptions
         num_new = len(output.new_token_ids)
         if num_new:
             if self.first_token_ns is None:
                 self.first_token_ns = timestamp_ns
             self.last_token_ns = timestamp_ns
+            self.sequence_last_token_ns[sequence] = timestamp_ns
             self.num_output_tokens += num_new
             if self.output_token_ids is not None:
                 self.output_token_ids.extend(output.new_token_ids)
         if output.finish_reason is not None:
-            self.finish_reason = output.finish_reason
+            self.finish_reasons[sequence] = output.finish_reason
         return num_new
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(self.sequence_preemptions.values())
 
     def first_event(self, event_type: EventType) -> int | None:
         """Engine clock: when the first event of this type happened, if the gateway knows."""
-        for event in self.events:
+        for _, event in self.events:
             if event.type == event_type:
                 return event.timestamp_ns
         return None
@@ -70,15 +84,15 @@ class RequestTimeline:
         return self.first_event(EventType.SCHEDULED)
 
     def preemptions(self) -> list[tuple[int, int | None]]:
-        """Engine clock: (PREEMPTED, the next SCHEDULED or None while still preempted)."""
-        intervals: list[tuple[int, int | None]] = []
-        preempted_at: int | None = None
-        for event in self.events:
-            if event.type == EventType.PREEMPTED and preempted_at is None:
-                preempted_at = event.timestamp_ns
-            elif event.type == EventType.SCHEDULED and preempted_at is not None:
-                intervals.append((preempted_at, event.timestamp_ns))
-                preempted_at = None
-        if preempted_at is not None:
-            intervals.append((preempted_at, None))
-        return intervals
+        """Engine clock, in order: (PREEMPTED, that sequence's next SCHEDULED or None while it
+        is still preempted)."""
+        intervals: list[list[int | None]] = []
+        open_by_sequence: dict[str, list[int | None]] = {}
+        for sequence, event in self.events:
+            if event.type == EventType.PREEMPTED and sequence not in open_by_sequence:
+                interval: list[int | None] = [event.timestamp_ns, None]
+                intervals.append(interval)
+                open_by_sequence[sequence] = interval
+            elif event.type == EventType.SCHEDULED and sequence in open_by_sequence:
+                open_by_sequence.pop(sequence)[1] = event.timestamp_ns
+        return [(start, end) for start, end in intervals if start is not None]
