@@ -5,7 +5,8 @@ pods ``switchboard engine --gateway-address <headless service>:<handshake port>`
 listens on a fixed handshake port and binds its data sockets on port 0; each engine resolves the
 name, says hello to every address and connects to the ports it is told (``engine/handshake.py``).
 Both take the flags of ``switchboard serve`` (a gateway needs the model directory for its
-tokenizer; an engine the model, cache, scheduler and parallelism flags).
+tokenizer, and ``-dp`` as the deployment's DP size for GetServerInfo; an engine the model,
+cache, scheduler and parallelism flags).
 
 Unlike ``serve``, a gateway here outlives its engines: it reports NOT_SERVING on the readiness
 service while no engine is ready, fails a dead engine's requests with UNAVAILABLE, routes around
@@ -95,7 +96,6 @@ def cmd_gateway(args: argparse.Namespace, gateway) -> int:
         input_address=_tcp(args.engine_host, 0),
         output_address=_tcp(args.engine_host, 0),
         handshake_address=_tcp(args.engine_host, args.handshake_port),
-        num_engines=0,  # unknown: engines come and go
         exit_when_engines_dead=False,
         heartbeat_timeout_s=args.engine_heartbeat_timeout,
     )
