@@ -12,6 +12,10 @@ A monitor thread watches the worker processes. When one dies unexpectedly it mar
 executor failed (a call waiting for a reply then raises) and calls ``on_failure``; the engine
 core turns that into EXECUTOR_FAILED on its input queue and dies. Shutdown asks the workers to
 exit, then escalates: wait, SIGTERM, wait, SIGKILL; it then unlinks the ring and the socket.
+
+With ``-tp``/``-pp`` the workers form a grid, ``rank = pp_rank * TP + tp_rank``, and meet for
+``torch.distributed`` at a ``file://`` rendezvous in the run directory (no port to race for);
+``output_rank`` is the first rank of the last pipeline stage, which holds the sampled tokens.
 """
 
 from __future__ import annotations
@@ -93,6 +97,8 @@ class MultiprocExecutor:
         self._ring: ShmRingWriter | None = None
         self._ctx = zmq.Context()
         self._reply_path = os.path.join(run_dir, f"replies-{uuid.uuid4().hex[:8]}")
+        # torch.distributed rendezvous of the workers (only when there are several).
+        self._rendezvous_path = os.path.join(run_dir, f"dist-{uuid.uuid4().hex[:8]}")
         self._reply_socket: zmq.Socket | None = None
         try:
             self._reply_socket = zmq_channel.make_socket(
@@ -115,6 +121,7 @@ class MultiprocExecutor:
         parallel = self._config.parallel
         ring_handle = msgspec.to_builtins(self._ring.handle)
         engine_config_json = encode_config(self._config)
+        init_method = f"file://{self._rendezvous_path}" if self.world_size > 1 else ""
         for pp_rank in range(parallel.pipeline_parallel_size):
             for tp_rank in range(parallel.tensor_parallel_size):
                 rank = pp_rank * parallel.tensor_parallel_size + tp_rank
@@ -128,6 +135,7 @@ class MultiprocExecutor:
                     reply_address=f"ipc://{self._reply_path}",
                     engine_config_json=engine_config_json,
                     parent_pid=os.getpid(),
+                    distributed_init_method=init_method,
                 )
                 argv = [sys.executable, "-m", WORKER_MODULE, "--startup-json"]
                 argv.append(msgspec.json.encode(startup).decode())
@@ -208,7 +216,8 @@ class MultiprocExecutor:
         return msgspec.convert(result, ModelSummary)
 
     def determine_num_kv_blocks(self, block_size: int, kv_cache_memory_bytes: int | None) -> int:
-        # Every worker holds the same share of KV heads, so any rank's answer is the answer.
+        # The workers agree among themselves (the minimum over ranks: pipeline stages may hold
+        # different numbers of layers), so any rank's answer is the answer.
         return int(
             self.collective_rpc("determine_num_kv_blocks", (block_size, kv_cache_memory_bytes))
         )
@@ -266,8 +275,9 @@ class MultiprocExecutor:
         if self._reply_socket is not None:
             self._reply_socket.close(linger=0)
         self._ctx.term()
-        if os.path.exists(self._reply_path):
-            os.unlink(self._reply_path)
+        for path in (self._reply_path, self._rendezvous_path):
+            if os.path.exists(path):
+                os.unlink(path)
         logger.info("Executor shut down: workers stopped, ring unlinked")
 
     def _ask_workers_to_exit(self) -> None:

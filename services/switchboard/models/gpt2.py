@@ -8,6 +8,9 @@ tensor-parallel linear can take its slice of each). Old checkpoints without the
 ``transformer.`` prefix load too; their causal-mask buffers (``attn.bias``,
 ``attn.masked_bias``) are not weights and are skipped. The output projection is tied to
 ``wte`` unless ``tie_word_embeddings`` is false.
+
+Parallelism as in ``llama.py``: column-parallel ``c_attn``/``c_fc``, row-parallel ``c_proj``s,
+a vocabulary-parallel ``wte`` and LM head; ``wpe`` is replicated on the first stage.
 """
 
 from __future__ import annotations
@@ -19,13 +22,15 @@ from torch import nn
 
 from switchboard.models.attention import AttentionMetadata, paged_attention
 from switchboard.models.hf_config import TransformerConfig
-from switchboard.models.layers import (
-    LayerNorm,
-    Linear,
-    MergedLinear,
-    PositionEmbedding,
-    VocabEmbedding,
-    activation,
+from switchboard.models.layers import LayerNorm, PositionEmbedding, activation
+from switchboard.models.parallel import SINGLE_PROCESS, ParallelState
+from switchboard.models.parallel_layers import (
+    ColumnParallelLinear,
+    MissingLayer,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_logits,
 )
 from switchboard.models.weights import load_named_weights
 
@@ -41,16 +46,18 @@ _STACKED_MODULES = {
 
 
 class GPT2Attention(nn.Module):
-    def __init__(self, config: TransformerConfig, layer_index: int) -> None:
+    def __init__(self, config: TransformerConfig, layer_index: int, parallel: ParallelState):
         super().__init__()
         hidden = config.hidden_size
-        self.num_heads = config.num_heads
+        heads = parallel.split(config.num_heads, "the number of attention heads")
+        self.num_heads = heads.size  # this TP rank's
         self.head_dim = hidden // config.num_heads
         self.scale = self.head_dim**-0.5 if config.raw.get("scale_attn_weights", True) else 1.0
         if config.raw.get("scale_attn_by_inverse_layer_idx", False):
             self.scale /= float(layer_index + 1)
-        self.c_attn = MergedLinear(hidden, {"q": hidden, "k": hidden, "v": hidden}, bias=True)
-        self.c_proj = Linear(hidden, hidden, bias=True)
+        rows = heads.scaled(self.head_dim)
+        self.c_attn = ColumnParallelLinear(hidden, {"q": rows, "k": rows, "v": rows}, bias=True)
+        self.c_proj = RowParallelLinear(rows, hidden, bias=True, parallel=parallel)
 
     def forward(
         self, hidden: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
@@ -61,23 +68,24 @@ class GPT2Attention(nn.Module):
 
 
 class GPT2MLP(nn.Module):
-    def __init__(self, config: TransformerConfig) -> None:
+    def __init__(self, config: TransformerConfig, parallel: ParallelState) -> None:
         super().__init__()
-        self.c_fc = Linear(config.hidden_size, config.intermediate_size, bias=True)
+        columns = parallel.split(config.intermediate_size, "the MLP intermediate size")
+        self.c_fc = ColumnParallelLinear(config.hidden_size, {"fc": columns}, bias=True)
         self.act = activation(config.hidden_act)
-        self.c_proj = Linear(config.intermediate_size, config.hidden_size, bias=True)
+        self.c_proj = RowParallelLinear(columns, config.hidden_size, bias=True, parallel=parallel)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.c_proj(self.act(self.c_fc(hidden)))
 
 
 class GPT2Block(nn.Module):
-    def __init__(self, config: TransformerConfig, layer_index: int) -> None:
+    def __init__(self, config: TransformerConfig, layer_index: int, parallel: ParallelState):
         super().__init__()
         self.ln_1 = LayerNorm(config.hidden_size, config.layer_norm_eps)
-        self.attn = GPT2Attention(config, layer_index)
+        self.attn = GPT2Attention(config, layer_index, parallel)
         self.ln_2 = LayerNorm(config.hidden_size, config.layer_norm_eps)
-        self.mlp = GPT2MLP(config)
+        self.mlp = GPT2MLP(config, parallel)
 
     def forward(
         self, hidden: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
@@ -87,18 +95,36 @@ class GPT2Block(nn.Module):
 
 
 class GPT2Model(nn.Module):
-    def __init__(self, config: TransformerConfig) -> None:
+    def __init__(self, config: TransformerConfig, parallel: ParallelState) -> None:
         super().__init__()
-        self.wte = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.wpe = PositionEmbedding(config.max_position_embeddings, config.hidden_size)
-        self.h = nn.ModuleList(GPT2Block(config, i) for i in range(config.num_layers))
-        self.ln_f = LayerNorm(config.hidden_size, config.layer_norm_eps)
+        mine = parallel.stage_layers(config.num_layers)
+        self.wte: nn.Module = MissingLayer()
+        self.wpe: nn.Module = MissingLayer()
+        if parallel.is_first_stage:
+            self.wte = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
+            self.wpe = PositionEmbedding(config.max_position_embeddings, config.hidden_size)
+        self.h = nn.ModuleList(
+            GPT2Block(config, i, parallel) if i in mine else MissingLayer()
+            for i in range(config.num_layers)
+        )
+        self.stage_blocks = [self.h[i] for i in mine]
+        self.ln_f: nn.Module = MissingLayer()
+        if parallel.is_last_stage:
+            self.ln_f = LayerNorm(config.hidden_size, config.layer_norm_eps)
 
 
 class GPT2LMHeadModel(nn.Module):
-    """``forward`` maps this step's flattened tokens to final hidden states."""
+    """``forward`` maps this step's flattened tokens to final hidden states (on a pipeline
+    stage other than the last: to the hidden states its blocks hand on)."""
 
-    def __init__(self, config: TransformerConfig, device: torch.device | str) -> None:
+    supports_parallel = True
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        device: torch.device | str,
+        parallel: ParallelState = SINGLE_PROCESS,
+    ) -> None:
         super().__init__()
         if config.raw.get("add_cross_attention"):
             raise ValueError("GPT-2 with cross-attention (an encoder-decoder) is not supported")
@@ -107,10 +133,14 @@ class GPT2LMHeadModel(nn.Module):
                 f"hidden size {config.hidden_size} is not divisible by {config.num_heads} heads"
             )
         self.config = config
-        self.transformer = GPT2Model(config)
-        self.lm_head: Linear | None = None
-        if not config.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.parallel = parallel
+        self.transformer = GPT2Model(config, parallel)
+        # Tied (the default): the output projection is wte, unless wte is on another stage.
+        self.lm_head: nn.Module | None = None
+        if not parallel.is_last_stage:
+            self.lm_head = MissingLayer()
+        elif not config.tie_word_embeddings or not parallel.is_first_stage:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel)
 
     def forward(
         self,
@@ -118,16 +148,25 @@ class GPT2LMHeadModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
+        intermediate: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden = self.transformer.wte(input_ids) + self.transformer.wpe(positions)
-        for block, kv_cache in zip(self.transformer.h, kv_caches, strict=True):
+        """``kv_caches``: one per block of this stage. ``intermediate``: on a stage other than
+        the first, the hidden states the previous stage handed on."""
+        if self.parallel.is_first_stage:
+            hidden = self.transformer.wte(input_ids) + self.transformer.wpe(positions)
+        elif intermediate is None:
+            raise ValueError("a later pipeline stage needs the previous stage's hidden states")
+        else:
+            hidden = intermediate
+        for block, kv_cache in zip(self.transformer.stage_blocks, kv_caches, strict=True):
             hidden = block(hidden, kv_cache, metadata)
-        return self.transformer.ln_f(hidden)
+        return self.transformer.ln_f(hidden) if self.parallel.is_last_stage else hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits ``[rows, vocab]`` for the given final hidden states."""
-        weight = self.lm_head.weight if self.lm_head else self.transformer.wte.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        """Float32 logits ``[rows, vocab]`` for the given final hidden states (last stage;
+        a collective over the TP ranks)."""
+        head = self.lm_head if self.lm_head is not None else self.transformer.wte
+        return vocab_parallel_logits(hidden, head.weight, self.parallel, self.config.vocab_size)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors into the parameters; returns the parameter names filled."""
@@ -137,13 +176,17 @@ class GPT2LMHeadModel(nn.Module):
         self, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterable[tuple[str, torch.Tensor]]:
         """Checkpoint tensors renamed, transposed and split into this model's layout."""
+        tied = self.config.tie_word_embeddings
+        separate_tied_head = tied and isinstance(self.lm_head, ParallelLMHead)
         for name, tensor in weights:
             if name.startswith("lm_head."):
-                if self.lm_head is not None:
+                if not tied:
                     yield name, tensor
                 continue  # tied: a copy of wte
             if not name.startswith(_PREFIX):
                 name = _PREFIX + name
+            if separate_tied_head and name == _PREFIX + "wte.weight":
+                yield "lm_head.weight", tensor  # the last stage's copy of the tied matrix
             if name.endswith(_MASK_BUFFERS):
                 continue
             module_path, _, param_name = name.rpartition(".")

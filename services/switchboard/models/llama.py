@@ -7,6 +7,12 @@ Parameters keep Hugging Face's names except two fused layers: ``qkv_proj`` holds
 Qwen2 and Mistral are this architecture with other attention choices (biases, sliding
 window); their families subclass :class:`LlamaForCausalLM` and override
 :meth:`LlamaForCausalLM.attention_layout`.
+
+Parallelism (``models/parallel.py``): the projections are column/row-parallel, so a TP rank
+holds its query heads, its KV heads and its MLP columns; a pipeline stage builds only its own
+layers (the others are :class:`MissingLayer`), the embedding only on the first stage and the
+final norm and LM head only on the last. A tied LM head on a last stage that is not also the
+first gets its own copy of the embedding matrix.
 """
 
 from __future__ import annotations
@@ -19,14 +25,15 @@ from torch import nn
 
 from switchboard.models.attention import AttentionMetadata, paged_attention
 from switchboard.models.hf_config import TransformerConfig
-from switchboard.models.layers import (
-    Linear,
-    MergedLinear,
-    RMSNorm,
-    RotaryEmbedding,
-    VocabEmbedding,
-    apply_rotary,
-    silu_and_mul,
+from switchboard.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul
+from switchboard.models.parallel import SINGLE_PROCESS, ParallelState
+from switchboard.models.parallel_layers import (
+    ColumnParallelLinear,
+    MissingLayer,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_logits,
 )
 from switchboard.models.weights import LLAMA_STACKED_MODULES, load_named_weights
 
@@ -43,19 +50,24 @@ class AttentionLayout:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: TransformerConfig, layout: AttentionLayout) -> None:
+    def __init__(
+        self, config: TransformerConfig, layout: AttentionLayout, parallel: ParallelState
+    ) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        heads = parallel.split(config.num_heads, "the number of attention heads")
+        kv_heads = parallel.kv_head_shard(config.num_kv_heads)
+        self.num_heads = heads.size  # this TP rank's
+        self.num_kv_heads = kv_heads.size
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
         self.sliding_window = layout.sliding_window
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(
-            config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=layout.qkv_bias
+        q_rows, kv_rows = heads.scaled(self.head_dim), kv_heads.scaled(self.head_dim)
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size, {"q": q_rows, "k": kv_rows, "v": kv_rows}, bias=layout.qkv_bias
         )
-        self.o_proj = Linear(q_size, config.hidden_size, bias=layout.o_bias)
+        self.o_proj = RowParallelLinear(
+            q_rows, config.hidden_size, bias=layout.o_bias, parallel=parallel
+        )
 
     def forward(
         self,
@@ -77,27 +89,31 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: TransformerConfig) -> None:
+    def __init__(self, config: TransformerConfig, parallel: ParallelState) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"Llama MLP supports hidden_act 'silu', not {config.hidden_act!r}")
-        size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(
-            config.hidden_size, {"gate": size, "up": size}, bias=config.mlp_bias
+        columns = parallel.split(config.intermediate_size, "the MLP intermediate size")
+        self.gate_up_proj = ColumnParallelLinear(
+            config.hidden_size, {"gate": columns, "up": columns}, bias=config.mlp_bias
         )
-        self.down_proj = Linear(size, config.hidden_size, bias=config.mlp_bias)
+        self.down_proj = RowParallelLinear(
+            columns, config.hidden_size, bias=config.mlp_bias, parallel=parallel
+        )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(hidden)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: TransformerConfig, layout: AttentionLayout) -> None:
+    def __init__(
+        self, config: TransformerConfig, layout: AttentionLayout, parallel: ParallelState
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layout)
+        self.self_attn = LlamaAttention(config, layout, parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, parallel)
 
     def forward(
         self,
@@ -112,29 +128,54 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: TransformerConfig, layouts: list[AttentionLayout]) -> None:
+    def __init__(
+        self, config: TransformerConfig, layouts: list[AttentionLayout], parallel: ParallelState
+    ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, layout) for layout in layouts)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        mine = parallel.stage_layers(config.num_layers)
+        self.embed_tokens: nn.Module = MissingLayer()
+        if parallel.is_first_stage:
+            self.embed_tokens = VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, parallel
+            )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, layout, parallel) if i in mine else MissingLayer()
+            for i, layout in enumerate(layouts)
+        )
+        self.stage_layers = [self.layers[i] for i in mine]
+        self.norm: nn.Module = MissingLayer()
+        if parallel.is_last_stage:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    """``forward`` maps this step's flattened tokens to final hidden states."""
+    """``forward`` maps this step's flattened tokens to final hidden states (on a pipeline
+    stage other than the last: to the hidden states its layers hand on)."""
 
-    def __init__(self, config: TransformerConfig, device: torch.device | str) -> None:
+    supports_parallel = True
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        device: torch.device | str,
+        parallel: ParallelState = SINGLE_PROCESS,
+    ) -> None:
         """Build under ``torch.device(device)`` and the target default dtype: parameters are
         allocated (uninitialised) where they will live, then filled by ``load_weights``."""
         super().__init__()
         self.config = config
+        self.parallel = parallel
         layouts = [self.attention_layout(config, i) for i in range(config.num_layers)]
-        self.model = LlamaModel(config, layouts)
+        self.model = LlamaModel(config, layouts, parallel)
         self.rotary = RotaryEmbedding(config.rope, config.head_dim, device)
         # Tied embeddings: the output projection reuses embed_tokens.weight, so there is
-        # no lm_head parameter at all (and a checkpoint's copy of it is ignored).
-        self.lm_head: Linear | None = None
-        if not config.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        # no lm_head parameter at all (and a checkpoint's copy of it is ignored) -- unless the
+        # embedding lives on another pipeline stage.
+        self.lm_head: nn.Module | None = None
+        if not parallel.is_last_stage:
+            self.lm_head = MissingLayer()
+        elif not config.tie_word_embeddings or not parallel.is_first_stage:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel)
 
     @classmethod
     def attention_layout(cls, config: TransformerConfig, layer_index: int) -> AttentionLayout:
@@ -151,17 +192,26 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
+        intermediate: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden = self.model.embed_tokens(input_ids)
+        """``kv_caches``: one per layer of this stage. ``intermediate``: on a stage other than
+        the first, the hidden states the previous stage handed on."""
+        if self.parallel.is_first_stage:
+            hidden = self.model.embed_tokens(input_ids)
+        elif intermediate is None:
+            raise ValueError("a later pipeline stage needs the previous stage's hidden states")
+        else:
+            hidden = intermediate
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        for layer, kv_cache in zip(self.model.stage_layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, kv_cache, metadata)
-        return self.model.norm(hidden)
+        return self.model.norm(hidden) if self.parallel.is_last_stage else hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits ``[rows, vocab]`` for the given final hidden states."""
-        weight = self.lm_head.weight if self.lm_head else self.model.embed_tokens.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        """Float32 logits ``[rows, vocab]`` for the given final hidden states (last stage;
+        a collective over the TP ranks)."""
+        head = self.lm_head if self.lm_head is not None else self.model.embed_tokens
+        return vocab_parallel_logits(hidden, head.weight, self.parallel, self.config.vocab_size)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors into the parameters; returns the parameter names filled."""
@@ -170,9 +220,13 @@ class LlamaForCausalLM(nn.Module):
     def _checkpoint_tensors(
         self, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterable[tuple[str, torch.Tensor]]:
+        tied = self.config.tie_word_embeddings
+        separate_tied_head = tied and isinstance(self.lm_head, ParallelLMHead)
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
-            if name.startswith("lm_head.") and self.lm_head is None:
+            if name.startswith("lm_head.") and tied:
                 continue  # a tied checkpoint's copy of the embedding matrix
+            if separate_tied_head and name == "model.embed_tokens.weight":
+                yield "lm_head.weight", tensor  # the last stage's copy of the tied matrix
             yield name, tensor

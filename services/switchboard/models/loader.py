@@ -4,6 +4,10 @@ A checkpoint is ``config.json`` plus either one ``model.safetensors`` or several
 listed in ``model.safetensors.index.json``. The model is built directly on the target device
 in the target dtype with uninitialised parameters (no random init, no second copy), then
 filled tensor by tensor; a parameter the checkpoint does not fill is an error.
+
+Under tensor or pipeline parallelism (``parallel``) each worker builds only its share of the
+model and keeps only its slice of each tensor (read one tensor at a time), and skips the tensors
+of other pipeline stages.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from switchboard.models.gpt2 import GPT2LMHeadModel
 from switchboard.models.hf_config import TransformerConfig, load_transformer_config
 from switchboard.models.llama import LlamaForCausalLM
 from switchboard.models.mistral import MistralForCausalLM
+from switchboard.models.parallel import SINGLE_PROCESS, ParallelState
 from switchboard.models.qwen2 import Qwen2ForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -56,6 +61,7 @@ class CausalLM(Protocol):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
+        intermediate: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
@@ -121,6 +127,16 @@ def resolve_dtype(requested: str, config: TransformerConfig, device: torch.devic
     return checkpoint
 
 
+def _share_description(parallel: ParallelState, num_layers: int) -> str:
+    if parallel.world_size == 1:
+        return ""
+    layers = parallel.stage_layers(num_layers)
+    return (
+        f" on this worker: TP rank {parallel.tp_rank} of {parallel.tp_size}, PP stage "
+        f"{parallel.pp_rank} of {parallel.pp_size} with layers {layers.start}..{layers.stop - 1}"
+    )
+
+
 def _cuda_bf16(device: torch.device) -> bool:
     if not torch.cuda.is_available():  # only planning (tests): assume a current GPU
         return True
@@ -170,13 +186,24 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_model(
-    model_dir: str, device: torch.device, dtype: torch.dtype
+    model_dir: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    parallel: ParallelState = SINGLE_PROCESS,
 ) -> tuple[nn.Module, TransformerConfig]:
     started = time.monotonic()
     config = load_transformer_config(model_dir)
     family = model_family(config)
+    extra: dict[str, ParallelState] = {}
+    if parallel.world_size > 1:
+        if not getattr(family, "supports_parallel", False):
+            raise ValueError(
+                f"{config.architecture} does not support tensor or pipeline parallelism "
+                f"(-tp {parallel.tp_size} -pp {parallel.pp_size}); run it with -tp 1 -pp 1"
+            )
+        extra["parallel"] = parallel
     with torch.device(device), _default_dtype(dtype):
-        model = family(config, device=device)
+        model = family(config, device=device, **extra)
     loaded = model.load_weights(iterate_weights(model_dir))
     missing = sorted(set(dict(model.named_parameters())) - loaded)
     if missing:
@@ -184,10 +211,11 @@ def load_model(
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())
     logger.info(
-        "loaded %s (%s, %.1fM parameters) on %s as %s in %.1f s",
+        "loaded %s (%s, %.1fM parameters%s) on %s as %s in %.1f s",
         model_dir,
         config.architecture,
         num_params / 1e6,
+        _share_description(parallel, config.num_layers),
         device,
         str(dtype).removeprefix("torch."),
         time.monotonic() - started,

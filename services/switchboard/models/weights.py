@@ -4,6 +4,10 @@ A family names its parameters like the checkpoint, except for fused layers: seve
 matrices (``q_proj``/``k_proj``/``v_proj``) live stacked in one :class:`MergedLinear`
 (``qkv_proj``). ``stacked`` maps a checkpoint module name to ``(fused module name, shard)``;
 a fused parameter counts as loaded once every one of its shards was.
+
+Tensor- and pipeline-parallel models (``parallel_layers``) plug in two ways: a module with a
+``load_param(param_name, tensor)`` method takes its own slice of the full checkpoint tensor, and
+tensors under a :class:`MissingLayer` (a layer of another pipeline stage) are skipped.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 from torch import nn
 
 from switchboard.models.layers import MergedLinear
+from switchboard.models.parallel_layers import MissingLayer
 
 # checkpoint module name -> (our fused module name, shard name): the Llama-style layout.
 LLAMA_STACKED_MODULES: dict[str, tuple[str, str]] = {
@@ -36,8 +41,11 @@ def load_named_weights(
     """
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
+    elsewhere = tuple(path + "." for path, m in modules.items() if isinstance(m, MissingLayer))
     loaded: set[str] = set()
     for name, tensor in weights:
+        if name.startswith(elsewhere):
+            continue  # another pipeline stage holds it
         module_path, _, param_name = name.rpartition(".")
         parent, _, module_name = module_path.rpartition(".")
         if module_name in stacked:
@@ -51,6 +59,11 @@ def load_named_weights(
             continue
         if name not in params:
             raise KeyError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
+        load_param = getattr(modules.get(module_path), "load_param", None)
+        if load_param is not None:  # a parallel layer: it keeps only its own slice
+            load_param(param_name, tensor)
+            loaded.add(name)
+            continue
         param = params[name]
         if param.shape != tensor.shape:
             raise ValueError(

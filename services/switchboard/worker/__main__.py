@@ -22,6 +22,7 @@ import zmq
 
 from switchboard.config import EngineConfig, decode_config
 from switchboard.wire.step_msgs import WorkerStartup
+from switchboard.worker.distributed import leave_parallel_group
 from switchboard.worker.worker import Worker, run_busy_loop
 
 logger = logging.getLogger("switchboard.worker")
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     exit_code = 0
     try:
         reader = attach_ring(startup.ring_handle, startup.rank)
-        worker = Worker(config, startup.rank)
+        worker = Worker(config, startup.rank, startup.distributed_init_method)
         reason = run_busy_loop(
             worker, reader, replies, startup.parent_pid, lambda: stop["signal"] is not None
         )
@@ -107,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if reader is not None:
             reader.close()
+        leave_parallel_group()
         replies.close()
         context.term()
     logger.info("exited with code %d", exit_code)

@@ -2,6 +2,12 @@
 
 ``execute_model`` = apply the step's delta -> lay out the tokens -> forward -> logits of the
 requests that reached the end of their tokens -> sample -> append the sampled tokens.
+
+Under tensor/pipeline parallelism (``parallel``) every worker runs every step: a pipeline stage
+other than the first receives its input hidden states from the stage before, one other than the
+last sends its output on; only the last stage computes logits and samples, and its output rank
+then broadcasts the sampled ids so that every rank appends the same tokens (synchronous, one
+step at a time: no micro-batching).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from switchboard.config import ModelConfig
 from switchboard.models.attention import new_kv_cache
 from switchboard.models.hf_config import TransformerConfig, load_transformer_config
 from switchboard.models.loader import load_model, resolve_dtype
+from switchboard.models.parallel import SINGLE_PROCESS, ParallelState
 from switchboard.wire.engine_msgs import TokenLogprobs
 from switchboard.wire.step_msgs import ModelRunnerOutput, ModelSummary, SchedulerOutput
 from switchboard.worker.input_batch import (
@@ -26,7 +33,7 @@ from switchboard.worker.input_batch import (
 )
 from switchboard.worker.logprobs import prompt_token_logprobs
 from switchboard.worker.pooler import PoolingRequests
-from switchboard.worker.sampler import new_request_generator, sample
+from switchboard.worker.sampler import SamplerOutput, new_request_generator, sample
 from switchboard.worker.sampling_batch import build_sampling_batch
 
 logger = logging.getLogger(__name__)
@@ -38,14 +45,21 @@ class StepLogits:
 
     step_id: int
     inputs: StepInputs
-    logits: torch.Tensor  # [len(inputs.sampled_request_ids), vocab] float32
+    # [len(inputs.sampled_request_ids), vocab] float32; None on a pipeline stage but the last
+    logits: torch.Tensor | None
     pooled: dict[str, list[float]] | None = None  # pooling requests whose prompt is done
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, device: torch.device) -> None:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        device: torch.device,
+        parallel: ParallelState = SINGLE_PROCESS,
+    ) -> None:
         self.model_config = model_config
         self.device = device
+        self.parallel = parallel  # this worker's share of the model (TP rank, PP stage)
         self.model: torch.nn.Module | None = None
         self.config: TransformerConfig | None = None
         self.dtype = torch.float32
@@ -66,7 +80,9 @@ class ModelRunner:
             config.checkpoint_dtype,
             self.device.type,
         )
-        self.model, self.config = load_model(self.model_config.model, self.device, self.dtype)
+        self.model, self.config = load_model(
+            self.model_config.model, self.device, self.dtype, self.parallel
+        )
         return self.summary()
 
     def summary(self) -> ModelSummary:
@@ -82,24 +98,32 @@ class ModelRunner:
         )
 
     def kv_cache_bytes_per_token(self) -> int:
+        """On this worker: its stage's layers, its share of the KV heads."""
         config = self._require_config()
+        num_layers, num_kv_heads = self._kv_cache_share(config)
         element_size = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * config.num_layers * config.num_kv_heads * config.head_dim * element_size
+        return 2 * num_layers * num_kv_heads * config.head_dim * element_size
+
+    def _kv_cache_share(self, config: TransformerConfig) -> tuple[int, int]:
+        """(layers, KV heads) whose cache this worker holds."""
+        num_layers = len(self.parallel.stage_layers(config.num_layers))
+        return num_layers, self.parallel.kv_head_shard(config.num_kv_heads).size
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
         config = self._require_config()
         started = time.monotonic()
         self.block_size = block_size
+        num_layers, num_kv_heads = self._kv_cache_share(config)
         self.kv_caches = [
             new_kv_cache(
                 num_blocks,
                 block_size,
-                config.num_kv_heads,
+                num_kv_heads,
                 config.head_dim,
                 self.dtype,
                 self.device,
             )
-            for _ in range(config.num_layers)
+            for _ in range(num_layers)
         ]
         logger.info(
             "KV cache: %d blocks x %d tokens (%.1f MiB) in %.2f s",
@@ -133,14 +157,33 @@ class ModelRunner:
             return ModelRunnerOutput(step_id=step.step_id)
         inputs = build_step_inputs(step, self.requests, self.block_size, self.device)
         inputs = self.pooling.without_pooling(inputs)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
-        logits = self.model.compute_logits(hidden[inputs.logits_rows])
-        self._collect_prompt_logprobs(step, inputs, hidden)
-        pooled = self.pooling.collect(step, inputs, hidden, self.requests)
+        hidden = self._forward_stage(inputs)
+        logits, pooled = None, None
+        if self.parallel.is_last_stage:  # the others' hidden states are not final ones
+            logits = self.model.compute_logits(hidden[inputs.logits_rows])
+            self._collect_prompt_logprobs(step, inputs, hidden)
+            pooled = self.pooling.collect(step, inputs, hidden, self.requests)
         for request_id, n in step.num_scheduled_tokens.items():
             if n > 0:
                 self.requests[request_id].num_computed_tokens += n
         return StepLogits(step.step_id, inputs, logits, pooled=pooled)
+
+    def _forward_stage(self, inputs: StepInputs) -> torch.Tensor:
+        """This pipeline stage's layers: hidden states in from the previous stage (unless
+        first), out to the next (unless last)."""
+        assert self.model is not None
+        if self.parallel.pp_size == 1:
+            return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
+        received = None
+        if not self.parallel.is_first_stage:
+            shape = (inputs.input_ids.shape[0], self._require_config().hidden_size)
+            received = self.parallel.recv_from_previous_stage(shape, self.dtype, self.device)
+        hidden = self.model(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, received
+        )
+        if not self.parallel.is_last_stage:
+            self.parallel.send_to_next_stage(hidden)
+        return hidden
 
     @torch.inference_mode()
     def sample_step(self, step: StepLogits | ModelRunnerOutput) -> ModelRunnerOutput:
@@ -152,14 +195,15 @@ class ModelRunner:
         logprobs: dict[str, TokenLogprobs] = {}
         prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         if states:
-            batch = build_sampling_batch(states, step.logits.shape[-1], self.device)
-            result = sample(step.logits, batch)
-            for row, (state, token_id) in enumerate(
-                zip(states, result.token_ids.tolist(), strict=True)
-            ):
+            result = None
+            if step.logits is not None:  # the last pipeline stage
+                batch = build_sampling_batch(states, step.logits.shape[-1], self.device)
+                result = sample(step.logits, batch)
+            token_ids = self._share_sampled_tokens(result, len(states))
+            for row, (state, token_id) in enumerate(zip(states, token_ids, strict=True)):
                 state.append_output_token(token_id)
                 sampled[state.request_id] = token_id
-                if row in result.logprobs:
+                if result is not None and row in result.logprobs:
                     logprobs[state.request_id] = result.logprobs[row]
                 if state.prompt_logprobs is not None:  # the prompt is done: send them once
                     prompt_logprobs[state.request_id] = state.prompt_logprobs
@@ -176,6 +220,19 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs,
             pooled_outputs=step.pooled or {},
         )
+
+    def _share_sampled_tokens(self, result: SamplerOutput | None, count: int) -> list[int]:
+        """The sampled ids of the output rank, on every rank. The last stage's TP ranks sample
+        the same gathered logits, but the output rank's draw is the one the engine sees, so
+        every rank appends exactly that (and earlier stages learn the tokens at all)."""
+        if self.parallel.world_size == 1:
+            assert result is not None
+            return result.token_ids.tolist()
+        if result is not None:
+            token_ids = result.token_ids.to(device=self.device, dtype=torch.long)
+        else:
+            token_ids = torch.empty(count, dtype=torch.long, device=self.device)
+        return self.parallel.broadcast_from_output_rank(token_ids).tolist()
 
     def _collect_prompt_logprobs(
         self, step: SchedulerOutput, inputs: StepInputs, hidden: torch.Tensor

@@ -4,6 +4,9 @@ Busy loop: wait for the next :class:`RpcCall` on the ring -> call the method -> 
 the call's ``output_rank``, send the :class:`RpcReply` to the engine. It leaves when ``shutdown``
 is called, when asked to stop (a signal), or when the parent process is gone; every wait on the
 ring is bounded so those checks happen at least once a second.
+
+With ``-tp``/``-pp`` > 1 every worker of the engine runs every call (they read the same ring), so
+their collectives line up call by call; see ``worker/distributed.py`` and ``models/parallel.py``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from switchboard.config import EngineConfig
 from switchboard.model_tasks import read_model_tasks
 from switchboard.models.loader import resolve_device
 from switchboard.wire.step_msgs import ModelRunnerOutput, ModelSummary, SchedulerOutput
+from switchboard.worker.distributed import init_parallel_state
 from switchboard.worker.encoder_runner import EncoderRunner
 from switchboard.worker.model_runner import ModelRunner
 from switchboard.worker.rpc import decode_call, dispatch, encode_reply
@@ -47,13 +51,25 @@ class Worker:
         }
     )
 
-    def __init__(self, config: EngineConfig, rank: int) -> None:
+    def __init__(self, config: EngineConfig, rank: int, distributed_init_method: str = "") -> None:
+        """``distributed_init_method``: where this engine's workers meet when there are
+        several (``WorkerStartup.distributed_init_method``)."""
         self.config = config
         self.rank = rank
         self.device = resolve_device(config.worker.device, local_rank=rank)
         encoder = read_model_tasks(config.model.model).encoder_only
-        runner_class = EncoderRunner if encoder else ModelRunner
-        self.runner: ModelRunner | EncoderRunner = runner_class(config.model, self.device)
+        if encoder and config.parallel.world_size > 1:
+            raise ValueError(
+                "encoder (embedding) models run on one worker: use -tp 1 -pp 1, and -dp to scale"
+            )
+        self.parallel = init_parallel_state(
+            config.parallel, rank, distributed_init_method, self.device
+        )
+        self.runner: ModelRunner | EncoderRunner
+        if encoder:
+            self.runner = EncoderRunner(config.model, self.device)
+        else:
+            self.runner = ModelRunner(config.model, self.device, self.parallel)
         self.shutdown_requested = False
         self._kv_cache_shape: tuple[int, int] | None = None  # (num_blocks, block_size)
         self.sleep_level = 0  # 0 awake; 1 KV cache freed; 2 weights dropped too
@@ -86,7 +102,12 @@ class Worker:
             num_blocks,
             block_size,
         )
-        return num_blocks
+        # Several workers: each holds its layers' and its KV heads' share of every block, and
+        # the engine hands out one block count, so every rank takes the smallest.
+        agreed = self.parallel.min_over_ranks(num_blocks, self.device)
+        if agreed != num_blocks:
+            logger.info("%d blocks: the smallest count of all workers", agreed)
+        return agreed
 
     def initialize_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.runner.initialize_kv_cache(num_blocks, block_size)

@@ -1,0 +1,150 @@
+"""Tensor-parallel layers (Megatron-style) and the stand-in for another stage's layers.
+
+::
+
+    x ─> ColumnParallelLinear ─> y[:, my columns]  ─> (local math: heads, activation)
+                                                     ─> RowParallelLinear ─> partial y ─> all-reduce
+
+A column-parallel linear keeps rows ``[start, stop)`` of each stacked checkpoint matrix (q, k
+and v separately, so a rank holds whole heads); its output stays split and needs no
+communication. A row-parallel linear keeps the matching input columns; each rank's product is a
+partial sum, all-reduced over the TP group, and the bias is added once, after the sum.
+
+The vocabulary is split by rows: the embedding looks up only the ids in its rows (zero
+elsewhere) and all-reduces; the LM head computes its rows' logits and all-gathers them.
+
+With one TP rank every shard is the whole tensor and no collective runs: the layers compute
+exactly what ``Linear``/``MergedLinear``/``VocabEmbedding`` do.
+
+Each layer loads its checkpoint tensors through ``load_param``/``load_shard``, which take this
+rank's slice of the full tensor and check the full shape.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from switchboard.models.layers import MergedLinear
+from switchboard.models.parallel import ParallelState, Shard
+
+
+class MissingLayer(nn.Module):
+    """Stands in for a module that another pipeline stage holds: no parameters, and the
+    weight loader skips the checkpoint tensors under its name."""
+
+    def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("this layer lives on another pipeline stage")
+
+
+class ColumnParallelLinear(MergedLinear):
+    """Stacked checkpoint matrices (``shards``: name -> this rank's rows of it), each split
+    across TP ranks along its output dimension. Output: ``[..., sum of shard sizes]``."""
+
+    def __init__(self, in_features: int, shards: dict[str, Shard], bias: bool) -> None:
+        super().__init__(in_features, {name: s.size for name, s in shards.items()}, bias=bias)
+        self.shard_slices = dict(shards)
+
+    def load_shard(self, shard: str, param_name: str, tensor: torch.Tensor) -> None:
+        part = self.shard_slices[shard]
+        if tensor.shape[0] != part.full:
+            raise ValueError(f"shard {shard!r} has {tensor.shape[0]} rows, expected {part.full}")
+        super().load_shard(shard, param_name, tensor[part.start : part.stop])
+
+    def load_param(self, param_name: str, tensor: torch.Tensor) -> None:
+        """A checkpoint tensor for the whole layer: only for a layer of one shard."""
+        if len(self.shard_slices) != 1:
+            raise ValueError(f"a layer of shards {list(self.shard_slices)} loads shard by shard")
+        self.load_shard(next(iter(self.shard_slices)), param_name, tensor)
+
+
+class RowParallelLinear(nn.Module):
+    """``y = all_reduce(x[:, my inputs] W[:, my inputs]^T) + b``; ``inputs`` is this rank's
+    share of the input features (the column-parallel layer before it produced exactly those)."""
+
+    def __init__(
+        self, inputs: Shard, out_features: int, bias: bool, parallel: ParallelState
+    ) -> None:
+        super().__init__()
+        self.inputs = inputs
+        self.out_features = out_features
+        self.parallel = parallel
+        self.weight = nn.Parameter(torch.empty(out_features, inputs.size))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel.tp_size == 1:  # one fused op, as a plain linear computes it
+            return F.linear(x, self.weight, self.bias)
+        y = self.parallel.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+    def load_param(self, param_name: str, tensor: torch.Tensor) -> None:
+        if param_name == "bias":
+            _copy_checked(self.bias, tensor, "bias")
+            return
+        expected = (self.out_features, self.inputs.full)
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"weight: checkpoint shape {tuple(tensor.shape)}, expected {expected}")
+        _copy_checked(self.weight, tensor[:, self.inputs.start : self.inputs.stop], "weight")
+
+    def extra_repr(self) -> str:
+        return f"in={self.inputs.size}/{self.inputs.full}, out={self.out_features}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding split by vocabulary rows across TP ranks."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, parallel: ParallelState) -> None:
+        super().__init__()
+        self.rows = parallel.vocab_shard(vocab_size)
+        self.vocab_size = vocab_size
+        self.parallel = parallel
+        self.weight = nn.Parameter(torch.empty(self.rows.size, hidden_size))
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.parallel.tp_size == 1:
+            return F.embedding(token_ids, self.weight)
+        mine = (token_ids >= self.rows.start) & (token_ids < self.rows.stop)
+        local_ids = torch.where(mine, token_ids - self.rows.start, 0)
+        embedded = F.embedding(local_ids, self.weight).masked_fill_(~mine[:, None], 0.0)
+        return self.parallel.all_reduce(embedded)
+
+    def load_param(self, param_name: str, tensor: torch.Tensor) -> None:
+        expected = (self.vocab_size, self.weight.shape[1])
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"weight: checkpoint shape {tuple(tensor.shape)}, expected {expected}")
+        mine = tensor[self.rows.start : min(self.rows.stop, self.vocab_size)]
+        with torch.no_grad():
+            self.weight[: mine.shape[0]].copy_(mine)
+            self.weight[mine.shape[0] :].zero_()  # padding rows of the last rank
+
+    def extra_repr(self) -> str:
+        return f"rows={self.rows.start}..{self.rows.stop} of {self.vocab_size}"
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection, split by vocabulary rows like the embedding (and loadable from
+    it when the checkpoint ties the two)."""
+
+
+def vocab_parallel_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, parallel: ParallelState, vocab_size: int
+) -> torch.Tensor:
+    """Float32 logits ``[rows, vocab]`` from this rank's vocabulary rows ``weight``: every TP
+    rank's part, gathered in rank order, padding dropped."""
+    local = F.linear(hidden, weight)
+    if parallel.tp_size == 1:
+        return local.float()
+    return parallel.all_gather_last_dim(local)[:, :vocab_size].float()
+
+
+def _copy_checked(param: nn.Parameter | None, tensor: torch.Tensor, name: str) -> None:
+    if param is None:
+        raise KeyError(f"checkpoint has a {name} this layer does not have")
+    if param.shape != tensor.shape:
+        raise ValueError(
+            f"{name}: checkpoint shape {tuple(tensor.shape)}, model shape {tuple(param.shape)}"
+        )
+    with torch.no_grad():
+        param.copy_(tensor)
