@@ -61,7 +61,6 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             ).abort(context)
         live = self._live[request_id] = _LiveRequest()
         group: SequenceGroup | None = None
-        stream: GenerateStream | None = None
         finished = False
         observer = self._state.observability.begin(request_id, arrival_time, context)
         try:
@@ -76,7 +75,6 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 request.data_parallel_rank if request.HasField("data_parallel_rank") else None
             )
             group = await self._submit(plan, arrival_time, context, pinned_rank, observer=observer)
-            stream = group.streams[0]
             observer.submitted(group.engine)
             live.engine_request_ids = group.request_ids
             if live.aborted:  # the Abort RPC came while the prompt was being tokenized
@@ -98,7 +96,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 self._state.engines.abort(group.request_ids, "a sibling sequence failed")
             await error.abort(context)
         finally:
-            observer.end(stream)
+            observer.end(group)
             del self._live[request_id]
             if group is not None:
                 group.close()
