@@ -46,11 +46,15 @@ def model_dirs() -> dict[str, str]:
 
 @functools.cache
 def single_process_outputs(name: str) -> dict:
-    torch.set_num_threads(1)
-    runner = ModelRunner(ModelConfig(model=model_dirs()[name]), torch.device("cpu"))
-    runner.load_model()
-    runner.initialize_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
-    return drive_runner(runner, planned_requests())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks run (and workers do)
+    try:
+        runner = ModelRunner(ModelConfig(model=model_dirs()[name]), torch.device("cpu"))
+        runner.load_model()
+        runner.initialize_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
+        return drive_runner(runner, planned_requests())
+    finally:
+        torch.set_num_threads(threads)
 
 
 def assert_same_outputs(name: str, got: dict, expected: dict) -> None:
