@@ -8,9 +8,9 @@ TP=2 and DP=1 vs DP=2, and the latency the shared-memory ring adds per step with
 Throughput: a real `switchboard serve` per topology (gateway(s), engine core(s), workers,
 coordinator), 32 greedy streams started together, each generating ``--max-tokens`` tokens; the
 rate is all output tokens over the wall time from the first request to the last response.
-Until the tensor/pipeline-parallel model math lands every TP worker runs the whole model, so
-TP=2 shows the cost of the second worker (ring reader, duplicate compute on shared cores), not
-a speed-up. On 2 cores no topology can gain much: the point is to see what each one costs.
+With TP=2 both workers hold half the heads and MLP columns of every layer and meet in an
+all-reduce (gloo on CPU) twice per layer per step. On 2 cores no topology can gain much: the
+point is to see what each one costs. (The built-in SmolLM2-135M has 9 heads: TP=2 refuses it.)
 
 Ring: one writer (as the engine core) and N reader processes (as workers). Each step the writer
 broadcasts a 2 KiB message (a decode step's delta for a few dozen requests), every reader

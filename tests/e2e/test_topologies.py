@@ -1,8 +1,8 @@
 """Topologies end to end (tiny checkpoint, CPU): process counts and titles for (A, DP, PP, TP),
 data-parallel routing, and a gateway and engines started as separate commands over TCP.
 
-Until the tensor/pipeline-parallel model math lands, every TP/PP worker runs the whole model;
-these tests check the processes and the wires, not the split of the arithmetic.
+These tests check the processes and the wires; the split of the arithmetic across TP/PP ranks
+(and its greedy equality with TP = PP = 1) is tested with the model runner and in test_serve.
 """
 
 from __future__ import annotations
