@@ -78,8 +78,8 @@ class LoadReporter(threading.Thread):
                 self._changed.clear()
                 with self._lock:
                     load = self._latest
+                self.num_sent += 1  # before the send: a receiver never sees a stale count
                 sock.send(zmq_channel.encode(load))
-                self.num_sent += 1
                 # Changes during the pause are merged into the next send.
                 self._stop_event.wait(self._interval_s)
         except Exception:
