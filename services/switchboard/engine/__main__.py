@@ -8,10 +8,39 @@ from __future__ import annotations
 
 import argparse
 import logging
+import queue
+import signal
 import sys
+from typing import Any
+
+import setproctitle
 
 from switchboard.config import EngineConfig, decode_config
-from switchboard.engine.core import run_engine_core
+from switchboard.engine.core import EngineCore
+from switchboard.engine.shutdown import ShutdownRequest
+
+logger = logging.getLogger("switchboard.engine")  # not __name__: that is "__main__" under -m
+
+
+def run_engine_core(config: EngineConfig) -> int:
+    """Body of the process ``switchboard::EngineCore_DP<rank>``; returns its exit code."""
+    setproctitle.setproctitle(f"switchboard::EngineCore_DP{config.data_parallel_rank}")
+    input_queue: queue.Queue[Any] = queue.Queue()
+    shutdown = ShutdownRequest(input_queue)
+    # Installed before the (long) start-up: a signal meanwhile is kept and acted on after it.
+    signal.signal(signal.SIGTERM, shutdown.on_signal)
+    signal.signal(signal.SIGINT, shutdown.on_signal)
+    core = EngineCore(config, shutdown, input_queue)
+    try:
+        core.start()
+        core.run_busy_loop()
+        return 0
+    except Exception:
+        logger.exception("EngineCore encountered a fatal error")
+        core.send_engine_dead()
+        return 1
+    finally:
+        core.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""The engine core process: start-up, the busy loop, and the fate of the process.
+"""The engine core: start-up, the busy loop, and its end.
 
 Threads (DESIGN.md §3)::
 
@@ -11,25 +11,22 @@ socket I/O and (de)serialisation live on the I/O threads (``io_threads``).
 
 Fate: a fatal error anywhere in the loop (a dead worker arrives as EXECUTOR_FAILED) logs
 "EngineCore encountered a fatal error", sends ENGINE_CORE_DEAD to every gateway, stops the
-workers and exits non-zero. SIGTERM/SIGINT, or the parent process dying, stop everything
-cleanly: threads, workers, the ring and the sockets.
+workers and exits non-zero. SIGTERM/SIGINT, or the parent process dying (``shutdown``), stop
+everything cleanly: threads, workers, the ring and the sockets. The process entry that wires
+this together is ``__main__.run_engine_core``.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-import os
 import queue
 import shutil
-import signal
-import threading
 import time
 import uuid
 from typing import Any
 
 import msgspec
-import setproctitle
 import zmq
 
 from switchboard import __version__
@@ -41,6 +38,7 @@ from switchboard.engine.kv_sizing import check_num_blocks, fit_max_model_len
 from switchboard.engine.peers import EnginePeers
 from switchboard.engine.request import Request
 from switchboard.engine.scheduler import Scheduler
+from switchboard.engine.shutdown import ShutdownRequest
 from switchboard.engine.utility import run_utility
 from switchboard.model_tasks import read_model_tasks
 from switchboard.wire import zmq_channel
@@ -58,42 +56,8 @@ from switchboard.wire.step_msgs import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
-PARENT_POLL_INTERVAL_S = 1.0
 DEAD_SEND_TIMEOUT_S = 5.0
 IO_THREAD_FAILED = "io-thread-failed"  # input-queue kind: an I/O thread died, the engine follows
-
-
-class ShutdownRequest:
-    """Set from a signal handler or the parent watch; wakes an idle busy loop.
-
-    A signal handler runs between two bytecodes of the main thread, which may be holding the
-    input queue's (non-reentrant) lock, so the handler only sets flags; a watcher thread puts
-    the WAKEUP item on the queue.
-    """
-
-    def __init__(self, input_queue: queue.Queue) -> None:
-        self.requested = False
-        self.reason = ""
-        self._input_queue = input_queue
-        self._event = threading.Event()
-        self._parent_pid = os.getppid()
-        threading.Thread(target=self._watch, name="ShutdownWatch", daemon=True).start()
-
-    def request(self, reason: str) -> None:
-        if not self.requested:  # a second signal must not re-enter Event.set()
-            self.requested = True
-            self.reason = reason
-            self._event.set()
-
-    def on_signal(self, signum: int, _frame: Any) -> None:
-        self.request(signal.Signals(signum).name)
-
-    def _watch(self) -> None:
-        while not self._event.wait(PARENT_POLL_INTERVAL_S):
-            if os.getppid() != self._parent_pid:
-                logger.warning("Parent process %d is gone: shutting down", self._parent_pid)
-                self.request("parent died")
-        self._input_queue.put((RequestType.WAKEUP, None))
 
 
 class EngineCore:
@@ -393,24 +357,3 @@ def _drain(q: queue.Queue) -> list[Any]:
             items.append(q.get_nowait())
         except queue.Empty:
             return items
-
-
-def run_engine_core(config: EngineConfig) -> int:
-    """Body of the process ``switchboard::EngineCore_DP<rank>``; returns its exit code."""
-    setproctitle.setproctitle(f"switchboard::EngineCore_DP{config.data_parallel_rank}")
-    input_queue: queue.Queue[Any] = queue.Queue()
-    shutdown = ShutdownRequest(input_queue)
-    # Installed before the (long) start-up: a signal meanwhile is kept and acted on after it.
-    signal.signal(signal.SIGTERM, shutdown.on_signal)
-    signal.signal(signal.SIGINT, shutdown.on_signal)
-    core = EngineCore(config, shutdown, input_queue)
-    try:
-        core.start()
-        core.run_busy_loop()
-        return 0
-    except Exception:
-        logger.exception("EngineCore encountered a fatal error")
-        core.send_engine_dead()
-        return 1
-    finally:
-        core.shutdown()
