@@ -24,7 +24,6 @@ appears both in ``finished_request_ids`` and among the scheduled requests of one
 
 from __future__ import annotations
 
-import bisect
 import logging
 from collections.abc import Iterable
 
@@ -33,10 +32,10 @@ from switchboard.engine import clock
 from switchboard.engine.kv_cache import KVCacheManager
 from switchboard.engine.request import Request, RequestStatus
 from switchboard.engine.request_queue import make_request_queue
+from switchboard.engine.scheduler_stats import SchedulerCounters
+from switchboard.engine.step_outputs import pooled_output, sampled_output
 from switchboard.engine.step_plan import StepPlan
-from switchboard.engine.stop_check import check_stop
 from switchboard.wire.engine_msgs import (
-    ITERATION_TOKENS_BUCKETS,
     EngineCoreOutput,
     EventType,
     FinishReason,
@@ -76,11 +75,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self._finished_ids: dict[str, None] = {}  # for the next output (ordered set)
         self._step_id = 0
-        self._num_preemptions = 0
-        self._last_step_tokens = 0
-        # Tokens per step, as counts per ITERATION_TOKENS_BUCKETS bucket (+ one for more).
-        self._iteration_tokens_counts = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
-        self._iteration_tokens_sum = 0
+        self.counters = SchedulerCounters()
         logger.info(
             "scheduler: policy=%s max_num_seqs=%d max_num_batched_tokens=%d "
             "long_prefill_token_threshold=%d blocks=%d x %d tokens prefix_caching=%s",
@@ -163,11 +158,7 @@ class Scheduler:
         if not plan.preempted:
             self._schedule_waiting(plan)
         self._step_id += 1
-        self._last_step_tokens = plan.num_scheduled_tokens
-        if plan.num_scheduled_tokens:
-            bucket = bisect.bisect_left(ITERATION_TOKENS_BUCKETS, plan.num_scheduled_tokens)
-            self._iteration_tokens_counts[bucket] += 1
-            self._iteration_tokens_sum += plan.num_scheduled_tokens
+        self.counters.record_step(plan.num_scheduled_tokens)
         finished_ids = list(self._finished_ids)
         self._finished_ids.clear()
         return plan.commit(self._step_id, self.requests, self.kv, finished_ids)
@@ -288,8 +279,7 @@ class Scheduler:
         request.record_event(EventType.PREEMPTED, clock.monotonic_ns())
         self.waiting.add_preempted(request)
         self._finished_ids[request.request_id] = None  # workers drop its state
-        self._num_preemptions += 1
-        log = logger.warning if self._num_preemptions == 1 else logger.debug
+        log = logger.warning if self.counters.record_preemption() == 1 else logger.debug
         log(
             "preempted request %s (%s policy, %d tokens, %d free blocks); preemptions "
             "recompute work: more KV cache memory or fewer max_num_seqs avoids them",
@@ -326,94 +316,39 @@ class Scheduler:
             if computed // block_size != (computed - num_scheduled) // block_size:
                 kv.cache_blocks(request)  # this step filled a block: it may be shared now
             if request.pooling_params is not None:
-                if computed >= request.num_tokens:  # the prompt is done: that is all it needs
-                    vector = runner_output.pooled_outputs.get(rid)
-                    outputs.setdefault(request.client_index, []).append(
-                        self._finish_pooling(request, vector)
-                    )
-                    any_finished = True
-                continue
-            new_token_ids = sampled.get(rid)
-            if not new_token_ids or computed < request.num_tokens:
-                continue  # a prefill chunk that stops short samples nothing
-            output = self._append_tokens(request, new_token_ids)
-            new_logprobs = logprobs.get(rid)
-            if new_logprobs:
-                output.new_logprobs = new_logprobs[: len(output.new_token_ids)]
-            if rid in prompt_logprobs:
-                output.prompt_logprobs = prompt_logprobs[rid]
+                if computed < request.num_tokens:
+                    continue  # a pooling request ends with its prompt, not before
+                output = pooled_output(request, runner_output.pooled_outputs.get(rid))
+            else:
+                new_token_ids = sampled.get(rid)
+                if not new_token_ids or computed < request.num_tokens:
+                    continue  # a prefill chunk that stops short samples nothing
+                output = sampled_output(
+                    request,
+                    new_token_ids,
+                    self.max_model_len,
+                    logprobs.get(rid),
+                    prompt_logprobs.get(rid),
+                )
             outputs.setdefault(request.client_index, []).append(output)
-            if output.finish_reason is not None:
+            if request.status == RequestStatus.FINISHED:
+                self._release(request)
                 any_finished = True
         if any_finished:
             self.running = [r for r in self.running if r.status == _RUNNING]
         return outputs
 
-    def _append_tokens(self, request: Request, new_token_ids: list[int]) -> EngineCoreOutput:
-        first_output = request.num_output_tokens == 0
-        stop = None
-        appended = new_token_ids
-        for i, token_id in enumerate(new_token_ids):
-            request.append_output_token(token_id)
-            stop = check_stop(request, self.max_model_len)
-            if stop is not None:
-                appended = new_token_ids[: i + 1]
-                break
-        finish_reason, stop_reason = stop if stop is not None else (None, None)
-        output = EngineCoreOutput(
-            request.request_id,
-            appended,
-            None,
-            finish_reason,
-            stop_reason,
-            request.take_events(),
-            request.num_cached_tokens if first_output else 0,
-            request.num_preemptions,
-        )
-        if finish_reason is not None:
-            request.status = RequestStatus.FINISHED
-            request.finish_reason = finish_reason
-            request.stop_reason = stop_reason
-            self.kv.free(request)
-            del self.requests[request.request_id]
-            self._finished_ids[request.request_id] = None
-        return output
-
-    def _finish_pooling(self, request: Request, vector: list[float] | None) -> EngineCoreOutput:
-        """End a pooling request with its vector (STOP), or ERROR if the worker sent none."""
-        reason = FinishReason.STOP if vector is not None else FinishReason.ERROR
-        if vector is None:
-            logger.error("pooling request %s: the worker sent no vector", request.request_id)
-        output = EngineCoreOutput(
-            request.request_id,
-            finish_reason=reason,
-            events=request.take_events(),
-            num_cached_tokens=max(request.num_cached_tokens, 0),
-            num_preemptions=request.num_preemptions,
-            pooled_output=vector,
-        )
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = reason
+    def _release(self, request: Request) -> None:
+        """A request the step finished: free its blocks, forget it, tell the workers."""
         self.kv.free(request)
         del self.requests[request.request_id]
         self._finished_ids[request.request_id] = None
-        return output
 
     # ------------------------------------------------------------------ stats and utilities
 
     def make_stats(self) -> SchedulerStats:
         """Gauges now, counters cumulative since start-up, tokens of the last step."""
-        return SchedulerStats(
-            len(self.running),
-            len(self.waiting),
-            self.kv.usage(),
-            self.kv.prefix_queries,
-            self.kv.prefix_hits,
-            self._num_preemptions,
-            self._last_step_tokens,
-            list(self._iteration_tokens_counts),  # a copy: the output thread encodes it later
-            self._iteration_tokens_sum,
-        )
+        return self.counters.make_stats(len(self.running), len(self.waiting), self.kv)
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()
@@ -445,6 +380,6 @@ class Scheduler:
             "prefix_cache_queries": queries,
             "prefix_cache_hits": self.kv.prefix_hits,
             "prefix_cache_hit_rate": self.kv.prefix_hits / queries if queries else 0.0,
-            "num_preemptions": self._num_preemptions,
+            "num_preemptions": self.counters.num_preemptions,
             "scheduling_policy": self.policy,
         }
