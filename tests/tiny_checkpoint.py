@@ -21,6 +21,7 @@ import os
 import shutil
 import sysconfig
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -67,125 +68,6 @@ def _train_tokenizer(vocab_size: int):
     return tokenizer
 
 
-def make_tiny_llama(
-    path: str,
-    *,
-    seed: int = 0,
-    vocab_size: int = 1024,
-    num_layers: int = 2,
-    hidden_size: int = 64,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    intermediate_size: int = 128,
-    max_position_embeddings: int = 512,
-    tie_word_embeddings: bool = False,
-    rope_theta: float = 10000.0,
-    rope_scaling: dict[str, Any] | None = None,
-    initializer_range: float = 0.25,
-) -> str:
-    """Write a tiny seeded Llama checkpoint directory at ``path`` and return ``path``.
-
-    ``rope_scaling`` is merged into transformers' ``rope_parameters`` (e.g. a ``llama3`` dict).
-    """
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.disable_progress_bar()
-    os.makedirs(path, exist_ok=True)
-    tokenizer = _train_tokenizer(vocab_size)
-    tokenizer.save(os.path.join(path, "tokenizer.json"))
-    bos_id = tokenizer.token_to_id(BOS_TOKEN)
-    eos_id = tokenizer.token_to_id(EOS_TOKEN)
-    pad_id = tokenizer.token_to_id(PAD_TOKEN)
-
-    rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": rope_theta}
-    if rope_scaling:
-        rope_parameters.update(rope_scaling)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings,
-        rope_parameters=rope_parameters,
-        tie_word_embeddings=tie_word_embeddings,
-        initializer_range=initializer_range,
-        bos_token_id=bos_id,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-        dtype="float32",
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-        # Norm weights start at 1; jitter them so a loader that skips them fails the tests.
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.add_(torch.randn_like(param) * 0.1)
-    model.save_pretrained(path)
-    _write_json(
-        os.path.join(path, "generation_config.json"),
-        {"bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id},
-    )
-    _write_json(
-        os.path.join(path, "tokenizer_config.json"),
-        {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "bos_token": BOS_TOKEN,
-            "eos_token": EOS_TOKEN,
-            "pad_token": PAD_TOKEN,
-            "model_max_length": max_position_embeddings,
-        },
-    )
-    for name in os.listdir(path):
-        os.chmod(os.path.join(path, name), 0o644)
-    return path
-
-
-def _write_json(path: str, value: dict[str, Any]) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(value, f, indent=2)
-
-
-_cache_root: str | None = None
-_built: dict[str, str] = {}
-
-
-def _remove_cache_root() -> None:
-    if _cache_root is not None:
-        shutil.rmtree(_cache_root, ignore_errors=True)
-
-
-def tiny_llama_dir(**kwargs: Any) -> str:
-    """The checkpoint ``make_tiny_llama(path, **kwargs)`` writes, built once per process."""
-    global _cache_root
-    key = hashlib.sha1(json.dumps(kwargs, sort_keys=True).encode()).hexdigest()[:12]
-    if key in _built:
-        return _built[key]
-    if _cache_root is None:
-        _cache_root = tempfile.mkdtemp(prefix="switchboard-tiny-llama-")
-        atexit.register(_remove_cache_root)
-    path = os.path.join(_cache_root, f"tiny-llama-{key}")
-    building = path + ".partial"
-    make_tiny_llama(building, **kwargs)
-    os.rename(building, path)  # readers never see a half-written checkpoint
-    _built[key] = path
-    return path
-
-
-@pytest.fixture(scope="session")
-def tiny_llama() -> str:
-    """Path of the default tiny Llama checkpoint (shared by the whole test session)."""
-    return tiny_llama_dir()
-
-
-# -- other families: Qwen2, Mistral, GPT-2 ---------------------------------------------------
-
-
 def _jitter_norms_and_biases(model) -> None:
     """transformers starts norm weights at 1 and biases at 0; jitter them so that a loader that
     skips them (or swaps them) fails the tests."""
@@ -200,7 +82,7 @@ def _jitter_norms_and_biases(model) -> None:
 
 def _save_tiny(path: str, build_model, vocab_size: int, max_position_embeddings: int, seed: int):
     """Train the tokenizer, build the model with ``build_model(bos, eos, pad)`` under ``seed``,
-    and write the whole checkpoint directory like ``make_tiny_llama`` does."""
+    and write the whole checkpoint directory (model, tokenizer, configs) at ``path``."""
     import torch
     from transformers.utils import logging as transformers_logging
 
@@ -233,6 +115,99 @@ def _save_tiny(path: str, build_model, vocab_size: int, max_position_embeddings:
     for name in os.listdir(path):
         os.chmod(os.path.join(path, name), 0o644)
     return path
+
+
+def make_tiny_llama(
+    path: str,
+    *,
+    seed: int = 0,
+    vocab_size: int = 1024,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 512,
+    tie_word_embeddings: bool = False,
+    rope_theta: float = 10000.0,
+    rope_scaling: dict[str, Any] | None = None,
+    initializer_range: float = 0.25,
+) -> str:
+    """Write a tiny seeded Llama checkpoint directory at ``path`` and return ``path``.
+
+    ``rope_scaling`` is merged into transformers' ``rope_parameters`` (e.g. a ``llama3`` dict).
+    """
+    rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": rope_theta}
+    if rope_scaling:
+        rope_parameters.update(rope_scaling)
+
+    def build(bos_id: int, eos_id: int, pad_id: int):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            max_position_embeddings=max_position_embeddings,
+            rope_parameters=rope_parameters,
+            tie_word_embeddings=tie_word_embeddings,
+            initializer_range=initializer_range,
+            bos_token_id=bos_id,
+            eos_token_id=eos_id,
+            pad_token_id=pad_id,
+            dtype="float32",
+        )
+        return LlamaForCausalLM(config)
+
+    return _save_tiny(path, build, vocab_size, max_position_embeddings, seed)
+
+
+def _write_json(path: str, value: dict[str, Any]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=2)
+
+
+_cache_root: str | None = None
+_built: dict[str, str] = {}
+
+
+def _remove_cache_root() -> None:
+    if _cache_root is not None:
+        shutil.rmtree(_cache_root, ignore_errors=True)
+
+
+def _build_once(name: str, key_source: Any, make: Callable[[str], str]) -> str:
+    """``make(path)``'s checkpoint for ``key_source`` (JSON-able), built once per process."""
+    global _cache_root
+    key = hashlib.sha1(json.dumps(key_source, sort_keys=True).encode()).hexdigest()[:12]
+    if key in _built:
+        return _built[key]
+    if _cache_root is None:
+        _cache_root = tempfile.mkdtemp(prefix="switchboard-tiny-llama-")
+        atexit.register(_remove_cache_root)
+    path = os.path.join(_cache_root, f"{name}-{key}")
+    building = path + ".partial"
+    make(building)
+    os.rename(building, path)  # readers never see a half-written checkpoint
+    _built[key] = path
+    return path
+
+
+def tiny_llama_dir(**kwargs: Any) -> str:
+    """The checkpoint ``make_tiny_llama(path, **kwargs)`` writes, built once per process."""
+    return _build_once("tiny-llama", kwargs, lambda path: make_tiny_llama(path, **kwargs))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama() -> str:
+    """Path of the default tiny Llama checkpoint (shared by the whole test session)."""
+    return tiny_llama_dir()
+
+
+# -- other families: Qwen2, Mistral, GPT-2 ---------------------------------------------------
 
 
 def make_tiny_qwen2(
@@ -375,16 +350,5 @@ def tiny_checkpoint_dir(family: str, **kwargs: Any) -> str:
     """The checkpoint ``TINY_FAMILIES[family](path, **kwargs)`` writes, built once per process."""
     if family == "llama":
         return tiny_llama_dir(**kwargs)
-    global _cache_root
-    key = hashlib.sha1(json.dumps([family, kwargs], sort_keys=True).encode()).hexdigest()[:12]
-    if key in _built:
-        return _built[key]
-    if _cache_root is None:
-        _cache_root = tempfile.mkdtemp(prefix="switchboard-tiny-llama-")
-        atexit.register(_remove_cache_root)
-    path = os.path.join(_cache_root, f"tiny-{family}-{key}")
-    building = path + ".partial"
-    TINY_FAMILIES[family](building, **kwargs)
-    os.rename(building, path)  # readers never see a half-written checkpoint
-    _built[key] = path
-    return path
+    make = TINY_FAMILIES[family]
+    return _build_once(f"tiny-{family}", [family, kwargs], lambda path: make(path, **kwargs))
