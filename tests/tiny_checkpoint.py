@@ -80,22 +80,34 @@ def _jitter_norms_and_biases(model) -> None:
                 param.add_(torch.randn_like(param) * 0.1)
 
 
-def _save_tiny(path: str, build_model, vocab_size: int, max_position_embeddings: int, seed: int):
-    """Train the tokenizer, build the model with ``build_model(bos, eos, pad)`` under ``seed``,
-    and write the whole checkpoint directory (model, tokenizer, configs) at ``path``."""
+def _save_tiny(
+    path: str,
+    config_class: str,
+    model_class: str,
+    config: dict[str, Any],
+    seed: int,
+    model_max_length: int,
+) -> str:
+    """Train the tokenizer, build ``transformers.<model_class>`` from ``<config_class>(**config)``
+    (plus the special token ids) under ``seed``, and write the whole checkpoint directory
+    (model, tokenizer, configs) at ``path``."""
     import torch
+    import transformers
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()
     os.makedirs(path, exist_ok=True)
-    tokenizer = _train_tokenizer(vocab_size)
+    tokenizer = _train_tokenizer(config["vocab_size"])
     tokenizer.save(os.path.join(path, "tokenizer.json"))
     bos_id = tokenizer.token_to_id(BOS_TOKEN)
     eos_id = tokenizer.token_to_id(EOS_TOKEN)
     pad_id = tokenizer.token_to_id(PAD_TOKEN)
+    model_config = getattr(transformers, config_class)(
+        **config, bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id, dtype="float32"
+    )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = build_model(bos_id, eos_id, pad_id)
+        model = getattr(transformers, model_class)(model_config)
         _jitter_norms_and_biases(model)
     model.save_pretrained(path)
     _write_json(
@@ -109,7 +121,7 @@ def _save_tiny(path: str, build_model, vocab_size: int, max_position_embeddings:
             "bos_token": BOS_TOKEN,
             "eos_token": EOS_TOKEN,
             "pad_token": PAD_TOKEN,
-            "model_max_length": max_position_embeddings,
+            "model_max_length": model_max_length,
         },
     )
     for name in os.listdir(path):
@@ -140,29 +152,21 @@ def make_tiny_llama(
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": rope_theta}
     if rope_scaling:
         rope_parameters.update(rope_scaling)
-
-    def build(bos_id: int, eos_id: int, pad_id: int):
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        config = LlamaConfig(
-            vocab_size=vocab_size,
-            hidden_size=hidden_size,
-            intermediate_size=intermediate_size,
-            num_hidden_layers=num_layers,
-            num_attention_heads=num_heads,
-            num_key_value_heads=num_kv_heads,
-            max_position_embeddings=max_position_embeddings,
-            rope_parameters=rope_parameters,
-            tie_word_embeddings=tie_word_embeddings,
-            initializer_range=initializer_range,
-            bos_token_id=bos_id,
-            eos_token_id=eos_id,
-            pad_token_id=pad_id,
-            dtype="float32",
-        )
-        return LlamaForCausalLM(config)
-
-    return _save_tiny(path, build, vocab_size, max_position_embeddings, seed)
+    config = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        rope_parameters=rope_parameters,
+        tie_word_embeddings=tie_word_embeddings,
+        initializer_range=initializer_range,
+    )
+    return _save_tiny(
+        path, "LlamaConfig", "LlamaForCausalLM", config, seed, max_position_embeddings
+    )
 
 
 def _write_json(path: str, value: dict[str, Any]) -> None:
@@ -229,32 +233,24 @@ def make_tiny_qwen2(
 ) -> str:
     """A tiny seeded Qwen2 checkpoint (biases on q/k/v). ``sliding_window`` switches the
     window on (``use_sliding_window``) for layers ``max_window_layers`` and up."""
-
-    def build(bos_id: int, eos_id: int, pad_id: int):
-        from transformers import Qwen2Config, Qwen2ForCausalLM
-
-        config = Qwen2Config(
-            vocab_size=vocab_size,
-            hidden_size=hidden_size,
-            intermediate_size=intermediate_size,
-            num_hidden_layers=num_layers,
-            num_attention_heads=num_heads,
-            num_key_value_heads=num_kv_heads,
-            max_position_embeddings=max_position_embeddings,
-            rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
-            use_sliding_window=sliding_window is not None,
-            sliding_window=sliding_window,
-            max_window_layers=max_window_layers,
-            tie_word_embeddings=tie_word_embeddings,
-            initializer_range=initializer_range,
-            bos_token_id=bos_id,
-            eos_token_id=eos_id,
-            pad_token_id=pad_id,
-            dtype="float32",
-        )
-        return Qwen2ForCausalLM(config)
-
-    return _save_tiny(path, build, vocab_size, max_position_embeddings, seed)
+    config = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        use_sliding_window=sliding_window is not None,
+        sliding_window=sliding_window,
+        max_window_layers=max_window_layers,
+        tie_word_embeddings=tie_word_embeddings,
+        initializer_range=initializer_range,
+    )
+    return _save_tiny(
+        path, "Qwen2Config", "Qwen2ForCausalLM", config, seed, max_position_embeddings
+    )
 
 
 def make_tiny_mistral(
@@ -275,30 +271,22 @@ def make_tiny_mistral(
 ) -> str:
     """A tiny seeded Mistral checkpoint; ``sliding_window`` (on every layer) defaults to fewer
     tokens than the test prompts so the window matters."""
-
-    def build(bos_id: int, eos_id: int, pad_id: int):
-        from transformers import MistralConfig, MistralForCausalLM
-
-        config = MistralConfig(
-            vocab_size=vocab_size,
-            hidden_size=hidden_size,
-            intermediate_size=intermediate_size,
-            num_hidden_layers=num_layers,
-            num_attention_heads=num_heads,
-            num_key_value_heads=num_kv_heads,
-            head_dim=head_dim,
-            max_position_embeddings=max_position_embeddings,
-            rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
-            sliding_window=sliding_window,
-            initializer_range=initializer_range,
-            bos_token_id=bos_id,
-            eos_token_id=eos_id,
-            pad_token_id=pad_id,
-            dtype="float32",
-        )
-        return MistralForCausalLM(config)
-
-    return _save_tiny(path, build, vocab_size, max_position_embeddings, seed)
+    config = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        sliding_window=sliding_window,
+        initializer_range=initializer_range,
+    )
+    return _save_tiny(
+        path, "MistralConfig", "MistralForCausalLM", config, seed, max_position_embeddings
+    )
 
 
 def make_tiny_gpt2(
@@ -315,27 +303,17 @@ def make_tiny_gpt2(
     initializer_range: float = 0.25,
 ) -> str:
     """A tiny seeded GPT-2 checkpoint (learned positions, LayerNorm, fused Conv1D c_attn)."""
-
-    def build(bos_id: int, eos_id: int, pad_id: int):
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        config = GPT2Config(
-            vocab_size=vocab_size,
-            n_embd=hidden_size,
-            n_layer=num_layers,
-            n_head=num_heads,
-            n_positions=max_position_embeddings,
-            activation_function=activation_function,
-            tie_word_embeddings=tie_word_embeddings,
-            initializer_range=initializer_range,
-            bos_token_id=bos_id,
-            eos_token_id=eos_id,
-            pad_token_id=pad_id,
-            dtype="float32",
-        )
-        return GPT2LMHeadModel(config)
-
-    return _save_tiny(path, build, vocab_size, max_position_embeddings, seed)
+    config = dict(
+        vocab_size=vocab_size,
+        n_embd=hidden_size,
+        n_layer=num_layers,
+        n_head=num_heads,
+        n_positions=max_position_embeddings,
+        activation_function=activation_function,
+        tie_word_embeddings=tie_word_embeddings,
+        initializer_range=initializer_range,
+    )
+    return _save_tiny(path, "GPT2Config", "GPT2LMHeadModel", config, seed, max_position_embeddings)
 
 
 TINY_FAMILIES = {
