@@ -27,12 +27,13 @@ from switchboard.models.parallel import SINGLE_PROCESS, ParallelState
 from switchboard.models.parallel_layers import (
     ColumnParallelLinear,
     MissingLayer,
-    ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
+    previous_stage_hidden,
+    stage_lm_head,
     vocab_parallel_logits,
 )
-from switchboard.models.weights import load_named_weights
+from switchboard.models.weights import load_named_weights, with_tied_lm_head
 
 _PREFIX = "transformer."
 _CONV1D_MODULES = ("c_attn", "c_proj", "c_fc")
@@ -136,11 +137,7 @@ class GPT2LMHeadModel(nn.Module):
         self.parallel = parallel
         self.transformer = GPT2Model(config, parallel)
         # Tied (the default): the output projection is wte, unless wte is on another stage.
-        self.lm_head: nn.Module | None = None
-        if not parallel.is_last_stage:
-            self.lm_head = MissingLayer()
-        elif not config.tie_word_embeddings or not parallel.is_first_stage:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel)
+        self.lm_head = stage_lm_head(config, parallel)
 
     def forward(
         self,
@@ -154,10 +151,8 @@ class GPT2LMHeadModel(nn.Module):
         the first, the hidden states the previous stage handed on."""
         if self.parallel.is_first_stage:
             hidden = self.transformer.wte(input_ids) + self.transformer.wpe(positions)
-        elif intermediate is None:
-            raise ValueError("a later pipeline stage needs the previous stage's hidden states")
         else:
-            hidden = intermediate
+            hidden = previous_stage_hidden(intermediate)
         for block, kv_cache in zip(self.transformer.stage_blocks, kv_caches, strict=True):
             hidden = block(hidden, kv_cache, metadata)
         return self.transformer.ln_f(hidden) if self.parallel.is_last_stage else hidden
@@ -177,16 +172,11 @@ class GPT2LMHeadModel(nn.Module):
     ) -> Iterable[tuple[str, torch.Tensor]]:
         """Checkpoint tensors renamed, transposed and split into this model's layout."""
         tied = self.config.tie_word_embeddings
-        separate_tied_head = tied and isinstance(self.lm_head, ParallelLMHead)
-        for name, tensor in weights:
-            if name.startswith("lm_head."):
-                if not tied:
-                    yield name, tensor
-                continue  # tied: a copy of wte
-            if not name.startswith(_PREFIX):
-                name = _PREFIX + name
-            if separate_tied_head and name == _PREFIX + "wte.weight":
-                yield "lm_head.weight", tensor  # the last stage's copy of the tied matrix
+        prefixed = (  # old checkpoints name their tensors without "transformer."
+            (name if name.startswith(("lm_head.", _PREFIX)) else _PREFIX + name, tensor)
+            for name, tensor in weights
+        )
+        for name, tensor in with_tied_lm_head(prefixed, tied, self.lm_head, _PREFIX + "wte.weight"):
             if name.endswith(_MASK_BUFFERS):
                 continue
             module_path, _, param_name = name.rpartition(".")

@@ -30,12 +30,17 @@ from switchboard.models.parallel import SINGLE_PROCESS, ParallelState
 from switchboard.models.parallel_layers import (
     ColumnParallelLinear,
     MissingLayer,
-    ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
+    previous_stage_hidden,
+    stage_lm_head,
     vocab_parallel_logits,
 )
-from switchboard.models.weights import LLAMA_STACKED_MODULES, load_named_weights
+from switchboard.models.weights import (
+    LLAMA_STACKED_MODULES,
+    load_named_weights,
+    with_tied_lm_head,
+)
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -171,11 +176,7 @@ class LlamaForCausalLM(nn.Module):
         # Tied embeddings: the output projection reuses embed_tokens.weight, so there is
         # no lm_head parameter at all (and a checkpoint's copy of it is ignored) -- unless the
         # embedding lives on another pipeline stage.
-        self.lm_head: nn.Module | None = None
-        if not parallel.is_last_stage:
-            self.lm_head = MissingLayer()
-        elif not config.tie_word_embeddings or not parallel.is_first_stage:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, parallel)
+        self.lm_head = stage_lm_head(config, parallel)
 
     @classmethod
     def attention_layout(cls, config: TransformerConfig, layer_index: int) -> AttentionLayout:
@@ -198,10 +199,8 @@ class LlamaForCausalLM(nn.Module):
         the first, the hidden states the previous stage handed on."""
         if self.parallel.is_first_stage:
             hidden = self.model.embed_tokens(input_ids)
-        elif intermediate is None:
-            raise ValueError("a later pipeline stage needs the previous stage's hidden states")
         else:
-            hidden = intermediate
+            hidden = previous_stage_hidden(intermediate)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
         for layer, kv_cache in zip(self.model.stage_layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, kv_cache, metadata)
@@ -221,12 +220,7 @@ class LlamaForCausalLM(nn.Module):
         self, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterable[tuple[str, torch.Tensor]]:
         tied = self.config.tie_word_embeddings
-        separate_tied_head = tied and isinstance(self.lm_head, ParallelLMHead)
-        for name, tensor in weights:
-            if name.endswith(_IGNORED_SUFFIXES):
-                continue
-            if name.startswith("lm_head.") and tied:
-                continue  # a tied checkpoint's copy of the embedding matrix
-            if separate_tied_head and name == "model.embed_tokens.weight":
-                yield "lm_head.weight", tensor  # the last stage's copy of the tied matrix
-            yield name, tensor
+        embedding = "model.embed_tokens.weight"
+        for name, tensor in with_tied_lm_head(weights, tied, self.lm_head, embedding):
+            if not name.endswith(_IGNORED_SUFFIXES):
+                yield name, tensor

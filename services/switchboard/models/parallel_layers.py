@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from switchboard.models.hf_config import TransformerConfig
 from switchboard.models.layers import MergedLinear
 from switchboard.models.parallel import ParallelState, Shard
 
@@ -126,6 +127,24 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """The output projection, split by vocabulary rows like the embedding (and loadable from
     it when the checkpoint ties the two)."""
+
+
+def stage_lm_head(config: TransformerConfig, parallel: ParallelState) -> nn.Module | None:
+    """The LM head this pipeline stage holds: a :class:`MissingLayer` before the last stage;
+    None where it is tied to this same stage's embedding (logits use the embedding matrix);
+    else its own matrix (untied, or a copy of a tied embedding that another stage holds)."""
+    if not parallel.is_last_stage:
+        return MissingLayer()
+    if config.tie_word_embeddings and parallel.is_first_stage:
+        return None
+    return ParallelLMHead(config.vocab_size, config.hidden_size, parallel)
+
+
+def previous_stage_hidden(intermediate: torch.Tensor | None) -> torch.Tensor:
+    """What a pipeline stage other than the first starts from: the previous stage's output."""
+    if intermediate is None:
+        raise ValueError("a later pipeline stage needs the previous stage's hidden states")
+    return intermediate
 
 
 def vocab_parallel_logits(

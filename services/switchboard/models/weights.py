@@ -12,13 +12,13 @@ tensors under a :class:`MissingLayer` (a layer of another pipeline stage) are sk
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
 
 from switchboard.models.layers import MergedLinear
-from switchboard.models.parallel_layers import MissingLayer
+from switchboard.models.parallel_layers import MissingLayer, ParallelLMHead
 
 # checkpoint module name -> (our fused module name, shard name): the Llama-style layout.
 LLAMA_STACKED_MODULES: dict[str, tuple[str, str]] = {
@@ -73,6 +73,25 @@ def load_named_weights(
             param.copy_(tensor)
         loaded.add(name)
     return _collapse_shards(loaded, modules)
+
+
+def with_tied_lm_head(
+    weights: Iterable[tuple[str, torch.Tensor]],
+    tied: bool,
+    lm_head: nn.Module | None,
+    embedding_name: str,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint tensors with the LM head sorted out: a tied checkpoint's ``lm_head.*``
+    copy of the embedding is dropped, and where this stage holds its own head matrix for a tied
+    head (``lm_head`` is a :class:`ParallelLMHead`) the embedding ``embedding_name`` is also
+    handed on as ``lm_head.weight``."""
+    separate_tied_head = tied and isinstance(lm_head, ParallelLMHead)
+    for name, tensor in weights:
+        if tied and name.startswith("lm_head."):
+            continue
+        if separate_tied_head and name == embedding_name:
+            yield "lm_head.weight", tensor  # the last stage's copy of the tied matrix
+        yield name, tensor
 
 
 def _collapse_shards(loaded: set[str], modules: dict[str, nn.Module]) -> set[str]:
