@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from switchboard.config import ModelConfig
-from switchboard.models.hf_config import TransformerConfig, load_transformer_config
-from switchboard.models.loader import load_model, resolve_dtype
+from switchboard.models.hf_config import TransformerConfig
 from switchboard.wire.engine_msgs import PoolingParams
 from switchboard.wire.step_msgs import ModelRunnerOutput, ModelSummary, SchedulerOutput
+from switchboard.worker.model_loading import load_runner_model, model_summary, require_config
 from switchboard.worker.pooler import pool_sequence
 
 logger = logging.getLogger(__name__)
@@ -50,29 +50,13 @@ class EncoderRunner:
     # -- set-up -----------------------------------------------------------------------------
 
     def load_model(self) -> ModelSummary:
-        config = load_transformer_config(self.model_config.model)
-        self.dtype = resolve_dtype(self.model_config.dtype, config, self.device)
-        logger.info(
-            "encoder, dtype %s (requested %r, checkpoint %s, device %s)",
-            str(self.dtype).removeprefix("torch."),
-            self.model_config.dtype,
-            config.checkpoint_dtype,
-            self.device.type,
+        self.model, self.config, self.dtype = load_runner_model(
+            self.model_config, self.device, log_prefix="encoder, "
         )
-        self.model, self.config = load_model(self.model_config.model, self.device, self.dtype)
         return self.summary()
 
     def summary(self) -> ModelSummary:
-        config = self._require_config()
-        return ModelSummary(
-            num_layers=config.num_layers,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            vocab_size=config.vocab_size,
-            max_position_embeddings=config.max_position_embeddings,
-            dtype=str(self.dtype).removeprefix("torch."),
-            kv_cache_bytes_per_token=0,
-        )
+        return model_summary(self._require_config(), self.dtype, kv_cache_bytes_per_token=0)
 
     def kv_cache_bytes_per_token(self) -> int:
         return 0
@@ -151,6 +135,4 @@ class EncoderRunner:
         return pooled
 
     def _require_config(self) -> TransformerConfig:
-        if self.config is None:
-            raise RuntimeError("the model is not loaded yet (call load_model first)")
-        return self.config
+        return require_config(self.config)

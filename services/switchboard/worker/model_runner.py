@@ -20,8 +20,7 @@ import torch
 
 from switchboard.config import ModelConfig
 from switchboard.models.attention import new_kv_cache
-from switchboard.models.hf_config import TransformerConfig, load_transformer_config
-from switchboard.models.loader import load_model, resolve_dtype
+from switchboard.models.hf_config import TransformerConfig
 from switchboard.models.parallel import SINGLE_PROCESS, ParallelState
 from switchboard.wire.engine_msgs import TokenLogprobs
 from switchboard.wire.step_msgs import ModelRunnerOutput, ModelSummary, SchedulerOutput
@@ -32,6 +31,7 @@ from switchboard.worker.input_batch import (
     build_step_inputs,
 )
 from switchboard.worker.logprobs import prompt_token_logprobs
+from switchboard.worker.model_loading import load_runner_model, model_summary, require_config
 from switchboard.worker.pooler import PoolingRequests
 from switchboard.worker.sampler import SamplerOutput, new_request_generator, sample
 from switchboard.worker.sampling_batch import build_sampling_batch
@@ -71,31 +71,14 @@ class ModelRunner:
     # -- set-up -----------------------------------------------------------------------------
 
     def load_model(self) -> ModelSummary:
-        config = load_transformer_config(self.model_config.model)
-        self.dtype = resolve_dtype(self.model_config.dtype, config, self.device)
-        logger.info(
-            "dtype %s (requested %r, checkpoint %s, device %s)",
-            _dtype_name(self.dtype),
-            self.model_config.dtype,
-            config.checkpoint_dtype,
-            self.device.type,
-        )
-        self.model, self.config = load_model(
-            self.model_config.model, self.device, self.dtype, self.parallel
+        self.model, self.config, self.dtype = load_runner_model(
+            self.model_config, self.device, self.parallel
         )
         return self.summary()
 
     def summary(self) -> ModelSummary:
         config = self._require_config()
-        return ModelSummary(
-            num_layers=config.num_layers,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            vocab_size=config.vocab_size,
-            max_position_embeddings=config.max_position_embeddings,
-            dtype=_dtype_name(self.dtype),
-            kv_cache_bytes_per_token=self.kv_cache_bytes_per_token(),
-        )
+        return model_summary(config, self.dtype, self.kv_cache_bytes_per_token())
 
     def kv_cache_bytes_per_token(self) -> int:
         """On this worker: its stage's layers, its share of the KV heads."""
@@ -274,10 +257,4 @@ class ModelRunner:
         return new_request_generator(seed, num_output_tokens)
 
     def _require_config(self) -> TransformerConfig:
-        if self.config is None:
-            raise RuntimeError("the model is not loaded yet (call load_model first)")
-        return self.config
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+        return require_config(self.config)

@@ -1,0 +1,61 @@
+"""What both runners (decoder and encoder) do to load their model and describe it to the engine."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from switchboard.config import ModelConfig
+from switchboard.models.hf_config import TransformerConfig, load_transformer_config
+from switchboard.models.loader import load_model, resolve_dtype
+from switchboard.models.parallel import SINGLE_PROCESS, ParallelState
+from switchboard.wire.step_msgs import ModelSummary
+
+logger = logging.getLogger(__name__)
+
+
+def load_runner_model(
+    model_config: ModelConfig,
+    device: torch.device,
+    parallel: ParallelState = SINGLE_PROCESS,
+    log_prefix: str = "",
+) -> tuple[torch.nn.Module, TransformerConfig, torch.dtype]:
+    """Resolve the dtype (logged: what was asked for, what the checkpoint has), then load the
+    checkpoint's share for ``parallel``. Returns (model, its config, the dtype it runs in)."""
+    config = load_transformer_config(model_config.model)
+    dtype = resolve_dtype(model_config.dtype, config, device)
+    logger.info(
+        "%sdtype %s (requested %r, checkpoint %s, device %s)",
+        log_prefix,
+        dtype_name(dtype),
+        model_config.dtype,
+        config.checkpoint_dtype,
+        device.type,
+    )
+    model, config = load_model(model_config.model, device, dtype, parallel)
+    return model, config, dtype
+
+
+def model_summary(
+    config: TransformerConfig, dtype: torch.dtype, kv_cache_bytes_per_token: int
+) -> ModelSummary:
+    return ModelSummary(
+        num_layers=config.num_layers,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        vocab_size=config.vocab_size,
+        max_position_embeddings=config.max_position_embeddings,
+        dtype=dtype_name(dtype),
+        kv_cache_bytes_per_token=kv_cache_bytes_per_token,
+    )
+
+
+def require_config(config: TransformerConfig | None) -> TransformerConfig:
+    if config is None:
+        raise RuntimeError("the model is not loaded yet (call load_model first)")
+    return config
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
