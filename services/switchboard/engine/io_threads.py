@@ -65,7 +65,42 @@ class GatewayChange:
     address: str | None
 
 
-class InputThread(threading.Thread):
+class _GatewaySocketThread(threading.Thread):
+    """An I/O thread that owns one socket per gateway; its failure is fatal to the engine:
+    logged, then reported through ``on_failure`` (the busy loop raises)."""
+
+    def __init__(
+        self,
+        name: str,
+        role: str,
+        ctx: zmq.Context,
+        addresses: list[str],
+        on_failure: Callable[[str], None],
+        close_linger_ms: int | None,
+    ) -> None:
+        super().__init__(name=name, daemon=True)
+        self._role = role
+        self._ctx = ctx
+        self._addresses = addresses
+        self._on_failure = on_failure
+        self._close_linger_ms = close_linger_ms  # None: the socket's own LINGER option
+        self._sockets: dict[int, zmq.Socket] = {}
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except Exception as exc:
+            logger.exception("Engine %s thread failed", self._role)
+            self._on_failure(f"{self._role} thread failed: {exc!r}")
+        finally:
+            for sock in self._sockets.values():
+                sock.close(linger=self._close_linger_ms)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class InputThread(_GatewaySocketThread):
     def __init__(
         self,
         ctx: zmq.Context,
@@ -77,10 +112,7 @@ class InputThread(threading.Thread):
         aborts_queue: queue.Queue,
         on_failure: Callable[[str], None],
     ) -> None:
-        super().__init__(name="EngineCoreInput", daemon=True)
-        self._on_failure = on_failure
-        self._ctx = ctx
-        self._addresses = addresses
+        super().__init__("EngineCoreInput", "input", ctx, addresses, on_failure, 0)
         self._identity = identity
         self._make_ready = make_ready
         self._prepare_add = prepare_add
@@ -88,7 +120,6 @@ class InputThread(threading.Thread):
         self._aborts_queue = aborts_queue
         self._stop_event = threading.Event()
         self._changes: queue.Queue[tuple[int, str | None]] = queue.Queue()
-        self._sockets: dict[int, zmq.Socket] = {}
         self._poller = zmq.Poller()
 
     def stop(self, timeout_s: float = 5.0) -> None:
@@ -103,19 +134,12 @@ class InputThread(threading.Thread):
     def remove_gateway(self, client_index: int) -> None:
         self._changes.put((client_index, None))
 
-    def run(self) -> None:
-        try:
-            for client_index, address in enumerate(self._addresses):
-                self._connect(client_index, address)
-            if self._addresses:
-                logger.info("Sent READY to %d gateway(s)", len(self._addresses))
-            self._serve()
-        except Exception as exc:
-            logger.exception("Engine input thread failed")
-            self._on_failure(f"input thread failed: {exc!r}")
-        finally:
-            for sock in self._sockets.values():
-                sock.close(linger=0)
+    def _run(self) -> None:
+        for client_index, address in enumerate(self._addresses):
+            self._connect(client_index, address)
+        if self._addresses:
+            logger.info("Sent READY to %d gateway(s)", len(self._addresses))
+        self._serve()
 
     def _connect(self, client_index: int, address: str) -> None:
         self._disconnect(client_index)
@@ -190,7 +214,7 @@ class _BufferPool:
             self._in_flight.popleft()  # still in flight: zmq keeps it alive, we just forget it
 
 
-class OutputThread(threading.Thread):
+class OutputThread(_GatewaySocketThread):
     def __init__(
         self,
         ctx: zmq.Context,
@@ -201,14 +225,11 @@ class OutputThread(threading.Thread):
         on_failure: Callable[[str], None],
         engine_id: str = "",
     ) -> None:
-        super().__init__(name="EngineCoreOutput", daemon=True)
-        self._on_failure = on_failure
-        self._ctx = ctx
-        self._addresses = addresses
+        # Closing lingers up to DEAD_LINGER_MS (set on each PUSH) so the last frames arrive.
+        super().__init__("EngineCoreOutput", "output", ctx, addresses, on_failure, None)
         self._output_queue = output_queue
         self._engine_index = engine_index
         self._engine_id = engine_id
-        self._sockets: dict[int, zmq.Socket] = {}
         self._last_sent: dict[int, float] = {}
         self._heartbeat_interval_s = heartbeat_interval_s
         # Set by the busy loop every turn; heartbeats carry it (engine-level metrics stay fresh).
@@ -222,17 +243,10 @@ class OutputThread(threading.Thread):
         if self.is_alive():
             self.join(timeout_s)
 
-    def run(self) -> None:
-        try:
-            for client_index, address in enumerate(self._addresses):
-                self._change(GatewayChange(client_index, address))
-            self._serve()
-        except Exception as exc:
-            logger.exception("Engine output thread failed")
-            self._on_failure(f"output thread failed: {exc!r}")
-        finally:
-            for sock in self._sockets.values():
-                sock.close()  # lingers up to DEAD_LINGER_MS so the last frames arrive
+    def _run(self) -> None:
+        for client_index, address in enumerate(self._addresses):
+            self._change(GatewayChange(client_index, address))
+        self._serve()
 
     def _change(self, change: GatewayChange) -> None:
         old = self._sockets.pop(change.client_index, None)
