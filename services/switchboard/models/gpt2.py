@@ -30,6 +30,7 @@ from switchboard.models.parallel_layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     previous_stage_hidden,
+    stage_layer_list,
     stage_lm_head,
     vocab_parallel_logits,
 )
@@ -98,17 +99,14 @@ class GPT2Block(nn.Module):
 class GPT2Model(nn.Module):
     def __init__(self, config: TransformerConfig, parallel: ParallelState) -> None:
         super().__init__()
-        mine = parallel.stage_layers(config.num_layers)
         self.wte: nn.Module = MissingLayer()
         self.wpe: nn.Module = MissingLayer()
         if parallel.is_first_stage:
             self.wte = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
             self.wpe = PositionEmbedding(config.max_position_embeddings, config.hidden_size)
-        self.h = nn.ModuleList(
-            GPT2Block(config, i, parallel) if i in mine else MissingLayer()
-            for i in range(config.num_layers)
+        self.h, self.stage_blocks = stage_layer_list(
+            config.num_layers, parallel, lambda i: GPT2Block(config, i, parallel)
         )
-        self.stage_blocks = [self.h[i] for i in mine]
         self.ln_f: nn.Module = MissingLayer()
         if parallel.is_last_stage:
             self.ln_f = LayerNorm(config.hidden_size, config.layer_norm_eps)

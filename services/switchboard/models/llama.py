@@ -33,6 +33,7 @@ from switchboard.models.parallel_layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     previous_stage_hidden,
+    stage_layer_list,
     stage_lm_head,
     vocab_parallel_logits,
 )
@@ -137,17 +138,14 @@ class LlamaModel(nn.Module):
         self, config: TransformerConfig, layouts: list[AttentionLayout], parallel: ParallelState
     ) -> None:
         super().__init__()
-        mine = parallel.stage_layers(config.num_layers)
         self.embed_tokens: nn.Module = MissingLayer()
         if parallel.is_first_stage:
             self.embed_tokens = VocabParallelEmbedding(
                 config.vocab_size, config.hidden_size, parallel
             )
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, layout, parallel) if i in mine else MissingLayer()
-            for i, layout in enumerate(layouts)
+        self.layers, self.stage_layers = stage_layer_list(
+            config.num_layers, parallel, lambda i: LlamaDecoderLayer(config, layouts[i], parallel)
         )
-        self.stage_layers = [self.layers[i] for i in mine]
         self.norm: nn.Module = MissingLayer()
         if parallel.is_last_stage:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

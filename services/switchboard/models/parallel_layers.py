@@ -22,6 +22,8 @@ rank's slice of the full tensor and check the full shape.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -127,6 +129,17 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """The output projection, split by vocabulary rows like the embedding (and loadable from
     it when the checkpoint ties the two)."""
+
+
+def stage_layer_list(
+    num_layers: int, parallel: ParallelState, build: Callable[[int], nn.Module]
+) -> tuple[nn.ModuleList, list[nn.Module]]:
+    """Every layer index gets a module, so parameter names match the checkpoint's: this
+    pipeline stage's layers are ``build(index)``, the others :class:`MissingLayer`. Returns
+    (all of them, this stage's in order)."""
+    mine = parallel.stage_layers(num_layers)
+    layers = nn.ModuleList(build(i) if i in mine else MissingLayer() for i in range(num_layers))
+    return layers, [layers[i] for i in mine]
 
 
 def stage_lm_head(config: TransformerConfig, parallel: ParallelState) -> nn.Module | None:
