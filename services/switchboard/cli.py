@@ -25,6 +25,12 @@ from switchboard.config import (
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+def _add_parallel_sizes(group: argparse._ActionsContainer) -> None:
+    group.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
+    group.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
+    group.add_argument("-dp", "--data-parallel-size", type=int, default=1)
+
+
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
     m = p.add_argument_group("model")
     m.add_argument(
@@ -67,9 +73,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
 
     w = p.add_argument_group("parallelism and workers")
-    w.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
-    w.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
-    w.add_argument("-dp", "--data-parallel-size", type=int, default=1)
+    _add_parallel_sizes(w)
     w.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     w.add_argument(
         "--torch-threads",
@@ -167,11 +171,11 @@ def _validate_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespa
         "pipeline_parallel_size",
         "data_parallel_size",
         "torch_threads",
+        "api_servers",  # these three may be unset (None)
+        "max_model_len",
+        "num_gpu_blocks_override",
     ]
     for name in positive:
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ["api_servers", "max_model_len", "num_gpu_blocks_override"]:
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -253,9 +257,7 @@ def make_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=None)
 
     topo = sub.add_parser("topology", help="print the process table of a topology")
-    topo.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
-    topo.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
-    topo.add_argument("-dp", "--data-parallel-size", type=int, default=1)
+    _add_parallel_sizes(topo)
     topo.add_argument("--api-servers", type=int, default=None)
 
     ps = sub.add_parser("ps", help="list running switchboard processes")
