@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,3 +126,23 @@ def start_server(
         time.sleep(0.5)
     server.stop()
     raise AssertionError(f"server not ready within {ready_timeout}s\n{server.log()}")
+
+
+def served(model_dir: str | None, workdir: Path, *extra_args: str) -> Iterator[RunningServer]:
+    """The body of a server fixture (``yield from``): start, hand over, then check that it
+    stopped cleanly and left nothing in its run directory."""
+    server = start_server(model_dir, workdir, *extra_args)
+    yield server
+    code = server.stop()
+    assert code == 0, server.log()
+    assert server.leftovers == [], "the run directory must be removed"
+
+
+def wait_until(
+    condition: Callable[[], bool], what: str, timeout_s: float = 60.0, interval_s: float = 0.05
+) -> None:
+    """Poll ``condition`` until it holds; fail naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(interval_s)

@@ -22,8 +22,8 @@ from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
 from switchboard.api.v1 import model_service_pb2 as model_pb
 from switchboard.api.v1 import model_service_pb2_grpc as model_grpc
-from tests.e2e.server import RunningServer, start_server
-from tests.tiny_checkpoint import make_tiny_llama
+from tests.e2e.client_calls import greedy_request
+from tests.e2e.server import RunningServer, served
 
 pytestmark = pytest.mark.slow
 
@@ -38,14 +38,6 @@ TEXTS = [
 RPC_TIMEOUT_S = 60
 
 
-def serve(model_dir: str, tmp_path_factory: pytest.TempPathFactory, *args: str):
-    running = start_server(model_dir, tmp_path_factory.mktemp("serve"), *args)
-    yield running
-    code = running.stop()
-    assert code == 0, running.log()
-    assert running.leftovers == []
-
-
 @pytest.fixture(scope="module")
 def minilm_dir() -> str:
     return str(gt_minilm.get_model_path())
@@ -54,7 +46,8 @@ def minilm_dir() -> str:
 @pytest.fixture(scope="module")
 def encoder_server(minilm_dir, tmp_path_factory) -> Iterator[RunningServer]:
     # A small token budget: the long input is scheduled in chunks, encoded whole at the end.
-    yield from serve(minilm_dir, tmp_path_factory, "--max-num-batched-tokens", "64")
+    workdir = tmp_path_factory.mktemp("serve")
+    yield from served(minilm_dir, workdir, "--max-num-batched-tokens", "64")
 
 
 @pytest.fixture(scope="module")
@@ -152,13 +145,9 @@ def test_too_long_inputs_are_refused_unless_truncated(encoder, reference) -> Non
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
-
-
-@pytest.fixture(scope="module")
-def decoder_server(tiny_dir, tmp_path_factory) -> Iterator[RunningServer]:
-    yield from serve(tiny_dir, tmp_path_factory, "--max-num-batched-tokens", "32")
+def decoder_server(tiny_model, tmp_path_factory) -> Iterator[RunningServer]:
+    workdir = tmp_path_factory.mktemp("serve")
+    yield from served(tiny_model, workdir, "--max-num-batched-tokens", "32")
 
 
 @pytest.fixture(scope="module")
@@ -167,13 +156,13 @@ def decoder(decoder_server: RunningServer) -> Iterator[pb_grpc.GenerationService
         yield pb_grpc.GenerationServiceStub(channel)
 
 
-def test_decoder_embeds_with_its_last_tokens_hidden_state(decoder, tiny_dir: str) -> None:
+def test_decoder_embeds_with_its_last_tokens_hidden_state(decoder, tiny_model: str) -> None:
     from transformers import AutoModelForCausalLM
 
     prompts = [[0, 5, 9, 33], [0, *range(40, 100)], [0, 900, 3]]  # the long one is chunked
     inputs = [pb.EmbedInput(token_ids=pb.TokenIds(ids=p)) for p in prompts]
     response = decoder.Embed(pb.EmbedRequest(inputs=inputs), timeout=RPC_TIMEOUT_S)
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     with torch.no_grad():
         expected = torch.stack(
             [model.model(torch.tensor([p])).last_hidden_state[0, -1] for p in prompts]
@@ -184,11 +173,7 @@ def test_decoder_embeds_with_its_last_tokens_hidden_state(decoder, tiny_dir: str
 
 
 def test_decoder_still_generates_and_reports_both_tasks(decoder_server, decoder) -> None:
-    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[0, 5, 9]))
-    request.sampling.temperature = 0.0
-    request.stopping.max_tokens = 3
-    request.stopping.ignore_eos = True
-    request.output.return_token_ids = True
+    request = greedy_request([0, 5, 9], 3, return_token_ids=True)
     messages = list(decoder.Generate(request, timeout=RPC_TIMEOUT_S))
     assert sum(len(o.token_ids) for m in messages for o in m.outputs) == 3
     with decoder_server.channel() as channel:

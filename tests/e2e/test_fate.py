@@ -14,14 +14,8 @@ import pytest
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
 from tests.e2e.server import RunningServer, descendants, start_server
-from tests.tiny_checkpoint import make_tiny_llama
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
 
 
 def ring_segments(engine_pid: int) -> list[str]:

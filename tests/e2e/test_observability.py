@@ -14,29 +14,23 @@ One real server (`switchboard serve`, tiny checkpoint) for the module, with:
 from __future__ import annotations
 
 import time
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
 import pytest
-from google.protobuf import json_format
-from prometheus_client.parser import text_string_to_metric_families
 
-from switchboard.api.v1 import admin_service_pb2 as admin_pb
-from switchboard.api.v1 import admin_service_pb2_grpc as admin_grpc
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
-from tests.e2e.server import RunningServer, free_port, start_server
+from tests.e2e.client_calls import greedy_request, metric_sum, scrape, utility
+from tests.e2e.server import RunningServer, free_port, start_server, wait_until
 from tests.otlp_receiver import OtlpGrpcReceiver, ReceivedSpan
 from tests.tiny_checkpoint import tiny_llama_dir
 
 pytestmark = pytest.mark.slow
 
 RPC_TIMEOUT_S = 120.0
-WAIT_S = 60.0
 CLOCK_OFFSET_NS = 30 * 3600 * 10**9  # the engine's clock runs 30 h ahead
 MS = 1_000_000
 GENERATE = "switchboard.v1.GenerationService/Generate"
@@ -95,12 +89,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
 
 
 def greedy(text: str, request_id: str, max_tokens: int = 8) -> pb.GenerateRequest:
-    request = pb.GenerateRequest(text=text, request_id=request_id)
-    request.sampling.temperature = 0.0
-    request.stopping.max_tokens = max_tokens
-    request.stopping.ignore_eos = True
-    request.output.kind = pb.OUTPUT_KIND_FINAL_ONLY
-    return request
+    return greedy_request(text, max_tokens, final_only=True, request_id=request_id)
 
 
 def generate(
@@ -109,22 +98,6 @@ def generate(
     stub = pb_grpc.GenerationServiceStub(channel)
     (final,) = list(stub.Generate(request, timeout=RPC_TIMEOUT_S, metadata=metadata))
     return final
-
-
-def utility(channel: grpc.Channel, method: str, *args: Any) -> Any:
-    request = admin_pb.UtilityRequest(method=method)
-    request.args.extend(args)
-    stub = admin_grpc.AdminServiceStub(channel)
-    (result,) = stub.Utility(request, timeout=RPC_TIMEOUT_S).results
-    assert result.status.code == 0, result.status.message
-    return json_format.MessageToDict(result.result) if result.HasField("result") else None
-
-
-def wait_until(condition, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.05)
 
 
 def by_name(spans: list[ReceivedSpan]) -> dict[str, list[ReceivedSpan]]:
@@ -300,27 +273,10 @@ def test_an_invalid_request_is_not_a_server_error(observed: Observed) -> None:
 # ---------------------------------------------------------------- metrics
 
 
-def scrape(port: int) -> dict[tuple[str, frozenset], float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
-        text = reply.read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
-    return samples
-
-
-def value(samples: dict, name: str, **labels: str) -> float:
-    """The sum over every series of ``name`` whose labels include ``labels``."""
-    wanted = set(labels.items())
-    return sum(v for (n, series), v in samples.items() if n == name and wanted <= series)
-
-
 def test_metrics_deltas_of_a_known_workload(observed: Observed) -> None:
     port = observed.metrics_port
-    wait_until(
-        lambda: value(scrape(port), "switchboard:num_requests_running") == 0, "the engine idles"
-    )
+    running = "switchboard:num_requests_running"
+    wait_until(lambda: metric_sum(scrape(port), running) == 0, "the engine idles")
     before = scrape(port)
     finals = [generate(observed.channel, greedy(p, f"metrics-{i}")) for i, p in enumerate(PROMPTS)]
     prompt_tokens = sum(f.usage.prompt_tokens for f in finals)
@@ -330,9 +286,9 @@ def test_metrics_deltas_of_a_known_workload(observed: Observed) -> None:
     def settled() -> bool:
         now = scrape(port)
         return (
-            value(now, "switchboard:num_requests_running") == 0
-            and value(now, "switchboard:iteration_tokens_total_count")
-            - value(before, "switchboard:iteration_tokens_total_count")
+            metric_sum(now, "switchboard:num_requests_running") == 0
+            and metric_sum(now, "switchboard:iteration_tokens_total_count")
+            - metric_sum(before, "switchboard:iteration_tokens_total_count")
             >= out
         )
 
@@ -340,7 +296,7 @@ def test_metrics_deltas_of_a_known_workload(observed: Observed) -> None:
     after = scrape(port)
 
     def delta(name: str, **labels: str) -> float:
-        return value(after, name, **labels) - value(before, name, **labels)
+        return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
 
     assert delta("switchboard:request_success_total", finished_reason="length") == n
     assert delta("switchboard:request_success_total") == n
@@ -369,8 +325,8 @@ def test_metrics_deltas_of_a_known_workload(observed: Observed) -> None:
     assert delta("switchboard:num_preemptions_total") == 0
     assert delta("switchboard:iteration_tokens_total_count") == out
     assert delta("switchboard:iteration_tokens_total_sum") == prompt_tokens - cached + out - n
-    assert value(after, "switchboard:num_requests_waiting") == 0
-    assert 0 <= value(after, "switchboard:kv_cache_usage_perc") <= 1
+    assert metric_sum(after, "switchboard:num_requests_waiting") == 0
+    assert 0 <= metric_sum(after, "switchboard:kv_cache_usage_perc") <= 1
     # The OpenTelemetry GenAI equivalents.
     assert delta("gen_ai_server_request_duration_seconds_count", error_type="") == n
     assert delta("gen_ai_server_time_to_first_token_seconds_count") == n

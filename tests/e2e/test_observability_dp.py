@@ -9,17 +9,15 @@ over the two gateways, which must not matter.
 from __future__ import annotations
 
 import socket
-import time
-import urllib.request
 from collections.abc import Iterator
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
-from tests.e2e.server import RunningServer, free_port, start_server
+from tests.e2e.client_calls import greedy_request, metric_sum, scrape
+from tests.e2e.server import RunningServer, free_port, start_server, wait_until
 from tests.tiny_checkpoint import tiny_llama_dir
 
 pytestmark = pytest.mark.slow
@@ -59,30 +57,13 @@ def dp2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningServe
         assert server.stop() == 0, server.log()
 
 
-def scrape(port: int) -> dict[tuple[str, frozenset], float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
-        text = reply.read().decode()
-    return {
-        (sample.name, frozenset(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
 def total(samples: list[dict], name: str, **labels: str) -> float:
     """Summed over every gateway's scrape and every series whose labels include ``labels``."""
-    wanted = set(labels.items())
-    return sum(
-        v for scraped in samples for (n, s), v in scraped.items() if n == name and wanted <= s
-    )
+    return sum(metric_sum(scraped, name, **labels) for scraped in samples)
 
 
 def generate(target: str, rank: int) -> pb.GenerateResponse:
-    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT), data_parallel_rank=rank)
-    request.sampling.temperature = 0.0
-    request.stopping.max_tokens = MAX_TOKENS
-    request.stopping.ignore_eos = True
-    request.output.kind = pb.OUTPUT_KIND_FINAL_ONLY
+    request = greedy_request(PROMPT, MAX_TOKENS, final_only=True, data_parallel_rank=rank)
     with grpc.insecure_channel(target) as channel:  # a new connection: either gateway
         (final,) = list(pb_grpc.GenerationServiceStub(channel).Generate(request, timeout=60))
     return final
@@ -95,10 +76,7 @@ def test_two_gateways_two_engines_count_everything_once(dp2) -> None:
     def idle() -> bool:
         return total([scrape(port)], "switchboard:num_requests_running") == 0
 
-    deadline = time.monotonic() + WAIT_S
-    while not idle():
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    wait_until(idle, "no request is running", WAIT_S, interval_s=0.1)
     before = [scrape(p) for p in ports]
     finals = [generate(server.target, rank) for rank in PINNED]
     assert all(
@@ -119,10 +97,7 @@ def test_two_gateways_two_engines_count_everything_once(dp2) -> None:
             and idle()
         )
 
-    deadline = time.monotonic() + WAIT_S
-    while not settled():
-        assert time.monotonic() < deadline, "engine stats did not reach gateway 0"
-        time.sleep(0.1)
+    wait_until(settled, "engine stats reached gateway 0", WAIT_S, interval_s=0.1)
     after = [scrape(p) for p in ports]
 
     def delta(name: str, **labels: str) -> float:

@@ -14,8 +14,8 @@ import grpc
 import pytest
 import torch
 
-from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
+from tests.e2e.client_calls import greedy_request, streamed_token_ids
 from tests.e2e.server import start_server
 from tests.tiny_checkpoint import make_tiny_llama
 
@@ -52,14 +52,10 @@ def expected(tiny_model: str) -> list[list[int]]:
 
 
 def greedy_tokens(target: str, prompt: list[int]) -> list[int]:
-    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt))
-    request.sampling.temperature = 0.0
-    request.stopping.max_tokens = MAX_TOKENS
-    request.stopping.ignore_eos = True
-    request.output.return_token_ids = True
+    request = greedy_request(prompt, MAX_TOKENS, return_token_ids=True)
     with grpc.insecure_channel(target) as channel:
         responses = pb_grpc.GenerationServiceStub(channel).Generate(request, timeout=120)
-        return [t for m in responses for o in m.outputs for t in o.token_ids]
+        return streamed_token_ids(responses)
 
 
 @pytest.mark.parametrize("topology", [("-tp", "2"), ("-pp", "2")], ids=["tp2", "pp2"])

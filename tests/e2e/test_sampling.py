@@ -18,8 +18,7 @@ from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
 from switchboard.api.v1 import model_service_pb2 as model_pb
 from switchboard.api.v1 import model_service_pb2_grpc as model_grpc
-from tests.e2e.server import RunningServer, start_server
-from tests.tiny_checkpoint import make_tiny_llama
+from tests.e2e.server import RunningServer, served
 
 pytestmark = pytest.mark.slow
 
@@ -29,22 +28,13 @@ PROMPT = [0, *[(13 * i) % 900 + 5 for i in range(40)]]  # 41 tokens: 3 chunks of
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
-
-
-@pytest.fixture(scope="module")
 def server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    running = start_server(
+    yield from served(
         tiny_model,
         tmp_path_factory.mktemp("serve"),
         "--max-model-len", str(MAX_MODEL_LEN),
         "--max-num-batched-tokens", "16",
     )  # fmt: skip
-    yield running
-    code = running.stop()
-    assert code == 0, running.log()
-    assert running.leftovers == [], "the run directory must be removed"
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,15 +27,13 @@ from typing import Any
 
 import grpc
 import pytest
-from google.protobuf import json_format
 
-from switchboard.api.v1 import admin_service_pb2 as admin_pb
-from switchboard.api.v1 import admin_service_pb2_grpc as admin_grpc
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
 from switchboard.api.v1 import model_service_pb2 as model_pb
 from switchboard.api.v1 import model_service_pb2_grpc as model_grpc
-from tests.e2e.server import RunningServer, start_server
+from tests.e2e.client_calls import greedy_request, streamed_token_ids, utility
+from tests.e2e.server import RunningServer, start_server, wait_until
 from tests.tiny_checkpoint import tiny_llama_dir
 
 pytestmark = pytest.mark.slow
@@ -44,7 +41,6 @@ pytestmark = pytest.mark.slow
 MAX_TOKENS = 16
 LONG_MAX_TOKENS = 450  # hundreds of steps: still running when a utility call arrives
 RPC_TIMEOUT_S = 120.0  # generous: other tests share the two cores
-WAIT_S = 60.0
 BLOCK_SIZE = 16  # the server default
 KV_BUDGET_BYTES = 4 << 20  # the main server's --kv-cache-memory-bytes
 # Enough for every prompt at once, and quick to allocate (the CPU default is 1 GiB).
@@ -83,13 +79,9 @@ class Result:
 
 
 def greedy(text: str, priority: int = 0) -> pb.GenerateRequest:
-    request = pb.GenerateRequest(text=text, priority=priority)
-    request.sampling.temperature = 0.0
-    request.stopping.max_tokens = MAX_TOKENS
-    request.stopping.ignore_eos = True
-    request.output.kind = pb.OUTPUT_KIND_FINAL_ONLY
-    request.output.return_token_ids = True
-    return request
+    return greedy_request(
+        text, MAX_TOKENS, final_only=True, return_token_ids=True, priority=priority
+    )
 
 
 def generate(channel: grpc.Channel, text: str, priority: int = 0) -> Result:
@@ -114,23 +106,6 @@ def generate_all(channel: grpc.Channel, names: list[str]) -> dict[str, Result]:
     with ThreadPoolExecutor(len(names)) as pool:
         futures = {name: pool.submit(generate, channel, PROMPTS[name]) for name in names}
         return {name: future.result(RPC_TIMEOUT_S) for name, future in futures.items()}
-
-
-def utility(channel: grpc.Channel, method: str, *args: Any) -> Any:
-    stub = admin_grpc.AdminServiceStub(channel)
-    request = admin_pb.UtilityRequest(method=method)
-    if args:
-        request.args.extend(args)
-    (result,) = stub.Utility(request, timeout=RPC_TIMEOUT_S).results
-    assert result.status.code == 0, result.status.message
-    return json_format.MessageToDict(result.result) if result.HasField("result") else None
-
-
-def wait_until(condition: Callable[[], bool], what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.05)
 
 
 def while_asleep(
@@ -323,7 +298,7 @@ def test_sleep_preempts_a_running_request_and_it_resumes_identically(main: Serve
         messages = [first, *stream]
     finally:
         stream.cancel()
-    token_ids = [t for m in messages for o in m.outputs for t in o.token_ids]
+    token_ids = streamed_token_ids(messages)
     assert token_ids == list(alone.outputs[0].token_ids)
     assert len(token_ids) == LONG_MAX_TOKENS
     assert messages[-1].metrics.num_preemptions == 1

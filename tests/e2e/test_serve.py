@@ -19,12 +19,11 @@ import torch
 from grpc_health.v1 import health_pb2
 from transformers import AutoModelForCausalLM
 
-from switchboard.api.v1 import admin_service_pb2 as admin_pb
-from switchboard.api.v1 import admin_service_pb2_grpc as admin_grpc
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
-from tests.e2e.server import RunningServer, start_server
-from tests.tiny_checkpoint import make_tiny_llama
+from tests.e2e import client_calls
+from tests.e2e.client_calls import streamed_token_ids, utility
+from tests.e2e.server import RunningServer, served
 
 pytestmark = pytest.mark.slow
 
@@ -32,20 +31,9 @@ MAX_MODEL_LEN = 512  # the tiny checkpoint's max_position_embeddings
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
-
-
-@pytest.fixture(scope="module")
 def server(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     workdir = tmp_path_factory.mktemp("serve")
-    running = start_server(
-        tiny_model, workdir, "--enable-admin", "--max-model-len", str(MAX_MODEL_LEN)
-    )
-    yield running
-    code = running.stop()
-    assert code == 0, running.log()
-    assert running.leftovers == [], "the run directory must be removed"
+    yield from served(tiny_model, workdir, "--enable-admin", "--max-model-len", str(MAX_MODEL_LEN))
 
 
 @pytest.fixture(scope="module")
@@ -54,23 +42,19 @@ def stub(server: RunningServer) -> Iterator[pb_grpc.GenerationServiceStub]:
         yield pb_grpc.GenerationServiceStub(channel)
 
 
-def greedy_request(prompt_ids: list[int], max_tokens: int, **stopping) -> pb.GenerateRequest:
-    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt_ids))
-    request.sampling.temperature = 0.0
-    request.stopping.max_tokens = max_tokens
-    request.stopping.ignore_eos = True
+def greedy_request(prompt: list[int] | str, max_tokens: int, **stopping) -> pb.GenerateRequest:
+    request = client_calls.greedy_request(prompt, max_tokens, return_token_ids=True)
     for name, value in stopping.items():
         if name == "stop":
             request.stopping.stop.extend(value)
         else:
             setattr(request.stopping, name, value)
-    request.output.return_token_ids = True
     return request
 
 
 def collect(responses) -> tuple[list[int], str, list[pb.GenerateResponse]]:
     messages = list(responses)
-    ids = [t for m in messages for o in m.outputs for t in o.token_ids]
+    ids = streamed_token_ids(messages)
     text = "".join(o.text for m in messages for o in m.outputs)
     return ids, text, messages
 
@@ -86,18 +70,6 @@ def reference_greedy(model_dir: str, prompt_ids: list[int], max_tokens: int) -> 
             out.append(next_id)
             ids = torch.cat([ids, torch.tensor([[next_id]])], dim=1)
     return out
-
-
-def utility(server: RunningServer, method: str) -> dict:
-    with server.channel() as channel:
-        response = admin_grpc.AdminServiceStub(channel).Utility(
-            admin_pb.UtilityRequest(method=method), timeout=10
-        )
-    (result,) = response.results
-    assert result.status.code == 0, result.status.message
-    from google.protobuf.json_format import MessageToDict
-
-    return MessageToDict(result.result)
 
 
 def test_processes_match_the_formula(server: RunningServer) -> None:
@@ -139,11 +111,7 @@ def test_streams_the_same_tokens_as_transformers(
 
 
 def test_text_prompt_and_detokenized_stream(stub: pb_grpc.GenerationServiceStub) -> None:
-    request = pb.GenerateRequest(text="def main():\n    return")
-    request.sampling.temperature = 0.0
-    request.stopping.max_tokens = 10
-    request.stopping.ignore_eos = True
-    request.output.return_token_ids = True
+    request = greedy_request("def main():\n    return", 10)
     ids, text, _ = collect(stub.Generate(request, timeout=60))
     assert len(ids) == 10
     detok = stub.Detokenize(pb.DetokenizeRequest(token_ids=ids), timeout=10).text
@@ -173,11 +141,14 @@ def test_stop_string_ends_the_stream_and_aborts(
 
 def wait_until_idle(server: RunningServer, timeout: float = 30.0) -> dict:
     deadline = time.monotonic() + timeout
-    while True:
-        stats = utility(server, "get_stats")
-        if stats.get("running", stats.get("num_running", 1)) == 0 or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.2)
+    with server.channel() as channel:
+        while True:
+            stats = utility(channel, "get_stats", timeout_s=10)
+            if stats.get("running", stats.get("num_running", 1)) == 0:
+                return stats
+            if time.monotonic() > deadline:
+                return stats
+            time.sleep(0.2)
 
 
 def test_cancel_aborts_the_request_in_the_engine(

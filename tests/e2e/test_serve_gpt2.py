@@ -17,6 +17,7 @@ import torch
 
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
+from tests.e2e.client_calls import greedy_request, streamed_token_ids
 from tests.e2e.server import RunningServer, start_server
 from tests.tiny_checkpoint import make_tiny_gpt2
 
@@ -74,16 +75,12 @@ def reference_greedy(model_dir: str, prompt: list[int], max_tokens: int) -> list
 def generate_ids(stub, request: pb.GenerateRequest) -> tuple[list[int], pb.GenerateResponse]:
     request.output.return_token_ids = True
     messages = list(stub.Generate(request, timeout=60))
-    return [t for m in messages for o in m.outputs for t in o.token_ids], messages[-1]
+    return streamed_token_ids(messages), messages[-1]
 
 
 def test_concurrent_greedy_requests_match_transformers(stub, gpt2_dir: str) -> None:
     def run(prompt: list[int]) -> list[int]:
-        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt))
-        request.sampling.temperature = 0.0
-        request.stopping.max_tokens = 20
-        request.stopping.ignore_eos = True
-        return generate_ids(stub, request)[0]
+        return generate_ids(stub, greedy_request(prompt, 20))[0]
 
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         outputs = list(pool.map(run, PROMPTS))

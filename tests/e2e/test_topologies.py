@@ -27,8 +27,8 @@ from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
 from switchboard.processes import Topology, list_processes
 from switchboard.wire.shm_ring import unlink_orphaned_segments
-from tests.e2e.server import RunningServer, free_port, start_server
-from tests.tiny_checkpoint import make_tiny_llama
+from tests.e2e.client_calls import greedy_request
+from tests.e2e.server import RunningServer, free_port, start_server, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -39,19 +39,8 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 WAIT_S = 120.0
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_tiny_llama(str(tmp_path_factory.mktemp("tiny-llama")))
-
-
 def greedy(max_tokens: int = 8, rank: int | None = None) -> pb.GenerateRequest:
-    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7, 8]))
-    request.sampling.temperature = 0.0
-    request.stopping.max_tokens = max_tokens
-    request.stopping.ignore_eos = True
-    if rank is not None:
-        request.data_parallel_rank = rank
-    return request
+    return greedy_request([5, 6, 7, 8], max_tokens, data_parallel_rank=rank)
 
 
 def generate(target: str, request: pb.GenerateRequest) -> pb.GenerateResponse:
@@ -61,13 +50,8 @@ def generate(target: str, request: pb.GenerateRequest) -> pb.GenerateResponse:
     return responses[-1]
 
 
-def wait_for(predicate, what: str, timeout_s: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting until {what}")
+def wait_for(predicate, what: str) -> None:
+    wait_until(predicate, what, WAIT_S, interval_s=0.2)
 
 
 def ps_titles(server: RunningServer) -> list[str]:
