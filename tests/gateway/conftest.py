@@ -10,6 +10,9 @@ are split into several byte tokens:
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -92,6 +95,14 @@ def write_checkpoint_dir(path: Path, tokenizer: HfTokenizer) -> Path:
     (path / "config.json").write_text(json.dumps(config))
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos_id]}))
     return path
+
+
+@pytest.fixture
+def run_dir() -> Iterator[str]:
+    """A gateway's run directory for its ipc:// sockets, removed after the test."""
+    path = tempfile.mkdtemp(prefix="sbgw-")  # short: ipc:// paths have a length limit
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -6,22 +6,20 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import shutil
-import tempfile
 from collections.abc import AsyncIterator, Callable
 
 import grpc
 import pytest
 import zmq
 import zmq.asyncio
+from gateway_harness import WAIT_S, gateway_config, health_status, until
 from gateway_scripted_engine import ScriptedEngine
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from switchboard.api.v1 import admin_service_pb2 as admin_pb
 from switchboard.api.v1 import admin_service_pb2_grpc as admin_grpc
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
-from switchboard.config import GatewayConfig, GatewayRoleConfig, ModelConfig, ipc_address
 from switchboard.gateway.server import GENERATION_SERVICE, GatewayServer
 from switchboard.wire import zmq_channel
 from switchboard.wire.engine_msgs import (
@@ -31,19 +29,7 @@ from switchboard.wire.engine_msgs import (
     LoadReport,
 )
 
-WAIT_S = 10.0
 SCRIPT = [5, 6, 7, 8]
-
-
-async def until(predicate: Callable[[], bool], what: str) -> None:
-    async def poll() -> None:
-        while not predicate():
-            await asyncio.sleep(0.01)
-
-    try:
-        await asyncio.wait_for(poll(), WAIT_S)
-    except TimeoutError:
-        raise AssertionError(f"timed out waiting until {what}") from None
 
 
 class Cluster:
@@ -71,9 +57,7 @@ class Cluster:
         return engine
 
     async def health(self, service: str = GENERATION_SERVICE) -> int:
-        stub = health_pb2_grpc.HealthStub(self.channel)
-        request = health_pb2.HealthCheckRequest(service=service)
-        return (await stub.Check(request, timeout=WAIT_S)).status
+        return await health_status(self.channel, service)
 
     async def generate(self, max_tokens: int = 3, rank: int | None = None) -> list:
         request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]))
@@ -84,21 +68,12 @@ class Cluster:
 
 
 @pytest.fixture
-async def start_cluster(checkpoint_dir) -> AsyncIterator[Callable]:
-    run_dir = tempfile.mkdtemp(prefix="sbdp-")
+async def start_cluster(checkpoint_dir, run_dir: str) -> AsyncIterator[Callable]:
     clusters: list[Cluster] = []
 
     async def start(**overrides) -> Cluster:
-        fields = dict(
-            model=ModelConfig(model=str(checkpoint_dir), served_model_name="tiny"),
-            gateway=GatewayConfig(host="127.0.0.1", port=0, enable_admin=True),
-            input_address=ipc_address(run_dir, "in"),
-            output_address=ipc_address(run_dir, "out"),
-            heartbeat_timeout_s=5.0,
-            exit_when_engines_dead=False,
-            num_engines=2,
-        )
-        server = GatewayServer(GatewayRoleConfig(**{**fields, **overrides}))
+        fields = {"exit_when_engines_dead": False, "num_engines": 2, **overrides}
+        server = GatewayServer(gateway_config(checkpoint_dir, run_dir, **fields))
         await server.start()
         cluster = Cluster(server, run_dir)
         clusters.append(cluster)
@@ -111,7 +86,6 @@ async def start_cluster(checkpoint_dir) -> AsyncIterator[Callable]:
             with contextlib.suppress(Exception):
                 await engine.close()
         await cluster.server.stop()
-    shutil.rmtree(run_dir, ignore_errors=True)
 
 
 async def test_requests_spread_and_pin(start_cluster) -> None:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
-import tempfile
 import time
 import urllib.request
 from collections.abc import AsyncIterator
@@ -20,12 +18,13 @@ from typing import Any
 import gateway_scripted_engine
 import grpc
 import pytest
+from gateway_harness import gateway_config
 from gateway_scripted_engine import ScriptedEngine
 from prometheus_client.parser import text_string_to_metric_families
 
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
-from switchboard.config import GatewayConfig, GatewayRoleConfig, ModelConfig, ipc_address
+from switchboard.config import GatewayConfig
 from switchboard.gateway.server import GatewayServer
 from tests.otlp_receiver import OtlpGrpcReceiver
 
@@ -46,21 +45,15 @@ class SkewedTime:
 
 @pytest.fixture
 async def gateway(
-    checkpoint_dir: Path, monkeypatch: pytest.MonkeyPatch
+    checkpoint_dir: Path, run_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[tuple[GatewayServer, ScriptedEngine, OtlpGrpcReceiver]]:
     receiver = OtlpGrpcReceiver()
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
     monkeypatch.setattr(gateway_scripted_engine, "time", SkewedTime())
-    run_dir = tempfile.mkdtemp(prefix="sbobs-")  # short: ipc:// paths have a length limit
-    config = GatewayRoleConfig(
-        model=ModelConfig(model=str(checkpoint_dir), served_model_name="tiny"),
-        gateway=GatewayConfig(
-            host="127.0.0.1", port=0, otlp_traces_endpoint=receiver.endpoint, metrics_port=0
-        ),
-        input_address=ipc_address(run_dir, "in"),
-        output_address=ipc_address(run_dir, "out"),
-        heartbeat_timeout_s=5.0,
+    gateway = GatewayConfig(
+        host="127.0.0.1", port=0, otlp_traces_endpoint=receiver.endpoint, metrics_port=0
     )
+    config = gateway_config(checkpoint_dir, run_dir, gateway=gateway)
     server = GatewayServer(config)
     await server.start()
     script = server.state.tokenizer.encode(" one two three four", add_special_tokens=False)
@@ -74,7 +67,6 @@ async def gateway(
             await engine.close()
         await server.stop()
         receiver.stop()
-        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 async def test_spans_are_placed_right_despite_a_skewed_engine_wall_clock(gateway) -> None:

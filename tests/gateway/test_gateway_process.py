@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
-import pytest
+from gateway_harness import health_status
 from gateway_scripted_engine import ScriptedEngine
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from switchboard.config import (
     GatewayConfig,
@@ -27,13 +24,6 @@ from switchboard.config import (
 from switchboard.gateway.server import GENERATION_SERVICE, GatewayServer
 
 WAIT_S = 30.0
-
-
-@pytest.fixture
-def run_dir() -> Iterator[str]:
-    path = tempfile.mkdtemp(prefix="sbgp-")  # short: ipc:// paths have a length limit
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _config(checkpoint_dir: Path, run_dir: str, **overrides) -> GatewayRoleConfig:
@@ -83,9 +73,7 @@ class GatewayProcess:
 
 async def _health(port: int, service: str) -> int:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        request = health_pb2.HealthCheckRequest(service=service)
-        return (await stub.Check(request, timeout=WAIT_S)).status
+        return await health_status(channel, service, WAIT_S)
 
 
 async def test_titled_process_serves_health_and_stops_cleanly_on_sigterm(

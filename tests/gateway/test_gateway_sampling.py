@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from test_gateway_server import WAIT_S, StartGateway, _collect, _generate, _until, start_gateway
+from gateway_harness import WAIT_S, until
+from test_gateway_server import StartGateway, _collect, _generate, start_gateway
 
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.gateway.bad_words import tokenize_bad_words
@@ -69,22 +70,22 @@ async def test_abort_rpc_and_cancellation_reach_every_sequence(
         _generate(max_tokens=20, request_id="req-ab", sampling=pb.SamplingParams(n=2)),
         timeout=WAIT_S,
     )
-    await _until(lambda: len(h.engine.added) == 2, "the engine got both ADDs")
+    await until(lambda: len(h.engine.added) == 2, "the engine got both ADDs")
     reply = await h.stub.Abort(pb.AbortRequest(request_ids=["req-ab"]), timeout=WAIT_S)
     assert list(reply.aborted_request_ids) == ["req-ab"]
     responses = await _collect(call)
     finishes = sorted(o.index for r in responses for o in r.outputs if o.finish_reason)
     assert finishes == [0, 1]
     assert responses[-1].HasField("usage")
-    await _until(lambda: {"0_req-ab", "1_req-ab"} <= set(h.engine.aborted), "both aborted")
+    await until(lambda: {"0_req-ab", "1_req-ab"} <= set(h.engine.aborted), "both aborted")
 
     cancelled = h.stub.Generate(
         _generate(max_tokens=20, request_id="req-cx", sampling=pb.SamplingParams(n=2)),
         timeout=WAIT_S,
     )
-    await _until(lambda: "1_req-cx" in h.engine.added, "the engine got the ADDs")
+    await until(lambda: "1_req-cx" in h.engine.added, "the engine got the ADDs")
     cancelled.cancel()
-    await _until(lambda: {"0_req-cx", "1_req-cx"} <= set(h.engine.aborted), "both aborted")
+    await until(lambda: {"0_req-cx", "1_req-cx"} <= set(h.engine.aborted), "both aborted")
 
 
 async def test_a_stop_string_ends_and_aborts_each_sequence_on_its_own(
@@ -96,7 +97,7 @@ async def test_a_stop_string_ends_and_aborts_each_sequence_on_its_own(
     responses = await _collect(h.stub.Generate(request, timeout=WAIT_S))
     finals = {o.index: o for r in responses for o in r.outputs if o.finish_reason}
     assert {i: o.stop_string for i, o in finals.items()} == {0: "three", 1: "three"}
-    await _until(lambda: {"0_req-ss", "1_req-ss"} <= set(h.engine.aborted), "ABORTs")
+    await until(lambda: {"0_req-ss", "1_req-ss"} <= set(h.engine.aborted), "ABORTs")
 
 
 @pytest.mark.parametrize(

@@ -11,16 +11,15 @@ import asyncio
 import contextlib
 import dataclasses
 import io
-import shutil
-import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import grpc
 import pytest
+from gateway_harness import WAIT_S, gateway_config, health_status, until
 from gateway_scripted_engine import ScriptedEngine
 from google.protobuf import struct_pb2
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from switchboard.api.v1 import admin_service_pb2 as admin_pb
@@ -30,13 +29,12 @@ from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
 from switchboard.api.v1 import model_service_pb2 as model_pb
 from switchboard.api.v1 import model_service_pb2_grpc as model_grpc
 from switchboard.client import run_generate
-from switchboard.config import GatewayConfig, GatewayRoleConfig, ModelConfig, ipc_address
+from switchboard.config import GatewayConfig
 from switchboard.gateway.errors import status_details
 from switchboard.gateway.server import GENERATION_SERVICE, GatewayServer
 from switchboard.gateway.text import Tokenizer
 
 SCRIPT_TEXT = " one two three four five six seven eight nine ten"
-WAIT_S = 10.0
 
 
 @dataclasses.dataclass
@@ -51,39 +49,18 @@ class Harness:
         return pb_grpc.GenerationServiceStub(self.channel)
 
     async def health(self, service: str = GENERATION_SERVICE) -> int:
-        stub = health_pb2_grpc.HealthStub(self.channel)
-        request = health_pb2.HealthCheckRequest(service=service)
-        return (await stub.Check(request, timeout=WAIT_S)).status
-
-
-async def _until(predicate: Callable[[], bool], what: str) -> None:
-    async def poll() -> None:
-        while not predicate():
-            await asyncio.sleep(0.01)
-
-    try:
-        await asyncio.wait_for(poll(), WAIT_S)
-    except TimeoutError:
-        raise AssertionError(f"timed out waiting until {what}") from None
+        return await health_status(self.channel, service)
 
 
 StartGateway = Callable[..., Awaitable[Harness]]
 
 
 @pytest.fixture
-async def start_gateway(checkpoint_dir: Path) -> AsyncIterator[StartGateway]:
-    run_dir = tempfile.mkdtemp(prefix="sbgw-")  # short: ipc:// paths have a length limit
+async def start_gateway(checkpoint_dir: Path, run_dir: str) -> AsyncIterator[StartGateway]:
     started: list[Harness] = []
 
     async def start(connect_engine: bool = True, **overrides) -> Harness:
-        fields = dict(
-            model=ModelConfig(model=str(checkpoint_dir), served_model_name="tiny"),
-            gateway=GatewayConfig(host="127.0.0.1", port=0, enable_admin=True),
-            input_address=ipc_address(run_dir, "in"),
-            output_address=ipc_address(run_dir, "out"),
-            heartbeat_timeout_s=5.0,
-        )
-        config = GatewayRoleConfig(**{**fields, **overrides})
+        config = gateway_config(checkpoint_dir, run_dir, **overrides)
         server = GatewayServer(config)
         await server.start()
         tokenizer = server.state.tokenizer
@@ -95,7 +72,7 @@ async def start_gateway(checkpoint_dir: Path) -> AsyncIterator[StartGateway]:
         if connect_engine:
             await engine.start()
             assert await server.engines.wait_until_ready(WAIT_S)
-            await _until(lambda: server.state.facts.vocab_size == engine.vocab_size, "READY")
+            await until(lambda: server.state.facts.vocab_size == engine.vocab_size, "READY")
         return harness
 
     yield start
@@ -104,7 +81,6 @@ async def start_gateway(checkpoint_dir: Path) -> AsyncIterator[StartGateway]:
         with contextlib.suppress(Exception):
             await harness.engine.close()
         await harness.server.stop()
-    shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _generate(text: str = "Hello", max_tokens: int = 5, **fields) -> pb.GenerateRequest:
@@ -123,8 +99,8 @@ async def test_health_and_reflection(start_gateway: StartGateway) -> None:
     assert await h.health("") == serving
     assert await h.health() == health_pb2.HealthCheckResponse.NOT_SERVING
     await h.engine.start()
-    await _until(lambda: bool(h.server.engines.live_engines), "the engine is ready")
-    await _until(lambda: h.server.state.facts.max_model_len == 64, "facts follow READY")
+    await until(lambda: bool(h.server.engines.live_engines), "the engine is ready")
+    await until(lambda: h.server.state.facts.max_model_len == 64, "facts follow READY")
     assert await h.health() == serving
 
     stub = reflection_pb2_grpc.ServerReflectionStub(h.channel)
@@ -194,7 +170,7 @@ async def test_stop_string_ends_the_stream_and_aborts_the_engine(
     assert "".join(r.outputs[0].text for r in responses) == " one two "
     assert final.finish_reason == pb.FINISH_REASON_STOP
     assert final.stop_string == "three"
-    await _until(lambda: "req-stop" in h.engine.aborted, "the engine got ABORT")
+    await until(lambda: "req-stop" in h.engine.aborted, "the engine got ABORT")
 
 
 @pytest.mark.parametrize("how", ["cancel", "deadline"])
@@ -203,7 +179,7 @@ async def test_client_going_away_aborts_on_the_engine(start_gateway: StartGatewa
     h.engine.mode = "hang"
     request = _generate(max_tokens=20, request_id=f"req-{how}")
     call = h.stub.Generate(request, timeout=2.0 if how == "deadline" else WAIT_S)
-    await _until(lambda: request.request_id in h.engine.added, "the engine got ADD")
+    await until(lambda: request.request_id in h.engine.added, "the engine got ADD")
     if how == "cancel":
         call.cancel()
         assert await call.code() == grpc.StatusCode.CANCELLED
@@ -211,15 +187,15 @@ async def test_client_going_away_aborts_on_the_engine(start_gateway: StartGatewa
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await _collect(call)
         assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    await _until(lambda: request.request_id in h.engine.aborted, "the engine got ABORT")
-    await _until(lambda: not h.server.engines.is_live(request.request_id), "it was forgotten")
+    await until(lambda: request.request_id in h.engine.aborted, "the engine got ABORT")
+    await until(lambda: not h.server.engines.is_live(request.request_id), "it was forgotten")
 
 
 async def test_abort_rpc_ends_the_stream_ok_with_finish_abort(start_gateway: StartGateway) -> None:
     h = await start_gateway()
     h.engine.mode = "hang"
     call = h.stub.Generate(_generate(max_tokens=20, request_id="req-a"), timeout=WAIT_S)
-    await _until(lambda: "req-a" in h.engine.added, "the engine got ADD")
+    await until(lambda: "req-a" in h.engine.added, "the engine got ADD")
     abort = pb.AbortRequest(request_ids=["req-a", "nope"], reason="test")
     reply = await h.stub.Abort(abort, timeout=WAIT_S)
     assert list(reply.aborted_request_ids) == ["req-a"]
@@ -228,7 +204,7 @@ async def test_abort_rpc_ends_the_stream_ok_with_finish_abort(start_gateway: Sta
     assert await call.code() == grpc.StatusCode.OK
     assert responses[-1].outputs[0].finish_reason == pb.FINISH_REASON_ABORT
     assert responses[-1].HasField("usage")
-    await _until(lambda: "req-a" in h.engine.aborted, "the engine got ABORT")
+    await until(lambda: "req-a" in h.engine.aborted, "the engine got ABORT")
     again = await h.stub.Abort(abort, timeout=WAIT_S)  # idempotent
     assert list(again.unknown_request_ids) == ["req-a", "nope"]
 
@@ -256,7 +232,7 @@ async def test_invalid_arguments_and_duplicates(start_gateway: StartGateway) -> 
 
     h.engine.mode = "hang"
     first = h.stub.Generate(_generate(request_id="dup"), timeout=WAIT_S)
-    await _until(lambda: "dup" in h.engine.added, "the engine got ADD")
+    await until(lambda: "dup" in h.engine.added, "the engine got ADD")
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await _collect(h.stub.Generate(_generate(request_id="dup"), timeout=WAIT_S))
     assert caught.value.code() == grpc.StatusCode.ALREADY_EXISTS
@@ -279,7 +255,7 @@ async def test_engine_death_fails_requests_and_stops_the_gateway(
     run = asyncio.create_task(h.server.run())
     h.engine.mode = "hang"
     call = h.stub.Generate(_generate(request_id="req-d"), timeout=WAIT_S)
-    await _until(lambda: "req-d" in h.engine.added, "the engine got ADD")
+    await until(lambda: "req-d" in h.engine.added, "the engine got ADD")
     if death == "ENGINE_CORE_DEAD":
         await h.engine.die()
     else:
