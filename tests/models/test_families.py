@@ -8,13 +8,11 @@ import shutil
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from switchboard.models.attention import (
     AttentionMetadata,
     DecodeBatch,
-    PrefillSpan,
     new_kv_cache,
     paged_attention,
 )
@@ -23,6 +21,7 @@ from switchboard.models.hf_config import parse_transformer_config
 from switchboard.models.loader import load_model, model_family
 from switchboard.models.mistral import MistralForCausalLM
 from switchboard.models.qwen2 import Qwen2ForCausalLM
+from tests.models.paged_reference import dense_attention, lay_out_step
 from tests.tiny_checkpoint import tiny_checkpoint_dir
 
 CPU = torch.device("cpu")
@@ -163,20 +162,6 @@ def test_auto_dtype_follows_the_checkpoint_on_an_accelerator(tmp_path):
 HEADS, KV_HEADS, DIM, BLOCK, WINDOW = 4, 2, 8, 4, 5
 
 
-def dense_window_attention(q, k, v):
-    """Causal sliding-window attention; the last len(q) positions of k/v are the queries'."""
-    n, length = q.shape[0], k.shape[0]
-    query_pos = torch.arange(length - n, length)[:, None]
-    key_pos = torch.arange(length)[None, :]
-    mask = (key_pos <= query_pos) & (key_pos > query_pos - WINDOW)
-    k = k.repeat_interleave(HEADS // KV_HEADS, dim=1)
-    v = v.repeat_interleave(HEADS // KV_HEADS, dim=1)
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask
-    )
-    return out.transpose(0, 1).flatten(1)
-
-
 def test_sliding_window_masks_decode_and_prefill_like_dense_attention():
     torch.manual_seed(0)
     cache = new_kv_cache(32, BLOCK, KV_HEADS, DIM, torch.float32, "cpu")
@@ -188,19 +173,7 @@ def test_sliding_window_masks_decode_and_prefill_like_dense_attention():
     ]
     free = list(range(31, -1, -1))
     tables = [[free.pop() for _ in range(-(-(c + n) // BLOCK))] for c, n in shapes]
-    flat_k, flat_v = cache[0].view(-1, KV_HEADS, DIM), cache[1].view(-1, KV_HEADS, DIM)
-    queries, keys, values, slots, spans, row = [], [], [], [], [], 0
-    for (cached, n), (k, v), table in zip(shapes, full, tables, strict=True):
-        for pos in range(cached):
-            flat_k[table[pos // BLOCK] * BLOCK + pos % BLOCK] = k[pos]
-            flat_v[table[pos // BLOCK] * BLOCK + pos % BLOCK] = v[pos]
-        queries.append(torch.randn(n, HEADS, DIM))
-        keys.append(k[cached:])
-        values.append(v[cached:])
-        slots += [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(cached, cached + n)]
-        if n > 1:
-            spans.append(PrefillSpan(row, n, cached + n, torch.tensor(table)))
-        row += n
+    queries, keys, values, slots, spans = lay_out_step(cache, shapes, full, tables, HEADS)
     decode = DecodeBatch(
         block_table=torch.tensor([tables[0], tables[1] + [0, 0]]),
         context_lens=torch.tensor([12, 3]),
@@ -211,6 +184,6 @@ def test_sliding_window_masks_decode_and_prefill_like_dense_attention():
         torch.cat(queries), torch.cat(keys), torch.cat(values), cache, metadata, DIM**-0.5, WINDOW
     )
     expected = torch.cat(
-        [dense_window_attention(q, k, v) for q, (k, v) in zip(queries, full, strict=True)]
+        [dense_attention(q, k, v, WINDOW) for q, (k, v) in zip(queries, full, strict=True)]
     )
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
