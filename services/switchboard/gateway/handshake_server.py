@@ -33,9 +33,7 @@ def port_of(address: str) -> int:
 
 
 class HandshakeServer:
-    def __init__(
-        self, ctx: zmq.asyncio.Context, address: str, answer: GatewayAddresses
-    ) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, answer: GatewayAddresses) -> None:
         self._answer = zmq_channel.encode(answer)
         self._sock = zmq_channel.make_socket(ctx, zmq.ROUTER, address, bind=True)
         self.address = zmq_channel.bound_address(self._sock)
