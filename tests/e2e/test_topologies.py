@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -166,6 +167,12 @@ def health(target: str, service: str = READINESS) -> int:
         return -1
 
 
+def exports_engine_series(target: str, metrics_port: int) -> bool:
+    host = target.split(":")[0]
+    with urllib.request.urlopen(f"http://{host}:{metrics_port}/metrics", timeout=30) as reply:
+        return 'switchboard:num_requests_running{engine="0"' in reply.read().decode()
+
+
 def test_gateways_and_engine_as_separate_commands(tiny_model: str, tmp_path: Path) -> None:
     hosts = tmp_path / "hosts"  # stands for the headless Service's DNS records
     hosts.write_text("127.0.0.1 sb-gateways\n")
@@ -178,12 +185,14 @@ def test_gateways_and_engine_as_separate_commands(tiny_model: str, tmp_path: Pat
     )
     handshake_port = free_port()
     targets = [f"127.0.0.1:{free_port()}", f"127.0.0.2:{free_port()}"]
+    metrics_ports = [free_port(), free_port()]
 
     def gateway(i: int) -> Role:
         host, port = targets[i].split(":")
         args = ["gateway", "--model", tiny_model, "--host", host, "--port", port,
                 "--engine-host", host, "--handshake-port", str(handshake_port),
-                "--engine-heartbeat-timeout", "3"]  # fmt: skip
+                "--engine-heartbeat-timeout", "3",
+                "--metrics-port", str(metrics_ports[i])]  # fmt: skip
         return Role(f"gateway{i}", args, tmp_path, env)
 
     def engine() -> Role:
@@ -231,6 +240,12 @@ def test_gateways_and_engine_as_separate_commands(tiny_model: str, tmp_path: Pat
         wait_for(lambda: serving(targets[1]), "gateway 1 is discovered")
         assert generate(targets[1], greedy()).metrics.engine_id == second_engine
         assert generate(targets[0], greedy()).metrics.engine_id == second_engine
+        # Both gateways' client indices are random: the engine names one of them the exporter
+        # of its engine-level series (in both answers' stats), so it is counted exactly once.
+        exporters = [
+            exports_engine_series(t, p) for t, p in zip(targets, metrics_ports, strict=True)
+        ]
+        assert exporters.count(True) == 1, exporters
     finally:
         codes = [role.stop() for role in reversed(roles)]
         shutil.rmtree(run_base, ignore_errors=True)

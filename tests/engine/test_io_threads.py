@@ -10,7 +10,12 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from switchboard.engine.io_threads import InputThread, OutputThread, send_engine_dead_directly
+from switchboard.engine.io_threads import (
+    GatewayChange,
+    InputThread,
+    OutputThread,
+    send_engine_dead_directly,
+)
 from switchboard.wire import zmq_channel
 from switchboard.wire.engine_msgs import (
     ENGINE_CORE_DEAD,
@@ -19,6 +24,7 @@ from switchboard.wire.engine_msgs import (
     EngineCoreRequest,
     EngineReady,
     RequestType,
+    SchedulerStats,
     UtilityCall,
 )
 
@@ -155,6 +161,28 @@ def test_output_thread_heartbeats_every_idle_gateway(gateways: Gateways) -> None
             heartbeat = gateways.recv_output(index)
             assert heartbeat.heartbeat and heartbeat.engine_index == 4
             assert heartbeat.outputs == [] and heartbeat.timestamp_ns <= time.monotonic_ns()
+    finally:
+        thread.stop()
+    assert not thread.is_alive()
+
+
+def test_exactly_one_gateway_is_named_exporter_of_the_engine_stats(gateways: Gateways) -> None:
+    output_queue: queue.Queue = queue.Queue()
+    thread = OutputThread(
+        gateways.ctx, gateways.output_addresses(), output_queue, 0, 0.05, lambda _: None
+    )
+    thread.latest_stats = SchedulerStats(num_running_reqs=1)
+    thread.start()
+    try:
+        beats = [gateways.recv_output(index) for index in (0, 1)]
+        assert [b.heartbeat and b.scheduler_stats is not None for b in beats] == [True, True]
+        assert [b.exports_engine_stats for b in beats] == [True, False]  # the lowest index
+        # Gateway 0 goes away: gateway 1 is the exporter from the next stats on.
+        output_queue.put(GatewayChange(0, None))
+        output_queue.put((1, EngineCoreOutputs(0, 1, scheduler_stats=SchedulerStats())))
+        while not (received := gateways.recv_output(1)).scheduler_stats == SchedulerStats():
+            pass  # heartbeats sent before the change
+        assert received.exports_engine_stats
     finally:
         thread.stop()
     assert not thread.is_alive()

@@ -124,6 +124,7 @@ class ScriptedEngine:
                     timestamp_ns=time.monotonic_ns(),
                     scheduler_stats=stats,
                     heartbeat=True,
+                    exports_engine_stats=True,  # the only engine of its only gateway
                 )
             )
 

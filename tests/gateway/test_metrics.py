@@ -11,9 +11,14 @@ from switchboard.gateway.metrics import GatewayMetrics, tokens_buckets
 from switchboard.wire.engine_msgs import ITERATION_TOKENS_BUCKETS, EngineReady, SchedulerStats
 
 
-def engine(rank: int, stats: SchedulerStats | None, alive: bool = True) -> EngineHandle:
+def engine(
+    rank: int, stats: SchedulerStats | None, alive: bool = True, exports: bool = True
+) -> EngineHandle:
+    """``exports``: the engine named this gateway the exporter of its engine-level series."""
     ready = EngineReady(f"e{rank}", rank, 64, 10, 16, 160, 0, 0)
-    handle = EngineHandle(identity=b"x", ready=ready, scheduler_stats=stats)
+    handle = EngineHandle(
+        identity=b"x", ready=ready, scheduler_stats=stats, exports_engine_stats=exports
+    )
     if not alive:
         handle.state = EngineState.DEAD
     return handle
@@ -39,7 +44,7 @@ def test_engine_series_come_from_each_live_engines_stats() -> None:
         iteration_tokens_sum=5 + 12 + 20000,
     )
     engines = [engine(0, stats), engine(1, SchedulerStats()), engine(2, stats, alive=False)]
-    metrics = GatewayMetrics("m", 64, lambda: engines, export_engine_stats=True)
+    metrics = GatewayMetrics("m", 64, lambda: engines)
     value = metrics.registry.get_sample_value
     labels = {"model_name": "m", "engine": "0"}
     assert value("switchboard:num_requests_running", labels) == 2
@@ -60,17 +65,18 @@ def test_engine_series_come_from_each_live_engines_stats() -> None:
     assert value("switchboard:num_requests_running", {"model_name": "m", "engine": "2"}) is None
 
 
-def test_only_the_exporting_gateway_has_engine_series() -> None:
-    metrics = GatewayMetrics(
-        "m", 64, lambda: [engine(0, SchedulerStats(num_running_reqs=1))], export_engine_stats=False
-    )
+def test_only_the_gateway_an_engine_names_has_its_engine_series() -> None:
+    stats = SchedulerStats(num_running_reqs=1)
+    engines = [engine(0, stats, exports=False), engine(1, stats)]
+    metrics = GatewayMetrics("m", 64, lambda: engines)
     text = generate_latest(metrics.registry).decode()
-    assert "switchboard:num_requests_running" not in text
+    assert 'switchboard:num_requests_running{engine="0"' not in text  # another gateway's
+    assert 'switchboard:num_requests_running{engine="1",model_name="m"} 1.0' in text
     assert "switchboard:time_to_first_token_seconds" in text  # request-level: every gateway
 
 
 def test_request_series() -> None:
-    metrics = GatewayMetrics("m", 64, list, export_engine_stats=True)
+    metrics = GatewayMetrics("m", 64, list)
     requests = metrics.requests
     requests.first_token("0", 0.05, prompt=10, cached=4)
     requests.tokens("0", 1, None)
@@ -116,7 +122,7 @@ def test_request_length_buckets_follow_1_2_5_up_to_max_model_len() -> None:
 
 
 def test_metrics_are_served_over_http() -> None:
-    metrics = GatewayMetrics("m", 64, lambda: [engine(0, SchedulerStats())], True)
+    metrics = GatewayMetrics("m", 64, lambda: [engine(0, SchedulerStats())])
     port = metrics.serve("127.0.0.1", 0)
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:

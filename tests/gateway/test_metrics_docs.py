@@ -23,8 +23,10 @@ SUFFIXES = ("_bucket", "_count", "_sum")
 def exported_samples() -> set[str]:
     stats = SchedulerStats(iteration_tokens_counts=[0] * (len(ITERATION_TOKENS_BUCKETS) + 1))
     ready = EngineReady("e0", 0, 64, 10, 16, 160, 0, 0)
-    engines = [EngineHandle(identity=b"x", ready=ready, scheduler_stats=stats)]
-    metrics = GatewayMetrics("m", 64, lambda: engines, export_engine_stats=True)
+    engines = [
+        EngineHandle(identity=b"x", ready=ready, scheduler_stats=stats, exports_engine_stats=True)
+    ]
+    metrics = GatewayMetrics("m", 64, lambda: engines)
     requests = metrics.requests  # make every labelled series appear once
     requests.first_token("0", 0.1, 1, 0)
     requests.tokens("0", 2, 0.01)

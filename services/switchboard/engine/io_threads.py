@@ -286,6 +286,8 @@ class OutputThread(_GatewaySocketThread):
                     "Dropped outputs for unknown gateway (client_index %s)", client_index
                 )
                 continue
+            if outputs.scheduler_stats is not None:
+                outputs.exports_engine_stats = self._exports_engine_stats(client_index)
             self._send(sock, outputs)
             self._last_sent[client_index] = time.monotonic()
 
@@ -294,14 +296,22 @@ class OutputThread(_GatewaySocketThread):
         last_sent = self._last_sent
         for index, sock in self._sockets.items():
             if now - last_sent[index] >= self._heartbeat_interval_s:
+                stats = self.latest_stats
                 heartbeat = EngineCoreOutputs(
                     engine_index=self._engine_index,
                     timestamp_ns=clock.monotonic_ns(),
-                    scheduler_stats=self.latest_stats,
+                    scheduler_stats=stats,
                     heartbeat=True,
+                    exports_engine_stats=stats is not None and self._exports_engine_stats(index),
                 )
                 self._send(sock, heartbeat)
                 last_sent[index] = now
+
+    def _exports_engine_stats(self, client_index: int) -> bool:
+        """Exactly one gateway of those this engine talks to exports its engine-level metrics:
+        the lowest client_index (gateway 0 on one machine; on Kubernetes, where indices are
+        random, whichever is lowest, and the next one within a discovery round if it goes)."""
+        return client_index == min(self._sockets)
 
     def _send(self, sock: zmq.Socket, outputs: EngineCoreOutputs) -> None:
         buffer = self._buffers.take()

@@ -343,6 +343,7 @@ class EngineClient:
         engine.last_seen = time.monotonic()
         if outputs.scheduler_stats is not None:
             engine.scheduler_stats = outputs.scheduler_stats
+            engine.exports_engine_stats = outputs.exports_engine_stats
         if outputs.utility_output is not None:
             self._utility_calls.resolve(outputs.utility_output)
         for output in outputs.outputs:

@@ -39,6 +39,9 @@ class EngineHandle:
     num_requests: int = 0  # this gateway's requests in flight on it
     load: EngineLoad | None = None  # the coordinator's latest report of it (DP > 1)
     added_since_load: int = 0  # requests this gateway sent it since that report
+    # The engine named this gateway the one that exports its engine-level metrics (its latest
+    # stats said so): exactly one gateway per engine, whatever the topology.
+    exports_engine_stats: bool = False
 
     @property
     def engine_id(self) -> str:

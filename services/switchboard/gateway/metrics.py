@@ -12,8 +12,9 @@ Who exports what, so that sums across gateways and engines are right:
   preemptions, iteration tokens) are the engine's own numbers: counters are the engine's
   cumulative values since its start (a restart is an ordinary counter reset), gauges its latest
   state, both from the ``SchedulerStats`` every engine sends with its outputs and heartbeats.
-  Only the gateway with ``client_index`` 0 exports them, one series per engine, so no engine is
-  counted twice and none is missing (every engine talks to every gateway).
+  Each engine names one gateway, of all it talks to, as their exporter
+  (``EngineCoreOutputs.exports_engine_stats``: the lowest ``client_index``, gateway 0 on one
+  machine), so no engine is counted twice and none is missing, however many gateways there are.
 """
 
 from __future__ import annotations
@@ -240,8 +241,8 @@ class EngineStatsCollector(Collector):
         families = self._families()
         for engine in self._engines():
             stats = engine.scheduler_stats
-            if not engine.alive or stats is None:
-                continue
+            if not engine.alive or stats is None or not engine.exports_engine_stats:
+                continue  # another gateway exports this engine's series
             labels = [self._model_name, str(engine.ready.data_parallel_rank)]
             families["running"].add_metric(labels, stats.num_running_reqs)
             families["waiting"].add_metric(labels, stats.num_waiting_reqs)
@@ -300,15 +301,13 @@ class GatewayMetrics:
         model_name: str,
         max_model_len: int,
         engines: Callable[[], list[EngineHandle]],
-        export_engine_stats: bool,
     ) -> None:
         disable_created_metrics()  # no *_created series (as vLLM): they double the output
         self.registry = CollectorRegistry()
         for collector in (ProcessCollector, PlatformCollector, GCCollector):
             collector(registry=self.registry)
         self.requests = RequestMetrics(self.registry, model_name, max_model_len)
-        if export_engine_stats:
-            self.registry.register(EngineStatsCollector(model_name, engines))
+        self.registry.register(EngineStatsCollector(model_name, engines))
         self._server = None
         self.port = 0
 

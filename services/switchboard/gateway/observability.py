@@ -98,7 +98,6 @@ class Observability:
                 self.model_name,
                 config.model.max_model_len or 1 << 20,
                 lambda: list(engines.engines.values()),
-                export_engine_stats=config.client_index == 0,
             )
         self._stats_task: asyncio.Task | None = None
 

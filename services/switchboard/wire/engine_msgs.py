@@ -190,6 +190,10 @@ class EngineCoreOutputs(_Wire):
     utility_output: UtilityOutput | None = None
     scheduler_stats: SchedulerStats | None = None
     heartbeat: bool = False  # a keep-alive with no outputs: silence means death
+    # Appended for metrics (issue 6), set with scheduler_stats: the receiving gateway is the one
+    # that exports this engine's engine-level series (the engine names exactly one of the
+    # gateways it talks to, the lowest client_index), so none is missing or counted twice.
+    exports_engine_stats: bool = False
 
 
 class UtilityCall(_Wire):
