@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import pytest
@@ -30,6 +31,7 @@ from tests.tiny_checkpoint import tiny_llama_dir
 
 pytestmark = pytest.mark.slow
 
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "observability.md"
 RPC_TIMEOUT_S = 120.0
 CLOCK_OFFSET_NS = 30 * 3600 * 10**9  # the engine's clock runs 30 h ahead
 MS = 1_000_000
@@ -173,6 +175,12 @@ def test_span_tree_of_a_request_on_the_engines_own_clock(observed: Observed) -> 
         metrics.time_to_first_token.ToNanoseconds(), abs=MS
     )
     assert "every timestamp of this engine is offset by" in observed.server.log()
+    # Every span and attribute exported is documented.
+    docs = DOCS.read_text()
+    for span in [server, completion, *children]:
+        assert span.name.split(" ")[0] in docs, span.name
+        undocumented = [key for key in span.attributes if f"`{key}`" not in docs]
+        assert not undocumented, (span.name, undocumented)
 
 
 def test_a_caller_traceparent_is_continued(observed: Observed) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import urllib.request
 from collections.abc import AsyncIterator
@@ -18,7 +19,7 @@ from typing import Any
 import gateway_scripted_engine
 import grpc
 import pytest
-from gateway_harness import gateway_config
+from gateway_harness import gateway_config, until
 from gateway_scripted_engine import ScriptedEngine
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -51,7 +52,11 @@ async def gateway(
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")
     monkeypatch.setattr(gateway_scripted_engine, "time", SkewedTime())
     gateway = GatewayConfig(
-        host="127.0.0.1", port=0, otlp_traces_endpoint=receiver.endpoint, metrics_port=0
+        host="127.0.0.1",
+        port=0,
+        otlp_traces_endpoint=receiver.endpoint,
+        metrics_port=0,
+        log_stats_interval_s=0.05,
     )
     config = gateway_config(checkpoint_dir, run_dir, gateway=gateway)
     server = GatewayServer(config)
@@ -74,7 +79,7 @@ async def test_spans_are_placed_right_despite_a_skewed_engine_wall_clock(gateway
     request = pb.GenerateRequest(text="Hello", request_id="skewed")
     request.stopping.max_tokens = 6
     request.output.kind = pb.OUTPUT_KIND_FINAL_ONLY
-    metadata = (("traceparent", f"00-{TRACE_ID}-{PARENT_ID}-01"),)
+    metadata = (("traceparent", f"00-{TRACE_ID}-{PARENT_ID}-01"), ("tracestate", "vendor=x"))
     before_ns = time.time_ns()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
@@ -86,8 +91,9 @@ async def test_spans_are_placed_right_despite_a_skewed_engine_wall_clock(gateway
     completion = named["text_completion tiny"]
     assert all(s.trace_id == TRACE_ID for s in spans)
     # The engine was handed the text_completion span as its parent.
-    traceparent = engine.added["skewed"].trace_context["traceparent"]
-    assert traceparent == f"00-{TRACE_ID}-{completion.span_id}-01"
+    trace_context = engine.added["skewed"].trace_context
+    assert trace_context["traceparent"] == f"00-{TRACE_ID}-{completion.span_id}-01"
+    assert trace_context["tracestate"] == "vendor=x"  # the caller's, carried along
     # Inside what the client saw (the anchor alone would put the engine phases 5 s later) ...
     assert all(before_ns <= s.start_ns <= s.end_ns <= after_ns for s in spans)
     # ... and as long as the engine measured them.
@@ -132,3 +138,22 @@ async def test_request_metrics_of_the_gateway(gateway) -> None:
     assert value("switchboard:e2e_request_latency_seconds_count") == 1
     assert value("switchboard:inter_token_latency_seconds_count") == 3
     assert value("switchboard:num_requests_running") is not None  # the engine's heartbeats
+
+
+async def test_the_periodic_stats_line(gateway, caplog: pytest.LogCaptureFixture) -> None:
+    server, _, _ = gateway
+    caplog.set_level(logging.INFO, logger="switchboard.gateway.stats_log")
+    request = pb.GenerateRequest(text="Hello", request_id="logged")
+    request.stopping.max_tokens = 4
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        assert [r async for r in stub.Generate(request, timeout=WAIT_S)]
+
+    def logged() -> bool:  # throughput, then the engine's queue state from its heartbeat
+        lines = [r.getMessage() for r in caplog.records if r.name.endswith("stats_log")]
+        return any("engine 0: running" in line for line in lines)
+
+    await until(logged, "a stats line with the engine's state is logged")
+    line = next(r.getMessage() for r in caplog.records if "engine 0: running" in r.getMessage())
+    assert line.startswith("Gateway_0: prompt ") and " tokens/s, generation " in line
+    assert "requests in flight | engine 0: running " in line and ", KV cache " in line
