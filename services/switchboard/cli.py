@@ -60,17 +60,55 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     )
 
     s = p.add_argument_group("scheduler and KV cache")
-    s.add_argument("--max-num-seqs", type=int, default=SchedulerConfig().max_num_seqs)
     s.add_argument(
-        "--max-num-batched-tokens", type=int, default=SchedulerConfig().max_num_batched_tokens
+        "--max-num-seqs",
+        type=int,
+        default=SchedulerConfig().max_num_seqs,
+        help="running requests at most",
     )
-    s.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    s.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
+    s.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=SchedulerConfig().max_num_batched_tokens,
+        help="tokens per engine step; longer prompts are prefilled in chunks",
+    )
+    s.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=0,
+        help="one request's prefill chunk at most while others are eligible (0: no cap)",
+    )
+    s.add_argument(
+        "--scheduling-policy",
+        choices=["fcfs", "priority"],
+        default="fcfs",
+        help="priority: by GenerateRequest.priority (lower first), preempting the lowest",
+    )
     s.add_argument("--block-size", type=int, default=CacheConfig().block_size)
-    s.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    s.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    s.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    s.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    s.add_argument(
+        "--num-gpu-blocks-override",
+        type=int,
+        default=None,
+        help="KV blocks per engine, instead of sizing them from memory",
+    )
+    s.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=None,
+        help="KV cache budget per worker (default: --gpu-memory-utilization; 1 GiB on CPU)",
+    )
+    s.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="share of the device memory left free after loading the weights, for the KV cache",
+    )
+    s.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="automatic prefix caching (--no-enable-prefix-caching: off)",
+    )
 
     w = p.add_argument_group("parallelism and workers")
     _add_parallel_sizes(w)
@@ -174,11 +212,16 @@ def _validate_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespa
         "api_servers",  # these three may be unset (None)
         "max_model_len",
         "num_gpu_blocks_override",
+        "kv_cache_memory_bytes",
     ]
     for name in positive:
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.long_prefill_token_threshold < 0:
+        parser.error("--long-prefill-token-threshold must be at least 0 (0: no cap)")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        parser.error("--gpu-memory-utilization must be in (0, 1]")
     if getattr(args, "data_parallel_rank", None) is not None and args.data_parallel_rank < 0:
         parser.error("--data-parallel-rank must be at least 0")
 

@@ -40,6 +40,7 @@ pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 16
 LONG_MAX_TOKENS = 450  # hundreds of steps: still running when a utility call arrives
+SLEEP_RACE_ATTEMPTS = 5  # tries to catch the long request running (a race, see its test)
 RPC_TIMEOUT_S = 120.0  # generous: other tests share the two cores
 BLOCK_SIZE = 16  # the server default
 KV_BUDGET_BYTES = 4 << 20  # the main server's --kv-cache-memory-bytes
@@ -207,8 +208,9 @@ def test_all_together_equals_alone(main: Served, reference: dict[str, Result]) -
     assert utility(main.channel, "reset_prefix_cache") is True
     results = run_queued_together(main.channel, list(PROMPTS))
     assert_same_output(results, reference)
-    # All in one step: the two system prompts could not use each other's blocks yet.
-    assert all(r.num_cached_tokens == 0 for r in results.values())
+    # The cache was empty: only the second system prompt may find blocks, the first one's.
+    assert all(r.num_cached_tokens == 0 for n, r in results.items() if n != "system-bisect")
+    assert all(r.cached_prompt_tokens == r.num_cached_tokens for r in results.values())
 
 
 def test_prefix_cache_hit_equals_alone(main: Served, reference: dict[str, Result]) -> None:
@@ -279,29 +281,37 @@ def test_sleep_and_wake_up(main: Served, reference: dict[str, Result], level: in
 
 def test_sleep_preempts_a_running_request_and_it_resumes_identically(main: Served) -> None:
     """A long request is running when the engine goes to sleep: it is preempted, waits, and
-    after wake_up is recomputed and finishes with the tokens it would have had anyway."""
+    after wake_up is recomputed and finishes with the tokens it would have had anyway.
+
+    Whether the sleep arrives before the request's last step is a race the test cannot
+    control (the tiny model decodes fast); an attempt that loses it is retried."""
     channel = main.channel
     long_request = greedy(PROMPTS["mid"])
     long_request.stopping.max_tokens = LONG_MAX_TOKENS
     stub = pb_grpc.GenerationServiceStub(channel)
     (alone,) = list(stub.Generate(long_request, timeout=RPC_TIMEOUT_S))
     long_request.output.kind = pb.OUTPUT_KIND_DELTA
-    stream = stub.Generate(long_request, timeout=RPC_TIMEOUT_S)
-    try:
-        first = next(stream)  # it is running now: a token came back
-        utility(channel, "sleep", 1)
+    for _ in range(SLEEP_RACE_ATTEMPTS):
+        stream = stub.Generate(long_request, timeout=RPC_TIMEOUT_S)
         try:
-            stats = utility(channel, "get_stats")
-            assert stats["num_running"] == 0 and stats["num_waiting"] == 1
+            first = next(stream)  # it is running now: a token came back
+            utility(channel, "sleep", 1)
+            try:
+                stats = utility(channel, "get_stats")
+            finally:
+                utility(channel, "wake_up")
+            messages = [first, *stream]
         finally:
-            utility(channel, "wake_up")
-        messages = [first, *stream]
-    finally:
-        stream.cancel()
-    token_ids = streamed_token_ids(messages)
-    assert token_ids == list(alone.outputs[0].token_ids)
-    assert len(token_ids) == LONG_MAX_TOKENS
-    assert messages[-1].metrics.num_preemptions == 1
+            stream.cancel()
+        token_ids = streamed_token_ids(messages)
+        assert token_ids == list(alone.outputs[0].token_ids)
+        assert len(token_ids) == LONG_MAX_TOKENS
+        assert stats["num_running"] == 0  # asleep: nothing runs
+        preempted = stats["num_waiting"] == 1  # else it had already finished
+        assert messages[-1].metrics.num_preemptions == (1 if preempted else 0)
+        if preempted:
+            return
+    pytest.fail(f"the request finished before the sleep in all {SLEEP_RACE_ATTEMPTS} attempts")
 
 
 # ---------------------------------------------------------------- a tiny token budget

@@ -1,0 +1,63 @@
+"""The scheduler and KV-cache flags of `switchboard serve`: what the engine runs with, and the
+values refused before anything starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from switchboard import cli
+
+
+def engine_config(*flags: str):
+    parser = cli.make_parser()
+    args = parser.parse_args(["serve", "--model", "/m", *flags])
+    cli._validate_serve_args(parser, args)
+    _, engine = cli.build_configs(args, "/m")
+    return engine
+
+
+def test_defaults_prefix_caching_on_fcfs_no_chunk_cap() -> None:
+    engine = engine_config()
+    assert engine.cache.enable_prefix_caching is True
+    assert engine.cache.num_gpu_blocks_override is None
+    assert engine.cache.kv_cache_memory_bytes is None
+    assert engine.scheduler.scheduling_policy == "fcfs"
+    assert engine.scheduler.long_prefill_token_threshold == 0
+
+
+def test_scheduler_and_kv_flags_reach_the_engine_config() -> None:
+    engine = engine_config(
+        "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
+        "--long-prefill-token-threshold", "128", "--scheduling-policy", "priority",
+        "--no-enable-prefix-caching", "--block-size", "32",
+        "--kv-cache-memory-bytes", "1048576", "--num-gpu-blocks-override", "100",
+        "--gpu-memory-utilization", "0.5",
+    )  # fmt: skip
+    scheduler, cache = engine.scheduler, engine.cache
+    assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == (8, 512)
+    assert scheduler.long_prefill_token_threshold == 128
+    assert scheduler.scheduling_policy == "priority"
+    assert cache.enable_prefix_caching is False and cache.block_size == 32
+    assert (cache.kv_cache_memory_bytes, cache.num_gpu_blocks_override) == (1 << 20, 100)
+    assert cache.gpu_memory_utilization == 0.5
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--max-num-seqs", "0"),
+        ("--max-num-batched-tokens", "0"),
+        ("--block-size", "0"),
+        ("--num-gpu-blocks-override", "0"),
+        ("--kv-cache-memory-bytes", "0"),
+        ("--long-prefill-token-threshold", "-1"),
+        ("--gpu-memory-utilization", "0"),
+        ("--gpu-memory-utilization", "1.5"),
+        ("--scheduling-policy", "lottery"),
+    ],
+)
+def test_bad_values_are_refused(flags: tuple[str, str], capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        engine_config(*flags)
+    assert exit_info.value.code == 2
+    assert flags[0] in capsys.readouterr().err
