@@ -23,7 +23,7 @@ from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
 from tests.e2e import client_calls
 from tests.e2e.client_calls import streamed_token_ids, utility
-from tests.e2e.server import RunningServer, served
+from tests.e2e.server import RunningServer, served, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -173,6 +173,38 @@ def test_deadline_aborts_the_request_in_the_engine(
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     stats = wait_until_idle(server)
     assert stats.get("running", stats.get("num_running")) == 0, stats
+
+
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+def test_only_the_abort_can_take_a_request_out_of_a_sleeping_engine(
+    stub: pb_grpc.GenerationServiceStub, server: RunningServer, how: str
+) -> None:
+    """The two tests above would also pass if the request simply ran to its end. Here the engine
+    sleeps, so a request it holds can never finish by itself: if it leaves, the ABORT the gateway
+    sent for the cancelled (or expired) call took it out."""
+    with server.channel() as channel:
+        utility(channel, "sleep", 1)
+        try:
+            request = greedy_request([0, 4, 2], 8)
+            if how == "cancel":
+                call = stub.Generate(request, timeout=60)
+                wait_until(
+                    lambda: utility(channel, "get_stats")["num_waiting"] == 1,
+                    "the engine holds the request",
+                )
+                call.cancel()
+            else:
+                with pytest.raises(grpc.RpcError) as err:
+                    collect(stub.Generate(request, timeout=2.0))
+                assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            wait_until(
+                lambda: utility(channel, "get_stats")["num_waiting"] == 0,
+                "the ABORT removed the request from the sleeping engine",
+            )
+        finally:
+            utility(channel, "wake_up")
+    stats = wait_until_idle(server)
+    assert (stats["num_running"], stats["num_waiting"]) == (0, 0), stats
 
 
 @pytest.mark.parametrize(

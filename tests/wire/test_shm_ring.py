@@ -9,6 +9,7 @@ import os
 import random
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 
 import msgspec
@@ -237,3 +238,20 @@ def test_dequeue_and_wait_for_readers_time_out_and_can_be_retried(run_dir: str) 
                 writer.enqueue(b"after the timeout")
                 assert reader.dequeue(timeout=WAIT_S) == b"after the timeout"
                 assert late_reader.dequeue(timeout=WAIT_S) == b"after the timeout"
+
+
+def test_an_idle_reader_sleeps_instead_of_spinning(run_dir: str) -> None:
+    """vLLM's readers spin for a second after every message; ours wait on a notification once
+    a short spin finds nothing. CPU time (not wall time) of the waiting thread tells them apart:
+    a spinning reader would burn most of the wait even on a loaded machine."""
+    wait_s = 1.5
+    with ShmRingWriter(1, run_dir, max_chunks=2, max_chunk_bytes=1024) as writer:
+        with ShmRingReader(writer.handle, 0) as reader:
+            writer.wait_for_readers(timeout=WAIT_S)
+            writer.enqueue(b"one message, then silence")
+            assert reader.dequeue(timeout=WAIT_S) == b"one message, then silence"
+            cpu_before = time.thread_time()
+            with pytest.raises(TimeoutError):
+                reader.dequeue(timeout=wait_s)
+            cpu_s = time.thread_time() - cpu_before
+    assert cpu_s < 0.1 * wait_s, f"an idle reader burned {cpu_s:.3f} s of CPU in {wait_s} s"

@@ -1,0 +1,83 @@
+"""The house rules on imports (DESIGN.md §7): process roles never import one another, and only
+``worker/`` and ``models/`` import torch, so the gateway and the engine core start (and test)
+without it."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "services" / "switchboard"
+ROLES = ("gateway", "engine", "worker", "coordinator")
+TORCH_ALLOWED = ("worker", "models")
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every absolute module name a file imports, at any depth (lazy imports included)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)  # from a import b
+    return names
+
+
+def _top_folder(path: Path) -> str:
+    relative = path.relative_to(PACKAGE)
+    return relative.parts[0] if len(relative.parts) > 1 else ""
+
+
+def _sources() -> list[Path]:
+    return [p for p in PACKAGE.rglob("*.py") if _top_folder(p) != "api"]
+
+
+def test_process_roles_never_import_one_another() -> None:
+    breaches = []
+    for path in _sources():
+        role = _top_folder(path)
+        if role not in ROLES:
+            continue
+        for module in _imported_modules(path):
+            parts = module.split(".")
+            if parts[0] == "switchboard" and len(parts) > 1:
+                if parts[1] in ROLES and parts[1] != role:
+                    breaches.append(f"{path.relative_to(PACKAGE)} imports {module}")
+    assert breaches == []
+
+
+def test_only_workers_and_models_import_torch() -> None:
+    breaches = [
+        f"{path.relative_to(PACKAGE)} imports {module}"
+        for path in _sources()
+        if _top_folder(path) not in TORCH_ALLOWED
+        for module in _imported_modules(path)
+        if module.split(".")[0] == "torch"
+    ]
+    assert breaches == []
+
+
+def test_gateway_and_engine_load_without_torch() -> None:
+    """Indirect imports count too: load every module of the torch-free roles in a fresh
+    interpreter and look at what came along."""
+    modules = sorted(
+        "switchboard." + ".".join(p.relative_to(PACKAGE).with_suffix("").parts)
+        for p in _sources()
+        if _top_folder(p) in ("gateway", "engine", "coordinator", "wire", "checkpoint")
+        or (_top_folder(p) == "" and p.name != "__init__.py")
+    )
+    code = (
+        "import importlib, sys\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module(name)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'"
+        " or m.startswith(('switchboard.worker', 'switchboard.models'))))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
