@@ -110,6 +110,15 @@ def test_n_sequences_carry_indices_and_the_first_matches_its_seed(stub) -> None:
     assert token_ids(responses, 1) != single  # seed + 1
 
 
+def test_n_sequences_compute_their_shared_prompt_once(stub) -> None:
+    fresh_prompt = [0, *[(17 * i) % 900 + 7 for i in range(40)]]  # 41 tokens: 2 full blocks
+    responses = generate(stub, request(fresh_prompt, max_tokens=3, n=3, temperature=0.0))
+    # The first sequence computes the prompt; the others take its full blocks from the prefix
+    # cache (those sent in the same step wait one step for them), whatever the timing.
+    assert responses[-1].usage.cached_prompt_tokens == 32
+    assert token_ids(responses, 0) == token_ids(responses, 1) == token_ids(responses, 2)
+
+
 def test_logprobs_and_prompt_logprobs_match_transformers(stub, tiny_model) -> None:
     message = request(PROMPT, max_tokens=4, temperature=0.0)
     message.output.logprobs = 3
@@ -234,6 +243,7 @@ INVALID = [
     ("frequency_penalty", -2.5, "sampling.frequency_penalty"),
     ("repetition_penalty", 0.0, "sampling.repetition_penalty"),
     ("n", 100, "sampling.n"),
+    ("n", 0, "sampling.n"),
     ("logit_bias", {10**6: 1.0}, "sampling.logit_bias"),
     ("logit_bias", {5: 1000.0}, "sampling.logit_bias"),
     ("allowed_token_ids", [10**6], "sampling.allowed_token_ids"),

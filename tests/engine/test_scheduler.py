@@ -260,6 +260,56 @@ def test_generated_tokens_become_cacheable():
     assert d.sched_outputs[-1].new_requests[0].num_computed_tokens == 16
 
 
+def test_requests_sent_together_with_one_prompt_compute_it_once():
+    """n > 1 siblings arrive in one step: the first computes the prompt, the others wait that
+    step and then take every full block from the prefix cache."""
+    sched = make_scheduler()
+    d = driver(sched)
+    shared = prompt(30)  # 7 full blocks + 2 tokens
+    for i in range(3):
+        sched.add_request(make_request(f"{i}_r", shared, max_tokens=4, seed=i))
+    sched.add_request(make_request("other", prompt(6, 500), max_tokens=2))  # behind them
+    d.step()
+    assert d.sched_outputs[-1].num_scheduled_tokens == {"0_r": 30}
+    d.step()
+    step = d.sched_outputs[-1]
+    assert {r.request_id: r.num_computed_tokens for r in step.new_requests} == {
+        "1_r": 28,
+        "2_r": 28,
+        "other": 0,
+    }
+    assert step.num_scheduled_tokens == {"0_r": 1, "1_r": 2, "2_r": 2, "other": 6}
+    d.run()
+    assert [d.outputs[f"{i}_r"][0].num_cached_tokens for i in range(3)] == [0, 28, 28]
+    assert all(d.tokens(f"{i}_r") == expected_tokens(shared, 4) for i in range(3))
+
+
+def test_a_sibling_waits_for_each_shared_chunk_of_a_long_prompt():
+    sched = make_scheduler(max_num_batched_tokens=16, max_model_len=128)
+    d = driver(sched)
+    shared = prompt(40)
+    sched.add_request(make_request("a", shared, max_tokens=2))
+    sched.add_request(make_request("b", shared, max_tokens=2))
+    for _ in range(3):  # 16 + 16 + 8 prompt tokens, all "a"'s
+        d.step()
+        assert list(d.sched_outputs[-1].num_scheduled_tokens) == ["a"]
+    d.step()
+    assert d.sched_outputs[-1].new_requests[0].num_computed_tokens == 36
+    d.run()
+    assert d.tokens("b") == d.tokens("a") == expected_tokens(shared, 2)
+
+
+def test_nothing_waits_without_a_shared_prefix_or_when_prompt_logprobs_need_every_position():
+    sched = make_scheduler()
+    d = driver(sched)
+    sched.add_request(make_request("a", prompt(12), max_tokens=2))
+    sched.add_request(make_request("b", prompt(12), max_tokens=2, prompt_logprobs=1))
+    sched.add_request(make_request("c", prompt(12, 300), max_tokens=2))
+    d.step()
+    assert d.sched_outputs[-1].num_scheduled_tokens == {"a": 12, "b": 12, "c": 12}
+    d.run()
+
+
 def test_different_cache_salt_never_shares_blocks():
     sched = make_scheduler()
     d = driver(sched)

@@ -100,6 +100,20 @@ async def test_a_stop_string_ends_and_aborts_each_sequence_on_its_own(
     await until(lambda: {"0_req-ss", "1_req-ss"} <= set(h.engine.aborted), "ABORTs")
 
 
+async def test_a_stop_string_within_min_tokens_does_not_stop(start_gateway: StartGateway) -> None:
+    h = await start_gateway()
+    tokens_to_three = len(h.tokenizer.encode(" one two three", add_special_tokens=False))
+    request = _generate(max_tokens=len(h.engine.script), request_id="req-min")
+    request.stopping.stop.append("three")
+    request.stopping.min_tokens = tokens_to_three
+    responses = await _collect(h.stub.Generate(request, timeout=WAIT_S))
+    [final] = [o for r in responses for o in r.outputs if o.finish_reason]
+    assert final.finish_reason == pb.FINISH_REASON_LENGTH and not final.stop_string
+    assert "".join(o.text for r in responses for o in r.outputs) == h.tokenizer.decode(
+        h.engine.script
+    )
+
+
 @pytest.mark.parametrize(
     "kind", [pb.OUTPUT_KIND_DELTA, pb.OUTPUT_KIND_CUMULATIVE, pb.OUTPUT_KIND_FINAL_ONLY]
 )

@@ -65,9 +65,13 @@ def test_special_tokens_are_skipped_unless_asked(byte_level_tokenizer: Tokenizer
     assert text == "Hello<|endoftext|>"
 
 
-def _run_stop(tokenizer: Tokenizer, text: str, stop: list[str], include: bool = False):
+def _run_stop(
+    tokenizer: Tokenizer, text: str, stop: list[str], include: bool = False, min_tokens: int = 0
+):
     detokenizer = IncrementalDetokenizer(tokenizer, tokenizer.encode("Story:"))
-    stream = TextStream(detokenizer, stop, include_stop_str_in_output=include)
+    stream = TextStream(
+        detokenizer, stop, include_stop_str_in_output=include, min_tokens=min_tokens
+    )
     released = []
     for token_id in tokenizer.encode(text, add_special_tokens=False):
         released.append(stream.push([token_id]))
@@ -111,6 +115,19 @@ def test_stop_string_with_a_multibyte_character(llama_style_tokenizer: Tokenizer
     released, stream = _run_stop(llama_style_tokenizer, "café 😀 done 😀 again", ["😀 d"])
     assert stream.stop_string == "😀 d"
     assert "".join(released) == " café "
+
+
+def test_a_stop_string_needs_an_ending_past_min_tokens(byte_level_tokenizer: Tokenizer) -> None:
+    text = " one STOP two STOP three"
+    ids = byte_level_tokenizer.encode(text, add_special_tokens=False)
+    first_stop_ends = next(
+        n for n in range(1, len(ids) + 1) if "STOP" in byte_level_tokenizer.decode(ids[:n])
+    )
+    released, stream = _run_stop(byte_level_tokenizer, text, ["STOP"], min_tokens=first_stop_ends)
+    assert stream.stop_string == "STOP"
+    assert "".join(released) == " one STOP two "  # the first one ended within min_tokens
+    released, stream = _run_stop(byte_level_tokenizer, text, ["STOP"], min_tokens=len(ids))
+    assert not stream.stopped and "".join(released) == text
 
 
 def test_no_stop_releases_everything_at_finish(byte_level_tokenizer: Tokenizer) -> None:

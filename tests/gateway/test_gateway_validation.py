@@ -62,7 +62,8 @@ CASES: list[tuple[str, Callable[[], pb.GenerateRequest], int, str, str]] = [
     ("top_p zero", lambda: _request(sampling__top_p=0.0), 4, "sampling.top_p", "(0, 1]"),
     ("top_p above one", lambda: _request(sampling__top_p=1.5), 4, "sampling.top_p", "(0, 1]"),
     ("top_k below -1", lambda: _request(sampling__top_k=-2), 4, "sampling.top_k", ">= -1"),
-    ("n above the cap", lambda: _request(sampling__n=65), 4, "sampling.n", "at most 64"),
+    ("n above the cap", lambda: _request(sampling__n=65), 4, "sampling.n", "[1, 64]"),
+    ("n zero", lambda: _request(sampling__n=0), 4, "sampling.n", "[1, 64]"),
     ("min_p above one", lambda: _request(sampling__min_p=1.5), 4, "sampling.min_p", "[0, 1]"),
     ("min_p nan", lambda: _request(sampling__min_p=math.nan), 4, "sampling.min_p", "finite"),
     ("presence penalty", lambda: _request(sampling__presence_penalty=2.5), 4,
@@ -188,10 +189,11 @@ def test_explicit_knobs_reach_the_engine_request() -> None:
     assert engine_request.priority == -2 and engine_request.cache_salt == "tenant-a"
 
 
-def test_no_op_values_are_accepted_and_n_zero_means_one() -> None:
-    request = _request(sampling__repetition_penalty=1.0, sampling__min_p=0.0, sampling__n=0)
+def test_no_op_values_are_accepted_and_unset_n_means_one() -> None:
+    request = _request(sampling__repetition_penalty=1.0, sampling__min_p=0.0)
     assert _engine_request(request).sampling_params.max_tokens == 60
     assert plan_generate(request, "req-1", FACTS).n == 1
+    assert plan_generate(_request(sampling__n=1), "req-1", FACTS).n == 1
 
 
 def test_every_sampling_knob_reaches_the_engine_request() -> None:

@@ -13,6 +13,9 @@ budget (``max_num_batched_tokens``) and a cap on running requests (``max_num_seq
    lookup, while budget, sequence slots and blocks last; skipped for the step if step 1
    preempted (memory is short). Under the priority policy a waiting request may also preempt
    running requests of strictly lower priority, so urgent work does not wait for it to finish.
+   A waiting request whose next prompt block another request computes in this step (the same
+   prefix: sibling sequences of ``n`` > 1 arrive together) waits one step, with the queue
+   behind it, and then takes that block from the prefix cache instead of computing it again.
 
 Preemption is by recompute: blocks freed, ``num_computed_tokens`` reset, outputs kept, request
 back at the front of the waiting queue; its id goes out in ``finished_request_ids`` so workers
@@ -214,6 +217,8 @@ class Scheduler:
                     continue
                 break
             hits, num_hit_tokens = self._prefix_cache_hits(request)
+            if self._waits_for_shared_prefill(request, len(hits), plan):
+                break  # FCFS: the queue behind it waits that one step too
             num_tokens = request.num_tokens - num_hit_tokens
             if cap and num_tokens > cap:
                 num_tokens = cap
@@ -229,11 +234,36 @@ class Scheduler:
         """The prefix-cache lookup, skipped for a request that still owes prompt logprobs:
         those need the logits of every prompt position, which a cache hit would not compute.
         Skipped for pooling requests too: mean/max pooling needs every position's hidden state."""
-        if request.pooling_params is not None:
-            return [], 0
-        if request.sampling_params.prompt_logprobs is not None and not request.output_token_ids:
+        if not self._takes_prefix_hits(request):
             return [], 0
         return self.kv.get_computed_blocks(request)
+
+    @staticmethod
+    def _takes_prefix_hits(request: Request) -> bool:
+        if request.pooling_params is not None:
+            return False
+        return request.sampling_params.prompt_logprobs is None or bool(request.output_token_ids)
+
+    def _waits_for_shared_prefill(
+        self, request: Request, num_hit_blocks: int, plan: StepPlan
+    ) -> bool:
+        """Whether the next block this request would compute is being computed in this step by
+        another request (same prefix: typically a sibling sequence of ``n`` > 1 sent together).
+        Waiting one step turns it into a prefix-cache hit instead of a second computation."""
+        if not plan.filling or not self._takes_prefix_hits(request):
+            return False
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size  # last token: recomputed
+        hashes = request.block_hashes
+        if num_hit_blocks >= min(len(hashes), max_hit_blocks):
+            return False
+        if not plan.fills(hashes[num_hit_blocks]):
+            return False
+        logger.debug(
+            "request %s waits a step: its block %d is being computed for another request",
+            request.request_id,
+            num_hit_blocks,
+        )
+        return True
 
     def _admit(
         self, plan: StepPlan, request: Request, num_hit_tokens: int, num_tokens: int

@@ -8,18 +8,32 @@ join the batch, which were preempted), then :meth:`StepPlan.commit` turns it int
     running request -> CachedRequest(block ids added since it was last sent, num_computed_tokens)
 
 and advances every scheduled request's ``num_computed_tokens`` by its share of the step.
+
+It also knows which prompt blocks the step fills (``filling``: block hash -> the request
+computing it), so that a waiting request with the same prefix (e.g. a sibling sequence of an
+``n`` > 1 request) waits one step and takes them from the prefix cache instead of computing them
+a second time: blocks are registered in the cache only once their KV exists (``kv_cache.py``).
 """
 
 from __future__ import annotations
 
 from switchboard.engine import clock
+from switchboard.engine.block_hash import BlockHash
 from switchboard.engine.kv_cache import KVCacheManager
 from switchboard.engine.request import Request
 from switchboard.wire.step_msgs import CachedRequest, NewRequest, SchedulerOutput
 
 
 class StepPlan:
-    __slots__ = ("timestamp_ns", "token_budget", "budget", "scheduled", "new_requests", "preempted")
+    __slots__ = (
+        "timestamp_ns",
+        "token_budget",
+        "budget",
+        "scheduled",
+        "new_requests",
+        "preempted",
+        "filling",
+    )
 
     def __init__(self, token_budget: int) -> None:
         self.timestamp_ns = clock.monotonic_ns()  # every admission of the step shares it
@@ -28,10 +42,21 @@ class StepPlan:
         self.scheduled: dict[str, int] = {}  # request_id -> tokens, in batch order
         self.new_requests: list[Request] = []
         self.preempted: list[Request] = []
+        self.filling: dict[BlockHash, str] = {}  # hashed blocks this step computes -> by whom
 
     def add(self, request: Request, num_tokens: int) -> None:
         self.scheduled[request.request_id] = num_tokens
         self.budget -= num_tokens
+        if num_tokens > 1 and request.block_hashes:  # a prefill chunk: the blocks it fills
+            first = request.num_computed_tokens // request.block_size
+            end = (request.num_computed_tokens + num_tokens) // request.block_size
+            for block_hash in request.block_hashes[first:end]:
+                self.filling.setdefault(block_hash, request.request_id)
+
+    def fills(self, block_hash: BlockHash) -> bool:
+        """Whether a request still scheduled in this step computes the block of this hash."""
+        owner = self.filling.get(block_hash)
+        return owner is not None and owner in self.scheduled
 
     def withdraw(self, request: Request) -> None:
         """Undo this step's decision for a request that has just been preempted."""

@@ -64,7 +64,9 @@ class GenerateStream:
             detokenizer = IncrementalDetokenizer(
                 tokenizer, prompt_token_ids, plan.skip_special_tokens
             )
-            self._text = TextStream(detokenizer, plan.stop, plan.include_stop_str_in_output)
+            self._text = TextStream(
+                detokenizer, plan.stop, plan.include_stop_str_in_output, plan.min_tokens
+            )
         self._token_ids: list[int] = []
         self._released_text = ""
         self._num_cached_tokens = 0

@@ -68,8 +68,10 @@ def check_sampling(s: pb.SamplingParams, vocab_size: int) -> None:
             "sampling.repetition_penalty",
             f"sampling.repetition_penalty must be > 0 (1 = off), got {s.repetition_penalty}",
         )
-    if s.n > MAX_N:
-        raise invalid_argument("sampling.n", f"sampling.n must be at most {MAX_N}, got {s.n}")
+    if s.HasField("n") and not 1 <= s.n <= MAX_N:
+        raise invalid_argument(
+            "sampling.n", f"sampling.n must be in [1, {MAX_N}] (unset = 1), got {s.n}"
+        )
     for token_id, bias in s.logit_bias.items():
         field = f"sampling.logit_bias[{token_id}]"
         if vocab_size and token_id >= vocab_size:

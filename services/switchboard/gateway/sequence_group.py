@@ -10,8 +10,8 @@ own ``GenerateStream``; the group merges their messages::
     FINAL_ONLY          one message once every sequence ended, outputs ordered by index
 
 With ``n`` == 1 the child is the request itself and every message passes through unchanged.
-The engine's prefix cache shares the prompt's blocks between children admitted in different
-steps; children admitted together compute the prompt each.
+The engine computes the shared prompt once: the first child computes it, and a sibling whose
+next prompt block is being computed in the same step waits that step for the prefix cache.
 """
 
 from __future__ import annotations

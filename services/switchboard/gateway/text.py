@@ -109,6 +109,9 @@ class TextStream:
     ``include_stop_str_in_output`` the last ``len(longest stop) - 1`` characters are held back
     until the next token shows they are not the start of a stop string, so a client never sees
     part of a stop string that later matches.
+
+    Like vLLM, a stop string ends the sequence only if it ends in the text of an output token
+    past the first ``min_tokens`` (the engine holds EOS and stop tokens back as long).
     """
 
     def __init__(
@@ -116,13 +119,15 @@ class TextStream:
         detokenizer: IncrementalDetokenizer,
         stop: Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self._detokenizer = detokenizer
+        self._min_tokens = min_tokens
+        self._num_tokens = 0
         self._stop = [s for s in stop if s]
         self._include_stop = include_stop_str_in_output
         longest = max((len(s) for s in self._stop), default=0)
         self._holdback = 0 if include_stop_str_in_output else max(0, longest - 1)
-        self._longest = longest
         self.text = ""  # all text so far (cut at the stop string once one matched)
         self._released = 0
         self.stop_string: str | None = None
@@ -136,6 +141,7 @@ class TextStream:
         for token_id in token_ids:
             if self.stopped:
                 break
+            self._num_tokens += 1
             self._append(self._detokenizer.step(token_id))
         return self._release(everything=self.stopped)
 
@@ -148,13 +154,18 @@ class TextStream:
     def _append(self, delta: str) -> None:
         if not delta:
             return
-        start = max(0, len(self.text) - self._longest + 1)
+        new_from = len(self.text)
         self.text += delta
-        if self._stop:
-            self._match_stop(start)
+        if self._stop and self._num_tokens > self._min_tokens:
+            self._match_stop(new_from)
 
-    def _match_stop(self, start: int) -> None:
-        hits = [(i, s) for s in self._stop if (i := self.text.find(s, start)) >= 0]
+    def _match_stop(self, new_from: int) -> None:
+        """The earliest stop string that ends in the text from ``new_from`` on."""
+        hits = [
+            (i, s)
+            for s in self._stop
+            if (i := self.text.find(s, max(0, new_from - len(s) + 1))) >= 0
+        ]
         if not hits:
             return
         index, stop = min(hits, key=lambda hit: (hit[0], -len(hit[1])))

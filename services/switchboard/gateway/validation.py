@@ -64,7 +64,7 @@ class GeneratePlan:
     logit_bias: dict[int, float] = dataclasses.field(default_factory=dict)
     allowed_token_ids: list[int] = dataclasses.field(default_factory=list)
     bad_words: list[str] = dataclasses.field(default_factory=list)  # tokenized at submit
-    n: int = 1  # sequences; the proto's 0 means 1
+    n: int = 1  # sequences (unset in the proto = 1)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     repetition_detection: RepetitionDetectionParams | None = None
@@ -175,7 +175,7 @@ def plan_generate(request: pb.GenerateRequest, request_id: str, facts: ModelFact
         logit_bias=dict(s.logit_bias),
         allowed_token_ids=list(s.allowed_token_ids),
         bad_words=list(s.bad_words),
-        n=max(1, s.n),
+        n=s.n if s.HasField("n") else 1,
         logprobs=o.logprobs if o.HasField("logprobs") else None,
         prompt_logprobs=o.prompt_logprobs if o.HasField("prompt_logprobs") else None,
         repetition_detection=repetition_detection,
