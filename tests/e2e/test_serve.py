@@ -175,33 +175,44 @@ def test_deadline_aborts_the_request_in_the_engine(
     assert stats.get("running", stats.get("num_running")) == 0, stats
 
 
-@pytest.mark.parametrize("how", ["cancel", "deadline"])
+@pytest.mark.parametrize("how", ["cancel", "disconnect", "deadline"])
 def test_only_the_abort_can_take_a_request_out_of_a_sleeping_engine(
     stub: pb_grpc.GenerationServiceStub, server: RunningServer, how: str
 ) -> None:
     """The two tests above would also pass if the request simply ran to its end. Here the engine
     sleeps, so a request it holds can never finish by itself: if it leaves, the ABORT the gateway
-    sent for the cancelled (or expired) call took it out."""
+    sent for the cancelled (disconnected, expired) call took it out. ``disconnect``: a client
+    process killed mid-call, so only its closed connection tells the gateway."""
     with server.channel() as channel:
+
+        def waiting() -> int:
+            return utility(channel, "get_stats")["num_waiting"]
+
         utility(channel, "sleep", 1)
+        client = None
         try:
-            request = greedy_request([0, 4, 2], 8)
-            if how == "cancel":
-                call = stub.Generate(request, timeout=60)
-                wait_until(
-                    lambda: utility(channel, "get_stats")["num_waiting"] == 1,
-                    "the engine holds the request",
-                )
+            if how == "deadline":
+                with pytest.raises(grpc.RpcError) as err:
+                    collect(stub.Generate(greedy_request([0, 4, 2], 8), timeout=2.0))
+                assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            elif how == "cancel":
+                call = stub.Generate(greedy_request([0, 4, 2], 8), timeout=60)
+                wait_until(lambda: waiting() == 1, "the engine holds the request")
                 call.cancel()
             else:
-                with pytest.raises(grpc.RpcError) as err:
-                    collect(stub.Generate(request, timeout=2.0))
-                assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            wait_until(
-                lambda: utility(channel, "get_stats")["num_waiting"] == 0,
-                "the ABORT removed the request from the sleeping engine",
-            )
+                command = [sys.executable, "-m", "switchboard.cli", "generate", "def f(x):",
+                           "--target", server.target, "--max-tokens", "8"]  # fmt: skip
+                client = subprocess.Popen(
+                    command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+                )
+                wait_until(lambda: waiting() == 1, "the engine holds the request")
+                client.kill()
+                client.wait(30)
+            wait_until(lambda: waiting() == 0, "the ABORT removed the request from the engine")
         finally:
+            if client is not None and client.poll() is None:
+                client.kill()
+                client.wait(30)
             utility(channel, "wake_up")
     stats = wait_until_idle(server)
     assert (stats["num_running"], stats["num_waiting"]) == (0, 0), stats
