@@ -178,7 +178,8 @@ async def test_client_going_away_aborts_on_the_engine(start_gateway: StartGatewa
     h = await start_gateway()
     h.engine.mode = "hang"
     request = _generate(max_tokens=20, request_id=f"req-{how}")
-    call = h.stub.Generate(request, timeout=2.0 if how == "deadline" else WAIT_S)
+    # The deadline leaves the gateway ample time to send ADD even on a loaded machine.
+    call = h.stub.Generate(request, timeout=5.0 if how == "deadline" else WAIT_S)
     await until(lambda: request.request_id in h.engine.added, "the engine got ADD")
     if how == "cancel":
         call.cancel()
