@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import pytest
 
+import switchboard.coordinator.__main__ as coordinator_main
 import switchboard.engine.__main__ as engine_main
 import switchboard.gateway.__main__ as gateway_main
 from switchboard import cli, cli_roles
-from switchboard.config import EngineConfig, GatewayRoleConfig, decode_config
+from switchboard.config import (
+    CoordinatorConfig,
+    EngineConfig,
+    GatewayRoleConfig,
+    decode_config,
+)
 
 
 @pytest.fixture
@@ -15,6 +21,9 @@ def captured(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[str]]:
     calls: dict[str, list[str]] = {}
     monkeypatch.setattr(gateway_main, "main", lambda argv: calls.setdefault("gateway", argv) and 0)
     monkeypatch.setattr(engine_main, "main", lambda argv: calls.setdefault("engine", argv) and 0)
+    monkeypatch.setattr(
+        coordinator_main, "main", lambda argv: calls.setdefault("coordinator", argv) and 0
+    )
     monkeypatch.setattr("switchboard.checkpoint.resolve_model", lambda model: model)
     return calls
 
@@ -54,3 +63,56 @@ def test_engine_command_config(
 def test_engine_command_refuses_a_bad_address(captured: dict[str, list[str]]) -> None:
     with pytest.raises(ValueError, match="NAME:PORT"):
         cli.main(["engine", "--model", "/m", "--gateway-address", "no-port"])
+
+
+def test_without_a_coordinator_address_no_coordinator_is_used(
+    captured: dict[str, list[str]],
+) -> None:
+    cli.main(["gateway", "--model", "/m"])
+    cli.main(["engine", "--model", "/m", "--gateway-address", "gw:7001"])
+    assert (
+        decode_config(captured["gateway"][1], GatewayRoleConfig).coordinator_publish_address == ""
+    )
+    assert decode_config(captured["engine"][1], EngineConfig).coordinator_address == ""
+
+
+def test_coordinator_command_binds_its_two_fixed_ports(captured: dict[str, list[str]]) -> None:
+    cli.main(["coordinator", "--host", "10.0.0.9", "--load-port", "7100", "-dp", "4"])
+    config = decode_config(captured["coordinator"][1], CoordinatorConfig)
+    assert config.input_address == "tcp://10.0.0.9:7100"
+    assert config.publish_address == f"tcp://10.0.0.9:{cli_roles.DEFAULT_COORDINATOR_REPORT_PORT}"
+    assert config.num_engines == 4
+
+
+def test_engines_push_to_the_load_port_and_gateways_subscribe_to_the_report_port(
+    captured: dict[str, list[str]],
+) -> None:
+    cli.main(["engine", "--model", "/m", "--gateway-address", "gw:7001",
+              "--coordinator-address", "sb-coordinator.ns.svc"])  # fmt: skip
+    cli.main(["gateway", "--model", "/m", "--coordinator-address", "[fd00::7]:7200"])
+    engine = decode_config(captured["engine"][1], EngineConfig)
+    gateway = decode_config(captured["gateway"][1], GatewayRoleConfig)
+    load_port = cli_roles.DEFAULT_COORDINATOR_LOAD_PORT
+    assert engine.coordinator_address == f"tcp://sb-coordinator.ns.svc:{load_port}"
+    assert gateway.coordinator_publish_address == "tcp://[fd00::7]:7200"
+
+
+@pytest.mark.parametrize(
+    ("target", "address"),
+    [
+        ("coord", "tcp://coord:9"),
+        ("coord:7", "tcp://coord:7"),
+        ("10.1.2.3", "tcp://10.1.2.3:9"),
+        ("::1", "tcp://[::1]:9"),
+        ("[::1]", "tcp://[::1]:9"),
+        ("[::1]:7", "tcp://[::1]:7"),
+    ],
+)
+def test_coordinator_addresses(target: str, address: str) -> None:
+    assert cli_roles.coordinator_tcp_address(target, 9) == address
+
+
+@pytest.mark.parametrize("target", ["coord:port", ":7", "[]:7"])
+def test_bad_coordinator_addresses_are_refused(target: str) -> None:
+    with pytest.raises(ValueError, match="NAME\\[:PORT\\]"):
+        cli_roles.coordinator_tcp_address(target, 9)

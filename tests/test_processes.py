@@ -15,6 +15,7 @@ def test_formula(a: int, dp: int, pp: int, tp: int, total: int) -> None:
     assert topo.total == total
     assert len(topo.titles()) == total
     assert len(set(topo.titles())) == total  # titles are unique
+    assert topo.min_vcpus == 2 * total
     assert all(t.startswith("switchboard::") for t in topo.titles())
 
 
@@ -30,5 +31,9 @@ def test_titles_for_single_device() -> None:
 def test_topology_command_prints_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["topology", "-tp", "2", "-dp", "4"]) == 0
     out = capsys.readouterr().out
-    assert "total processes" in out
-    assert out.splitlines()[-2].split()[-1] == "17"
+    lines = out.splitlines()
+    assert lines[-2].startswith("total processes") and lines[-2].split()[-1] == "17"
+    # One physical core per process, two vCPUs per core (as the seed's sizing program).
+    assert lines[-1].startswith("minimum vCPUs") and lines[-1].split()[-1] == "34"
+    assert main(["topology", "-tp", "2", "-dp", "4", "--api-servers", "1"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].split()[-1] == "28"

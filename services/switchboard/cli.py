@@ -1,4 +1,4 @@
-"""The `switchboard` command: serve | gateway | engine | generate | topology | ps.
+"""The `switchboard` command: serve | gateway | engine | coordinator | generate | topology | ps.
 
 Flag names follow vLLM's where the concept is the same, so a vLLM user's command line works.
 """
@@ -292,6 +292,10 @@ def make_parser() -> argparse.ArgumentParser:
     engine = sub.add_parser("engine", help="run one engine core and its workers for gateways")
     _add_serve_args(engine)
     cli_roles.add_engine_args(engine)
+    coordinator = sub.add_parser(
+        "coordinator", help="run the coordinator for engines and gateways on other hosts (DP > 1)"
+    )
+    cli_roles.add_coordinator_args(coordinator)
 
     gen = sub.add_parser("generate", help="stream a completion from a running server")
     gen.add_argument("prompt")
@@ -316,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_serve(parser, args)
     if args.command in ("gateway", "engine"):
         return cmd_role(parser, args)
+    if args.command == "coordinator":
+        return cli_roles.cmd_coordinator(args)
     if args.command == "generate":
         return cmd_generate(args)
     if args.command == "topology":

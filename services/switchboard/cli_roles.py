@@ -1,9 +1,12 @@
-"""`switchboard gateway` and `switchboard engine`: one role per command, for engines on other hosts.
+"""`switchboard gateway`, `engine` and `coordinator`: one role per command, for other hosts.
 
 The Kubernetes building blocks (DESIGN.md §1): gateway pods run ``switchboard gateway``, engine
 pods ``switchboard engine --gateway-address <headless service>:<handshake port>``. The gateway
 listens on a fixed handshake port and binds its data sockets on port 0; each engine resolves the
 name, says hello to every address and connects to the ports it is told (``engine/handshake.py``).
+With DP > 1 one ``switchboard coordinator`` pod binds two fixed ports: engines push their load
+to its load port and gateways subscribe to its report port (both given
+``--coordinator-address NAME[:PORT]``; the port defaults to the role's side).
 Both take the flags of ``switchboard serve`` (a gateway needs the model directory for its
 tokenizer, and ``-dp`` as the deployment's DP size for GetServerInfo; an engine the model,
 cache, scheduler and parallelism flags).
@@ -27,6 +30,8 @@ from switchboard.config import encode_config
 
 DEFAULT_HANDSHAKE_PORT = 50052
 DEFAULT_DISCOVERY_INTERVAL_S = 5.0
+DEFAULT_COORDINATOR_LOAD_PORT = 50053  # engines push EngineLoad here
+DEFAULT_COORDINATOR_REPORT_PORT = 50054  # gateways subscribe to LoadReport here
 
 logger = logging.getLogger("switchboard.cli")
 
@@ -52,6 +57,14 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="an engine silent this long (no output, no heartbeat) is dead",
     )
+    g.add_argument(
+        "--coordinator-address",
+        default="",
+        metavar="NAME[:PORT]",
+        help="DP > 1: the `switchboard coordinator` whose load reports steer routing (PORT: "
+        f"its --report-port, default {DEFAULT_COORDINATOR_REPORT_PORT}); unset: route on this "
+        "gateway's own in-flight counts",
+    )
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -72,10 +85,53 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--discovery-interval", type=float, default=DEFAULT_DISCOVERY_INTERVAL_S, metavar="S"
     )
+    g.add_argument(
+        "--coordinator-address",
+        default="",
+        metavar="NAME[:PORT]",
+        help="DP > 1: the `switchboard coordinator` this engine reports its load to (PORT: its "
+        f"--load-port, default {DEFAULT_COORDINATOR_LOAD_PORT})",
+    )
+
+
+def add_coordinator_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="0.0.0.0", help="address both ports bind on (default all)")
+    p.add_argument(
+        "--load-port",
+        type=int,
+        default=DEFAULT_COORDINATOR_LOAD_PORT,
+        help="engines push their waiting/running counts and KV usage here (default %(default)s)",
+    )
+    p.add_argument(
+        "--report-port",
+        type=int,
+        default=DEFAULT_COORDINATOR_REPORT_PORT,
+        help="gateways subscribe to the table of every engine's load here (default %(default)s)",
+    )
+    p.add_argument(
+        "-dp",
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engines expected (the deployment's DP size; for its log lines)",
+    )
 
 
 def _tcp(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def coordinator_tcp_address(target: str, default_port: int) -> str:
+    """``tcp://`` of ``NAME``, ``NAME:PORT``, ``[v6]`` or ``[v6]:PORT`` ("" stays "")."""
+    if not target:
+        return ""
+    host, sep, port = target.rpartition(":")
+    if not sep or "]" in port or (":" in host and not host.endswith("]")):
+        host, port = target, str(default_port)  # no port given (a bare IPv6 address too)
+    host = host.strip("[]")
+    if not host or not port.isdigit():
+        raise ValueError(f"coordinator address {target!r} is not NAME[:PORT]")
+    return _tcp(host, int(port))
 
 
 def hostname_ordinal() -> int:
@@ -98,6 +154,9 @@ def cmd_gateway(args: argparse.Namespace, gateway) -> int:
         handshake_address=_tcp(args.engine_host, args.handshake_port),
         exit_when_engines_dead=False,
         heartbeat_timeout_s=args.engine_heartbeat_timeout,
+        coordinator_publish_address=coordinator_tcp_address(
+            args.coordinator_address, DEFAULT_COORDINATOR_REPORT_PORT
+        ),
     )
     return gateway_main(["--config-json", encode_config(config)])
 
@@ -116,5 +175,21 @@ def cmd_engine(args: argparse.Namespace, engine) -> int:
         data_parallel_rank=rank,
         gateway_discovery=args.gateway_address,
         discovery_interval_s=args.discovery_interval,
+        coordinator_address=coordinator_tcp_address(
+            args.coordinator_address, DEFAULT_COORDINATOR_LOAD_PORT
+        ),
     )
     return engine_main(["--config-json", encode_config(config), "--log-level", args.log_level])
+
+
+def cmd_coordinator(args: argparse.Namespace) -> int:
+    """Run the coordinator in this process (DP > 1 across hosts): both ports on fixed TCP."""
+    from switchboard.config import CoordinatorConfig
+    from switchboard.coordinator.__main__ import main as coordinator_main
+
+    config = CoordinatorConfig(
+        input_address=_tcp(args.host, args.load_port),
+        publish_address=_tcp(args.host, args.report_port),
+        num_engines=args.data_parallel_size,
+    )
+    return coordinator_main(["--config-json", encode_config(config), "--log-level", args.log_level])

@@ -128,6 +128,12 @@ class Topology:
     def total(self) -> int:
         return self.api_servers + self.data_parallel + self.workers + self.coordinators
 
+    @property
+    def min_vcpus(self) -> int:
+        """One physical core per process (the engine core busy-loops); a vCPU is half a core
+        with hyper-threading."""
+        return 2 * self.total
+
     def titles(self) -> list[str]:
         names = [f"Gateway_{i}" for i in range(self.api_servers)]
         names += [f"EngineCore_DP{r}" for r in range(self.data_parallel)]
@@ -148,9 +154,12 @@ def format_topology(topo: Topology) -> str:
         ("workers (DP x PP x TP)", topo.workers),
         ("coordinator (DP > 1)", topo.coordinators),
     ]
-    width = max(len(r[0]) for r in rows) + 2
+    totals = [
+        ("total processes", topo.total),
+        ("minimum vCPUs (1 core = 2 vCPUs per process)", topo.min_vcpus),
+    ]
+    width = max(len(r[0]) for r in rows + totals) + 2
     lines = [f"{name:<{width}}{count:>5}" for name, count in rows]
     lines.append("-" * (width + 5))
-    lines.append(f"{'total processes':<{width}}{topo.total:>5}")
-    lines.append(f"{'minimum vCPUs (1 per process)':<{width}}{topo.total:>5}")
+    lines += [f"{name:<{width}}{count:>5}" for name, count in totals]
     return "\n".join(lines)

@@ -250,3 +250,68 @@ def test_gateways_and_engine_as_separate_commands(tiny_model: str, tmp_path: Pat
         codes = [role.stop() for role in reversed(roles)]
         shutil.rmtree(run_base, ignore_errors=True)
     assert codes == [0] * len(roles), "\n".join(role.log()[-3000:] for role in roles)
+
+
+def test_coordinator_as_a_separate_command_feeds_the_gateway(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    """DP = 2 with every role its own command over TCP (as on Kubernetes): both engines push
+    their load to `switchboard coordinator`, its reports reach the gateway, and the processes
+    across the "hosts" are the formula's: 1 gateway + 2 engines + 2 workers + 1 coordinator."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 sb-gateways\n")
+    run_base = tempfile.mkdtemp(prefix="sbcoord-")
+    env = dict(
+        os.environ,
+        SWITCHBOARD_HOSTS_FILE=str(hosts),
+        SWITCHBOARD_RPC_BASE_PATH=run_base,
+        PYTHONUNBUFFERED="1",
+    )
+    handshake_port, load_port, report_port = free_port(), free_port(), free_port()
+    grpc_port = free_port()
+    target = f"127.0.0.1:{grpc_port}"
+    coordinator = Role("coordinator", ["coordinator", "--host", "127.0.0.1", "--load-port",
+                       str(load_port), "--report-port", str(report_port), "-dp", "2"],
+                       tmp_path, env)  # fmt: skip
+    gateway = Role("gateway", ["gateway", "--model", tiny_model, "--host", "127.0.0.1",
+                   "--port", str(grpc_port), "--engine-host", "127.0.0.1", "--handshake-port",
+                   str(handshake_port), "-dp", "2", "--coordinator-address",
+                   f"127.0.0.1:{report_port}"], tmp_path, env)  # fmt: skip
+    roles = [coordinator, gateway]
+    for rank in (0, 1):
+        args = ["engine", "--model", tiny_model, "--gateway-address",
+                f"sb-gateways:{handshake_port}", "--discovery-interval", "0.5",
+                "--data-parallel-rank", str(rank), "--coordinator-address",
+                f"127.0.0.1:{load_port}", *SMALL_KV]  # fmt: skip
+        roles.append(Role(f"engine{rank}", args, tmp_path, env))
+
+    def logged(role: Role, text: str) -> bool:
+        for each in roles:
+            assert each.process.poll() is None, each.log()
+        return text in role.log()
+
+    try:
+        wait_for(lambda: gateway.log().count(") READY: max_model_len") == 2, "2 READY admissions")
+        with concurrent.futures.ThreadPoolExecutor(16) as pool:
+            finals = list(pool.map(lambda _: generate(target, greedy(8)), range(16)))
+        assert all(f.outputs[0].finish_reason == pb.FINISH_REASON_LENGTH for f in finals)
+        engines = {f.metrics.engine_id.split("-")[0] for f in finals}
+        assert engines == {"EngineCore_DP0", "EngineCore_DP1"}
+        # An engine reports once its counts change (its first request): both have by now.
+        wait_for(lambda: logged(coordinator, "2 of 2 engines heard from"), "both engines report")
+        wait_for(lambda: logged(gateway, "load reports cover engine ranks [0, 1]"), "reports")
+
+        processes = [p for role in roles for p in list_processes(role.process.pid)]
+        counts = collections.Counter(p.role for p in processes)
+        topo = Topology(api_servers=1, data_parallel=2, pipeline_parallel=1, tensor_parallel=1)
+        assert counts == {"Gateway": 1, "EngineCore": 2, "Worker": 2, "Coordinator": 1}
+        assert len(processes) == topo.total
+
+        # The coordinator is only an aid to routing: without it the gateway serves on.
+        assert coordinator.stop() == 0, coordinator.log()
+        roles.remove(coordinator)
+        assert generate(target, greedy()).outputs[0].finish_reason == pb.FINISH_REASON_LENGTH
+    finally:
+        codes = [role.stop() for role in reversed(roles)]
+        shutil.rmtree(run_base, ignore_errors=True)
+    assert codes == [0] * len(roles), "\n".join(role.log()[-3000:] for role in roles)

@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import grpc
 import pytest
+import zmq
+import zmq.asyncio
 
-from switchboard.gateway.engine_pool import apply_load_report, choose_engine, engine_score
+from switchboard.gateway.engine_pool import (
+    LoadSubscriber,
+    apply_load_report,
+    choose_engine,
+    engine_score,
+)
 from switchboard.gateway.engine_types import EngineHandle, EngineState
 from switchboard.gateway.errors import ApiError
+from switchboard.wire import zmq_channel
 from switchboard.wire.engine_msgs import EngineLoad, EngineReady, LoadReport
+
+WAIT_S = 30.0
 
 
 def handle(rank: int, **fields) -> EngineHandle:
@@ -68,3 +79,37 @@ def test_reports_update_engines_but_not_a_restarted_one() -> None:
     apply_load_report(engines, report)
     assert engines[0].load == EngineLoad(0, 1, 2, 0.5, "e0") and engines[0].added_since_load == 0
     assert engines[1].load is None and engines[1].added_since_load == 2
+
+
+async def test_loads_are_forgotten_when_the_coordinator_goes_quiet() -> None:
+    """A coordinator that stops publishing (dead, restarting) must not leave its last counts
+    behind: they would grow with every request sent and skew the choice for good."""
+    engines = {0: handle(0), 1: handle(1)}
+    ctx = zmq.asyncio.Context()
+    pub = zmq_channel.make_socket(ctx, zmq.PUB, "tcp://127.0.0.1:0", bind=True)
+    subscriber = LoadSubscriber(
+        ctx, zmq_channel.bound_address(pub), lambda: engines, stale_after_s=0.5
+    )
+    task = asyncio.create_task(subscriber.run())
+    busy = LoadReport(1, [EngineLoad(0, 5, 9, 0.1, "e0"), EngineLoad(1, 0, 1, 0.1, "e1")])
+    try:
+        async with asyncio.timeout(WAIT_S):
+            while engines[0].load is None:  # PUB drops messages until the SUB has joined
+                await pub.send(zmq_channel.encode(busy))
+                await asyncio.sleep(0.05)
+            assert subscriber.fresh and subscriber.reported_ranks == [0, 1]
+            engines[0].added_since_load = 7
+            while subscriber.fresh:  # nothing published any more
+                await asyncio.sleep(0.05)
+        assert engines[0].load is None and engines[1].load is None
+        assert engines[0].added_since_load == 0 and engine_score(engines[0]) == 0
+        async with asyncio.timeout(WAIT_S):  # reports resume: counts are used again
+            while engines[0].load is None:
+                await pub.send(zmq_channel.encode(busy))
+                await asyncio.sleep(0.05)
+        assert subscriber.fresh and engine_score(engines[0]) == 14
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        pub.close(linger=0)
+        ctx.term()

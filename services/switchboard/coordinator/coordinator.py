@@ -77,9 +77,16 @@ class Coordinator:
             except msgspec.DecodeError as exc:
                 logger.warning("Dropped a bad EngineLoad: %s", exc)
                 continue
-            if load.engine_index not in self.loads:
-                logger.info("First load report from engine %d", load.engine_index)
-            if self.loads.get(load.engine_index) != load:
+            previous = self.loads.get(load.engine_index)
+            if previous is None or previous.engine_id != load.engine_id:
+                logger.info(
+                    "First load report from engine %d (%s): %d of %d engines heard from",
+                    load.engine_index,
+                    load.engine_id or "?",
+                    len(self.loads | {load.engine_index: load}),
+                    self.config.num_engines,
+                )
+            if previous != load:
                 self.loads[load.engine_index] = load
                 self._changed = True
 

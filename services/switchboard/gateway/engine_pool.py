@@ -10,8 +10,9 @@ An engine's score is the larger of
 * the coordinator's last count of its waiting + running requests (all gateways' requests, but
   up to ~100 ms old) plus the requests this gateway sent it since that report,
 plus a penalty when the engine has requests waiting while its KV cache is more than half full
-(as vLLM does: those will wait for blocks). Without a coordinator (DP = 1, or engines on other
-hosts) the first term alone decides.
+(as vLLM does: those will wait for blocks). Without a coordinator (DP = 1, or a gateway not
+given one), or while its reports have stopped (``REPORTS_STALE_S``: it died or is restarting),
+the first term alone decides.
 
 A request may pin a data-parallel rank (``EngineCoreRequest.data_parallel_rank``): it goes to
 that engine if it is ready, and fails with UNAVAILABLE otherwise.
@@ -36,6 +37,9 @@ from switchboard.wire.engine_msgs import LoadReport
 logger = logging.getLogger(__name__)
 
 KV_PRESSURE_WEIGHT = 6.0  # per waiting request, per unit of KV usage above one half
+# The coordinator publishes at least every 5 s; three missed keep-alives make its counts stale
+# (kept, they would only grow by ``added_since_load`` and skew the choice for good).
+REPORTS_STALE_S = 15.0
 
 
 def engine_score(engine: EngineHandle) -> float:
@@ -73,24 +77,32 @@ def choose_engine(
 
 
 class LoadSubscriber:
-    """Keeps ``EngineHandle.load`` fresh from the coordinator's LoadReport publications."""
+    """Keeps ``EngineHandle.load`` fresh from the coordinator's LoadReport publications, and
+    forgets every load when no report came for ``stale_after_s`` (the coordinator is gone)."""
 
     def __init__(
         self,
         ctx: zmq.asyncio.Context,
         publish_address: str,
         engines: Callable[[], dict[int, EngineHandle]],
+        stale_after_s: float = REPORTS_STALE_S,
     ) -> None:
         self._engines = engines
+        self._stale_after_ms = int(stale_after_s * 1000)
         self._sock = zmq_channel.make_socket(ctx, zmq.SUB, publish_address, bind=False)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
         self._decoder = msgspec.msgpack.Decoder(LoadReport)
         self.num_reports = 0
+        self.fresh = False  # a report came within stale_after_s
+        self.reported_ranks: list[int] = []  # the engines the latest report covered
         logger.info("subscribed to engine load reports at %s", publish_address)
 
     async def run(self) -> None:
         try:
             while True:
+                if not await self._sock.poll(self._stale_after_ms, zmq.POLLIN):
+                    self._forget_loads()
+                    continue
                 data = await self._sock.recv()
                 try:
                     report = self._decoder.decode(data)
@@ -98,10 +110,33 @@ class LoadSubscriber:
                     logger.warning("dropped a bad load report: %s", exc)
                     continue
                 self.num_reports += 1
+                self._note(report)
                 apply_load_report(self._engines(), report)
         except asyncio.CancelledError:
             self._sock.close(linger=0)
             raise
+
+    def _note(self, report: LoadReport) -> None:
+        ranks = [load.engine_index for load in report.engines]
+        if not self.fresh:
+            logger.info("load reports from the coordinator arrive (report %d)", report.sequence)
+        if ranks != self.reported_ranks:
+            logger.info("load reports cover engine ranks %s", ranks)
+        self.fresh = True
+        self.reported_ranks = ranks
+
+    def _forget_loads(self) -> None:
+        if self.fresh:
+            logger.warning(
+                "no load report from the coordinator for %g s: routing on this gateway's own "
+                "in-flight counts until reports resume",
+                self._stale_after_ms / 1000,
+            )
+        self.fresh = False
+        self.reported_ranks = []
+        for engine in self._engines().values():
+            engine.load = None
+            engine.added_since_load = 0
 
 
 def apply_load_report(engines: dict[int, EngineHandle], report: LoadReport) -> None:
