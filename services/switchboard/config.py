@@ -103,6 +103,10 @@ class EngineConfig(_Config):
     gateway_discovery: str = ""
     discovery_interval_s: float = 5.0
     load_report_interval_s: float = 0.1  # EngineLoad at most this often
+    # Appended (issue 5 audit): worker rank r of this engine uses accelerator
+    # first_device_index + r. One machine: dp_rank x TP x PP, so DP engines never share a
+    # device; an engine alone on its host (`switchboard engine`): 0.
+    first_device_index: int = 0
 
 
 class GatewayRoleConfig(_Config):

@@ -87,6 +87,7 @@ def plan_server(
             gateway_output_addresses=[g.output_address for g in gateways],
             run_dir=run_dir,
             coordinator_address=coordinator.input_address if coordinator else "",
+            first_device_index=rank * parallel.world_size,  # each engine its own devices
         )
         for rank in range(parallel.data_parallel_size)
     ]

@@ -56,7 +56,9 @@ class Worker:
         several (``WorkerStartup.distributed_init_method``)."""
         self.config = config
         self.rank = rank
-        self.device = resolve_device(config.worker.device, local_rank=rank)
+        self.device = resolve_device(
+            config.worker.device, local_rank=config.first_device_index + rank
+        )
         encoder = read_model_tasks(config.model.model).encoder_only
         if encoder and config.parallel.world_size > 1:
             raise ValueError(

@@ -1,0 +1,40 @@
+"""The per-process configs of a one-machine server (``launcher.plan_server``); nothing started."""
+
+from __future__ import annotations
+
+from switchboard.config import EngineConfig, GatewayRoleConfig, ModelConfig, ParallelConfig
+from switchboard.launcher import plan_coordinator, plan_server
+
+
+def plan(a: int, dp: int, pp: int, tp: int, run_dir: str = "/run/sb"):
+    parallel = ParallelConfig(
+        tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp, api_servers=a
+    )
+    model = ModelConfig(model="/m")
+    engine = EngineConfig(model=model, parallel=parallel)
+    return plan_server(GatewayRoleConfig(model=model), engine, run_dir), engine
+
+
+def test_every_engine_talks_to_every_gateway_and_the_coordinator() -> None:
+    (gateways, engines), engine = plan(a=3, dp=2, pp=1, tp=1)
+    coordinator = plan_coordinator(engine, "/run/sb")
+    assert coordinator is not None
+    assert [g.client_index for g in gateways] == [0, 1, 2]
+    assert {g.coordinator_publish_address for g in gateways} == {coordinator.publish_address}
+    assert [e.data_parallel_rank for e in engines] == [0, 1]
+    for e in engines:
+        assert e.gateway_input_addresses == [g.input_address for g in gateways]
+        assert e.gateway_output_addresses == [g.output_address for g in gateways]
+        assert e.coordinator_address == coordinator.input_address
+
+
+def test_one_engine_has_no_coordinator() -> None:
+    (gateways, engines), engine = plan(a=1, dp=1, pp=1, tp=2)
+    assert plan_coordinator(engine, "/run/sb") is None
+    assert engines[0].coordinator_address == "" and gateways[0].coordinator_publish_address == ""
+
+
+def test_data_parallel_engines_never_share_a_device() -> None:
+    # -dp 3 -pp 2 -tp 2 on one machine: engine r's workers use devices 4r .. 4r + 3.
+    (_, engines), _ = plan(a=1, dp=3, pp=2, tp=2)
+    assert [e.first_device_index for e in engines] == [0, 4, 8]
