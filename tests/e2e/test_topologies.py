@@ -291,15 +291,15 @@ def test_coordinator_as_a_separate_command_feeds_the_gateway(
         return text in role.log()
 
     try:
+        # Idle engines report too: the table is complete before the first request.
+        wait_for(lambda: logged(coordinator, "2 of 2 engines heard from"), "both engines report")
+        wait_for(lambda: logged(gateway, "load reports cover engine ranks [0, 1]"), "reports")
         wait_for(lambda: gateway.log().count(") READY: max_model_len") == 2, "2 READY admissions")
         with concurrent.futures.ThreadPoolExecutor(16) as pool:
             finals = list(pool.map(lambda _: generate(target, greedy(8)), range(16)))
         assert all(f.outputs[0].finish_reason == pb.FINISH_REASON_LENGTH for f in finals)
         engines = {f.metrics.engine_id.split("-")[0] for f in finals}
         assert engines == {"EngineCore_DP0", "EngineCore_DP1"}
-        # An engine reports once its counts change (its first request): both have by now.
-        wait_for(lambda: logged(coordinator, "2 of 2 engines heard from"), "both engines report")
-        wait_for(lambda: logged(gateway, "load reports cover engine ranks [0, 1]"), "reports")
 
         processes = [p for role in roles for p in list_processes(role.process.pid)]
         counts = collections.Counter(p.role for p in processes)

@@ -222,6 +222,7 @@ class EngineCore:
         work: schedule → execute on the workers → finish requests aborted during the forward
         pass → update the requests from the sampled tokens → put the outputs.
         """
+        self._report_load()  # idle from the start: the coordinator lists us before any request
         while not self._shutdown.requested:
             self._process_input_queue()
             if self._has_work():
