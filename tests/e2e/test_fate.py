@@ -81,12 +81,14 @@ def test_a_stop_signal_stops_everything_cleanly(
 
 
 @pytest.mark.parametrize(
-    "victim", ["switchboard::Worker_DP0_PP0_TP0", "switchboard::EngineCore_DP0"]
+    "victim",
+    ["switchboard::Worker_DP0_PP0_TP0", "switchboard::EngineCore_DP0", "switchboard::Gateway_0"],
 )
 def test_a_dead_process_takes_the_server_down(tiny_model: str, tmp_path: Path, victim: str) -> None:
     """A worker death is reported by the engine (ENGINE_CORE_DEAD); an engine killed with -9 is
-    found by the gateway's heartbeat watch. Either way the pending stream fails UNAVAILABLE and
-    the whole server exits non-zero, leaving nothing behind."""
+    found by the gateway's heartbeat watch; a gateway killed with -9 drops its clients' connections
+    and the supervisor sees it go. Either way the pending stream fails UNAVAILABLE and the whole
+    server exits non-zero, leaving nothing behind."""
     server = start_server(tiny_model, tmp_path)
     titled = server.titled_processes()
     engine_pid = titled["switchboard::EngineCore_DP0"]
