@@ -2,7 +2,8 @@
 
 Health (grpc.health.v1, Check and Watch):
 * ``""``: SERVING while the process runs (liveness);
-* ``switchboard.v1.GenerationService``: SERVING while at least one engine core is READY and the
+* ``switchboard.v1.GenerationService``: SERVING while at least one engine core (under
+  ``switchboard serve``: every engine core of the server) is READY and the
   gateway is not stopping (readiness). On a stop it turns NOT_SERVING first, then the server
   drains for ``STOP_GRACE_S``.
 
@@ -186,9 +187,13 @@ class GatewayServer:
     def _on_engines_changed(self) -> None:
         self.state.refresh_facts()
         live = self._engines.live_engines
+        # One machine (the gateway lives and dies with its engines): ready once every engine
+        # of the server is, so a request pinned to any rank can be served. Elsewhere engines
+        # come and go: one is enough.
+        needed = max(1, self.config.num_engines) if self.config.exit_when_engines_dead else 1
         status = (
             health_pb2.HealthCheckResponse.SERVING
-            if live and not self._stop_requested.is_set()
+            if len(live) >= needed and not self._stop_requested.is_set()
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
         task = asyncio.get_running_loop().create_task(self._health.set(GENERATION_SERVICE, status))
