@@ -49,7 +49,6 @@ class ModelTasks:
     pooling_type: PoolingType = PoolingType.LAST  # the default of Embed requests
     normalize: bool = True  # the default of Embed requests
     hidden_size: int = 0  # length of a pooled vector before any ``dimensions`` truncation
-    pooling_source: str = "default"  # where the pooling defaults came from (for the log)
 
     @property
     def can_generate(self) -> bool:
@@ -73,7 +72,7 @@ def read_model_tasks(model_dir: str) -> ModelTasks:
     if modules is None:
         return ModelTasks(encoder_only, default, True, hidden_size)
     pooling_type, normalize = _read_sentence_transformers(model_dir, modules, default)
-    return ModelTasks(encoder_only, pooling_type, normalize, hidden_size, ST_MODULES_FILE)
+    return ModelTasks(encoder_only, pooling_type, normalize, hidden_size)
 
 
 def _read_sentence_transformers(

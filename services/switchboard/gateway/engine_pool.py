@@ -92,7 +92,6 @@ class LoadSubscriber:
         self._sock = zmq_channel.make_socket(ctx, zmq.SUB, publish_address, bind=False)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
         self._decoder = msgspec.msgpack.Decoder(LoadReport)
-        self.num_reports = 0
         self.fresh = False  # a report came within stale_after_s
         self.reported_ranks: list[int] = []  # the engines the latest report covered
         logger.info("subscribed to engine load reports at %s", publish_address)
@@ -109,7 +108,6 @@ class LoadSubscriber:
                 except msgspec.DecodeError as exc:
                     logger.warning("dropped a bad load report: %s", exc)
                     continue
-                self.num_reports += 1
                 self._note(report)
                 apply_load_report(self._engines(), report)
         except asyncio.CancelledError:
