@@ -12,7 +12,6 @@ A request's tokens this step are ``token_ids[num_computed : num_computed + n]`` 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +19,7 @@ import torch
 from switchboard.models.attention import AttentionMetadata, DecodeBatch, PrefillSpan
 from switchboard.wire.engine_msgs import SamplingParams, TokenLogprobs
 from switchboard.wire.step_msgs import SchedulerOutput
+from switchboard.worker.sampler import new_request_generator
 
 
 class TokenHistory:
@@ -94,10 +94,7 @@ class RequestState:
 class RequestStates(dict[str, RequestState]):
     """request_id -> state, updated from each step's delta."""
 
-    def apply(
-        self, step: SchedulerOutput, make_generator: Callable[[int, int], torch.Generator]
-    ) -> None:
-        """``make_generator(seed, num_output_tokens)`` builds a seeded request's generator."""
+    def apply(self, step: SchedulerOutput) -> None:
         for request_id in step.finished_request_ids:
             self.pop(request_id, None)
         for new in step.new_requests:
@@ -113,7 +110,9 @@ class RequestStates(dict[str, RequestState]):
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 sampling_params=params,
-                generator=None if seed is None else make_generator(seed, new.num_output_tokens),
+                generator=None
+                if seed is None
+                else new_request_generator(seed, new.num_output_tokens),
                 num_prompt_tokens=len(new.prompt_token_ids) - new.num_output_tokens,
                 prompt_logprobs=[] if wants_prompt_logprobs else None,
             )

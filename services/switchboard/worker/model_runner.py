@@ -33,7 +33,7 @@ from switchboard.worker.input_batch import (
 from switchboard.worker.logprobs import prompt_token_logprobs
 from switchboard.worker.model_loading import load_runner_model, model_summary, require_config
 from switchboard.worker.pooler import PoolingRequests
-from switchboard.worker.sampler import SamplerOutput, new_request_generator, sample
+from switchboard.worker.sampler import SamplerOutput, sample
 from switchboard.worker.sampling_batch import build_sampling_batch
 
 logger = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ class ModelRunner:
         """Apply the delta and run the model; a step with no tokens returns its output."""
         if self.model is None or not self.kv_caches:
             raise RuntimeError("execute_model before load_model and initialize_kv_cache")
-        self.requests.apply(step, self._make_generator)
+        self.requests.apply(step)
         self.pooling.apply(step)
         if not any(n > 0 for n in step.num_scheduled_tokens.values()):
             return ModelRunnerOutput(step_id=step.step_id)
@@ -252,9 +252,6 @@ class ModelRunner:
             assert state.prompt_logprobs is not None
             state.prompt_logprobs += results[offset : offset + count]
             offset += count
-
-    def _make_generator(self, seed: int, num_output_tokens: int) -> torch.Generator:
-        return new_request_generator(seed, num_output_tokens)
 
     def _require_config(self) -> TransformerConfig:
         return require_config(self.config)
