@@ -50,6 +50,7 @@ from switchboard.wire.engine_msgs import (
     EngineReady,
     FinishReason,
     RequestType,
+    SchedulerStats,
     UtilityCall,
 )
 from switchboard.wire.step_msgs import ModelRunnerOutput, SchedulerOutput
@@ -222,29 +223,25 @@ class EngineCore:
         work: schedule → execute on the workers → finish requests aborted during the forward
         pass → update the requests from the sampled tokens → put the outputs.
         """
-        self._report_load()  # idle from the start: the coordinator lists us before any request
+        # Idle from the start: the coordinator lists us before any request.
+        self._publish_stats(self.scheduler.make_stats())
         while not self._shutdown.requested:
             self._process_input_queue()
-            if self._has_work():
-                self._step()
-            self._report_load()
-            self._publish_stats()
+            stats = self._step() if self._has_work() else self.scheduler.make_stats()
+            self._publish_stats(stats)
         logger.info("Shutdown requested (%s)", self._shutdown.reason)
 
-    def _report_load(self) -> None:
-        """Coordinator (DP > 1): the peers' reporter sends it when it changed, at most every
-        100 ms; here it is only compared and stored."""
-        if self._peers is not None:
-            scheduler = self.scheduler
-            self._peers.report_load(
-                scheduler.num_waiting, scheduler.num_running, scheduler.kv.usage()
-            )
-
-    def _publish_stats(self) -> None:
-        """Heartbeats carry the latest stats (a reference handed over, no lock needed), so a
-        gateway's gauges return to zero when the engine goes idle."""
+    def _publish_stats(self, stats: SchedulerStats) -> None:
+        """Once per turn, from one snapshot. Heartbeats carry the latest stats (a reference
+        handed over, no lock needed), so a gateway's gauges return to zero when the engine goes
+        idle. The coordinator (DP > 1) gets the load from the peers' reporter, which sends it
+        when it changed, at most every 100 ms; here it is only compared and stored."""
         if self._output_thread is not None:
-            self._output_thread.latest_stats = self.scheduler.make_stats()
+            self._output_thread.latest_stats = stats
+        if self._peers is not None:
+            self._peers.report_load(
+                stats.num_waiting_reqs, stats.num_running_reqs, stats.kv_cache_usage
+            )
 
     def _has_work(self) -> bool:
         # Finished ids still owed to the workers count as work: they free the workers' state.
@@ -283,7 +280,8 @@ class EngineCore:
         except ValueError as exc:  # e.g. a request id already in flight: fail it alone
             self._reject(request.request_id, request.client_index, exc)
 
-    def _step(self) -> None:
+    def _step(self) -> SchedulerStats:
+        """One step; returns the stats it sent with the outputs (the turn publishes them too)."""
         scheduler_output = self.scheduler.schedule()
         runner_output = self._execute(scheduler_output)
         self._finish_aborted_requests()
@@ -291,6 +289,7 @@ class EngineCore:
         stats = self.scheduler.make_stats()
         for client_index, outputs in outputs_by_client.items():
             self.output_queue.put((client_index, self._outputs(outputs, stats)))
+        return stats
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_request_ids:
