@@ -143,8 +143,12 @@ def build_step_inputs(
     prefills = [(state, n) for state, n in scheduled if n > 1]
 
     input_ids: list[int] = []
-    positions: list[torch.Tensor] = []
-    slots: list[torch.Tensor] = []
+    # Rows run decodes first, then prefills: a decode's one position and slot are plain ints
+    # (no per-request tensors on the per-step path), a prefill's are a tensor each.
+    decode_positions: list[int] = []
+    decode_slots: list[int] = []
+    prefill_positions: list[torch.Tensor] = []
+    prefill_slots: list[torch.Tensor] = []
     request_ids: list[str] = []
     first_rows: list[int] = []
     sampled_ids: list[str] = []
@@ -165,29 +169,39 @@ def build_step_inputs(
                 f"{end} tokens but has {len(state.block_ids)}"
             )
         row = len(input_ids)
-        block_table = torch.tensor(state.block_ids[:num_blocks], dtype=torch.long)
-        token_positions = torch.arange(start, end, dtype=torch.long)
         input_ids.extend(state.token_ids[start:end])
-        positions.append(token_positions)
-        slots.append(
-            block_table[token_positions // block_size] * block_size + token_positions % block_size
-        )
+        if n == 1:
+            decode_positions.append(start)
+            decode_slots.append(
+                state.block_ids[start // block_size] * block_size + start % block_size
+            )
+        else:
+            block_table = torch.tensor(state.block_ids[:num_blocks], dtype=torch.long)
+            token_positions = torch.arange(start, end, dtype=torch.long)
+            prefill_positions.append(token_positions)
+            prefill_slots.append(
+                block_table[token_positions // block_size] * block_size
+                + token_positions % block_size
+            )
+            spans.append(PrefillSpan(row, n, end, block_table.to(device)))
         request_ids.append(state.request_id)
         first_rows.append(row)
-        if n > 1:
-            spans.append(PrefillSpan(row, n, end, block_table.to(device)))
         if end == len(state.token_ids):
             sampled_ids.append(state.request_id)
             logits_rows.append(row + n - 1)
 
     metadata = AttentionMetadata(
-        slot_mapping=torch.cat(slots).to(device),
+        slot_mapping=torch.cat([torch.tensor(decode_slots, dtype=torch.long), *prefill_slots]).to(
+            device
+        ),
         decode=_decode_batch([state for state, _ in decodes], block_size, device),
         prefills=spans,
     )
     return StepInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-        positions=torch.cat(positions).to(device),
+        positions=torch.cat(
+            [torch.tensor(decode_positions, dtype=torch.long), *prefill_positions]
+        ).to(device),
         metadata=metadata,
         request_ids=request_ids,
         sampled_request_ids=sampled_ids,
