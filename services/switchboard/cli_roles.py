@@ -27,6 +27,7 @@ import socket
 import msgspec
 
 from switchboard.config import encode_config
+from switchboard.wire.zmq_channel import tcp_address
 
 DEFAULT_HANDSHAKE_PORT = 50052
 DEFAULT_DISCOVERY_INTERVAL_S = 5.0
@@ -117,10 +118,6 @@ def add_coordinator_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _tcp(host: str, port: int) -> str:
-    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
-
-
 def coordinator_tcp_address(target: str, default_port: int) -> str:
     """``tcp://`` of ``NAME``, ``NAME:PORT``, ``[v6]`` or ``[v6]:PORT`` ("" stays "")."""
     if not target:
@@ -131,7 +128,7 @@ def coordinator_tcp_address(target: str, default_port: int) -> str:
     host = host.strip("[]")
     if not host or not port.isdigit():
         raise ValueError(f"coordinator address {target!r} is not NAME[:PORT]")
-    return _tcp(host, int(port))
+    return tcp_address(host, int(port))
 
 
 def hostname_ordinal() -> int:
@@ -149,9 +146,9 @@ def cmd_gateway(args: argparse.Namespace, gateway) -> int:
     config = msgspec.structs.replace(
         gateway,
         client_index=client_index,
-        input_address=_tcp(args.engine_host, 0),
-        output_address=_tcp(args.engine_host, 0),
-        handshake_address=_tcp(args.engine_host, args.handshake_port),
+        input_address=tcp_address(args.engine_host, 0),
+        output_address=tcp_address(args.engine_host, 0),
+        handshake_address=tcp_address(args.engine_host, args.handshake_port),
         exit_when_engines_dead=False,
         heartbeat_timeout_s=args.engine_heartbeat_timeout,
         coordinator_publish_address=coordinator_tcp_address(
@@ -188,8 +185,8 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
     from switchboard.coordinator.__main__ import main as coordinator_main
 
     config = CoordinatorConfig(
-        input_address=_tcp(args.host, args.load_port),
-        publish_address=_tcp(args.host, args.report_port),
+        input_address=tcp_address(args.host, args.load_port),
+        publish_address=tcp_address(args.host, args.report_port),
         num_engines=args.data_parallel_size,
     )
     return coordinator_main(["--config-json", encode_config(config), "--log-level", args.log_level])

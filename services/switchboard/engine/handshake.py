@@ -20,7 +20,6 @@ address while the engine runs.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import socket
@@ -33,6 +32,7 @@ import zmq
 
 from switchboard.wire import zmq_channel
 from switchboard.wire.engine_msgs import GatewayAddresses, GatewayHello
+from switchboard.wire.zmq_channel import tcp_address
 
 logger = logging.getLogger(__name__)
 
@@ -59,15 +59,6 @@ def split_host_port(target: str) -> tuple[str, int]:
     if not sep or not port.isdigit() or not host:
         raise ValueError(f"gateway address {target!r} is not NAME:PORT")
     return host.strip("[]"), int(port)
-
-
-def tcp_address(host: str, port: int) -> str:
-    try:
-        if ipaddress.ip_address(host).version == 6:
-            return f"tcp://[{host}]:{port}"
-    except ValueError:
-        pass
-    return f"tcp://{host}:{port}"
 
 
 def _hosts_file_addresses(name: str) -> list[str] | None:

@@ -15,6 +15,7 @@ A tensor travels as a frame of raw bytes after the body; the body holds a ``Tens
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -104,6 +105,16 @@ def make_socket(
     else:
         sock.connect(address)
     return sock
+
+
+def tcp_address(host: str, port: int) -> str:
+    """``tcp://host:port``, with an IPv6 address in brackets."""
+    try:
+        if ipaddress.ip_address(host).version == 6:
+            return f"tcp://[{host}]:{port}"
+    except ValueError:
+        pass
+    return f"tcp://{host}:{port}"
 
 
 def bound_address(sock: zmq.Socket) -> str:
