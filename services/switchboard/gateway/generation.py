@@ -9,7 +9,6 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
-import msgspec
 
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
@@ -71,10 +70,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     reason="TASK_NOT_SUPPORTED",
                 )
             plan = plan_generate(request, request_id, self._state.facts)
-            pinned_rank = (
-                request.data_parallel_rank if request.HasField("data_parallel_rank") else None
-            )
-            group = await self._submit(plan, arrival_time, context, pinned_rank, observer=observer)
+            group = await self._submit(plan, arrival_time, context, observer=observer)
             observer.submitted(group.engine)
             live.engine_request_ids = group.request_ids
             if live.aborted:  # the Abort RPC came while the prompt was being tokenized
@@ -110,7 +106,6 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         plan: GeneratePlan,
         arrival_time: float,
         context: grpc.aio.ServicerContext,
-        data_parallel_rank: int | None = None,
         *,
         observer: RequestObserver,
     ) -> SequenceGroup:
@@ -140,10 +135,6 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             trace_context=trace_context,
             bad_words_token_ids=bad_words_token_ids,
         )
-        if data_parallel_rank is not None:  # pinned: engine_pool honours it
-            engine_request = msgspec.structs.replace(
-                engine_request, data_parallel_rank=data_parallel_rank
-            )
         observer.submitting(plan, engine_request)  # with tracing: the engine's trace context
         channels = submit_children(
             state.engines.add_request,

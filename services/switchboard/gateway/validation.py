@@ -68,6 +68,7 @@ class GeneratePlan:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     repetition_detection: RepetitionDetectionParams | None = None
+    data_parallel_rank: int | None = None  # pinned engine core (DP > 1); None: engine_pool picks
 
 
 def check_model(model: str, facts: ModelFacts) -> None:
@@ -179,6 +180,9 @@ def plan_generate(request: pb.GenerateRequest, request_id: str, facts: ModelFact
         logprobs=o.logprobs if o.HasField("logprobs") else None,
         prompt_logprobs=o.prompt_logprobs if o.HasField("prompt_logprobs") else None,
         repetition_detection=repetition_detection,
+        data_parallel_rank=(
+            request.data_parallel_rank if request.HasField("data_parallel_rank") else None
+        ),
     )
 
 
@@ -259,4 +263,5 @@ def build_engine_request(
         client_index=client_index,
         priority=plan.priority,
         trace_context=trace_context,
+        data_parallel_rank=plan.data_parallel_rank,
     )
