@@ -34,6 +34,23 @@ class PrefillSpan:
     num_tokens: int
     context_len: int  # tokens in the cache after this step, this chunk included
     block_ids: torch.Tensor  # [ceil(context_len / block_size)] long, on the device
+    # sliding_window -> the causal mask, built by the first layer that needs it in this step
+    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def causal_mask(self, sliding_window: int | None) -> torch.Tensor:
+        """[num_tokens, context_len] bool: query i (at position context_len - num_tokens + i)
+        sees the keys up to it, and no further back than the window."""
+        mask = self._masks.get(sliding_window)
+        if mask is None:
+            device = self.block_ids.device
+            first = self.context_len - self.num_tokens
+            query_pos = torch.arange(first, self.context_len, device=device)
+            key_pos = torch.arange(self.context_len, device=device)
+            mask = key_pos[None, :] <= query_pos[:, None]
+            if sliding_window is not None:
+                mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
+            self._masks[sliding_window] = mask
+        return mask
 
 
 @dataclass
@@ -43,10 +60,25 @@ class DecodeBatch:
     block_table: torch.Tensor  # [size, max_blocks] long; padded rows point at block 0
     context_lens: torch.Tensor  # [size] long
     max_context_len: int
+    # sliding_window -> the key mask, built by the first layer that needs it in this step
+    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def size(self) -> int:
         return self.block_table.shape[0]
+
+    def key_mask(self, sliding_window: int | None) -> torch.Tensor:
+        """[size, 1, 1, max_context_len] bool: the cached keys each row's query sees (its
+        context, no further back than the window; the query sits at context_len - 1)."""
+        mask = self._masks.get(sliding_window)
+        if mask is None:
+            context_lens = self.context_lens
+            positions = torch.arange(self.max_context_len, device=context_lens.device)
+            mask = positions[None, :] < context_lens[:, None]
+            if sliding_window is not None:
+                mask &= positions[None, :] >= (context_lens - sliding_window)[:, None]
+            mask = self._masks[sliding_window] = mask[:, None, None, :]
+        return mask
 
 
 @dataclass
@@ -123,13 +155,13 @@ def _decode_attention(
     gathered = kv_cache[:, batch.block_table].view(2, size, max_blocks * block_size, -1, head_dim)
     keys = gathered[0, :, :length].transpose(1, 2)
     values = gathered[1, :, :length].transpose(1, 2)
-    positions = torch.arange(length, device=query.device)
-    mask = positions[None, :] < batch.context_lens[:, None]
-    if sliding_window is not None:  # the query sits at context_len - 1
-        mask &= positions[None, :] >= (batch.context_lens - sliding_window)[:, None]
-    mask = mask[:, None, None, :]
     out = F.scaled_dot_product_attention(
-        query[:, :, None, :], keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+        query[:, :, None, :],
+        keys,
+        values,
+        attn_mask=batch.key_mask(sliding_window),
+        scale=scale,
+        enable_gqa=True,
     )
     return out[:, :, 0, :]
 
@@ -152,13 +184,7 @@ def _prefill_attention(
             queries, keys, values, is_causal=True, scale=scale, enable_gqa=True
         )
     else:
-        # Query i sits at position (length - num_tokens + i) and sees keys up to it.
-        first = length - span.num_tokens
-        query_pos = torch.arange(first, length, device=query.device)
-        key_pos = torch.arange(length, device=query.device)
-        mask = key_pos[None, :] <= query_pos[:, None]
-        if sliding_window is not None:
-            mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
+        mask = span.causal_mask(sliding_window)
         out = F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
         )
