@@ -151,7 +151,6 @@ class Supervisor:
                     failed.process.pid,
                     failed.process.returncode,
                 )
-            self._stop_all()
             return 0 if failed is None else 1
         finally:
             self._stop_all()
