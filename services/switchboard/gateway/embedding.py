@@ -28,6 +28,7 @@ from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.gateway.engine_types import RequestAborted, RequestChannel, RequestFailed
 from switchboard.gateway.errors import ApiError, invalid_argument, not_supported, unavailable
 from switchboard.gateway.model_facts import ModelFacts
+from switchboard.gateway.sampling_validation import check_token_ids
 from switchboard.gateway.state import GatewayState
 from switchboard.gateway.text import Tokenizer
 from switchboard.gateway.validation import MAX_REQUEST_ID_CHARS, check_model
@@ -119,14 +120,8 @@ def resolve_inputs(
                 f"{facts.max_model_len} (set truncate_prompt_tokens to keep the last N)",
                 reason="PROMPT_TOO_LONG",
             )
-        if not isinstance(given, str) and facts.vocab_size:
-            for j, token_id in enumerate(ids):
-                if token_id >= facts.vocab_size:
-                    raise invalid_argument(
-                        f"{field}[{j}]",
-                        f"{field}[{j}] = {token_id} is out of range: the vocabulary has "
-                        f"{facts.vocab_size} tokens",
-                    )
+        if not isinstance(given, str):
+            check_token_ids(field, ids, facts.vocab_size)
         resolved.append(ids)
     return resolved
 
