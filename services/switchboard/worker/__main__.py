@@ -54,11 +54,7 @@ def configure_logging(name: str) -> None:
 def attach_ring(ring_handle: Any, rank: int):
     from switchboard.wire.shm_ring import RingHandle, ShmRingReader
 
-    if isinstance(ring_handle, dict):
-        handle = RingHandle(**ring_handle)
-    else:
-        handle = msgspec.convert(ring_handle, RingHandle)
-    return ShmRingReader(handle, rank)
+    return ShmRingReader(msgspec.convert(ring_handle, RingHandle), rank)
 
 
 def main(argv: list[str] | None = None) -> int:
