@@ -14,6 +14,8 @@ from typing import TypeVar
 import msgspec
 
 DEFAULT_GRPC_PORT = 50051
+# sun_path in struct sockaddr_un holds 108 bytes including the terminating NUL.
+_MAX_IPC_PATH_BYTES = 107
 
 
 class _Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -157,4 +159,11 @@ def new_run_dir(base: str | None = None) -> str:
 
 
 def ipc_address(run_dir: str, name: str) -> str:
-    return f"ipc://{os.path.join(run_dir, name)}"
+    """``ipc://`` of a socket file in ``run_dir``; ValueError when the path cannot be bound."""
+    path = os.path.join(run_dir, name)
+    if len(path.encode()) > _MAX_IPC_PATH_BYTES:
+        raise ValueError(
+            f"ipc socket path {path!r} is longer than {_MAX_IPC_PATH_BYTES} bytes; "
+            "use a shorter run directory"
+        )
+    return f"ipc://{path}"

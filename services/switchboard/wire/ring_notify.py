@@ -24,8 +24,6 @@ logger = logging.getLogger(__name__)
 
 Buffer = bytes | bytearray | memoryview
 
-# sun_path in struct sockaddr_un holds 108 bytes including the terminating NUL.
-_MAX_IPC_PATH_BYTES = 107
 # Messages at least this large are handed to ZeroMQ without a copy when they are immutable.
 _ZERO_COPY_MIN_BYTES = 64 * 1024
 # How long closing the writer waits for side-channel messages still queued to readers.
@@ -33,16 +31,6 @@ _SIDE_LINGER_MS = 1000
 # A reader that never sleeps still lets libzmq process its command queue this often.
 NOTIFY_DRAIN_INTERVAL_S = 2.0
 _SUBSCRIBE = 1
-
-
-def ipc_address(run_dir: str, name: str) -> str:
-    path = os.path.join(run_dir, name)
-    if len(path.encode()) > _MAX_IPC_PATH_BYTES:
-        raise ValueError(
-            f"ipc socket path {path!r} is longer than {_MAX_IPC_PATH_BYTES} bytes; "
-            "use a shorter run directory"
-        )
-    return f"ipc://{path}"
 
 
 def _ipc_path(address: str) -> str | None:

@@ -66,7 +66,8 @@ import time
 
 import msgspec
 
-from switchboard.wire.ring_notify import ReaderSockets, WriterSockets, ipc_address
+from switchboard.config import ipc_address
+from switchboard.wire.ring_notify import ReaderSockets, WriterSockets
 from switchboard.wire.ring_segment import (
     CHUNK_HEADER,
     Buffer,
