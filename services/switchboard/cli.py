@@ -75,7 +75,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--long-prefill-token-threshold",
         type=int,
-        default=0,
+        default=SchedulerConfig().long_prefill_token_threshold,
         help="one request's prefill chunk at most while others are eligible (0: no cap)",
     )
     s.add_argument(
@@ -100,7 +100,7 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--gpu-memory-utilization",
         type=float,
-        default=0.9,
+        default=CacheConfig().gpu_memory_utilization,
         help="share of the device memory left free after loading the weights, for the KV cache",
     )
     s.add_argument(
