@@ -34,7 +34,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from switchboard.config import EngineConfig, encode_config
+from switchboard.config import EngineConfig, encode_config, ipc_address
 from switchboard.wire import zmq_channel
 from switchboard.wire.shm_ring import ShmRingWriter
 from switchboard.wire.step_msgs import (
@@ -95,14 +95,16 @@ class MultiprocExecutor:
         self._stop_monitor = threading.Event()
         self.workers: list[WorkerProcess] = []
         self._ring: ShmRingWriter | None = None
+        reply_name = f"replies-{uuid.uuid4().hex[:8]}"
+        self._reply_path = os.path.join(run_dir, reply_name)
+        self._reply_address = ipc_address(run_dir, reply_name)  # checked before anything starts
         self._ctx = zmq.Context()
-        self._reply_path = os.path.join(run_dir, f"replies-{uuid.uuid4().hex[:8]}")
         # torch.distributed rendezvous of the workers (only when there are several).
         self._rendezvous_path = os.path.join(run_dir, f"dist-{uuid.uuid4().hex[:8]}")
         self._reply_socket: zmq.Socket | None = None
         try:
             self._reply_socket = zmq_channel.make_socket(
-                self._ctx, zmq.PULL, f"ipc://{self._reply_path}", bind=True
+                self._ctx, zmq.PULL, self._reply_address, bind=True
             )
             self._ring = ShmRingWriter(self.world_size, run_dir)
             self._start_workers(run_dir)
@@ -132,7 +134,7 @@ class MultiprocExecutor:
                     pp_rank=pp_rank,
                     tp_rank=tp_rank,
                     ring_handle=ring_handle,
-                    reply_address=f"ipc://{self._reply_path}",
+                    reply_address=self._reply_address,
                     engine_config_json=engine_config_json,
                     parent_pid=os.getpid(),
                     distributed_init_method=init_method,
