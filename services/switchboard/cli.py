@@ -117,7 +117,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         "--torch-threads",
         type=int,
         default=WorkerConfig().torch_threads,
-        help="torch intra-op threads per worker (default 1: processes outnumber cores)",
+        help="torch intra-op threads per worker (default 0: the usable CPUs shared equally "
+        "among the workers on this host)",
     )
 
     o = p.add_argument_group("observability (docs/observability.md)")
@@ -208,7 +209,6 @@ def _validate_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespa
         "tensor_parallel_size",
         "pipeline_parallel_size",
         "data_parallel_size",
-        "torch_threads",
         "api_servers",  # these three may be unset (None)
         "max_model_len",
         "num_gpu_blocks_override",
@@ -218,6 +218,8 @@ def _validate_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespa
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.torch_threads < 0:
+        parser.error("--torch-threads must be at least 0 (0: an equal share of the CPUs)")
     if args.long_prefill_token_threshold < 0:
         parser.error("--long-prefill-token-threshold must be at least 0 (0: no cap)")
     if not 0 < args.gpu_memory_utilization <= 1:

@@ -62,10 +62,13 @@ class ParallelConfig(_Config):
 
 class WorkerConfig(_Config):
     device: str = "auto"  # auto | cpu | cuda
-    # Torch intra-op threads per worker. 1 by default: gateway + engine + workers always
-    # outnumber 2 cores here, and spinning OpenMP threads made decode matmuls 25x slower.
-    torch_threads: int = 1
+    # Torch intra-op threads per worker; 0 = an equal share of the usable CPUs among the
+    # workers on this host (worker/threads.py says why).
+    torch_threads: int = 0
     execute_timeout_s: float = 300.0
+    # Workers that share this host's CPUs; 0 = this engine's own (TP x PP). `serve -dp N`
+    # sets N x TP x PP: its engines all run here.
+    workers_on_host: int = 0
 
 
 class GatewayConfig(_Config):

@@ -88,6 +88,10 @@ def plan_server(
             run_dir=run_dir,
             coordinator_address=coordinator.input_address if coordinator else "",
             first_device_index=rank * parallel.world_size,  # each engine its own devices
+            worker=_replace(
+                engine.worker,
+                workers_on_host=parallel.data_parallel_size * parallel.world_size,
+            ),
         )
         for rank in range(parallel.data_parallel_size)
     ]

@@ -60,6 +60,9 @@ class DecodeBatch:
     block_table: torch.Tensor  # [size, max_blocks] long; padded rows point at block 0
     context_lens: torch.Tensor  # [size] long
     max_context_len: int
+    # Every row's context is max_context_len long (one request, or all at the same length):
+    # without a window, no key is masked and attention runs without a mask.
+    all_full_length: bool = False
     # sliding_window -> the key mask, built by the first layer that needs it in this step
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
 
@@ -67,9 +70,14 @@ class DecodeBatch:
     def size(self) -> int:
         return self.block_table.shape[0]
 
-    def key_mask(self, sliding_window: int | None) -> torch.Tensor:
+    def key_mask(self, sliding_window: int | None) -> torch.Tensor | None:
         """[size, 1, 1, max_context_len] bool: the cached keys each row's query sees (its
-        context, no further back than the window; the query sits at context_len - 1)."""
+        context, no further back than the window; the query sits at context_len - 1). None
+        when every row sees every key."""
+        if self.all_full_length and (
+            sliding_window is None or sliding_window >= self.max_context_len
+        ):
+            return None
         mask = self._masks.get(sliding_window)
         if mask is None:
             context_lens = self.context_lens

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from switchboard.models.gemm import linear
 from switchboard.models.hf_config import TransformerConfig
 from switchboard.models.layers import MergedLinear
 from switchboard.models.parallel import ParallelState, Shard
@@ -78,8 +79,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel.tp_size == 1:  # one fused op, as a plain linear computes it
-            return F.linear(x, self.weight, self.bias)
-        y = self.parallel.all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias)
+        y = self.parallel.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
     def load_param(self, param_name: str, tensor: torch.Tensor) -> None:
@@ -165,7 +166,7 @@ def vocab_parallel_logits(
 ) -> torch.Tensor:
     """Float32 logits ``[rows, vocab]`` from this rank's vocabulary rows ``weight``: every TP
     rank's part, gathered in rank order, padding dropped."""
-    local = F.linear(hidden, weight)
+    local = linear(hidden, weight)
     if parallel.tp_size == 1:
         return local.float()
     return parallel.all_gather_last_dim(local)[:, :vocab_size].float()

@@ -23,6 +23,7 @@ import zmq
 from switchboard.config import EngineConfig, decode_config
 from switchboard.wire.step_msgs import WorkerStartup
 from switchboard.worker.distributed import leave_parallel_group
+from switchboard.worker.threads import torch_threads
 from switchboard.worker.worker import Worker, run_busy_loop
 
 logger = logging.getLogger("switchboard.worker")
@@ -72,14 +73,16 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
 
-    torch.set_num_threads(config.worker.torch_threads)
+    workers_on_host = config.worker.workers_on_host or config.parallel.world_size
+    torch.set_num_threads(torch_threads(config.worker.torch_threads, workers_on_host))
     torch.manual_seed(config.model.seed)
     logger.info(
-        "starting: rank %d of %d, parent pid %d, torch threads %d, model %s",
+        "starting: rank %d of %d, parent pid %d, torch threads %d (%s), model %s",
         startup.rank,
         startup.world_size,
         startup.parent_pid,
         torch.get_num_threads(),
+        "configured" if config.worker.torch_threads > 0 else f"auto, {workers_on_host} on host",
         config.model.model,
     )
 

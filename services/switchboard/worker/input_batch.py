@@ -225,4 +225,5 @@ def _decode_batch(
         block_table=torch.tensor(table, dtype=torch.long, device=device),
         context_lens=torch.tensor(context_lens, dtype=torch.long, device=device),
         max_context_len=max(context_lens),
+        all_full_length=min(context_lens) == max(context_lens),
     )

@@ -1,0 +1,122 @@
+"""One worker's decode step, in process: the forward pass plus sampling, without the wires.
+
+    python bench/worker_step.py MODEL_DIR [--batch 1 8 32] [--context 96] [--steps 50]
+                                [--threads N] [--profile]
+
+Builds a :class:`ModelRunner` on ``MODEL_DIR``, prefills ``--batch`` requests of ``--context``
+random tokens, then times greedy decode steps (what ``execute_model`` does for a running
+batch). Prints the median step time per batch size for the torch GEMM path and the oneDNN path
+(``models/gemm.py``) side by side, with their ratio; ``--profile`` adds torch's operator table
+for the last configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from switchboard.config import ModelConfig
+from switchboard.models import gemm
+from switchboard.wire.engine_msgs import SamplingParams
+from switchboard.wire.step_msgs import CachedRequest, NewRequest, SchedulerOutput
+from switchboard.worker.model_runner import ModelRunner
+
+BLOCK_SIZE = 16
+
+
+def decode_steps(
+    runner: ModelRunner,
+    batch: int,
+    context: int,
+    steps: int,
+    profiler: torch.profiler.profile | None = None,
+) -> list[float]:
+    """Prefill ``batch`` requests, then time ``steps`` decode steps (seconds each); a
+    ``profiler`` given runs over the decode steps only."""
+    rng = random.Random(0)
+    vocab = runner.summary().vocab_size
+    blocks_per_request = -(-(context + steps + 1) // BLOCK_SIZE)
+    step_id = 0
+    new = []
+    for i in range(batch):
+        first = i * blocks_per_request
+        new.append(
+            NewRequest(
+                request_id=f"r{i}",
+                prompt_token_ids=[rng.randrange(vocab) for _ in range(context)],
+                sampling_params=SamplingParams(temperature=0.0, max_tokens=steps + 1),
+                block_ids=list(range(first, first + blocks_per_request)),
+                num_computed_tokens=0,
+            )
+        )
+    runner.execute_model(
+        SchedulerOutput(
+            step_id=step_id,
+            new_requests=new,
+            num_scheduled_tokens={r.request_id: context for r in new},
+            total_num_scheduled_tokens=batch * context,
+        )
+    )
+    times = []
+    if profiler is not None:
+        profiler.start()
+    for k in range(steps):
+        step_id += 1
+        computed = context + k
+        step = SchedulerOutput(
+            step_id=step_id,
+            cached_requests=[CachedRequest(r.request_id, [], computed) for r in new],
+            num_scheduled_tokens={r.request_id: 1 for r in new},
+            total_num_scheduled_tokens=batch,
+        )
+        started = time.perf_counter()
+        runner.execute_model(step)
+        times.append(time.perf_counter() - started)
+    if profiler is not None:
+        profiler.stop()
+    runner.execute_model(
+        SchedulerOutput(step_id=step_id + 1, finished_request_ids=[r.request_id for r in new])
+    )
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("model")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--context", type=int, default=96)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    runner = ModelRunner(ModelConfig(model=args.model), torch.device("cpu"))
+    runner.load_model()
+    blocks = max(args.batch) * -(-(args.context + args.steps + 1) // BLOCK_SIZE)
+    runner.initialize_kv_cache(blocks, BLOCK_SIZE)
+
+    print(f"{args.model}: {args.threads} torch threads, context {args.context}")
+    print(f"{'batch':>5} | {'torch GEMM ms':>13} | {'oneDNN ms':>9} | {'ratio':>5}")
+    for batch in args.batch:
+        medians = {}
+        for kernel in ("torch", "onednn"):
+            gemm.use_onednn(kernel == "onednn")
+            decode_steps(runner, batch, args.context, 5)  # warm-up
+            medians[kernel] = statistics.median(
+                decode_steps(runner, batch, args.context, args.steps)
+            )
+        torch_ms, onednn_ms = medians["torch"] * 1e3, medians["onednn"] * 1e3
+        print(f"{batch:>5} | {torch_ms:>13.2f} | {onednn_ms:>9.2f} | {torch_ms / onednn_ms:>5.2f}")
+    if args.profile:
+        prof = torch.profiler.profile()
+        decode_steps(runner, args.batch[-1], args.context, 20, prof)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
+if __name__ == "__main__":
+    main()
