@@ -54,6 +54,7 @@ def test_scheduler_and_kv_flags_reach_the_engine_config() -> None:
         ("--gpu-memory-utilization", "0"),
         ("--gpu-memory-utilization", "1.5"),
         ("--scheduling-policy", "lottery"),
+        ("--torch-threads", "-1"),
     ],
 )
 def test_bad_values_are_refused(flags: tuple[str, str], capsys: pytest.CaptureFixture) -> None:
@@ -61,3 +62,8 @@ def test_bad_values_are_refused(flags: tuple[str, str], capsys: pytest.CaptureFi
         engine_config(*flags)
     assert exit_info.value.code == 2
     assert flags[0] in capsys.readouterr().err
+
+
+def test_torch_threads_default_to_auto_and_a_count_is_kept() -> None:
+    assert engine_config().worker.torch_threads == 0  # 0: the worker picks its share
+    assert engine_config("--torch-threads", "3").worker.torch_threads == 3

@@ -38,3 +38,10 @@ def test_data_parallel_engines_never_share_a_device() -> None:
     # -dp 3 -pp 2 -tp 2 on one machine: engine r's workers use devices 4r .. 4r + 3.
     (_, engines), _ = plan(a=1, dp=3, pp=2, tp=2)
     assert [e.first_device_index for e in engines] == [0, 4, 8]
+
+
+def test_every_worker_of_one_machine_counts_for_the_thread_share() -> None:
+    # -dp 3 -tp 2: six workers share the host's CPUs; a configured count is kept as it is.
+    (_, engines), _ = plan(a=1, dp=3, pp=1, tp=2)
+    assert [e.worker.workers_on_host for e in engines] == [6, 6, 6]
+    assert all(e.worker.torch_threads == 0 for e in engines)

@@ -44,3 +44,38 @@ def test_decode_batch_and_prefill_chunks_read_their_own_blocks():
         [dense_attention(q, k, v) for q, (k, v) in zip(queries, full, strict=True)]
     )
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_rows_of_one_length_attend_without_a_mask():
+    """Rows whose contexts all have the batch's full length need no key mask (none is built),
+    and give what dense attention gives; a sliding window shorter than that still masks."""
+    torch.manual_seed(1)
+    cache = new_kv_cache(16, BLOCK, KV_HEADS, DIM, torch.float32, "cpu")
+    shapes = [(6, 1), (6, 1), (6, 1)]  # three decodes, each at context length 7
+    full = [(torch.randn(7, KV_HEADS, DIM), torch.randn(7, KV_HEADS, DIM)) for _ in shapes]
+    tables = [[0, 5], [2, 9], [11, 3]]
+    queries, keys, values, slots, _ = lay_out_step(cache, shapes, full, tables, HEADS)
+    decode = DecodeBatch(
+        block_table=torch.tensor(tables),
+        context_lens=torch.tensor([7, 7, 7]),
+        max_context_len=7,
+        all_full_length=True,
+    )
+    assert decode.key_mask(None) is None
+    assert decode.key_mask(8) is None  # a window wider than the context cuts nothing
+    assert decode.key_mask(3) is not None
+    for window in (None, 3):
+        metadata = AttentionMetadata(torch.tensor(slots), decode=decode)
+        out = paged_attention(
+            torch.cat(queries),
+            torch.cat(keys),
+            torch.cat(values),
+            cache,
+            metadata,
+            DIM**-0.5,
+            sliding_window=window,
+        )
+        expected = torch.cat(
+            [dense_attention(q, k, v, window) for q, (k, v) in zip(queries, full, strict=True)]
+        )
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
