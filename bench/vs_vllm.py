@@ -32,7 +32,6 @@ lengths that do not fit are skipped and said so).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import signal
 import sys
@@ -171,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
-        runs = asyncio.run(run_all(args, plans, log_dir))
+        runs = run_all(args, plans, log_dir)
     finally:
         stop_all()
     print_tables(plans, runs, args.sweep)

@@ -9,6 +9,7 @@ Not run by itself.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import os
 import shlex
@@ -98,14 +99,17 @@ async def run_server(
     return out
 
 
-async def run_all(
+def run_all(
     args: argparse.Namespace, plans: list[ModelPlan], log_dir: Path
 ) -> dict[str, dict[str, Any]]:
+    """Each server's run in an event loop of its own. With one loop for both, vLLM's c = 1
+    streams, read after switchboard's grpc.aio run, once arrived in one burst at the end (TTFT
+    409 ms, ITL 0.01 ms; a direct client saw 9 ms / 3 ms); with a fresh loop they did not."""
     skip = {"switchboard": args.skip_sb, "vllm": args.skip_vllm}
     kinds = [kind for kind in SERVERS if not skip[kind]]
     runs: dict[str, dict[str, Any]] = {}
     for plan in plans:
         runs[plan.label] = {}
         for kind in kinds:
-            runs[plan.label][kind] = await run_server(kind, plan, args, log_dir)
+            runs[plan.label][kind] = asyncio.run(run_server(kind, plan, args, log_dir))
     return runs
