@@ -20,7 +20,7 @@ import time
 import torch
 
 from switchboard.config import ModelConfig
-from switchboard.models import gemm
+from switchboard.models import cpu_decode_kernel, gemm
 from switchboard.wire.engine_msgs import SamplingParams
 from switchboard.wire.step_msgs import CachedRequest, NewRequest, SchedulerOutput
 from switchboard.worker.model_runner import ModelRunner
@@ -100,7 +100,10 @@ def main() -> None:
     blocks = max(args.batch) * -(-(args.context + args.steps + 1) // BLOCK_SIZE)
     runner.initialize_kv_cache(blocks, BLOCK_SIZE)
 
-    print(f"{args.model}: {args.threads} torch threads, context {args.context}")
+    print(
+        f"{args.model}: {args.threads} torch threads, context {args.context}, "
+        f"decode attention kernel {cpu_decode_kernel.status()}"
+    )
     print(f"{'batch':>5} | {'torch GEMM ms':>13} | {'oneDNN ms':>9} | {'ratio':>5}")
     for batch in args.batch:
         medians = {}

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from switchboard.models import cpu_decode_kernel
+
 
 @dataclass
 class PrefillSpan:
@@ -156,6 +158,21 @@ def _decode_attention(
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
+    if cpu_decode_kernel.usable_for(query, kv_cache):
+        return cpu_decode_kernel.paged_decode(
+            query, kv_cache, batch.block_table, batch.context_lens, scale, sliding_window
+        )
+    return gathered_decode_attention(query, kv_cache, batch, scale, sliding_window)
+
+
+def gathered_decode_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    batch: DecodeBatch,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """The torch path (any device): each row's context gathered out of the cache, then SDPA."""
     size, max_blocks = batch.block_table.shape
     block_size, _, head_dim = kv_cache.shape[2:]
     length = batch.max_context_len

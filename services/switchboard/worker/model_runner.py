@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from switchboard.config import ModelConfig
+from switchboard.models import cpu_decode_kernel
 from switchboard.models.attention import new_kv_cache
 from switchboard.models.hf_config import TransformerConfig
 from switchboard.models.parallel import SINGLE_PROCESS, ParallelState
@@ -74,6 +75,9 @@ class ModelRunner:
         self.model, self.config, self.dtype = load_runner_model(
             self.model_config, self.device, self.parallel
         )
+        if self.device.type == "cpu":
+            cpu_decode_kernel.load()
+            logger.info("decode attention: CPU paged kernel %s", cpu_decode_kernel.status())
         return self.summary()
 
     def summary(self) -> ModelSummary:
