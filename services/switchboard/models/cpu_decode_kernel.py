@@ -4,8 +4,9 @@ The torch path (``attention._decode_attention``) gathers every request's whole c
 the cache into a new tensor, per layer per step, before attending; on this 2-core EPYC that copy
 was the largest cost after the matmuls (18 % of a tiny-llama decode step at 8 requests). This
 kernel walks each request's block table instead and reads every key and value once, where it
-lies: one task per (request, KV head) computes the scores of that head's query group, a
-float32 softmax (max subtracted) and the weighted sum of the values.
+lies: one task per request (per request and KV head when requests are fewer than threads)
+computes the scores of its query heads, a float32 softmax (max subtracted) and the weighted sum
+of the values.
 
 It is C, built with the machine's C compiler (``cc -O3 -march=native -fopenmp``) on first use
 and cached under ``<cache>/kernels/`` keyed by the source, the compiler and the CPU model and
@@ -34,46 +35,54 @@ logger = logging.getLogger(__name__)
 
 SOURCE = r"""
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
 /* query [B, H, D]; kv [2, NB, BS, KVH, D] (keys, then values); block_table [B, MB];
    context_lens [B]; out [B, H, D]. Query head j reads KV head j / (H / KVH). window > 0:
    a query at position len - 1 sees keys at positions > len - 1 - window. Returns 0, or -1 when
-   scratch memory could not be allocated. */
+   scratch memory could not be allocated.
+   A task is one request and a run of its KV heads: all of them when there are requests enough
+   to keep every thread busy (each key/value slot is then read as one contiguous run, which the
+   prefetcher streams), one head each otherwise. */
 int paged_decode_f32(const float *query, const float *kv, const int64_t *block_table,
                      const int64_t *context_lens, float *out, int64_t B, int64_t H, int64_t KVH,
                      int64_t D, int64_t NB, int64_t BS, int64_t MB, float scale,
                      int64_t window) {
     const int64_t G = H / KVH;
     const int64_t values_at = NB * BS * KVH * D;
+    const int64_t heads_per_task = B >= omp_get_max_threads() ? KVH : 1;
+    const int64_t tasks_per_row = KVH / heads_per_task;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) reduction(| : failed)
-    for (int64_t task = 0; task < B * KVH; task++) {
-        const int64_t b = task / KVH, h = task % KVH;
+    for (int64_t task = 0; task < B * tasks_per_row; task++) {
+        const int64_t b = task / tasks_per_row;
+        const int64_t h0 = (task % tasks_per_row) * heads_per_task;
+        const int64_t nq = heads_per_task * G;
         const int64_t len = context_lens[b];
         const int64_t start = (window > 0 && len > window) ? len - window : 0;
         const int64_t L = len - start;
-        float *scores = malloc(sizeof(float) * (size_t)(G * (L > 0 ? L : 1) + G * D));
+        float *scores = malloc(sizeof(float) * (size_t)(nq * (L > 0 ? L : 1) + nq * D));
         if (scores == NULL) {
             failed |= 1;
             continue;
         }
-        float *acc = scores + G * L;
-        const float *q = query + (b * H + h * G) * D;
+        float *acc = scores + nq * L;
+        const float *q = query + (b * H + h0 * G) * D; /* this task's nq query heads */
         const int64_t *table = block_table + b * MB;
         for (int64_t t = start; t < len; t++) {
-            const float *k = kv + ((table[t / BS] * BS + t % BS) * KVH + h) * D;
-            for (int64_t g = 0; g < G; g++) {
-                const float *qg = q + g * D;
+            const float *k = kv + ((table[t / BS] * BS + t % BS) * KVH + h0) * D;
+            for (int64_t j = 0; j < nq; j++) {
+                const float *qj = q + j * D, *kj = k + (j / G) * D;
                 float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < D; d++) dot += qg[d] * k[d];
-                scores[g * L + (t - start)] = dot * scale;
+                for (int64_t d = 0; d < D; d++) dot += qj[d] * kj[d];
+                scores[j * L + (t - start)] = dot * scale;
             }
         }
-        for (int64_t g = 0; g < G; g++) {
-            float *s = scores + g * L;
+        for (int64_t j = 0; j < nq; j++) {
+            float *s = scores + j * L;
             float max = -INFINITY, sum = 0.0f;
             for (int64_t i = 0; i < L; i++) max = s[i] > max ? s[i] : max;
             for (int64_t i = 0; i < L; i++) {
@@ -82,19 +91,19 @@ int paged_decode_f32(const float *query, const float *kv, const int64_t *block_t
             }
             const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
             for (int64_t i = 0; i < L; i++) s[i] *= inv;
-            for (int64_t d = 0; d < D; d++) acc[g * D + d] = 0.0f;
+            for (int64_t d = 0; d < D; d++) acc[j * D + d] = 0.0f;
         }
         for (int64_t t = start; t < len; t++) {
-            const float *v = kv + values_at + ((table[t / BS] * BS + t % BS) * KVH + h) * D;
-            for (int64_t g = 0; g < G; g++) {
-                const float p = scores[g * L + (t - start)];
-                float *a = acc + g * D;
+            const float *v = kv + values_at + ((table[t / BS] * BS + t % BS) * KVH + h0) * D;
+            for (int64_t j = 0; j < nq; j++) {
+                const float p = scores[j * L + (t - start)], *vj = v + (j / G) * D;
+                float *a = acc + j * D;
 #pragma omp simd
-                for (int64_t d = 0; d < D; d++) a[d] += p * v[d];
+                for (int64_t d = 0; d < D; d++) a[d] += p * vj[d];
             }
         }
-        float *o = out + (b * H + h * G) * D;
-        for (int64_t i = 0; i < G * D; i++) o[i] = acc[i];
+        float *o = out + (b * H + h0 * G) * D;
+        for (int64_t i = 0; i < nq * D; i++) o[i] = acc[i];
         free(scores);
     }
     return failed ? -1 : 0;
