@@ -8,10 +8,12 @@ One layer's cache is one tensor::
 
 A token at position ``p`` of a request lives in slot ``block_table[p // block_size] *
 block_size + p % block_size``. Each step first writes the new tokens' K/V into their slots
-(``slot_mapping``), then every request attends over its own blocks, gathered through its
-block table. Decoding requests (one query token each) are gathered and attended in one padded
-batch; requests with several query tokens (prefill chunks) one at a time, with a causal mask
-shifted by the tokens already in the cache.
+(``slot_mapping``), then every request attends over its own blocks. Decoding requests (one
+query token each) are attended in one batch: on CPU in float32 by a C kernel that reads the
+blocks in place (``cpu_decode_kernel.py``), elsewhere gathered through their block tables into
+one padded batch for SDPA. Requests with several query tokens (prefill chunks) go one at a
+time: a chunk with nothing cached before it attends over its own new keys and values, one after
+a cached prefix gathers its blocks and uses a causal mask shifted by the tokens already cached.
 
 A sliding-window layer (Mistral, some Qwen2 layers) masks keys more than ``sliding_window - 1``
 positions behind each query, as transformers does (``kv_pos > q_pos - window``). The blocks
@@ -147,7 +149,11 @@ def paged_attention(
         )
     for span in metadata.prefills:
         rows = slice(span.token_start, span.token_start + span.num_tokens)
-        output[rows] = _prefill_attention(query[rows], kv_cache, span, scale, sliding_window)
+        if span.num_tokens == span.context_len:  # nothing cached before: this step's k/v
+            keys, values = key[rows], value[rows]
+        else:
+            keys, values = _cached_context(kv_cache, span)
+        output[rows] = _prefill_attention(query[rows], keys, values, span, scale, sliding_window)
     return output.flatten(1)
 
 
@@ -191,17 +197,25 @@ def gathered_decode_attention(
     return out[:, :, 0, :]
 
 
+def _cached_context(kv_cache: torch.Tensor, span: PrefillSpan) -> tuple[torch.Tensor, ...]:
+    """The span's whole context (cached prefix + this chunk), gathered out of its blocks:
+    keys and values ``[context_len, kv_heads, head_dim]``."""
+    blocks = kv_cache[:, span.block_ids].flatten(1, 2)[:, : span.context_len]
+    return blocks[0], blocks[1]
+
+
 def _prefill_attention(
     query: torch.Tensor,
-    kv_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
     span: PrefillSpan,
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
+    """``key``/``value``: the span's context ``[context_len, kv_heads, head_dim]``."""
     length = span.context_len
-    blocks = kv_cache[:, span.block_ids].flatten(1, 2)[:, :length]  # [2, length, kv_heads, dim]
-    keys = blocks[0].transpose(0, 1)[None]
-    values = blocks[1].transpose(0, 1)[None]
+    keys = key.transpose(0, 1)[None]
+    values = value.transpose(0, 1)[None]
     queries = query.transpose(0, 1)[None]  # [1, heads, num_tokens, dim]
     if span.num_tokens == length and (sliding_window is None or sliding_window >= length):
         # Nothing cached before this chunk and no window cut: plain causal.
