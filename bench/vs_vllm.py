@@ -18,7 +18,8 @@ launch to ready, warmed up with two short requests, then loaded level by level.
 Workload (the same for both): random token-id prompts of --input-len tokens (the first is BOS,
 id 1), deterministic per level and distinct between levels so no level hits the prefix cache of
 an earlier one; greedy, ignore_eos, --output-len tokens each; a closed loop of c clients, each
-sending its next request when the last one ends, max(16, 2c) requests per level. Output tok/s is
+sending its next request when the last one ends; requests per level: 8 per client, at least
+16, at most max(128, 4c) (16 / 64 / 128 at c = 1 / 8 / 32). Output tok/s is
 all output tokens over the level's wall time; TTFT is send -> first token; ITL the gaps between
 messages that carry tokens (gRPC messages, server-sent events). CPU: utime + stime of every
 process of the server, sampled from /proc every 0.5 s over the level (100 % = one core); the
@@ -52,6 +53,12 @@ SWEEP_PROMPT_LENS = [32, 512, 2048]
 # ---- plans -----------------------------------------------------------------------------------
 
 
+def default_requests(concurrency: int) -> int:
+    """Eight rounds of the closed loop, so a level is more than its first burst of prefills;
+    capped for the large levels of the sweep."""
+    return max(16, min(8 * concurrency, max(128, 4 * concurrency)))
+
+
 def make_plans(args: argparse.Namespace) -> list[ModelPlan]:
     from switchboard.checkpoint import resolve_model
 
@@ -78,7 +85,7 @@ def make_plans(args: argparse.Namespace) -> list[ModelPlan]:
                 f"skipped prompt lengths {skipped}: + {args.output_len} output tokens "
                 f"exceed max-model-len {max_model_len}"
             )
-        requests = [(n, c, args.requests or max(16, 2 * c)) for n, c in fits]
+        requests = [(n, c, args.requests or default_requests(c)) for n, c in fits]
         plans.append(
             ModelPlan(label, path, int(config["vocab_size"]), max_model_len, requests, notes)
         )
@@ -114,7 +121,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="vLLM's compile cache (DIR/cache/...) and temp files (DIR/tmp)",
     )
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--requests", type=int, default=None, help="per level (default max(16, 2c))")
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="per level (default: 8 per client, 16 to max(128, 4c))",
+    )
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--seed", type=int, default=0, help="of the prompts")
