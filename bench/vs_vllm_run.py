@@ -102,9 +102,11 @@ async def run_server(
 def run_all(
     args: argparse.Namespace, plans: list[ModelPlan], log_dir: Path
 ) -> dict[str, dict[str, Any]]:
-    """Each server's run in an event loop of its own. With one loop for both, vLLM's c = 1
-    streams, read after switchboard's grpc.aio run, once arrived in one burst at the end (TTFT
-    409 ms, ITL 0.01 ms; a direct client saw 9 ms / 3 ms); with a fresh loop they did not."""
+    """Each server's run in an event loop of its own, so nothing one client left in a loop
+    (grpc.aio's poller, open connections) can touch the other's timings. Known issue: vLLM's
+    c = 1 latencies from this client are sometimes a burst at the end of each request (TTFT
+    near e2e, ITL ~0.01 ms) where a plain http.client reader of the same server sees events
+    ~3 ms apart; its throughput is unaffected (tokens over wall time)."""
     skip = {"switchboard": args.skip_sb, "vllm": args.skip_vllm}
     kinds = [kind for kind in SERVERS if not skip[kind]]
     runs: dict[str, dict[str, Any]] = {}
