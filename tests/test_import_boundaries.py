@@ -1,4 +1,4 @@
-"""The house rules on imports (DESIGN.md §7): process roles never import one another, and only
+"""The house rules on imports: process roles never import one another, and only
 ``worker/`` and ``models/`` import torch, so the gateway and the engine core start (and test)
 without it."""
 

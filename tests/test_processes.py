@@ -1,4 +1,4 @@
-"""Sizing and the process-title formula of DESIGN.md §1 (no processes started here)."""
+"""Sizing and the process-title formula of docs/architecture.md (no processes started here)."""
 
 import pytest
 

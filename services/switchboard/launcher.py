@@ -2,8 +2,8 @@
 
 `switchboard serve` is a supervisor, not a server: it resolves the model, creates a private run
 directory for the ipc:// sockets, starts the gateways (which bind) and the engine cores (which
-connect and start their own workers), and then waits. The fate rule of DESIGN.md §5 for one
-machine: a child that exits on its own brings the whole server down with a non-zero exit code;
+connect and start their own workers), and then waits. The fate rule (docs/architecture.md) for
+one machine: a child that exits on its own brings the whole server down with a non-zero exit code;
 SIGINT/SIGTERM stops everything cleanly with exit code 0. The run directory is removed at exit.
 
 Children are started as fresh interpreters (``python -m switchboard.<role>``), which is what the

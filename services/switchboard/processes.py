@@ -1,8 +1,8 @@
 """Process inspection and sizing: `switchboard ps` and `switchboard topology`.
 
-Both read the titles of DESIGN.md §1 (``switchboard::<Role>_<ranks>``), which setproctitle
-writes into each process's command line, so `ps -eo pid,args | grep switchboard::` and these
-commands agree.
+Both read the process titles (``switchboard::<Role>_<ranks>``, docs/architecture.md), which
+setproctitle writes into each process's command line, so `ps -eo pid,args | grep switchboard::`
+and these commands agree.
 """
 
 from __future__ import annotations

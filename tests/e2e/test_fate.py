@@ -1,4 +1,5 @@
-"""The fate model on one machine (DESIGN.md §5): stop cleanly, or die together and say so."""
+"""The fate model on one machine (docs/architecture.md): stop cleanly, or die together and say
+so."""
 
 from __future__ import annotations
 

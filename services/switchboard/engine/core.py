@@ -1,6 +1,6 @@
 """The engine core: start-up, the busy loop, and its end.
 
-Threads (DESIGN.md §3)::
+Threads (docs/architecture.md, "Inside the engine core")::
 
     gateways ─DEALER─> InputThread ─input_queue─> busy loop ─output_queue─> OutputThread ─PUSH─┐
                           │                        ^  │                                   gateways
