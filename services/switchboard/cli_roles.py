@@ -2,8 +2,9 @@
 
 The Kubernetes building blocks (docs/architecture.md): gateway pods run ``switchboard gateway``,
 engine pods ``switchboard engine --gateway-address <headless service>:<handshake port>``. The
-gateway listens on a fixed handshake port and binds its data sockets on port 0; each engine resolves the
-name, says hello to every address and connects to the ports it is told (``engine/handshake.py``).
+gateway listens on a fixed handshake port and binds its data sockets on port 0; each engine
+resolves the name, says hello to every address and connects to the ports it is told
+(``engine/handshake.py``).
 With DP > 1 one ``switchboard coordinator`` pod binds two fixed ports: engines push their load
 to its load port and gateways subscribe to its report port (both given
 ``--coordinator-address NAME[:PORT]``; the port defaults to the role's side).
