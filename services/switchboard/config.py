@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import tempfile
 import uuid
+from pathlib import Path
 from typing import TypeVar
 
 import msgspec
@@ -16,6 +17,15 @@ import msgspec
 DEFAULT_GRPC_PORT = 50051
 # sun_path in struct sockaddr_un holds 108 bytes including the terminating NUL.
 _MAX_IPC_PATH_BYTES = 107
+
+
+def cache_root() -> Path:
+    """The folder switchboard keeps downloads, converted checkpoints and built kernels in:
+    $SWITCHBOARD_CACHE, else $XDG_CACHE_HOME/switchboard, else ~/.cache/switchboard."""
+    if explicit := os.environ.get("SWITCHBOARD_CACHE"):
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "switchboard"
 
 
 class _Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

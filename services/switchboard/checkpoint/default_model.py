@@ -25,7 +25,6 @@ import hashlib
 import importlib.util
 import json
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from switchboard.checkpoint.gguf_to_hf import convert_gguf_to_hf
+from switchboard.config import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +51,6 @@ CONVERTER_VERSION = 1
 _MARKER_FILE = "switchboard-conversion.json"
 _PIP_TIMEOUT_S = 900.0
 _LOCK_TIMEOUT_S = 1800.0
-
-
-def cache_root() -> Path:
-    """The folder switchboard keeps downloads and converted checkpoints in."""
-    if explicit := os.environ.get("SWITCHBOARD_CACHE"):
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "switchboard"
 
 
 def default_model_dir() -> Path:

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from switchboard.config import cache_root
+
 logger = logging.getLogger(__name__)
 
 SOURCE = r"""
@@ -118,15 +120,6 @@ _kernel: ctypes._CFuncPtr | None = None
 _status = "not loaded"
 
 
-def _cache_dir() -> Path:
-    if os.environ.get("SWITCHBOARD_CACHE"):
-        root = Path(os.environ["SWITCHBOARD_CACHE"])
-    else:
-        xdg = os.environ.get("XDG_CACHE_HOME")
-        root = (Path(xdg) if xdg else Path.home() / ".cache") / "switchboard"
-    return root / "kernels"
-
-
 def _cpu_identity() -> str:
     """The CPU model and feature flags: ``-march=native`` code is only valid on their like."""
     try:
@@ -144,7 +137,7 @@ def _build(compiler: str) -> Path:
     key = hashlib.sha256(
         "\0".join([SOURCE, " ".join(FLAGS), version, _cpu_identity()]).encode()
     ).hexdigest()[:16]
-    target = _cache_dir() / f"paged_decode_{key}.so"
+    target = cache_root() / "kernels" / f"paged_decode_{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -197,10 +190,6 @@ def load() -> bool:
 
 def status() -> str:
     return _status
-
-
-def available() -> bool:
-    return _kernel is not None
 
 
 def unload() -> None:

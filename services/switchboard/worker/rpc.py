@@ -48,18 +48,15 @@ def dispatch(target: object, allowed: frozenset[str], call: RpcCall, rank: int) 
 def convert_arguments(
     method: Callable[..., Any], args: list[Any], kwargs: dict[str, Any]
 ) -> tuple[list[Any], dict[str, Any]]:
-    function = method.__func__ if inspect.ismethod(method) else method
-    signature, hints = _signature_and_hints(function)
-    if inspect.ismethod(method):
-        bound = signature.bind(method.__self__, *args, **kwargs)
-    else:
-        bound = signature.bind(*args, **kwargs)
+    # The signature is the plain function's (cached per function), so a bound method's
+    # instance is bound as its first argument and left out of what is returned.
+    leading = (method.__self__,) if inspect.ismethod(method) else ()
+    signature, hints = _signature_and_hints(getattr(method, "__func__", method))
+    bound = signature.bind(*leading, *args, **kwargs)
     for name, value in bound.arguments.items():
         if name in hints:
             bound.arguments[name] = msgspec.convert(value, hints[name])
-    if inspect.ismethod(method):
-        return list(bound.args)[1:], dict(bound.kwargs)
-    return list(bound.args), dict(bound.kwargs)
+    return list(bound.args)[len(leading) :], dict(bound.kwargs)
 
 
 @cache
