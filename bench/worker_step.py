@@ -5,9 +5,10 @@
 
 Builds a :class:`ModelRunner` on ``MODEL_DIR``, prefills ``--batch`` requests of ``--context``
 random tokens, then times greedy decode steps (what ``execute_model`` does for a running
-batch). Prints the median step time per batch size for the torch GEMM path and the oneDNN path
-(``models/gemm.py``) side by side, with their ratio; ``--profile`` adds torch's operator table
-for the last configuration.
+batch). Prints the median step time per batch size for three matmul paths side by side
+(``models/gemm.py``): torch's ``F.linear`` on dense weights, oneDNN on dense weights, and oneDNN
+on weights packed at load (what the worker serves with); ``--profile`` adds torch's operator
+table of the packed path for the last batch size.
 """
 
 from __future__ import annotations
@@ -95,29 +96,41 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    runner = ModelRunner(ModelConfig(model=args.model), torch.device("cpu"))
-    runner.load_model()
     blocks = max(args.batch) * -(-(args.context + args.steps + 1) // BLOCK_SIZE)
-    runner.initialize_kv_cache(blocks, BLOCK_SIZE)
+    gemm.use_onednn(False)  # loaded with oneDNN off, the weights stay dense
+    dense = ModelRunner(ModelConfig(model=args.model), torch.device("cpu"))
+    dense.load_model()
+    dense.initialize_kv_cache(blocks, BLOCK_SIZE)
+    gemm.use_onednn(True)
+    packed = ModelRunner(ModelConfig(model=args.model), torch.device("cpu"))
+    packed.load_model()
+    packed.initialize_kv_cache(blocks, BLOCK_SIZE)
+    kernels = {"torch": (dense, False), "onednn": (dense, True), "packed": (packed, True)}
 
     print(
         f"{args.model}: {args.threads} torch threads, context {args.context}, "
         f"decode attention kernel {cpu_decode_kernel.status()}"
     )
-    print(f"{'batch':>5} | {'torch GEMM ms':>13} | {'oneDNN ms':>9} | {'ratio':>5}")
+    print(
+        f"{'batch':>5} | {'torch GEMM ms':>13} | {'oneDNN ms':>9} | {'packed ms':>9} "
+        f"| {'torch/packed':>12}"
+    )
     for batch in args.batch:
         medians = {}
-        for kernel in ("torch", "onednn"):
-            gemm.use_onednn(kernel == "onednn")
+        for kernel, (runner, onednn) in kernels.items():
+            gemm.use_onednn(onednn)
             decode_steps(runner, batch, args.context, 5)  # warm-up
             medians[kernel] = statistics.median(
                 decode_steps(runner, batch, args.context, args.steps)
             )
-        torch_ms, onednn_ms = medians["torch"] * 1e3, medians["onednn"] * 1e3
-        print(f"{batch:>5} | {torch_ms:>13.2f} | {onednn_ms:>9.2f} | {torch_ms / onednn_ms:>5.2f}")
+        ms = {kernel: seconds * 1e3 for kernel, seconds in medians.items()}
+        print(
+            f"{batch:>5} | {ms['torch']:>13.2f} | {ms['onednn']:>9.2f} | {ms['packed']:>9.2f} "
+            f"| {ms['torch'] / ms['packed']:>12.2f}"
+        )
     if args.profile:
         prof = torch.profiler.profile()
-        decode_steps(runner, args.batch[-1], args.context, 20, prof)
+        decode_steps(packed, args.batch[-1], args.context, 20, prof)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
 
 

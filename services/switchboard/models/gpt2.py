@@ -158,8 +158,16 @@ class GPT2LMHeadModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[rows, vocab]`` for the given final hidden states (last stage;
         a collective over the TP ranks)."""
+        weight = self.logits_head().logits_weight()
+        return vocab_parallel_logits(hidden, weight, self.parallel, self.config.vocab_size)
+
+    def logits_head(self) -> VocabParallelEmbedding:
+        """The module whose matrix computes the logits: the LM head, or the embedding it is
+        tied to (last stage only)."""
         head = self.lm_head if self.lm_head is not None else self.transformer.wte
-        return vocab_parallel_logits(hidden, head.weight, self.parallel, self.config.vocab_size)
+        if not isinstance(head, VocabParallelEmbedding):
+            raise RuntimeError("only the last pipeline stage computes logits")
+        return head
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors into the parameters; returns the parameter names filled."""

@@ -105,6 +105,13 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.parallel = parallel
         self.weight = nn.Parameter(torch.empty(self.rows.size, hidden_size))
+        # A matmul-ready copy when this matrix also computes the logits (``models/prepack.py``).
+        self.packed_logits_weight: torch.Tensor | None = None
+
+    def logits_weight(self) -> torch.Tensor:
+        """The matrix the logits multiply by: the packed copy when there is one."""
+        packed = self.packed_logits_weight
+        return self.weight if packed is None else packed
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.parallel.tp_size == 1:

@@ -10,6 +10,7 @@ from switchboard.config import ModelConfig
 from switchboard.models.hf_config import TransformerConfig, load_transformer_config
 from switchboard.models.loader import load_model, resolve_dtype
 from switchboard.models.parallel import SINGLE_PROCESS, ParallelState
+from switchboard.models.prepack import prepack_weights
 from switchboard.wire.step_msgs import ModelSummary
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,9 @@ def load_runner_model(
         device.type,
     )
     model, config = load_model(model_config.model, device, dtype, parallel)
+    packed, seconds = prepack_weights(model)
+    if packed:
+        logger.info("%spacked %d weight matrices for oneDNN in %.2f s", log_prefix, packed, seconds)
     return model, config, dtype
 
 

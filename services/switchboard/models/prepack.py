@@ -1,0 +1,56 @@
+"""Lay a loaded model's matmul weights out for oneDNN once, before serving (CPU, float32).
+
+Every linear layer's weight is replaced by its ``gemm.pack``-ed copy, so no dense copy stays
+behind; the LM head's matrix is packed in place too when it is its own, and packed beside the
+dense one when it is tied to the token embedding (the embedding lookup needs the dense rows).
+Packing runs after the checkpoint is loaded: a packed weight cannot be loaded into, sliced or
+read back, and every step after it multiplies through oneDNN (``models/gemm.py``).
+"""
+
+from __future__ import annotations
+
+import time
+
+from torch import nn
+
+from switchboard.models import gemm
+from switchboard.models.layers import Linear
+from switchboard.models.parallel_layers import (
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+
+_PACKED_IN_PLACE = (Linear, RowParallelLinear, ParallelLMHead)
+
+
+def prepack_weights(model: nn.Module) -> tuple[int, float]:
+    """Pack ``model``'s matmul weights where oneDNN can take them. Returns (matrices packed,
+    seconds taken); (0, 0.0) when oneDNN is off or the weights are not float32 on CPU."""
+    started = time.monotonic()
+    packed = 0
+    for module in model.modules():
+        if isinstance(module, _PACKED_IN_PLACE) and gemm.packable(module.weight):
+            module.weight = nn.Parameter(gemm.pack(module.weight), requires_grad=False)
+            packed += 1
+    head = _logits_head(model)
+    if (
+        head is not None
+        and not isinstance(head, ParallelLMHead)
+        and head.packed_logits_weight is None
+        and gemm.packable(head.weight)
+    ):
+        head.packed_logits_weight = gemm.pack(head.weight)
+        packed += 1
+    return packed, time.monotonic() - started
+
+
+def _logits_head(model: nn.Module) -> VocabParallelEmbedding | None:
+    """The matrix that computes the logits, on a model (and stage) that has one."""
+    logits_head = getattr(model, "logits_head", None)
+    if logits_head is None:
+        return None  # an encoder: no logits
+    try:
+        return logits_head()
+    except RuntimeError:
+        return None  # a pipeline stage before the last
