@@ -47,7 +47,7 @@ def test_llama3_rope_frequencies_match_transformers():
 
 
 def test_rotary_rotates_pairs_by_position_times_frequency():
-    rotary = RotaryEmbedding(RopeConfig(theta=10000.0), head_dim=4, device="cpu")
+    rotary = RotaryEmbedding(RopeConfig(theta=10000.0), head_dim=4, device="cpu", max_positions=8)
     positions = torch.tensor([0, 3])
     cos, sin = rotary.cos_sin(positions, torch.float32)
     x = torch.tensor([[1.0, 0.0, 0.0, 0.0]]).expand(2, 1, 4)  # [tokens, heads, dim]

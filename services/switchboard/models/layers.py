@@ -161,23 +161,38 @@ def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding in the "rotate half" layout of Hugging Face checkpoints."""
+    """Rotary position embedding in the "rotate half" layout of Hugging Face checkpoints.
 
-    def __init__(self, rope: RopeConfig, head_dim: int, device: torch.device | str) -> None:
+    ``cos``/``sin`` of every position up to ``max_positions`` are computed once, here, and a
+    step looks its positions up: computing them per step cost more than the lookup (the
+    vectorised cos/sin wakes the whole thread team for a few thousand values). The tables hold
+    one half of the head dimension: "rotate half" uses each angle for both halves.
+    """
+
+    def __init__(
+        self, rope: RopeConfig, head_dim: int, device: torch.device | str, max_positions: int
+    ) -> None:
         super().__init__()
-        # A plain attribute, not a buffer: computed here, never loaded, and kept in float32
+        # Plain attributes, not buffers: computed here, never loaded, and kept in float32
         # whatever dtype the model is cast to.
         self.inv_freq = rope_inverse_frequencies(rope, head_dim).to(device)
+        positions = torch.arange(max_positions, dtype=torch.float32, device=self.inv_freq.device)
+        angles = positions[:, None] * self.inv_freq[None, :]  # the product HF's forward takes
+        self.cos_table = angles.cos()
+        self.sin_table = angles.sin()
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """``cos``/``sin`` of shape ``[num_tokens, head_dim]`` for these positions."""
-        freqs = positions[:, None].to(torch.float32) * self.inv_freq[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        """``cos``/``sin`` of shape ``[num_tokens, head_dim // 2]`` for these positions."""
+        cos = self.cos_table.index_select(0, positions)
+        sin = self.sin_table.index_select(0, positions)
+        return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` of shape ``[num_tokens, heads, head_dim]``."""
+    """Rotate ``x`` of shape ``[num_tokens, heads, head_dim]`` by half-dimension ``cos``/``sin``
+    (``RotaryEmbedding.cos_sin``): the same products and sums as HF's
+    ``x * cos + rotate_half(x) * sin`` on duplicated angles, so the same floats."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

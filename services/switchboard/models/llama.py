@@ -170,7 +170,9 @@ class LlamaForCausalLM(nn.Module):
         self.parallel = parallel
         layouts = [self.attention_layout(config, i) for i in range(config.num_layers)]
         self.model = LlamaModel(config, layouts, parallel)
-        self.rotary = RotaryEmbedding(config.rope, config.head_dim, device)
+        self.rotary = RotaryEmbedding(
+            config.rope, config.head_dim, device, config.max_position_embeddings
+        )
         # Tied embeddings: the output projection reuses embed_tokens.weight, so there is
         # no lm_head parameter at all (and a checkpoint's copy of it is ignored) -- unless the
         # embedding lives on another pipeline stage.
