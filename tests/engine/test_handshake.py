@@ -18,7 +18,7 @@ from switchboard.engine.handshake import (
     split_host_port,
     tcp_address,
 )
-from switchboard.gateway.handshake_server import HandshakeServer
+from switchboard.gateway.engines.handshake_server import HandshakeServer
 from switchboard.wire.engine_msgs import GatewayAddresses, GatewayHello
 
 

@@ -10,13 +10,13 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from switchboard.gateway.engine_pool import (
+from switchboard.gateway.engines.pool import (
     LoadSubscriber,
     apply_load_report,
     choose_engine,
     engine_score,
 )
-from switchboard.gateway.engine_types import EngineHandle, EngineState
+from switchboard.gateway.engines.types import EngineHandle, EngineState
 from switchboard.gateway.errors import ApiError
 from switchboard.wire import zmq_channel
 from switchboard.wire.engine_msgs import EngineLoad, EngineReady, LoadReport

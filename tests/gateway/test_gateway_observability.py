@@ -142,7 +142,7 @@ async def test_request_metrics_of_the_gateway(gateway) -> None:
 
 async def test_the_periodic_stats_line(gateway, caplog: pytest.LogCaptureFixture) -> None:
     server, _, _ = gateway
-    caplog.set_level(logging.INFO, logger="switchboard.gateway.stats_log")
+    caplog.set_level(logging.INFO, logger="switchboard.gateway.observability.stats_log")
     request = pb.GenerateRequest(text="Hello", request_id="logged")
     request.stopping.max_tokens = 4
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:

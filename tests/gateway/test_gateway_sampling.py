@@ -9,8 +9,8 @@ from gateway_harness import WAIT_S, until
 from test_gateway_server import StartGateway, _collect, _generate, start_gateway
 
 from switchboard.api.v1 import generation_service_pb2 as pb
-from switchboard.gateway.bad_words import tokenize_bad_words
 from switchboard.gateway.errors import ApiError
+from switchboard.gateway.pipeline.bad_words import tokenize_bad_words
 
 __all__ = ["start_gateway"]  # the fixture, imported for its side effect
 

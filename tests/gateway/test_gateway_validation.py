@@ -13,7 +13,11 @@ from google.rpc import error_details_pb2
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.gateway.errors import ApiError
 from switchboard.gateway.model_facts import ModelFacts
-from switchboard.gateway.validation import build_engine_request, plan_generate, resolve_prompt
+from switchboard.gateway.pipeline.validation import (
+    build_engine_request,
+    plan_generate,
+    resolve_prompt,
+)
 from switchboard.wire.engine_msgs import RepetitionDetectionParams
 
 FACTS = ModelFacts(

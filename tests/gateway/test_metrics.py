@@ -6,8 +6,8 @@ import urllib.request
 
 from prometheus_client import generate_latest
 
-from switchboard.gateway.engine_types import EngineHandle, EngineState
-from switchboard.gateway.metrics import GatewayMetrics, tokens_buckets
+from switchboard.gateway.engines.types import EngineHandle, EngineState
+from switchboard.gateway.observability.metrics import GatewayMetrics, tokens_buckets
 from switchboard.wire.engine_msgs import ITERATION_TOKENS_BUCKETS, EngineReady, SchedulerStats
 
 

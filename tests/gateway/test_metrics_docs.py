@@ -10,8 +10,8 @@ from pathlib import Path
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from switchboard.gateway.engine_types import EngineHandle
-from switchboard.gateway.metrics import GatewayMetrics
+from switchboard.gateway.engines.types import EngineHandle
+from switchboard.gateway.observability.metrics import GatewayMetrics
 from switchboard.wire.engine_msgs import ITERATION_TOKENS_BUCKETS, EngineReady, SchedulerStats
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,11 @@ import pytest
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.config import ModelConfig
 from switchboard.gateway.model_facts import ModelFacts, sampling_defaults_from
-from switchboard.gateway.validation import build_engine_request, plan_generate, resolve_prompt
+from switchboard.gateway.pipeline.validation import (
+    build_engine_request,
+    plan_generate,
+    resolve_prompt,
+)
 
 QWEN_STYLE = {  # Qwen2.5-Instruct's generation_config.json, plus max_new_tokens
     "bos_token_id": 151643,

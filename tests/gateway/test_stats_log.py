@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from switchboard.gateway.engine_types import EngineHandle
-from switchboard.gateway.stats_log import StatsLogger, TokenCounts
+from switchboard.gateway.engines.types import EngineHandle
+from switchboard.gateway.observability.stats_log import StatsLogger, TokenCounts
 from switchboard.wire.engine_msgs import EngineReady, SchedulerStats
 
 

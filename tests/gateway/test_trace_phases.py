@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from switchboard.gateway.request_timeline import RequestTimeline
-from switchboard.gateway.trace_phases import (
+from switchboard.gateway.observability.request_timeline import RequestTimeline
+from switchboard.gateway.observability.trace_phases import (
     DECODE,
     DISPATCH,
     PREEMPTED,

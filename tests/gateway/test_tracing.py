@@ -9,9 +9,9 @@ import grpc
 import pytest
 
 from switchboard.config import GatewayConfig
-from switchboard.gateway.trace_phases import PREEMPTED, Phase
-from switchboard.gateway.tracing import GENERATE_METHOD, GatewayTracer
-from switchboard.gateway.tracing_config import TracingSettings, tracing_settings
+from switchboard.gateway.observability.trace_phases import PREEMPTED, Phase
+from switchboard.gateway.observability.tracing import GENERATE_METHOD, GatewayTracer
+from switchboard.gateway.observability.tracing_config import TracingSettings, tracing_settings
 from tests.otlp_receiver import OtlpGrpcReceiver, OtlpHttpReceiver
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -31,12 +31,12 @@ from switchboard.api.v1 import (
     model_service_pb2_grpc,
 )
 from switchboard.config import GatewayRoleConfig
-from switchboard.gateway.admin import AdminServicer
-from switchboard.gateway.engine_client import EngineClient
-from switchboard.gateway.generation import GenerationServicer
+from switchboard.gateway.engines.client import EngineClient
 from switchboard.gateway.model_facts import ModelFacts
-from switchboard.gateway.model_service import ModelServicer
-from switchboard.gateway.observability import Observability
+from switchboard.gateway.observability.observer import Observability
+from switchboard.gateway.servicers.admin import AdminServicer
+from switchboard.gateway.servicers.generation import GenerationServicer
+from switchboard.gateway.servicers.model_service import ModelServicer
 from switchboard.gateway.state import GatewayState
 from switchboard.gateway.text import Tokenizer
 

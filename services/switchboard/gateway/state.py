@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from switchboard.config import GatewayRoleConfig
-from switchboard.gateway.engine_client import EngineClient
+from switchboard.gateway.engines.client import EngineClient
 from switchboard.gateway.model_facts import ModelFacts
-from switchboard.gateway.observability import Observability
+from switchboard.gateway.observability.observer import Observability
 from switchboard.gateway.text import Tokenizer
 
 T = TypeVar("T")

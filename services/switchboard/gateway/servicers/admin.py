@@ -18,7 +18,7 @@ from google.rpc import status_pb2
 
 from switchboard.api.v1 import admin_service_pb2 as pb
 from switchboard.api.v1 import admin_service_pb2_grpc as pb_grpc
-from switchboard.gateway.engine_types import EngineHandle
+from switchboard.gateway.engines.types import EngineHandle
 from switchboard.gateway.errors import ApiError, invalid_argument, unavailable
 from switchboard.gateway.state import GatewayState
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from switchboard.gateway.errors import invalid_argument
-from switchboard.gateway.sampling_validation import check_token_ids
+from switchboard.gateway.pipeline.sampling_validation import check_token_ids
 from switchboard.gateway.text import Tokenizer
 
 

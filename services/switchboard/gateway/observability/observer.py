@@ -26,26 +26,26 @@ import grpc
 
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.config import GatewayRoleConfig
-from switchboard.gateway.engine_clock import EngineClock
-from switchboard.gateway.engine_types import (
+from switchboard.gateway.engines.clock import EngineClock
+from switchboard.gateway.engines.types import (
     EngineHandle,
     RequestAborted,
     RequestEvent,
     RequestFailed,
     StepOutput,
 )
-from switchboard.gateway.request_timeline import RequestTimeline
-from switchboard.gateway.stats_log import StatsLogger, TokenCounts
-from switchboard.gateway.trace_phases import request_phases
-from switchboard.gateway.tracing_config import tracing_settings
+from switchboard.gateway.observability.request_timeline import RequestTimeline
+from switchboard.gateway.observability.stats_log import StatsLogger, TokenCounts
+from switchboard.gateway.observability.trace_phases import request_phases
+from switchboard.gateway.observability.tracing_config import tracing_settings
 from switchboard.wire.engine_msgs import EngineCoreRequest, FinishReason
 
 if TYPE_CHECKING:
-    from switchboard.gateway.engine_client import EngineClient
-    from switchboard.gateway.metrics import GatewayMetrics
+    from switchboard.gateway.engines.client import EngineClient
+    from switchboard.gateway.observability.metrics import GatewayMetrics
+    from switchboard.gateway.observability.tracing import GatewayTracer, RequestSpans
+    from switchboard.gateway.pipeline.validation import GeneratePlan
     from switchboard.gateway.text import Tokenizer
-    from switchboard.gateway.tracing import GatewayTracer, RequestSpans
-    from switchboard.gateway.validation import GeneratePlan
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ class Observability:
         self.tracer: GatewayTracer | None = None
         settings = tracing_settings(config.gateway)
         if settings is not None:
-            from switchboard.gateway.tracing import GatewayTracer
+            from switchboard.gateway.observability.tracing import GatewayTracer
 
             self.tracer = GatewayTracer(
                 settings, config.client_index, config.gateway.host, config.gateway.port
@@ -92,7 +92,7 @@ class Observability:
         self.trace_content = settings is not None and settings.trace_content
         self.metrics: GatewayMetrics | None = None
         if config.gateway.metrics_port is not None:
-            from switchboard.gateway.metrics import GatewayMetrics
+            from switchboard.gateway.observability.metrics import GatewayMetrics
 
             self.metrics = GatewayMetrics(
                 self.model_name,

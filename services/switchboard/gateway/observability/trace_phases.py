@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from switchboard.gateway.request_timeline import RequestTimeline
+from switchboard.gateway.observability.request_timeline import RequestTimeline
 
 TOKENIZE = "gateway.tokenize"
 DISPATCH = "gateway.dispatch"

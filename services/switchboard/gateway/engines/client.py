@@ -33,8 +33,9 @@ import grpc
 import zmq
 import zmq.asyncio
 
-from switchboard.gateway.engine_pool import LoadSubscriber, choose_engine
-from switchboard.gateway.engine_types import (
+from switchboard.gateway.engines.handshake_server import HandshakeServer, port_of
+from switchboard.gateway.engines.pool import LoadSubscriber, choose_engine
+from switchboard.gateway.engines.types import (
     EngineHandle,
     EngineState,
     RequestAborted,
@@ -42,9 +43,8 @@ from switchboard.gateway.engine_types import (
     RequestFailed,
     StepOutput,
 )
+from switchboard.gateway.engines.utility_calls import PendingUtilityCalls
 from switchboard.gateway.errors import ApiError, unavailable
-from switchboard.gateway.handshake_server import HandshakeServer, port_of
-from switchboard.gateway.utility_calls import PendingUtilityCalls
 from switchboard.wire import zmq_channel
 from switchboard.wire.engine_msgs import (
     EngineCoreOutputs,

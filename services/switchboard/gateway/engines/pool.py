@@ -29,7 +29,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from switchboard.gateway.engine_types import EngineHandle
+from switchboard.gateway.engines.types import EngineHandle
 from switchboard.gateway.errors import unavailable
 from switchboard.wire import zmq_channel
 from switchboard.wire.engine_msgs import LoadReport

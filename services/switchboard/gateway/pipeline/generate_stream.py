@@ -19,8 +19,7 @@ import time
 import grpc
 
 from switchboard.api.v1 import generation_service_pb2 as pb
-from switchboard.gateway.api_logprobs import to_api_logprobs
-from switchboard.gateway.engine_types import (
+from switchboard.gateway.engines.types import (
     EngineHandle,
     RequestAborted,
     RequestEvent,
@@ -28,8 +27,9 @@ from switchboard.gateway.engine_types import (
     StepOutput,
 )
 from switchboard.gateway.errors import ApiError
+from switchboard.gateway.pipeline.api_logprobs import to_api_logprobs
+from switchboard.gateway.pipeline.validation import GeneratePlan
 from switchboard.gateway.text import IncrementalDetokenizer, TextStream, Tokenizer
-from switchboard.gateway.validation import GeneratePlan
 from switchboard.wire.engine_msgs import EngineCoreOutput, EventType, FinishReason
 
 _FINISH_REASONS = {

@@ -12,7 +12,7 @@ import logging
 
 import grpc
 
-from switchboard.gateway.engine_types import EngineHandle
+from switchboard.gateway.engines.types import EngineHandle
 from switchboard.gateway.errors import ApiError
 from switchboard.wire.engine_msgs import UtilityOutput
 

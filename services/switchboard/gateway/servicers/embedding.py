@@ -25,13 +25,13 @@ import grpc
 
 from switchboard.api.v1 import common_pb2
 from switchboard.api.v1 import generation_service_pb2 as pb
-from switchboard.gateway.engine_types import RequestAborted, RequestChannel, RequestFailed
+from switchboard.gateway.engines.types import RequestAborted, RequestChannel, RequestFailed
 from switchboard.gateway.errors import ApiError, invalid_argument, not_supported, unavailable
 from switchboard.gateway.model_facts import ModelFacts
-from switchboard.gateway.sampling_validation import check_token_ids
+from switchboard.gateway.pipeline.sampling_validation import check_token_ids
+from switchboard.gateway.pipeline.validation import MAX_REQUEST_ID_CHARS, check_model
 from switchboard.gateway.state import GatewayState
 from switchboard.gateway.text import Tokenizer
-from switchboard.gateway.validation import MAX_REQUEST_ID_CHARS, check_model
 from switchboard.wire.engine_msgs import (
     EngineCoreOutput,
     EngineCoreRequest,

@@ -15,7 +15,7 @@ import time
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.gateway.errors import invalid_argument, model_not_found, not_supported
 from switchboard.gateway.model_facts import ModelFacts
-from switchboard.gateway.sampling_validation import (
+from switchboard.gateway.pipeline.sampling_validation import (
     check_logprobs,
     check_repetition_detection,
     check_sampling,

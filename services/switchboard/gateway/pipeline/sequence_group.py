@@ -22,8 +22,8 @@ from collections.abc import Callable
 import msgspec
 
 from switchboard.api.v1 import generation_service_pb2 as pb
-from switchboard.gateway.engine_types import EngineHandle, RequestChannel, RequestEvent
-from switchboard.gateway.generate_stream import GenerateStream
+from switchboard.gateway.engines.types import EngineHandle, RequestChannel, RequestEvent
+from switchboard.gateway.pipeline.generate_stream import GenerateStream
 from switchboard.wire.engine_msgs import EngineCoreRequest
 
 

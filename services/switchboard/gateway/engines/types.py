@@ -12,7 +12,7 @@ import dataclasses
 import enum
 import functools
 
-from switchboard.gateway.engine_clock import EngineClock
+from switchboard.gateway.engines.clock import EngineClock
 from switchboard.gateway.errors import ApiError
 from switchboard.wire.engine_msgs import (
     EngineCoreOutput,

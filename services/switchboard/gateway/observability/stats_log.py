@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from switchboard.gateway.engine_types import EngineHandle
+from switchboard.gateway.engines.types import EngineHandle
 
 logger = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-from switchboard.gateway.engine_types import EngineHandle
+from switchboard.gateway.engines.types import EngineHandle
 from switchboard.wire.engine_msgs import ITERATION_TOKENS_BUCKETS
 
 logger = logging.getLogger(__name__)

@@ -9,10 +9,10 @@ import switchboard
 from switchboard.api.v1 import common_pb2
 from switchboard.api.v1 import model_service_pb2 as pb
 from switchboard.api.v1 import model_service_pb2_grpc as pb_grpc
-from switchboard.gateway.engine_types import EngineHandle
+from switchboard.gateway.engines.types import EngineHandle
 from switchboard.gateway.errors import ApiError
+from switchboard.gateway.pipeline.validation import check_model
 from switchboard.gateway.state import GatewayState
-from switchboard.gateway.validation import check_model
 
 API_VERSION = "switchboard.v1"
 

@@ -38,8 +38,8 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from switchboard import __version__
-from switchboard.gateway.trace_phases import Phase
-from switchboard.gateway.tracing_config import TracingSettings
+from switchboard.gateway.observability.trace_phases import Phase
+from switchboard.gateway.observability.tracing_config import TracingSettings
 
 logger = logging.getLogger(__name__)
 

@@ -12,20 +12,24 @@ import grpc
 
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
-from switchboard.gateway.bad_words import tokenize_bad_words
-from switchboard.gateway.embedding import Embedder
 from switchboard.gateway.errors import ApiError, invalid_argument, unavailable
-from switchboard.gateway.generate_stream import GenerateStream
-from switchboard.gateway.observability import RequestObserver
-from switchboard.gateway.sequence_group import SequenceGroup, child_requests, submit_children
-from switchboard.gateway.state import GatewayState
-from switchboard.gateway.validation import (
+from switchboard.gateway.observability.observer import RequestObserver
+from switchboard.gateway.pipeline.bad_words import tokenize_bad_words
+from switchboard.gateway.pipeline.generate_stream import GenerateStream
+from switchboard.gateway.pipeline.sequence_group import (
+    SequenceGroup,
+    child_requests,
+    submit_children,
+)
+from switchboard.gateway.pipeline.validation import (
     GeneratePlan,
     build_engine_request,
     check_model,
     plan_generate,
     resolve_prompt,
 )
+from switchboard.gateway.servicers.embedding import Embedder
+from switchboard.gateway.state import GatewayState
 
 logger = logging.getLogger(__name__)
 
