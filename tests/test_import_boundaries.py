@@ -81,3 +81,35 @@ def test_gateway_and_engine_load_without_torch() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def _gateway_files(group: str) -> list[Path]:
+    return sorted((PACKAGE / "gateway" / group).glob("*.py"))
+
+
+def _switchboard_imports(path: Path) -> set[str]:
+    return {m for m in _imported_modules(path) if m.split(".")[0] == "switchboard"}
+
+
+def test_the_gateways_engine_side_imports_only_errors_and_wire() -> None:
+    """``gateway/engines/`` is the wire-1 client: it knows messages and API errors, nothing of
+    requests' validation, streams or observability."""
+    allowed = ("switchboard.wire", "switchboard.gateway.engines", "switchboard.gateway.errors")
+    breaches = [
+        f"{path.relative_to(PACKAGE)} imports {module}"
+        for path in _gateway_files("engines")
+        for module in _switchboard_imports(path)
+        if module != "switchboard" and not module.startswith(allowed)
+    ]
+    assert _gateway_files("engines") and breaches == []
+
+
+def test_only_the_server_imports_the_servicers() -> None:
+    breaches = [
+        f"{path.relative_to(PACKAGE)} imports {module}"
+        for group in ("engines", "observability", "pipeline")
+        for path in _gateway_files(group)
+        for module in _switchboard_imports(path)
+        if module.startswith("switchboard.gateway.servicers")
+    ]
+    assert breaches == []

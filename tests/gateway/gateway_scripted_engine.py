@@ -64,6 +64,10 @@ class ScriptedEngine:
         self.engine_id = f"scripted-{rank}"
         self.mode = "normal"  # normal | hang (accept, never answer) | error (finish ERROR)
         self.silent = False  # stop all outputs and heartbeats (a silent death)
+        # Per engine request id: seconds between QUEUED and SCHEDULED, and the step at which
+        # it is preempted (PREEMPTED, one step away, SCHEDULED again with the next token).
+        self.schedule_delay_s: dict[str, float] = {}
+        self.preempt_at_step: dict[str, int] = {}
         self.added: dict[str, EngineCoreRequest] = {}
         self.aborted: list[str] = []
         self.utility_calls: list[tuple[str, list]] = []
@@ -152,11 +156,22 @@ class ScriptedEngine:
         assert request.sampling_params is not None
         max_tokens = request.sampling_params.max_tokens
         tokens = itertools.cycle(self.script)
+        await asyncio.sleep(self.schedule_delay_s.get(request.request_id, 0.0))
+        num_preemptions = 0
         for step in range(max_tokens):
             await asyncio.sleep(self.step_s)
             if request.request_id in self.aborted:
                 return
+            resumed = None
+            if step == self.preempt_at_step.get(request.request_id):
+                preempted = EngineCoreEvent(EventType.PREEMPTED, time.monotonic_ns())
+                await asyncio.sleep(self.step_s)
+                resumed = [preempted, EngineCoreEvent(EventType.SCHEDULED, time.monotonic_ns())]
+                num_preemptions += 1
             output = EngineCoreOutput(request.request_id, [next(tokens)])
+            output.num_preemptions = num_preemptions
+            if resumed is not None:
+                output.events = resumed
             params = request.sampling_params
             if params.logprobs is not None:
                 output.new_logprobs = [fake_logprobs(output.new_token_ids[0], params.logprobs)]

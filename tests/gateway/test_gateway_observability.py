@@ -140,6 +140,61 @@ async def test_request_metrics_of_the_gateway(gateway) -> None:
     assert value("switchboard:num_requests_running") is not None  # the engine's heartbeats
 
 
+async def test_client_metrics_histograms_and_spans_report_the_same_times(gateway) -> None:
+    """n = 3, sequences scheduled at different times, one preempted: the client's
+    RequestMetrics, the Prometheus histograms and the span attributes come from one record."""
+    server, engine, receiver = gateway
+    request_id = "agreeing"
+    engine.schedule_delay_s = {f"1_{request_id}": 0.03, f"2_{request_id}": 0.06}
+    engine.preempt_at_step = {f"2_{request_id}": 2}
+    request = pb.GenerateRequest(text="Hello", request_id=request_id)
+    request.stopping.max_tokens = 5
+    request.sampling.n = 3
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        responses = [r async for r in stub.Generate(request, timeout=WAIT_S)]
+    final = responses[-1].metrics
+    assert final.num_preemptions == 1
+    assert final.decode_time.ToNanoseconds() > 60_000_000  # until the late sequence's last token
+
+    spans = receiver.wait_for_request(request_id, num_spans=8)
+    completion = next(s for s in spans if s.name == "text_completion tiny")
+    named = {s.name: s for s in spans}
+    assert named["engine.queue"].duration_ns == final.queue_time.ToNanoseconds()
+    assert named["engine.prefill"].duration_ns == final.prefill_time.ToNanoseconds()
+    assert named["engine.decode"].duration_ns == final.decode_time.ToNanoseconds()
+    assert completion.attributes["switchboard.request.num_preemptions"] == 1
+    ttft_s = final.time_to_first_token.ToNanoseconds() / 1e9
+    assert completion.attributes["gen_ai.response.time_to_first_chunk"] == pytest.approx(ttft_s)
+
+    metrics = server.state.observability.metrics
+    assert metrics is not None and metrics.port
+    url = f"http://127.0.0.1:{metrics.port}/metrics"
+    with urllib.request.urlopen(url, timeout=WAIT_S) as reply:
+        text = reply.read().decode()
+    sums = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.endswith("_sum") and sample.labels.get("engine", "0") == "0"
+    }
+    prefix = "switchboard:"
+    assert sums[prefix + "request_queue_time_seconds_sum"] == pytest.approx(
+        final.queue_time.ToNanoseconds() / 1e9
+    )
+    assert sums[prefix + "request_prefill_time_seconds_sum"] == pytest.approx(
+        final.prefill_time.ToNanoseconds() / 1e9
+    )
+    assert sums[prefix + "request_decode_time_seconds_sum"] == pytest.approx(
+        final.decode_time.ToNanoseconds() / 1e9
+    )
+    assert sums[prefix + "time_to_first_token_seconds_sum"] == pytest.approx(ttft_s)
+    assert sums["gen_ai_server_time_to_first_token_seconds_sum"] == pytest.approx(ttft_s)
+    assert sums[prefix + "e2e_request_latency_seconds_sum"] == pytest.approx(
+        final.e2e_latency.ToNanoseconds() / 1e9
+    )
+
+
 async def test_the_periodic_stats_line(gateway, caplog: pytest.LogCaptureFixture) -> None:
     server, _, _ = gateway
     caplog.set_level(logging.INFO, logger="switchboard.gateway.observability.stats_log")

@@ -7,6 +7,11 @@ reason, a ``BadRequest`` naming the offending field, and ``RetryInfo`` when retr
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
 import grpc
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import error_details_pb2, status_pb2
@@ -58,6 +63,37 @@ class ApiError(Exception):
     async def abort(self, context: grpc.aio.ServicerContext) -> None:
         """End the RPC with this error (raises, as ``context.abort`` does)."""
         await context.abort(self.code, self.message, trailing_metadata=self.trailing_metadata())
+
+
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def maps_api_errors(method: _Method) -> _Method:
+    """Decorates a servicer method ``(self, request, context)``, unary or streaming: an
+    ``ApiError`` raised inside ends the RPC with its status, message and details. The one place
+    an API error becomes a gRPC status; anything else propagates to grpc (UNKNOWN)."""
+    if inspect.isasyncgenfunction(method):
+
+        @functools.wraps(method)
+        async def streaming(
+            self: Any, request: Any, context: grpc.aio.ServicerContext
+        ) -> AsyncIterator[Any]:
+            try:
+                async for response in method(self, request, context):
+                    yield response
+            except ApiError as error:
+                await error.abort(context)
+
+        return streaming  # type: ignore[return-value]
+
+    @functools.wraps(method)
+    async def unary(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await method(self, request, context)
+        except ApiError as error:
+            await error.abort(context)
+
+    return unary  # type: ignore[return-value]
 
 
 def invalid_argument(field: str, message: str, reason: str = "") -> ApiError:

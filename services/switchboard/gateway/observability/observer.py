@@ -34,11 +34,12 @@ from switchboard.gateway.engines.types import (
     RequestFailed,
     StepOutput,
 )
-from switchboard.gateway.observability.request_timeline import RequestTimeline
+from switchboard.gateway.errors import ApiError
+from switchboard.gateway.observability.request_timeline import RequestTimeline, RequestTimes
 from switchboard.gateway.observability.stats_log import StatsLogger, TokenCounts
 from switchboard.gateway.observability.trace_phases import request_phases
 from switchboard.gateway.observability.tracing_config import tracing_settings
-from switchboard.wire.engine_msgs import EngineCoreRequest, FinishReason
+from switchboard.wire.engine_msgs import EngineCoreRequest, EventType, FinishReason
 
 if TYPE_CHECKING:
     from switchboard.gateway.engines.client import EngineClient
@@ -199,11 +200,17 @@ class RequestObserver:
         clock = self._clock
         if clock is not None:
             clock.not_after(event.timestamp_ns, time.time_ns())  # it was stamped before now
+            if timeline.submitted_ns is not None:
+                for queued in event.output.events or ():
+                    if queued.type == EventType.QUEUED:  # queued after the ADD went out
+                        clock.not_before(queued.timestamp_ns, timeline.submitted_ns)
         first = timeline.first_token_ns is None
         previous_token_ns = timeline.sequence_last_token_ns.get(event.output.request_id)
         num_new = timeline.record_output(event.output, event.timestamp_ns)
         if not num_new:
             return
+        if first and clock is not None:
+            timeline.use_clock_offset(clock.offset)  # TTFT now and at the end: the same
         counts, metrics = self._obs.counts, self._obs.metrics
         counts.generation_tokens += num_new
         if first:
@@ -232,20 +239,18 @@ class RequestObserver:
             return
         self._ended = True
         timeline = self.timeline
-        timeline.end_ns = max(time.time_ns(), timeline.arrival_ns)
         obs = self._obs
         obs.counts.requests_in_flight -= 1
         code = self._status_code()
         reasons = self._finish_words(streams, code)
         clock = self._clock
-        queued = timeline.queued_ns
-        if clock is not None and queued is not None and timeline.submitted_ns is not None:
-            clock.not_before(queued, timeline.submitted_ns)  # queued after the ADD went out
+        # Already closed when the last response went out (its RequestMetrics): the same times.
+        times = timeline.close(clock.offset if clock is not None else None, time.time_ns())
         try:
             if obs.metrics is not None:
-                self._report_metrics(code, reasons)
+                self._report_metrics(code, reasons, times)
             if self._spans is not None:
-                self._report_spans(code, reasons)
+                self._report_spans(code, reasons, times)
         except Exception:  # observability must never break a request
             logger.exception("request %s: reporting traces/metrics failed", timeline.request_id)
 
@@ -256,6 +261,8 @@ class RequestObserver:
         code = self._context.code()
         if isinstance(code, grpc.StatusCode) and code != grpc.StatusCode.OK:
             return code
+        if isinstance(error, ApiError):  # on its way to ``maps_api_errors``
+            return error.code
         if isinstance(error, _CANCELLED):
             remaining = self._context.time_remaining()
             if remaining is not None and remaining <= 0:
@@ -279,37 +286,22 @@ class RequestObserver:
         return engine_words or [str(self._ended_by) if self._ended_by is not None else "stop"]
 
     def _ttft_s(self) -> float | None:
-        first = self.timeline.first_token_ns
-        if first is None or self._clock is None:
-            return None
-        return max(0, self._clock.to_wall_ns(first) - self.timeline.arrival_ns) / 1e9
+        ttft_ns = self.timeline.ttft_ns()
+        return None if ttft_ns is None else ttft_ns / 1e9
 
-    def _engine_phases_s(self) -> dict[str, float | None]:
-        t = self.timeline
-        queued, scheduled, first, last = (
-            t.queued_ns,
-            t.scheduled_ns,
-            t.first_token_ns,
-            t.last_token_ns,
-        )
-
-        def span(a: int | None, b: int | None) -> float | None:
-            return None if a is None or b is None else max(0, b - a) / 1e9
-
-        return {
-            "queue": span(queued, scheduled),
-            "prefill": span(scheduled, first),
-            "decode": span(first, last),
-            "inference": span(scheduled, last),
-        }
-
-    def _report_metrics(self, code: grpc.StatusCode, reasons: list[str]) -> None:
+    def _report_metrics(
+        self, code: grpc.StatusCode, reasons: list[str], times: RequestTimes
+    ) -> None:
         metrics = self._obs.metrics
         assert metrics is not None
         t = self.timeline
-        assert t.end_ns is not None
-        e2e_s = (t.end_ns - t.arrival_ns) / 1e9
-        phases = self._engine_phases_s()
+        e2e_s = times.e2e_ns / 1e9
+        phases = {
+            "queue": _seconds(times.queue_ns),
+            "prefill": _seconds(times.prefill_ns),
+            "decode": _seconds(times.decode_ns),
+            "inference": _seconds(times.inference_ns),
+        }
         if t.submitted_ns is not None and self._engine_label:
             metrics.requests.finished(
                 self._engine_label,
@@ -319,24 +311,22 @@ class RequestObserver:
                 t.num_prompt_tokens,
                 t.num_output_tokens,
             )
-        decode = phases["decode"]
-        tpot = decode / (t.num_output_tokens - 1) if decode and t.num_output_tokens > 1 else None
         metrics.requests.gen_ai(
             "" if code == grpc.StatusCode.OK else code.name,
             e2e_s,
-            self._ttft_s(),
-            tpot,
+            _seconds(times.ttft_ns),
+            _seconds(times.tpot_ns),
             t.num_prompt_tokens,
             t.num_output_tokens,
         )
 
-    def _report_spans(self, code: grpc.StatusCode, reasons: list[str]) -> None:
+    def _report_spans(self, code: grpc.StatusCode, reasons: list[str], times: RequestTimes) -> None:
         spans = self._spans
         assert spans is not None
         t = self.timeline
         assert t.end_ns is not None
         ended_normally = code == grpc.StatusCode.OK and not {"abort", "error"} & set(reasons)
-        to_wall = self._clock.to_wall_ns if self._clock is not None else (lambda ns: ns)
+        to_wall = t.to_wall_ns if t.wall_offset_ns is not None else (lambda ns: ns)
         phases = request_phases(t, to_wall, ended_normally)
         attributes: dict[str, Any] = {
             "gen_ai.response.model": self._obs.model_name,
@@ -346,17 +336,20 @@ class RequestObserver:
             attributes["gen_ai.usage.input_tokens"] = t.num_prompt_tokens
             attributes["gen_ai.usage.output_tokens"] = t.num_output_tokens
             attributes["gen_ai.usage.cache_read.input_tokens"] = t.num_cached_tokens
-        ttft = self._ttft_s()
-        if ttft is not None:
-            attributes["gen_ai.response.time_to_first_chunk"] = ttft
+        if times.ttft_ns is not None:
+            attributes["gen_ai.response.time_to_first_chunk"] = times.ttft_ns / 1e9
         if t.engine_index is not None:
             attributes["switchboard.engine.index"] = t.engine_index
             attributes["switchboard.engine.id"] = t.engine_id
-            attributes["switchboard.request.num_preemptions"] = t.num_preemptions
+            attributes["switchboard.request.num_preemptions"] = times.num_preemptions
         content = None
         if self._obs.trace_content and t.output_token_ids is not None:
             content = (self._prompt_text or "", self._obs.text(t.output_token_ids))
         spans.finish(t.end_ns, code, attributes, phases, content)
+
+
+def _seconds(ns: float | None) -> float | None:
+    return None if ns is None else ns / 1e9
 
 
 def _request_attributes(plan: GeneratePlan, request: EngineCoreRequest) -> dict[str, Any]:

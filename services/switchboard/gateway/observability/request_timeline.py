@@ -7,7 +7,13 @@ Two clocks meet here, and each field says which it is on:
   the engine's events (QUEUED, SCHEDULED, PREEMPTED) and the ``EngineCoreOutputs.timestamp_ns``
   of the outputs that carried the first and the last token.
 
-Nothing here converts between them: ``engine_clock.EngineClock`` does, when spans are built.
+``engines.clock.EngineClock`` converts between them; a timeline keeps the conversion it used
+first (``wall_offset_ns``), so every figure derived from it places the engine's instants alike.
+
+This is the one record of a Generate call's timing: ``close`` derives ``RequestTimes`` from it
+once, and the client's ``RequestMetrics``, the Prometheus histograms and the span attributes all
+report those same numbers (``n`` > 1 included: the call's first QUEUED, first SCHEDULED, first
+and last token over all its sequences).
 """
 
 from __future__ import annotations
@@ -15,6 +21,32 @@ from __future__ import annotations
 import dataclasses
 
 from switchboard.wire.engine_msgs import EngineCoreEvent, EngineCoreOutput, EventType, FinishReason
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestTimes:
+    """What a finished Generate call reports about its time, in nanoseconds. A phase the
+    gateway never saw both ends of is None."""
+
+    e2e_ns: int  # arrival -> the gateway was done (gateway wall clock)
+    ttft_ns: int | None  # arrival -> the engine's outputs carrying the first token
+    queue_ns: int | None  # first QUEUED -> first SCHEDULED (engine clock)
+    prefill_ns: int | None  # first SCHEDULED -> first token
+    decode_ns: int | None  # first token -> last token
+    inference_ns: int | None  # first SCHEDULED -> last token
+    num_preemptions: int
+    num_output_tokens: int
+
+    @property
+    def tpot_ns(self) -> float | None:
+        """Mean time per output token after the first."""
+        if not self.decode_ns or self.num_output_tokens < 2:
+            return None
+        return self.decode_ns / (self.num_output_tokens - 1)
+
+
+def _between(start: int | None, end: int | None) -> int | None:
+    return None if start is None or end is None else max(0, end - start)
 
 
 @dataclasses.dataclass(slots=True)
@@ -41,6 +73,49 @@ class RequestTimeline:
     sequence_preemptions: dict[str, int] = dataclasses.field(default_factory=dict)
     finish_reasons: dict[str, FinishReason] = dataclasses.field(default_factory=dict)
     output_token_ids: list[int] | None = None  # kept only when traces carry content
+    # gateway wall ns = engine ns + this; fixed by the first conversion (``use_clock_offset``)
+    wall_offset_ns: int | None = None
+    times: RequestTimes | None = None  # set by ``close``
+
+    def use_clock_offset(self, offset_ns: int) -> int:
+        """The engine-to-wall offset this timeline converts with: the first one offered."""
+        if self.wall_offset_ns is None:
+            self.wall_offset_ns = offset_ns
+        return self.wall_offset_ns
+
+    def to_wall_ns(self, engine_ns: int) -> int:
+        """An engine instant on the gateway's wall clock (after ``use_clock_offset``)."""
+        if self.wall_offset_ns is None:
+            raise RuntimeError("the timeline has no clock offset yet")
+        return engine_ns + self.wall_offset_ns
+
+    def ttft_ns(self) -> int | None:
+        """Arrival -> first token, once both and a clock offset are known."""
+        if self.first_token_ns is None or self.wall_offset_ns is None:
+            return None
+        return max(0, self.to_wall_ns(self.first_token_ns) - self.arrival_ns)
+
+    def close(self, clock_offset_ns: int | None, end_ns: int) -> RequestTimes:
+        """Derive the call's ``RequestTimes`` (once: later calls return the same). ``end_ns``:
+        gateway wall clock, when the gateway was done with the call."""
+        if self.times is not None:
+            return self.times
+        if clock_offset_ns is not None:
+            self.use_clock_offset(clock_offset_ns)
+        self.end_ns = max(end_ns, self.arrival_ns)
+        queued, scheduled = self.queued_ns, self.scheduled_ns
+        first, last = self.first_token_ns, self.last_token_ns
+        self.times = RequestTimes(
+            e2e_ns=self.end_ns - self.arrival_ns,
+            ttft_ns=self.ttft_ns(),
+            queue_ns=_between(queued, scheduled),
+            prefill_ns=_between(scheduled, first),
+            decode_ns=_between(first, last),
+            inference_ns=_between(scheduled, last),
+            num_preemptions=self.num_preemptions,
+            num_output_tokens=self.num_output_tokens,
+        )
+        return self.times
 
     def record_output(self, output: EngineCoreOutput, timestamp_ns: int) -> int:
         """Take in one engine output (``timestamp_ns``: its EngineCoreOutputs' stamp); return

@@ -7,20 +7,18 @@ per engine step, what the client gets according to its OutputKind:
 * CUMULATIVE: everything so far, whenever something is new;
 * FINAL_ONLY: one message at the end.
 
-PromptInfo rides on the first message sent, Usage and RequestMetrics on the last. Logprobs (when
-asked for) ride with their tokens: a step with new tokens is news even if its text is held back.
-With ``n`` > 1 there is one stream per sequence (``index``); ``sequence_group.py`` merges them.
+PromptInfo rides on the first message sent, Usage on the last (``sequence_group.py`` adds the
+call's RequestMetrics to it, from the call's one timing record). Logprobs (when asked for) ride
+with their tokens: a step with new tokens is news even if its text is held back. With ``n`` > 1
+there is one stream per sequence (``index``); ``sequence_group.py`` merges them.
 """
 
 from __future__ import annotations
-
-import time
 
 import grpc
 
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.gateway.engines.types import (
-    EngineHandle,
     RequestAborted,
     RequestEvent,
     RequestFailed,
@@ -30,7 +28,7 @@ from switchboard.gateway.errors import ApiError
 from switchboard.gateway.pipeline.api_logprobs import to_api_logprobs
 from switchboard.gateway.pipeline.validation import GeneratePlan
 from switchboard.gateway.text import IncrementalDetokenizer, TextStream, Tokenizer
-from switchboard.wire.engine_msgs import EngineCoreOutput, EventType, FinishReason
+from switchboard.wire.engine_msgs import FinishReason
 
 _FINISH_REASONS = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
@@ -47,8 +45,6 @@ class GenerateStream:
         plan: GeneratePlan,
         prompt_token_ids: list[int],
         tokenizer: Tokenizer,
-        engine: EngineHandle,
-        arrival_time: float,
         index: int = 0,
     ) -> None:
         self.plan = plan
@@ -57,8 +53,6 @@ class GenerateStream:
         self._logprobs: list[pb.TokenLogprob] = []  # of every output token so far (if asked)
         self._prompt_logprobs: list[pb.TokenLogprob] = []
         self._prompt_token_ids = prompt_token_ids
-        self._engine = engine
-        self._arrival_time = arrival_time
         self._text: TextStream | None = None
         if plan.detokenize:
             detokenizer = IncrementalDetokenizer(
@@ -70,11 +64,6 @@ class GenerateStream:
         self._token_ids: list[int] = []
         self._released_text = ""
         self._num_cached_tokens = 0
-        self._num_preemptions = 0
-        self._queued_ns: int | None = None
-        self._scheduled_ns: int | None = None
-        self._first_token_ns: int | None = None
-        self._last_token_ns: int | None = None
         self._sent_first = False
         self.finish_reason = pb.FINISH_REASON_UNSPECIFIED
         self.stop_token_id: int | None = None
@@ -98,11 +87,8 @@ class GenerateStream:
 
     def _step(self, step: StepOutput) -> pb.GenerateResponse | None:
         output = step.output
-        self._record_stats(output)
+        self._num_cached_tokens = max(self._num_cached_tokens, output.num_cached_tokens)
         new_ids = list(output.new_token_ids)
-        if new_ids:
-            self._first_token_ns = self._first_token_ns or step.timestamp_ns
-            self._last_token_ns = step.timestamp_ns
         self._token_ids += new_ids
         new_logprobs = to_api_logprobs(output.new_logprobs, self._token_texts)
         self._logprobs += new_logprobs
@@ -123,15 +109,6 @@ class GenerateStream:
             reason = _FINISH_REASONS[output.finish_reason]
             return self._finish(reason, new_text, new_ids, new_logprobs)
         return self._message(new_text, new_ids, new_logprobs)
-
-    def _record_stats(self, output: EngineCoreOutput) -> None:
-        self._num_cached_tokens = max(self._num_cached_tokens, output.num_cached_tokens)
-        self._num_preemptions = max(self._num_preemptions, output.num_preemptions)
-        for event in output.events or ():
-            if event.type == EventType.QUEUED and self._queued_ns is None:
-                self._queued_ns = event.timestamp_ns
-            elif event.type == EventType.SCHEDULED and self._scheduled_ns is None:
-                self._scheduled_ns = event.timestamp_ns
 
     def _finish(
         self,
@@ -180,7 +157,6 @@ class GenerateStream:
             response.prompt_info.CopyFrom(self._prompt_info())
         if final:
             response.usage.CopyFrom(self.usage())
-            response.metrics.CopyFrom(self._metrics())
         return response
 
     def _prompt_info(self) -> pb.PromptInfo:
@@ -199,23 +175,3 @@ class GenerateStream:
             completion_tokens=len(self._token_ids),
             cached_prompt_tokens=self._num_cached_tokens,
         )
-
-    def _metrics(self) -> pb.RequestMetrics:
-        now = time.time()
-        metrics = pb.RequestMetrics(
-            num_preemptions=self._num_preemptions, engine_id=self._engine.engine_id
-        )
-        metrics.arrival_time.FromNanoseconds(int(self._arrival_time * 1e9))
-        metrics.e2e_latency.FromNanoseconds(max(0, int((now - self._arrival_time) * 1e9)))
-        queued, scheduled = self._queued_ns, self._scheduled_ns
-        first, last = self._first_token_ns, self._last_token_ns
-        if queued is not None and scheduled is not None:
-            metrics.queue_time.FromNanoseconds(max(0, scheduled - queued))
-        if scheduled is not None and first is not None:
-            metrics.prefill_time.FromNanoseconds(max(0, first - scheduled))
-        if first is not None and last is not None:
-            metrics.decode_time.FromNanoseconds(max(0, last - first))
-        if first is not None:
-            ttft_ns = self._engine.wall_clock_ns(first) - int(self._arrival_time * 1e9)
-            metrics.time_to_first_token.FromNanoseconds(max(0, ttft_ns))
-        return metrics

@@ -6,10 +6,12 @@ own ``GenerateStream``; the group merges their messages::
 
     DELTA / CUMULATIVE  each sequence's messages as they come (``outputs[0].index`` says which);
                         PromptInfo on the very first message only; Usage (summed) and the
-                        merged RequestMetrics on the message that ends the last sequence
+                        call's RequestMetrics on the message that ends the last sequence
     FINAL_ONLY          one message once every sequence ended, outputs ordered by index
 
-With ``n`` == 1 the child is the request itself and every message passes through unchanged.
+With ``n`` == 1 the child is the request itself and its messages pass through, the last one
+given the RequestMetrics. Those come from the call's ``RequestTimeline``, the one record the
+metrics and spans report from too (``observability/request_timeline.py``).
 The engine computes the shared prompt once: the first child computes it, and a sibling whose
 next prompt block is being computed in the same step waits that step for the prefix cache.
 """
@@ -17,12 +19,14 @@ next prompt block is being computed in the same step waits that step for the pre
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 import msgspec
 
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.gateway.engines.types import EngineHandle, RequestChannel, RequestEvent
+from switchboard.gateway.observability.request_timeline import RequestTimeline
 from switchboard.gateway.pipeline.generate_stream import GenerateStream
 from switchboard.wire.engine_msgs import EngineCoreRequest
 
@@ -65,9 +69,15 @@ def submit_children(
 
 
 class SequenceGroup:
-    def __init__(self, streams: list[GenerateStream], channels: list[RequestChannel]) -> None:
+    def __init__(
+        self,
+        streams: list[GenerateStream],
+        channels: list[RequestChannel],
+        timeline: RequestTimeline,
+    ) -> None:
         self.streams = streams
         self.channels = channels
+        self.timeline = timeline  # the call's; fed every event before ``handle`` sees it
         self.request_ids = [channel.request_id for channel in channels]
         self._kind = streams[0].plan.output_kind
         self._sent_first = False
@@ -118,9 +128,13 @@ class SequenceGroup:
         if stream.finished:
             return None  # e.g. the ABORT echo after a stop string ended it
         response = stream.handle(event)
-        if len(self.streams) == 1 or response is None:
+        if response is None:
+            return None
+        if len(self.streams) == 1:
+            if stream.finished:
+                response.metrics.CopyFrom(self._metrics())
             return response
-        if stream.finished:  # kept whole: its usage and metrics are cleared below
+        if stream.finished:  # kept whole: its usage is cleared below
             self._finals[index] = pb.GenerateResponse()
             self._finals[index].CopyFrom(response)
         if self._kind == pb.OUTPUT_KIND_FINAL_ONLY:
@@ -129,10 +143,9 @@ class SequenceGroup:
             response.ClearField("prompt_info")
         self._sent_first = True
         response.ClearField("usage")
-        response.ClearField("metrics")
         if self.finished:
             response.usage.CopyFrom(self.usage())
-            response.metrics.CopyFrom(self._merged_metrics())
+            response.metrics.CopyFrom(self._metrics())
         return response
 
     def _final_only(self) -> pb.GenerateResponse:
@@ -142,7 +155,7 @@ class SequenceGroup:
             response.outputs.extend(final.outputs)
         response.prompt_info.CopyFrom(finals[0].prompt_info)
         response.usage.CopyFrom(self.usage())
-        response.metrics.CopyFrom(self._merged_metrics())
+        response.metrics.CopyFrom(self._metrics())
         return response
 
     def usage(self) -> pb.Usage:
@@ -154,23 +167,21 @@ class SequenceGroup:
             cached_prompt_tokens=max(u.cached_prompt_tokens for u in usages),
         )
 
-    def _merged_metrics(self) -> pb.RequestMetrics:
-        """The request's view: its first sequence to be queued, scheduled and to give a token;
-        its last sequence to end; the preemptions of all."""
-        metrics = [self._finals[i].metrics for i in sorted(self._finals)]
-        merged = pb.RequestMetrics()
-        merged.CopyFrom(metrics[0])
-        for field in ("queue_time", "time_to_first_token", "prefill_time"):
-            present = [m for m in metrics if m.HasField(field)]
-            if present:
-                getattr(merged, field).CopyFrom(
-                    min((getattr(m, field) for m in present), key=lambda d: d.ToNanoseconds())
-                )
-        for field in ("decode_time", "e2e_latency"):
-            present = [m for m in metrics if m.HasField(field)]
-            if present:
-                getattr(merged, field).CopyFrom(
-                    max((getattr(m, field) for m in present), key=lambda d: d.ToNanoseconds())
-                )
-        merged.num_preemptions = sum(m.num_preemptions for m in metrics)
-        return merged
+    def _metrics(self) -> pb.RequestMetrics:
+        """The call's RequestMetrics: its timeline closed now (the observer reports the same)."""
+        engine = self.engine
+        times = self.timeline.close(engine.clock.offset, time.time_ns())
+        metrics = pb.RequestMetrics(
+            num_preemptions=times.num_preemptions, engine_id=engine.engine_id
+        )
+        metrics.arrival_time.FromNanoseconds(self.timeline.arrival_ns)
+        metrics.e2e_latency.FromNanoseconds(times.e2e_ns)
+        for field, ns in (
+            ("queue_time", times.queue_ns),
+            ("prefill_time", times.prefill_ns),
+            ("decode_time", times.decode_ns),
+            ("time_to_first_token", times.ttft_ns),
+        ):
+            if ns is not None:
+                getattr(metrics, field).FromNanoseconds(ns)
+        return metrics

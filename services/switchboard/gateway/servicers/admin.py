@@ -19,7 +19,7 @@ from google.rpc import status_pb2
 from switchboard.api.v1 import admin_service_pb2 as pb
 from switchboard.api.v1 import admin_service_pb2_grpc as pb_grpc
 from switchboard.gateway.engines.types import EngineHandle
-from switchboard.gateway.errors import ApiError, invalid_argument, unavailable
+from switchboard.gateway.errors import ApiError, invalid_argument, maps_api_errors, unavailable
 from switchboard.gateway.state import GatewayState
 
 logger = logging.getLogger(__name__)
@@ -40,13 +40,11 @@ class AdminServicer(pb_grpc.AdminServiceServicer):
     def __init__(self, state: GatewayState) -> None:
         self._state = state
 
+    @maps_api_errors
     async def Utility(
         self, request: pb.UtilityRequest, context: grpc.aio.ServicerContext
     ) -> pb.UtilityResponse:
-        try:
-            engines = self._check(request)
-        except ApiError as error:
-            await error.abort(context)
+        engines = self._check(request)
         args = json_format.MessageToDict(request.args) if request.HasField("args") else []
         logger.info(
             "admin utility %s%s on %s", request.method, args, [e.engine_id for e in engines]

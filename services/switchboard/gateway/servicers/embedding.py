@@ -26,7 +26,13 @@ import grpc
 from switchboard.api.v1 import common_pb2
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.gateway.engines.types import RequestAborted, RequestChannel, RequestFailed
-from switchboard.gateway.errors import ApiError, invalid_argument, not_supported, unavailable
+from switchboard.gateway.errors import (
+    ApiError,
+    invalid_argument,
+    maps_api_errors,
+    not_supported,
+    unavailable,
+)
 from switchboard.gateway.model_facts import ModelFacts
 from switchboard.gateway.pipeline.sampling_validation import check_token_ids
 from switchboard.gateway.pipeline.validation import MAX_REQUEST_ID_CHARS, check_model
@@ -132,6 +138,7 @@ class Embedder:
     def __init__(self, state: GatewayState) -> None:
         self._state = state
 
+    @maps_api_errors
     async def embed(
         self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext
     ) -> pb.EmbedResponse:
@@ -159,8 +166,6 @@ class Embedder:
                 channels.append(state.engines.add_request(engine_request))
             outputs = await asyncio.gather(*(_pooled_output(c) for c in channels))
             done = True
-        except ApiError as error:
-            await error.abort(context)
         finally:
             if sub_ids and not done:  # failed or cancelled: free the engine's work now
                 state.engines.abort(sub_ids, "embed call failed or was cancelled")

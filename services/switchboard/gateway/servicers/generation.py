@@ -12,7 +12,7 @@ import grpc
 
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
-from switchboard.gateway.errors import ApiError, invalid_argument, unavailable
+from switchboard.gateway.errors import ApiError, invalid_argument, maps_api_errors, unavailable
 from switchboard.gateway.observability.observer import RequestObserver
 from switchboard.gateway.pipeline.bad_words import tokenize_bad_words
 from switchboard.gateway.pipeline.generate_stream import GenerateStream
@@ -49,6 +49,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self._live: dict[str, _LiveRequest] = {}
         self._embedder = Embedder(state)
 
+    @maps_api_errors
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
@@ -90,11 +91,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     yield response
             finished = True
             logger.debug("request %s finished: %s", request_id, group.usage())
-        except ApiError as error:
+        except ApiError:
             finished = True  # the engine client already forgot a failed request
             if group is not None:  # ... but not its sibling sequences (n > 1)
                 self._state.engines.abort(group.request_ids, "a sibling sequence failed")
-            await error.abort(context)
+            raise  # maps_api_errors ends the RPC with it
         finally:
             observer.end(group)
             del self._live[request_id]
@@ -146,12 +147,10 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             child_requests(engine_request, plan.n),
         )
         streams = [
-            GenerateStream(
-                plan, prompt_token_ids, state.tokenizer, channel.engine, arrival_time, index
-            )
-            for index, channel in enumerate(channels)
+            GenerateStream(plan, prompt_token_ids, state.tokenizer, index)
+            for index in range(len(channels))
         ]
-        return SequenceGroup(streams, channels)
+        return SequenceGroup(streams, channels, observer.timeline)
 
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
@@ -179,14 +178,12 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     ) -> pb.EmbedResponse:
         return await self._embedder.embed(request, context)
 
+    @maps_api_errors
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
         state = self._state
-        try:
-            check_model(request.model, state.facts)
-        except ApiError as error:
-            await error.abort(context)
+        check_model(request.model, state.facts)
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
         token_ids = await state.in_pool(state.tokenizer.encode, request.text, add_special)
         response = pb.TokenizeResponse(token_ids=token_ids, max_model_len=state.facts.max_model_len)
@@ -194,22 +191,20 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             response.token_strs.extend(state.tokenizer.token_strs(token_ids))
         return response
 
+    @maps_api_errors
     async def Detokenize(
         self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.DetokenizeResponse:
         state = self._state
-        try:
-            check_model(request.model, state.facts)
-            vocab_size = state.tokenizer.vocab_size
-            for i, token_id in enumerate(request.token_ids):
-                if token_id >= vocab_size:
-                    raise invalid_argument(
-                        f"token_ids[{i}]",
-                        f"token_ids[{i}] = {token_id} is out of range: the tokenizer has "
-                        f"{vocab_size} tokens",
-                    )
-        except ApiError as error:
-            await error.abort(context)
+        check_model(request.model, state.facts)
+        vocab_size = state.tokenizer.vocab_size
+        for i, token_id in enumerate(request.token_ids):
+            if token_id >= vocab_size:
+                raise invalid_argument(
+                    f"token_ids[{i}]",
+                    f"token_ids[{i}] = {token_id} is out of range: the tokenizer has "
+                    f"{vocab_size} tokens",
+                )
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         text = await state.in_pool(state.tokenizer.decode, list(request.token_ids), skip)
         return pb.DetokenizeResponse(text=text)

@@ -10,7 +10,7 @@ from switchboard.api.v1 import common_pb2
 from switchboard.api.v1 import model_service_pb2 as pb
 from switchboard.api.v1 import model_service_pb2_grpc as pb_grpc
 from switchboard.gateway.engines.types import EngineHandle
-from switchboard.gateway.errors import ApiError
+from switchboard.gateway.errors import maps_api_errors
 from switchboard.gateway.pipeline.validation import check_model
 from switchboard.gateway.state import GatewayState
 
@@ -32,14 +32,12 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
     ) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(models=[self._card()])
 
+    @maps_api_errors
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetModelInfoResponse:
         facts = self._state.facts
-        try:
-            check_model(request.model, facts)
-        except ApiError as error:
-            await error.abort(context)
+        check_model(request.model, facts)
         response = pb.GetModelInfoResponse(
             card=self._card(),
             model_path=facts.model_path,
