@@ -1,6 +1,6 @@
 """`switchboard gateway`, `engine` and `coordinator`: one role per command, for other hosts.
 
-The Kubernetes building blocks (docs/architecture.md): gateway pods run ``switchboard gateway``,
+The Kubernetes building blocks (docs/helm.md): gateway pods run ``switchboard gateway``,
 engine pods ``switchboard engine --gateway-address <headless service>:<handshake port>``. The
 gateway listens on a fixed handshake port and binds its data sockets on port 0; each engine
 resolves the name, says hello to every address and connects to the ports it is told
