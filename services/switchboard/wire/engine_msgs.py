@@ -3,7 +3,8 @@
 Every body is a ``msgspec.Struct(array_like=True, omit_defaults=True, gc=False)``: a field is
 identified by its position and the garbage collector does not track the objects (msgspec 0.23
 still writes trailing defaults of an array-like struct; a decoder accepts a shorter array). New
-fields are only ever appended, with a default, so an older peer still decodes a newer message. Text never crosses this wire: the engine core is tokens in, tokens out.
+fields are only ever appended, with a default, so an older peer still decodes a newer message.
+Text never crosses this wire: the engine core is tokens in, tokens out.
 
 Frames gateway -> engine (ROUTER -> DEALER)::
 
