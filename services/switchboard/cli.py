@@ -25,10 +25,47 @@ from switchboard.config import (
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default: ``(default: X)`` from the parser, ``on`` or
+    ``off`` for a switch, nothing where the text already says it (a default of None or "" means
+    something only words can say) or the option is required."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            "default" in text
+            or action.required
+            or not action.option_strings
+            or action.default is argparse.SUPPRESS
+        ):
+            return text
+        if action.nargs == 0 and isinstance(action.default, bool):
+            return f"{text} (default: {'on' if action.default else 'off'})"
+        return f"{text} (default: %(default)s)"
+
+
 def _add_parallel_sizes(group: argparse._ActionsContainer) -> None:
-    group.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
-    group.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
-    group.add_argument("-dp", "--data-parallel-size", type=int, default=1)
+    group.add_argument(
+        "-tp",
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="workers per pipeline stage, each holding a slice of every layer",
+    )
+    group.add_argument(
+        "-pp",
+        "--pipeline-parallel-size",
+        type=int,
+        default=1,
+        help="pipeline stages per engine, each holding a run of consecutive layers",
+    )
+    group.add_argument(
+        "-dp",
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine cores, each with its own workers and KV cache",
+    )
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -39,14 +76,35 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         help="Hugging Face checkpoint directory "
         "(default: the built-in SmolLM2-135M-Instruct, converted on first use)",
     )
-    m.add_argument("--served-model-name", default="")
-    m.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    m.add_argument("--max-model-len", type=int, default=None)
-    m.add_argument("--seed", type=int, default=0)
+    m.add_argument(
+        "--served-model-name",
+        default="",
+        help="the model's name in the API (ListModels, GenerateRequest.model) "
+        "(default: the checkpoint directory's name)",
+    )
+    m.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights and activations; auto: float32 on CPU, the checkpoint's dtype on a GPU",
+    )
+    m.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="tokens per request at most, prompt and output together (default: the model's "
+        "positions, capped by what the KV cache holds)",
+    )
+    m.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="the workers' torch seed: the draws of requests that set no seed of their own",
+    )
 
     g = p.add_argument_group("gateway")
-    g.add_argument("--host", default="0.0.0.0")
-    g.add_argument("--port", type=int, default=DEFAULT_GRPC_PORT)
+    g.add_argument("--host", default="0.0.0.0", help="address the gRPC server binds on")
+    g.add_argument("--port", type=int, default=DEFAULT_GRPC_PORT, help="the gRPC server's port")
     g.add_argument(
         "--api-servers",
         type=int,
@@ -84,12 +142,18 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         default="fcfs",
         help="priority: by GenerateRequest.priority (lower first), preempting the lowest",
     )
-    s.add_argument("--block-size", type=int, default=CacheConfig().block_size)
+    s.add_argument(
+        "--block-size",
+        type=int,
+        default=CacheConfig().block_size,
+        help="token slots per KV block (the prefix cache shares whole blocks)",
+    )
     s.add_argument(
         "--num-gpu-blocks-override",
         type=int,
         default=None,
-        help="KV blocks per engine, instead of sizing them from memory",
+        help="KV blocks per engine, instead of sizing them from memory (default: as many as "
+        "the KV cache budget holds, see --kv-cache-memory-bytes)",
     )
     s.add_argument(
         "--kv-cache-memory-bytes",
@@ -112,7 +176,12 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
 
     w = p.add_argument_group("parallelism and workers")
     _add_parallel_sizes(w)
-    w.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    w.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="where the workers run the model; auto: cuda when torch sees one, else cpu",
+    )
     w.add_argument(
         "--torch-threads",
         type=int,
@@ -137,16 +206,19 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     o.add_argument(
         "--trace-content",
         action="store_true",
-        help="put prompt and output text in span attributes (off: they may be sensitive)",
+        help="put prompt and output text in span attributes (they may be sensitive)",
     )
     o.add_argument(
         "--metrics-port",
         type=int,
         default=None,
-        help="serve Prometheus /metrics on this port (gateway i of one machine: port + i)",
+        help="serve Prometheus /metrics on this port (gateway i of one machine: port + i) "
+        "(default: no /metrics)",
     )
     o.add_argument(
-        "--disable-log-stats", action="store_true", help="no periodic throughput log line"
+        "--disable-log-stats",
+        action="store_true",
+        help="drop the gateway's throughput and queue log line (every 10 s)",
     )
 
 
@@ -281,36 +353,60 @@ def cmd_ps(args: argparse.Namespace) -> int:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="switchboard", description=__doc__)
-    parser.add_argument("--log-level", default="INFO")
+    parser = argparse.ArgumentParser(
+        prog="switchboard", description=__doc__, formatter_class=HelpFormatter
+    )
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        help="this process's log level (under serve the children log at INFO; workers read "
+        "$SWITCHBOARD_LOG_LEVEL)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="start gateway, engine core and workers on this machine")
+    def command(name: str, text: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=text, description=text, formatter_class=HelpFormatter)
+
+    serve = command("serve", "start gateway, engine core and workers on this machine")
     _add_serve_args(serve)
 
-    gateway = sub.add_parser("gateway", help="run one gateway; engines on other hosts join it")
+    gateway = command("gateway", "run one gateway; engines on other hosts join it")
     _add_serve_args(gateway)
     cli_roles.add_gateway_args(gateway)
-    engine = sub.add_parser("engine", help="run one engine core and its workers for gateways")
+    engine = command("engine", "run one engine core and its workers for gateways")
     _add_serve_args(engine)
     cli_roles.add_engine_args(engine)
-    coordinator = sub.add_parser(
-        "coordinator", help="run the coordinator for engines and gateways on other hosts (DP > 1)"
+    coordinator = command(
+        "coordinator", "run the coordinator for engines and gateways on other hosts (DP > 1)"
     )
     cli_roles.add_coordinator_args(coordinator)
 
-    gen = sub.add_parser("generate", help="stream a completion from a running server")
-    gen.add_argument("prompt")
-    gen.add_argument("--target", default=f"127.0.0.1:{DEFAULT_GRPC_PORT}")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=None)
+    gen = command("generate", "stream a completion from a running server")
+    gen.add_argument("prompt", help="the text to complete")
+    gen.add_argument(
+        "--target", default=f"127.0.0.1:{DEFAULT_GRPC_PORT}", help="the gateway's HOST:PORT"
+    )
+    gen.add_argument("--max-tokens", type=int, default=64, help="output tokens at most")
+    gen.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="0 = greedy (default: the model's generation_config.json, else 1.0)",
+    )
 
-    topo = sub.add_parser("topology", help="print the process table of a topology")
+    topo = command("topology", "print the process table of a topology")
     _add_parallel_sizes(topo)
-    topo.add_argument("--api-servers", type=int, default=None)
+    topo.add_argument(
+        "--api-servers", type=int, default=None, help="gateway processes (default: DP)"
+    )
 
-    ps = sub.add_parser("ps", help="list running switchboard processes")
-    ps.add_argument("--pid", type=int, default=None, help="only this process and its descendants")
+    ps = command("ps", "list running switchboard processes")
+    ps.add_argument(
+        "--pid",
+        type=int,
+        default=None,
+        help="only this process and its descendants (default: every switchboard process)",
+    )
     return parser
 
 

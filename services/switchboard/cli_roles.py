@@ -1,6 +1,6 @@
 """`switchboard gateway`, `engine` and `coordinator`: one role per command, for other hosts.
 
-The Kubernetes building blocks (docs/architecture.md): gateway pods run ``switchboard gateway``,
+The Kubernetes building blocks (docs/helm.md): gateway pods run ``switchboard gateway``,
 engine pods ``switchboard engine --gateway-address <headless service>:<handshake port>``. The
 gateway listens on a fixed handshake port and binds its data sockets on port 0; each engine
 resolves the name, says hello to every address and connects to the ports it is told
@@ -43,9 +43,15 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--engine-host",
         default="0.0.0.0",
-        help="address the handshake port and the data sockets bind on (default all)",
+        help="address the handshake port and the data sockets bind on (default: %(default)s, "
+        "every interface)",
     )
-    g.add_argument("--handshake-port", type=int, default=DEFAULT_HANDSHAKE_PORT)
+    g.add_argument(
+        "--handshake-port",
+        type=int,
+        default=DEFAULT_HANDSHAKE_PORT,
+        help="fixed TCP port engines say hello to; the data sockets bind on port 0",
+    )
     g.add_argument(
         "--client-index",
         type=int,
@@ -64,8 +70,8 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         default="",
         metavar="NAME[:PORT]",
         help="DP > 1: the `switchboard coordinator` whose load reports steer routing (PORT: "
-        f"its --report-port, default {DEFAULT_COORDINATOR_REPORT_PORT}); unset: route on this "
-        "gateway's own in-flight counts",
+        f"its --report-port, default {DEFAULT_COORDINATOR_REPORT_PORT}) (default: none; route "
+        "on this gateway's own in-flight counts)",
     )
 
 
@@ -85,30 +91,39 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "StatefulSet pod 'engine-3', else 0)",
     )
     g.add_argument(
-        "--discovery-interval", type=float, default=DEFAULT_DISCOVERY_INTERVAL_S, metavar="S"
+        "--discovery-interval",
+        type=float,
+        default=DEFAULT_DISCOVERY_INTERVAL_S,
+        metavar="S",
+        help="seconds between two resolutions of --gateway-address (new gateways join then)",
     )
     g.add_argument(
         "--coordinator-address",
         default="",
         metavar="NAME[:PORT]",
         help="DP > 1: the `switchboard coordinator` this engine reports its load to (PORT: its "
-        f"--load-port, default {DEFAULT_COORDINATOR_LOAD_PORT})",
+        f"--load-port, default {DEFAULT_COORDINATOR_LOAD_PORT}) (default: the one a gateway's "
+        "handshake answer names, if any)",
     )
 
 
 def add_coordinator_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="0.0.0.0", help="address both ports bind on (default all)")
+    p.add_argument(
+        "--host",
+        default="0.0.0.0",
+        help="address both ports bind on (default: %(default)s, every interface)",
+    )
     p.add_argument(
         "--load-port",
         type=int,
         default=DEFAULT_COORDINATOR_LOAD_PORT,
-        help="engines push their waiting/running counts and KV usage here (default %(default)s)",
+        help="engines push their waiting/running counts and KV usage here",
     )
     p.add_argument(
         "--report-port",
         type=int,
         default=DEFAULT_COORDINATOR_REPORT_PORT,
-        help="gateways subscribe to the table of every engine's load here (default %(default)s)",
+        help="gateways subscribe to the table of every engine's load here",
     )
     p.add_argument(
         "-dp",

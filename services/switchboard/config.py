@@ -88,7 +88,7 @@ class GatewayConfig(_Config):
     tokenizer_threads: int = 2
     max_message_bytes: int = 64 * 1024 * 1024
     startup_timeout_s: float = 600.0
-    # Appended for observability (issue 6).
+    # Observability: OTLP traces, /metrics and the periodic stats log line.
     otlp_traces_endpoint: str = ""  # "" = OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT, or no tracing
     otlp_traces_protocol: str = ""  # grpc | http/protobuf; "" = OTEL_EXPORTER_OTLP_* or grpc
     trace_content: bool = False  # prompt and output text in span attributes (opt-in)
@@ -110,7 +110,7 @@ class EngineConfig(_Config):
     gateway_output_addresses: list[str] = []  # the gateways' PULLs (engine connects a PUSH)
     run_dir: str = ""  # where this engine may create ipc:// sockets
     heartbeat_interval_s: float = 1.0
-    # Appended for topologies (issue 5).
+    # Topologies beyond one engine on one machine: DP > 1 (coordinator), engines on other hosts.
     coordinator_address: str = ""  # the coordinator's PULL for EngineLoad ("" = no coordinator)
     # Engines on other hosts: "name:port" of the gateways' handshake port. The name is resolved
     # every discovery_interval_s and every address it lists is a gateway; the static address
@@ -118,9 +118,9 @@ class EngineConfig(_Config):
     gateway_discovery: str = ""
     discovery_interval_s: float = 5.0
     load_report_interval_s: float = 0.1  # EngineLoad at most this often
-    # Appended (issue 5 audit): worker rank r of this engine uses accelerator
-    # first_device_index + r. One machine: dp_rank x TP x PP, so DP engines never share a
-    # device; an engine alone on its host (`switchboard engine`): 0.
+    # Worker rank r of this engine uses accelerator first_device_index + r. One machine:
+    # dp_rank x TP x PP, so DP engines never share a device; an engine alone on its host
+    # (`switchboard engine`): 0.
     first_device_index: int = 0
 
 
@@ -135,7 +135,7 @@ class GatewayRoleConfig(_Config):
     num_engines: int = 1
     exit_when_engines_dead: bool = True  # one machine: the gateway exits with its engine
     heartbeat_timeout_s: float = 10.0
-    # Appended for topologies (issue 5).
+    # Topologies beyond one engine on one machine: DP > 1 (coordinator), engines on other hosts.
     coordinator_publish_address: str = ""  # the coordinator's PUB of LoadReport ("" = none)
     # Engines on other hosts: the fixed TCP address engines say hello to ("" = one machine).
     # The data sockets then bind on port 0 of the same host and are announced in the answer.

@@ -1,4 +1,4 @@
-"""Issue 6 through the whole system: the spans a real server exports, and its /metrics.
+"""Observability through the whole system: the spans a real server exports, and its /metrics.
 
 One real server (`switchboard serve`, tiny checkpoint) for the module, with:
 

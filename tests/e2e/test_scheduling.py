@@ -1,6 +1,6 @@
-"""Issue 3 through the whole system: greedy output does not depend on how the engine sliced the
-work, and the scheduler's facts (prefix-cache hits, preemptions, KV sizing, utilities) reach the
-client.
+"""The scheduler through the whole system: greedy output does not depend on how the engine
+sliced the work, and the scheduler's facts (prefix-cache hits, preemptions, KV sizing,
+utilities) reach the client.
 
 Real servers (`switchboard serve` on the tiny checkpoint), driven over gRPC. One server per
 configuration, shared by the tests that need it:

@@ -1,6 +1,7 @@
 """How many KV blocks a worker offers: the configured budget, the CPU default, or a share of the
-device memory left free after loading (issue 3, KV sizing). The CUDA path runs here with
-``torch.cuda.mem_get_info`` stubbed: the arithmetic is the worker's, only the number is fake."""
+device memory left free after loading (the engine sizes its KV cache from this number). The
+CUDA path runs here with ``torch.cuda.mem_get_info`` stubbed: the arithmetic is the worker's,
+only the number is fake."""
 
 from __future__ import annotations
 

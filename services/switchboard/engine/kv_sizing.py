@@ -1,4 +1,4 @@
-"""Sizing the KV cache and fitting ``max_model_len`` to it (issue 3, item 5).
+"""Sizing the KV cache and fitting ``max_model_len`` to it.
 
 The number of KV blocks comes from ``--num-gpu-blocks-override`` if set, else from the workers
 (``determine_num_kv_blocks``: ``--kv-cache-memory-bytes``, or a fraction of free device memory).

@@ -1,9 +1,10 @@
 """Wire 1 contract: messages between a gateway and an engine core.
 
 Every body is a ``msgspec.Struct(array_like=True, omit_defaults=True, gc=False)``: a field is
-identified by its position, trailing defaults are not sent, and the garbage collector does not
-track the objects. New fields are only ever appended, with a default, so an older peer still
-decodes a newer message. Text never crosses this wire: the engine core is tokens in, tokens out.
+identified by its position and the garbage collector does not track the objects (msgspec 0.23
+still writes trailing defaults of an array-like struct; a decoder accepts a shorter array). New
+fields are only ever appended, with a default, so an older peer still decodes a newer message.
+Text never crosses this wire: the engine core is tokens in, tokens out.
 
 Frames gateway -> engine (ROUTER -> DEALER)::
 
@@ -78,7 +79,8 @@ class SamplingParams(_Wire):
     stop_token_ids: list[int] = []
     eos_token_ids: list[int] = []  # from the model; ignored when ignore_eos
     ignore_eos: bool = False
-    # Appended for the whole sampling surface (issue 4); each default is the knob's no-op.
+    # Appended (with defaults, so older peers still decode) for the rest of the sampling
+    # surface: penalties, masks, logprobs, repetition detection; each default is the knob's no-op.
     min_p: float = 0.0
     presence_penalty: float = 0.0  # OpenAI/vLLM: over output tokens only
     frequency_penalty: float = 0.0  # OpenAI/vLLM: over output tokens only
@@ -174,9 +176,10 @@ class SchedulerStats(_Wire):
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     step_num_tokens: int = 0
-    # Appended for metrics (issue 6): tokens per engine step since start-up, as a count per
-    # bucket of ITERATION_TOKENS_BUCKETS (count i: steps of at most bucket i tokens and more
-    # than bucket i-1; the last count: more than the last bucket), and their sum.
+    # Appended for the gateway's iteration-tokens histogram: tokens per engine step since
+    # start-up, as a count per bucket of ITERATION_TOKENS_BUCKETS (count i: steps of at most
+    # bucket i tokens and more than bucket i-1; the last count: more than the last bucket), and
+    # their sum.
     iteration_tokens_counts: list[int] = []
     iteration_tokens_sum: int = 0
 
@@ -190,7 +193,7 @@ class EngineCoreOutputs(_Wire):
     utility_output: UtilityOutput | None = None
     scheduler_stats: SchedulerStats | None = None
     heartbeat: bool = False  # a keep-alive with no outputs: silence means death
-    # Appended for metrics (issue 6), set with scheduler_stats: the receiving gateway is the one
+    # Appended for metrics, set with scheduler_stats: the receiving gateway is the one
     # that exports this engine's engine-level series (the engine names exactly one of the
     # gateways it talks to, the lowest client_index), so none is missing or counted twice.
     exports_engine_stats: bool = False
@@ -225,7 +228,7 @@ class EngineReady(_Wire):
     engine_version: str = ""
 
 
-# ---- appended for topologies (issue 5): death notice, load reports, TCP handshake ------------
+# ---- appended for DP > 1 and engines on other hosts: death notice, load, TCP handshake -------
 
 
 class EngineDead(_Wire):
@@ -274,7 +277,7 @@ class GatewayAddresses(_Wire):
     coordinator_address: str = ""  # where the engine pushes EngineLoad ("" = nowhere)
 
 
-# ---- appended for embeddings (issue 4): what a pooling request wants -------------------------
+# ---- appended for embeddings: what a pooling request wants -----------------------------------
 
 
 class PoolingType(enum.StrEnum):

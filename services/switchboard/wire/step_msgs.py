@@ -109,6 +109,6 @@ class WorkerStartup(_Wire):
     reply_address: str  # ipc:// address of the engine's PULL for RpcReply (worker connects PUSH)
     engine_config_json: str  # config.EngineConfig, encoded with config.encode_config
     parent_pid: int  # the worker exits when its parent is gone
-    # Appended for tensor/pipeline parallelism (issue 5): where the engine's workers meet for
+    # Appended for tensor/pipeline parallelism: where the engine's workers meet for
     # torch.distributed (file:// under the run directory, or tcp://host:port); "" = one worker.
     distributed_init_method: str = ""

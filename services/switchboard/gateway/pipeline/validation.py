@@ -56,7 +56,8 @@ class GeneratePlan:
     priority: int
     cache_salt: str | None
     labels: dict[str, str]
-    # The rest of the sampling surface (issue 4); defaults are the no-op values.
+    # The rest of the sampling surface (penalties, masks, n, logprobs, repetition detection);
+    # defaults are the no-op values, so a request that leaves them unset samples as before.
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
