@@ -319,6 +319,34 @@ def test_a_request_that_cannot_run_fails_alone(engine: EngineUnderTest) -> None:
     )
 
 
+FORGED_ADDS = {  # what a stray process on the wire once killed the engine with, one each
+    "id-at-vocab": {"prompt": [0, 1024]},
+    "id-1e6": {"prompt": [0, 10**6]},
+    "id-2^32-1": {"prompt": [0, 2**32 - 1]},
+    "id-minus-1": {"prompt": [0, -1]},
+    "id-2^63-1": {"prompt": [0, 2**63 - 1]},
+    "logprobs-1e6": {"logprobs": 10**6},
+    "prompt-logprobs-1e6": {"prompt_logprobs": 10**6},
+    "empty-bad-word": {"bad_words_token_ids": [[]]},
+}
+
+
+def test_forged_adds_fail_alone_and_the_engine_serves_on(engine: EngineUnderTest) -> None:
+    for name, forged in FORGED_ADDS.items():
+        prompt = forged.pop("prompt", PROMPT)
+        params = SamplingParams(temperature=0.0, max_tokens=4, **forged)
+        outputs = engine.generate(
+            EngineCoreRequest(f"forged-{name}", prompt, sampling_params=params)
+        )
+        (only,) = outputs
+        assert only.finish_reason == FinishReason.ERROR and not only.new_token_ids, name
+        assert isinstance(only.stop_reason, str) and only.stop_reason, name  # says why
+        assert engine.process.poll() is None, name
+    outputs = engine.generate(greedy("after-forged-adds", max_tokens=8))
+    assert outputs[-1].finish_reason == FinishReason.LENGTH
+    assert sum(len(o.new_token_ids) for o in outputs) == 8
+
+
 def test_sleep_frees_kv_and_requests_wait_until_wake_up(engine: EngineUnderTest) -> None:
     assert engine.call_utility(201, "sleep", 1).failure_message is None
     assert engine.call_utility(202, "is_sleeping").result is True

@@ -53,6 +53,7 @@ from switchboard.wire.engine_msgs import (
     SchedulerStats,
     UtilityCall,
 )
+from switchboard.wire.request_rules import check_engine_request
 from switchboard.wire.step_msgs import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -181,13 +182,11 @@ class EngineCore:
 
     def _prepare_add(self, request: EngineCoreRequest) -> Request | None:
         """Input thread: build the scheduler's request (and hash its prompt blocks) here, so
-        the work overlaps with the forward pass. A bad request fails alone, with ERROR."""
+        the work overlaps with the forward pass. A bad request fails alone, with ERROR: the
+        wire's rules are checked here, whoever sent it, before the scheduler or a worker sees
+        any of it (``wire/request_rules.py``)."""
         try:
-            if not 0 < len(request.prompt_token_ids) <= self.max_model_len:
-                raise ValueError(
-                    f"prompt of {len(request.prompt_token_ids)} tokens does not "
-                    f"fit max_model_len {self.max_model_len}"
-                )
+            check_engine_request(request, self._ready.vocab_size, self.max_model_len)
             if self.embed_only and request.pooling_params is None:
                 raise ValueError("the model is an encoder: it embeds and cannot generate")
             return Request.from_engine_core_request(
@@ -202,8 +201,10 @@ class EngineCore:
 
     def _reject(self, request_id: str, client_index: int, error: Exception) -> None:
         """End one request with ERROR (called from the input thread or the busy loop)."""
-        logger.warning("Rejected request %s: %s", request_id, error)
-        failed = EngineCoreOutput(request_id, finish_reason=FinishReason.ERROR)
+        logger.warning("Rejected request %.300r: %s", request_id, error)
+        failed = EngineCoreOutput(
+            request_id, finish_reason=FinishReason.ERROR, stop_reason=str(error)[:1000]
+        )
         self.output_queue.put((client_index, self._outputs([failed])))
 
     def _on_executor_failure(self, reason: str) -> None:

@@ -209,8 +209,6 @@ class RequestObserver:
         num_new = timeline.record_output(event.output, event.timestamp_ns)
         if not num_new:
             return
-        if first and clock is not None:
-            timeline.use_clock_offset(clock.offset)  # TTFT now and at the end: the same
         counts, metrics = self._obs.counts, self._obs.metrics
         counts.generation_tokens += num_new
         if first:
@@ -218,13 +216,6 @@ class RequestObserver:
         if metrics is None:
             return
         requests = metrics.requests
-        if first:
-            requests.first_token(
-                self._engine_label,
-                self._ttft_s() or 0.0,
-                timeline.num_prompt_tokens,
-                timeline.num_cached_tokens,
-            )
         inter_token_s = None
         if previous_token_ns is not None:  # this sequence's previous output
             inter_token_s = (event.timestamp_ns - previous_token_ns) / 1e9
@@ -285,10 +276,6 @@ class RequestObserver:
         engine_words = [str(reason) for reason in self.timeline.finish_reasons.values()]
         return engine_words or [str(self._ended_by) if self._ended_by is not None else "stop"]
 
-    def _ttft_s(self) -> float | None:
-        ttft_ns = self.timeline.ttft_ns()
-        return None if ttft_ns is None else ttft_ns / 1e9
-
     def _report_metrics(
         self, code: grpc.StatusCode, reasons: list[str], times: RequestTimes
     ) -> None:
@@ -302,6 +289,12 @@ class RequestObserver:
             "decode": _seconds(times.decode_ns),
             "inference": _seconds(times.inference_ns),
         }
+        if times.ttft_ns is not None and self._engine_label:
+            # Observed when the call closes, not at its first token: from the same record (and
+            # clock placement) as the client's RequestMetrics and the span.
+            metrics.requests.first_token(
+                self._engine_label, times.ttft_ns / 1e9, t.num_prompt_tokens, t.num_cached_tokens
+            )
         if t.submitted_ns is not None and self._engine_label:
             metrics.requests.finished(
                 self._engine_label,

@@ -7,8 +7,9 @@ Two clocks meet here, and each field says which it is on:
   the engine's events (QUEUED, SCHEDULED, PREEMPTED) and the ``EngineCoreOutputs.timestamp_ns``
   of the outputs that carried the first and the last token.
 
-``engines.clock.EngineClock`` converts between them; a timeline keeps the conversion it used
-first (``wall_offset_ns``), so every figure derived from it places the engine's instants alike.
+``engines.clock.EngineClock`` converts between them; a timeline fixes the conversion when it
+closes (``wall_offset_ns``: by then the clock has seen every output of the call, so no engine
+instant lands after the gateway received it), and every figure derived from it uses that one.
 
 This is the one record of a Generate call's timing: ``close`` derives ``RequestTimes`` from it
 once, and the client's ``RequestMetrics``, the Prometheus histograms and the span attributes all
@@ -73,7 +74,7 @@ class RequestTimeline:
     sequence_preemptions: dict[str, int] = dataclasses.field(default_factory=dict)
     finish_reasons: dict[str, FinishReason] = dataclasses.field(default_factory=dict)
     output_token_ids: list[int] | None = None  # kept only when traces carry content
-    # gateway wall ns = engine ns + this; fixed by the first conversion (``use_clock_offset``)
+    # gateway wall ns = engine ns + this; fixed when the call closes (``use_clock_offset``)
     wall_offset_ns: int | None = None
     times: RequestTimes | None = None  # set by ``close``
 

@@ -96,9 +96,10 @@ class GenerateStream:
             self._prompt_logprobs = to_api_logprobs(output.prompt_logprobs, self._token_texts)
         new_text = self._text.push(new_ids) if self._text is not None else ""
         if output.finish_reason == FinishReason.ERROR:
+            why = f": {output.stop_reason}" if isinstance(output.stop_reason, str) else ""
             raise ApiError(
                 grpc.StatusCode.INTERNAL,
-                f"the engine failed request {self.plan.request_id!r}",
+                f"the engine failed request {self.plan.request_id!r}{why}",
                 reason="ENGINE_REQUEST_ERROR",
             )
         if self.stopped_by_string:

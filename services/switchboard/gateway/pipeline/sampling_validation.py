@@ -12,13 +12,15 @@ import math
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.gateway.errors import invalid_argument
 from switchboard.wire.engine_msgs import RepetitionDetectionParams
+from switchboard.wire.request_rules import (  # the bounds the engine enforces too
+    MAX_ABS_LOGIT_BIAS,
+    MAX_ABS_PENALTY,
+    MAX_LOGPROBS,
+    MAX_REPETITION_COUNT,
+    MAX_REPETITION_PATTERN_SIZE,
+)
 
-MAX_N = 64  # sequences per request
-MAX_LOGPROBS = 20  # top-N alternatives per output / prompt token (vLLM's default cap)
-MAX_ABS_PENALTY = 2.0  # presence and frequency penalties (OpenAI)
-MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI
-MAX_REPETITION_PATTERN_SIZE = 256
-MAX_REPETITION_COUNT = 256
+MAX_N = 64  # sequences per request (the gateway fans them out; the engine sees each alone)
 
 
 def finite(field: str, value: float) -> float:

@@ -26,8 +26,8 @@ from switchboard.wire.engine_msgs import (
     RepetitionDetectionParams,
     SamplingParams,
 )
+from switchboard.wire.request_rules import MAX_REQUEST_ID_CHARS
 
-MAX_REQUEST_ID_CHARS = 256
 _OUTPUT_KINDS = frozenset(pb.OutputKind.values())
 
 
