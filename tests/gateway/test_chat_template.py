@@ -23,7 +23,7 @@ CONVERSATIONS = [
     [
         *QUESTION,
         {"role": "assistant", "content": "Paris."},
-        {"role": "user", "content": "And of Italy? ünïcödé, emoji 🙂, <b>tags</b> & \"quotes\""},
+        {"role": "user", "content": 'And of Italy? ünïcödé, emoji 🙂, <b>tags</b> & "quotes"'},
     ],
 ]
 
@@ -140,7 +140,7 @@ def test_jinja_features_render_like_transformers(tiny_chat_dir: str) -> None:
         enable_thinking=False,
     )
     assert ours == reference
-    assert '"<b>bold</b> & \'é\'"' in ours  # tojson: no HTML escaping, no \\u escapes
+    assert "\"<b>bold</b> & 'é'\"" in ours  # tojson: no HTML escaping, no \\u escapes
 
 
 def test_render_errors_say_why() -> None:
