@@ -1,11 +1,11 @@
 """The `switchboard` command: serve | gateway | engine | coordinator | generate | topology | ps.
 
 Flag names follow vLLM's where the concept is the same, so a vLLM user's command line works.
-
-This module imports only the standard library at the top: the client commands (``generate``)
-run on the client install (grpcio + protobuf, ``pip install switchboard``); the server commands
-import their modules when they run, and without the ``server`` extra they say how to get it.
 """
+
+# This module imports only the standard library at the top: the client commands (generate) run
+# on the client install (grpcio + protobuf, `pip install switchboard`); the server commands
+# import their modules when they run, and without the `server` extra they say how to get it.
 
 from __future__ import annotations
 
