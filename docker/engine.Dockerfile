@@ -19,10 +19,11 @@ WORKDIR /src
 RUN python -m venv /opt/venv
 COPY pyproject.toml ./
 COPY services ./services
-# torch first, from the chosen index at pyproject.toml's pin; then the other pinned
-# dependencies from PyPI (torch is already satisfied); then the package itself.
-RUN python -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print('\n'.join(d for d in deps if d.startswith('torch')))" > /tmp/torch.txt \
-    && python -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print('\n'.join(deps))" > /tmp/requirements.txt \
+# torch first, from the chosen index at pyproject.toml's pin (its server extra); then the other
+# pinned dependencies and the server extra from PyPI (torch is already satisfied); then the
+# package itself.
+RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; deps = p['dependencies'] + p['optional-dependencies']['server']; print('\n'.join(d for d in deps if d.startswith('torch')))" > /tmp/torch.txt \
+    && python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; deps = p['dependencies'] + p['optional-dependencies']['server']; print('\n'.join(deps))" > /tmp/requirements.txt \
     && pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" -r /tmp/torch.txt \
     && pip install --no-cache-dir -r /tmp/requirements.txt \
     && pip install --no-cache-dir --no-deps /src

@@ -15,8 +15,8 @@ WORKDIR /src
 RUN python -m venv /opt/venv
 COPY pyproject.toml ./
 COPY services ./services
-# pyproject.toml's pinned runtime dependencies, torch left out; then the package itself.
-RUN python -c "import tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print('\n'.join(d for d in deps if not d.startswith('torch')))" > /tmp/requirements.txt \
+# pyproject.toml's pinned dependencies and its server extra, torch left out; then the package itself.
+RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; deps = p['dependencies'] + p['optional-dependencies']['server']; print('\n'.join(d for d in deps if not d.startswith('torch')))" > /tmp/requirements.txt \
     && pip install --no-cache-dir -r /tmp/requirements.txt \
     && pip install --no-cache-dir --no-deps /src \
     && python -c "import sys, switchboard.gateway.server, switchboard.coordinator.__main__; assert 'torch' not in sys.modules"

@@ -6,7 +6,8 @@ protoc names a Python module after the .proto's path (``switchboard/v1/x.proto``
 ``switchboard.v1.x_pb2``), but the package lives at ``switchboard.api.v1``, so the stubs are
 generated into a scratch directory and their cross-imports are rewritten on the way out.
 ``google/protobuf/*.proto`` come with grpcio-tools; ``google/rpc/status.proto`` comes with the
-``googleapis-common-protos`` package, whose Python modules the stubs import at run time.
+``googleapis-common-protos`` package, whose Python modules the stubs import at run time (the
+copies vendored under ``proto/google/`` are for other languages).
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ def _include_dir_of(module: str, depth: int) -> Path:
 def _include_dirs() -> list[Path]:
     grpc_tools_protos = _include_dir_of("grpc_tools", 0) / "_proto"  # google/protobuf/*.proto
     googleapis = _include_dir_of("google.rpc.status_pb2", 2)  # google/rpc/status.proto
-    return [PROTO_ROOT, grpc_tools_protos, googleapis]
+    # The installed packages' google/* come before proto/, whose google/rpc copies (vendored for
+    # other languages' clients, proto/google/README.md) are thereby never compiled for Python.
+    return [grpc_tools_protos, googleapis, PROTO_ROOT]
 
 
 def generate(out_dir: Path) -> list[Path]:

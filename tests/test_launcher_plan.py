@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-from switchboard.config import EngineConfig, GatewayRoleConfig, ModelConfig, ParallelConfig
-from switchboard.launcher import plan_coordinator, plan_server
+from switchboard.config import (
+    EngineConfig,
+    GatewayConfig,
+    GatewayRoleConfig,
+    ModelConfig,
+    ParallelConfig,
+)
+from switchboard.launcher import plan_coordinator, plan_server, ready_line, server_addresses
 
 
 def plan(a: int, dp: int, pp: int, tp: int, run_dir: str = "/run/sb"):
@@ -45,3 +51,30 @@ def test_every_worker_of_one_machine_counts_for_the_thread_share() -> None:
     (_, engines), _ = plan(a=1, dp=3, pp=1, tp=2)
     assert [e.worker.workers_on_host for e in engines] == [6, 6, 6]
     assert all(e.worker.torch_threads == 0 for e in engines)
+
+
+def test_the_ready_line_lists_every_address() -> None:
+    parallel = ParallelConfig(data_parallel_size=2, api_servers=2)
+    model = ModelConfig(model="/models/tiny")
+    gateway = GatewayRoleConfig(
+        model=model, gateway=GatewayConfig(host="0.0.0.0", port=50051, metrics_port=9090)
+    )
+    gateways, engines = plan_server(gateway, EngineConfig(model=model, parallel=parallel), "/r")
+    assert server_addresses(gateways) == [
+        ("gRPC", "0.0.0.0:50051"),
+        ("metrics", "http://0.0.0.0:9090/metrics"),
+        ("metrics", "http://0.0.0.0:9091/metrics"),
+    ]
+    line = ready_line(gateways, engines, 2.5)
+    assert line == (
+        "switchboard is ready to serve 'tiny': gRPC 0.0.0.0:50051, metrics "
+        "http://0.0.0.0:9090/metrics, metrics http://0.0.0.0:9091/metrics "
+        "(2 engine cores, ready in 2.5 s)"
+    )
+
+
+def test_without_metrics_only_grpc_is_listed_and_ipv6_is_bracketed() -> None:
+    model = ModelConfig(model="/m")
+    gateway = GatewayRoleConfig(model=model, gateway=GatewayConfig(host="::", port=7))
+    gateways, _ = plan_server(gateway, EngineConfig(model=model), "/r")
+    assert server_addresses(gateways) == [("gRPC", "[::]:7")]

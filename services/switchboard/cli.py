@@ -4,27 +4,31 @@ ps.
 Flag names follow vLLM's where the concept is the same, so a vLLM user's command line works.
 """
 
+# This module imports only the standard library at the top: the client commands (generate) run
+# on the client install (grpcio + protobuf, `pip install switchboard`); the server commands
+# import their modules when they run, and without the `server` extra they say how to get it.
+
 from __future__ import annotations
 
 import argparse
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
-from switchboard import cli_roles
-from switchboard.config import (
-    DEFAULT_GRPC_PORT,
-    CacheConfig,
-    EngineConfig,
-    GatewayConfig,
-    GatewayRoleConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    WorkerConfig,
-)
+from switchboard.defaults import DEFAULT_GRPC_PORT
+
+if TYPE_CHECKING:
+    from switchboard.config import EngineConfig, GatewayRoleConfig
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+SERVER_COMMANDS = {
+    "serve": "start gateway, engine core and workers on this machine",
+    "gateway": "run one gateway; engines on other hosts join it",
+    "engine": "run one engine core and its workers for gateways",
+    "coordinator": "run the coordinator for engines and gateways on other hosts (DP > 1)",
+}
+SERVER_INSTALL_HINT = "pip install 'switchboard[server]'"
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -70,13 +74,27 @@ def _add_parallel_sizes(group: argparse._ActionsContainer) -> None:
     )
 
 
+def _server_import_error() -> ImportError | None:
+    """Why the server commands cannot run here (the client install lacks the ``server``
+    extra), or None."""
+    try:
+        import switchboard.cli_roles  # noqa: F401  (msgspec, pyzmq)
+        import switchboard.config  # noqa: F401
+    except ImportError as exc:
+        return exc
+    return None
+
+
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
+    from switchboard.config import CacheConfig, SchedulerConfig, WorkerConfig
+
     m = p.add_argument_group("model")
     m.add_argument(
         "--model",
         default=None,
-        help="Hugging Face checkpoint directory "
-        "(default: the built-in SmolLM2-135M-Instruct, converted on first use)",
+        help="a Hugging Face checkpoint directory, a .gguf file, or a Hugging Face model id "
+        "(org/name) already in the local Hugging Face cache (HF_HUB_CACHE, HF_HOME; never "
+        "downloaded) (default: the built-in SmolLM2-135M-Instruct, converted on first use)",
     )
     m.add_argument(
         "--served-model-name",
@@ -239,6 +257,17 @@ def _add_chat_template_arg(p: argparse.ArgumentParser) -> None:
 def build_configs(
     args: argparse.Namespace, model_dir: str
 ) -> tuple[GatewayRoleConfig, EngineConfig]:
+    from switchboard.config import (
+        CacheConfig,
+        EngineConfig,
+        GatewayConfig,
+        GatewayRoleConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        WorkerConfig,
+    )
+
     model = ModelConfig(
         model=model_dir,
         served_model_name=args.served_model_name,
@@ -334,12 +363,29 @@ def _validate_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespa
         parser.error("--data-parallel-rank must be at least 0")
 
 
+def _resolve_model_arg(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    """The checkpoint directory for ``serve MODEL`` / ``--model``; a model found in the Hugging
+    Face cache is served under its id unless ``--served-model-name`` says otherwise."""
+    from switchboard.checkpoint import hub_model_id, resolve_model
+
+    positional = getattr(args, "model_tag", None)
+    if positional is not None and args.model is not None and positional != args.model:
+        parser.error(f"two models given: {positional!r} and --model {args.model!r}")
+    model = positional if positional is not None else args.model
+    try:
+        model_dir = resolve_model(model)
+    except FileNotFoundError as exc:
+        parser.error(str(exc))
+    if not args.served_model_name:
+        args.served_model_name = hub_model_id(model, model_dir) or ""
+    return model_dir
+
+
 def cmd_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from switchboard.checkpoint import resolve_model
     from switchboard.launcher import serve
 
     _validate_serve_args(parser, args)
-    model_dir = resolve_model(args.model)
+    model_dir = _resolve_model_arg(parser, args)
     _check_chat_template(parser, args, model_dir)
     gateway, engine = build_configs(args, model_dir)
     return serve(gateway, engine)
@@ -347,10 +393,10 @@ def cmd_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 def cmd_role(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """`switchboard gateway` / `switchboard engine`: one role in this process."""
-    from switchboard.checkpoint import resolve_model
+    from switchboard import cli_roles
 
     _validate_serve_args(parser, args)
-    model_dir = resolve_model(args.model)
+    model_dir = _resolve_model_arg(parser, args)
     _check_chat_template(parser, args, model_dir)
     gateway, engine = build_configs(args, model_dir)
     if args.command == "gateway":
@@ -416,21 +462,33 @@ def make_parser() -> argparse.ArgumentParser:
     def command(name: str, text: str) -> argparse.ArgumentParser:
         return sub.add_parser(name, help=text, description=text, formatter_class=HelpFormatter)
 
-    serve = command("serve", "start gateway, engine core and workers on this machine")
-    _add_serve_args(serve)
-    _add_chat_template_arg(serve)
+    missing = _server_import_error()
+    if missing is None:
+        from switchboard import cli_roles
 
-    gateway = command("gateway", "run one gateway; engines on other hosts join it")
-    _add_serve_args(gateway)
-    _add_chat_template_arg(gateway)
-    cli_roles.add_gateway_args(gateway)
-    engine = command("engine", "run one engine core and its workers for gateways")
-    _add_serve_args(engine)
-    cli_roles.add_engine_args(engine)
-    coordinator = command(
-        "coordinator", "run the coordinator for engines and gateways on other hosts (DP > 1)"
-    )
-    cli_roles.add_coordinator_args(coordinator)
+        serve = command("serve", SERVER_COMMANDS["serve"])
+        serve.add_argument(
+            "model_tag",
+            nargs="?",
+            default=None,
+            metavar="MODEL",
+            help="the model to serve, as vLLM's `vllm serve MODEL`: the same as --model",
+        )
+        _add_serve_args(serve)
+        _add_chat_template_arg(serve)
+        gateway = command("gateway", SERVER_COMMANDS["gateway"])
+        _add_serve_args(gateway)
+        _add_chat_template_arg(gateway)
+        cli_roles.add_gateway_args(gateway)
+        engine = command("engine", SERVER_COMMANDS["engine"])
+        _add_serve_args(engine)
+        cli_roles.add_engine_args(engine)
+        coordinator = command("coordinator", SERVER_COMMANDS["coordinator"])
+        cli_roles.add_coordinator_args(coordinator)
+    else:  # the client install: the server commands only say how to get them
+        for name, text in SERVER_COMMANDS.items():
+            stub = command(name, f"{text} (needs the server: {SERVER_INSTALL_HINT})")
+            stub.set_defaults(server_missing=missing)
 
     gen = command(
         "generate",
@@ -494,13 +552,25 @@ def make_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    missing = getattr(args, "server_missing", None)
+    if unknown and missing is None:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT, stream=sys.stderr)
+    if missing is not None:  # a server command on the client install
+        print(
+            f"switchboard {args.command}: the server is not installed in this environment "
+            f"({missing}); install it with {SERVER_INSTALL_HINT}",
+            file=sys.stderr,
+        )
+        return 2
     if args.command == "serve":
         return cmd_serve(parser, args)
     if args.command in ("gateway", "engine"):
         return cmd_role(parser, args)
     if args.command == "coordinator":
+        from switchboard import cli_roles
+
         return cli_roles.cmd_coordinator(args)
     if args.command == "generate":
         return cmd_generate(args)

@@ -14,7 +14,8 @@ from typing import TypeVar
 
 import msgspec
 
-DEFAULT_GRPC_PORT = 50051
+from switchboard.defaults import DEFAULT_GRPC_PORT
+
 # sun_path in struct sockaddr_un holds 108 bytes including the terminating NUL.
 _MAX_IPC_PATH_BYTES = 107
 

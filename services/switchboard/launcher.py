@@ -11,6 +11,10 @@ Children are started as fresh interpreters (``python -m switchboard.<role>``), w
 another role's module. Each child is in its own session so that a terminal's Ctrl-C reaches only
 the supervisor, which then stops the children in order (gateways first, so that they report
 NOT_SERVING before their engines go away).
+
+Once the gateways report SERVING for generation (every engine core has sent READY), the
+supervisor logs one line with every address the server serves (``server_addresses``): the
+"you can start now" line of a first start.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ import threading
 import time
 from dataclasses import dataclass
 
+import grpc
 import msgspec
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from switchboard.config import (
     CoordinatorConfig,
@@ -41,6 +47,8 @@ from switchboard.wire.shm_ring import unlink_orphaned_segments
 logger = logging.getLogger("switchboard.launcher")
 
 STOP_GRACE_S = 15.0
+READINESS_SERVICE = "switchboard.v1.GenerationService"  # the gateway's readiness health name
+READY_POLL_S = 0.25
 
 
 @dataclass
@@ -98,6 +106,42 @@ def plan_server(
     return gateways, engines
 
 
+def _host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def server_addresses(gateways: list[GatewayRoleConfig]) -> list[tuple[str, str]]:
+    """(what, address) for every endpoint of a one-machine server, in the order the ready line
+    lists them. A new endpoint (an HTTP API, say) is one more entry here."""
+    first = gateways[0].gateway
+    addresses = [("gRPC", _host_port(first.host, first.port))]
+    if first.metrics_port:  # (0: ephemeral ports, which the gateways log themselves)
+        for cfg in gateways:  # gateway i serves /metrics on --metrics-port + i
+            port = first.metrics_port + cfg.client_index
+            addresses.append(("metrics", f"http://{_host_port(first.host, port)}/metrics"))
+    return addresses
+
+
+def ready_line(
+    gateways: list[GatewayRoleConfig], engines: list[EngineConfig], took_s: float
+) -> str:
+    where = ", ".join(f"{what} {address}" for what, address in server_addresses(gateways))
+    cores = len(engines)
+    return (
+        f"switchboard is ready to serve {gateways[0].model.name!r}: {where} "
+        f"({cores} engine core{'s' if cores != 1 else ''}, ready in {took_s:.1f} s)"
+    )
+
+
+def _probe_target(gateway: GatewayRoleConfig) -> str:
+    """Where the supervisor reaches its own gateway: a wildcard bind address is reached on
+    loopback."""
+    host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(
+        gateway.gateway.host, gateway.gateway.host
+    )
+    return _host_port(host, gateway.gateway.port)
+
+
 def _replace(config, **changes):
     return msgspec.structs.replace(config, **changes)
 
@@ -123,6 +167,7 @@ class Supervisor:
         self._run_dir = run_dir
         self._children: list[Child] = []
         self._stop_requested = threading.Event()
+        self._started = time.monotonic()
 
     def run(self) -> int:
         """Start everything and wait; returns the exit code."""
@@ -147,6 +192,7 @@ class Supervisor:
                         encode_config(cfg),
                     )
                 )
+            threading.Thread(target=self._announce_ready, name="ready", daemon=True).start()
             failed = self._wait_for_first_exit()
             if failed is not None:
                 logger.error(
@@ -161,6 +207,26 @@ class Supervisor:
             self._remove_orphaned_rings()
             shutil.rmtree(self._run_dir, ignore_errors=True)
             logger.info("removed run directory %s", self._run_dir)
+
+    def _announce_ready(self) -> None:
+        """Log the ready line once the gateway's readiness health is SERVING (it turns so when
+        every engine core has sent READY); give up silently when the server stops first."""
+        if not self._gateways or self._gateways[0].gateway.port == 0:
+            return  # an ephemeral port: nothing to probe, nothing useful to print
+        request = health_pb2.HealthCheckRequest(service=READINESS_SERVICE)
+        with grpc.insecure_channel(_probe_target(self._gateways[0])) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while not self._stop_requested.is_set():
+                try:
+                    status = stub.Check(request, timeout=1.0).status
+                except grpc.RpcError:
+                    status = None
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    if not self._stop_requested.is_set():
+                        took = time.monotonic() - self._started
+                        logger.info("%s", ready_line(self._gateways, self._engines, took))
+                    return
+                self._stop_requested.wait(READY_POLL_S)
 
     def _remove_orphaned_rings(self) -> None:
         """An engine killed with -9 cannot unlink its shared-memory ring: do it for it."""

@@ -340,3 +340,20 @@ def test_metrics_deltas_of_a_known_workload(observed: Observed) -> None:
     assert delta("gen_ai_server_time_to_first_token_seconds_count") == n
     assert delta("gen_ai_client_token_usage_sum", gen_ai_token_type="output") == out
     assert delta("gen_ai_client_token_usage_sum", gen_ai_token_type="input") == prompt_tokens
+
+
+# ---------------------------------------------------------------- first contact
+
+
+def test_one_ready_line_with_every_address_once_the_engine_is_ready(observed: Observed) -> None:
+    def ready_lines() -> list[str]:
+        return [line for line in observed.server.log().splitlines() if "ready to serve" in line]
+
+    wait_until(lambda: ready_lines() != [], "the ready line is logged", timeout_s=10)
+    (line,) = ready_lines()
+    assert f"gRPC {observed.server.target}" in line
+    assert f"metrics http://127.0.0.1:{observed.metrics_port}/metrics" in line
+    log = observed.server.log()
+    # after the gateway's "listening" (kept) and after the engine's READY
+    assert log.index(" listening on ") < log.index(line)
+    assert log.index(") READY: ") < log.index(line)

