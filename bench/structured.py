@@ -70,16 +70,17 @@ def _ms(seconds: float) -> float:
 def bench_llguidance(model: str, vocab: int, eos: list[int], batches: list[int], steps: int):
     import llguidance
     import llguidance.numpy as lnp
-    import numpy as np
     from tokenizers import Tokenizer
 
     text = open(os.path.join(model, "tokenizer.json"), encoding="utf-8").read()
     started = time.perf_counter()
     tok = llguidance.LLTokenizer(text, n_vocab=vocab, eos_token=eos)
     t_tok = time.perf_counter() - started
-    ids = Tokenizer.from_file(os.path.join(model, "tokenizer.json")).encode(
-        DOCUMENT, add_special_tokens=False
-    ).ids[:steps]
+    ids = (
+        Tokenizer.from_file(os.path.join(model, "tokenizer.json"))
+        .encode(DOCUMENT, add_special_tokens=False)
+        .ids[:steps]
+    )
     grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(SCHEMA))
     started = time.perf_counter()
     matcher = llguidance.LLMatcher(tok, grammar)

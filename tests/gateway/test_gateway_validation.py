@@ -111,9 +111,16 @@ CASES: list[tuple[str, Callable[[], pb.GenerateRequest], int, str, str]] = [
      "at most 20"),
     ("prompt logprobs above the cap", lambda: _request(output__prompt_logprobs=50), 4,
      "output.prompt_logprobs", "at most 20"),
-    ("structured output", lambda: pb.GenerateRequest(
-        text="hi", structured_output=pb.StructuredOutput(regex="a+")), 4,
-     "structured_output", "not supported yet"),
+    ("structured output empty regex", lambda: pb.GenerateRequest(
+        text="hi", structured_output=pb.StructuredOutput(regex="")), 4,
+     "structured_output.regex", "must not be empty"),
+    ("structured output schema not JSON", lambda: pb.GenerateRequest(
+        text="hi", structured_output=pb.StructuredOutput(json_schema="{nope")), 4,
+     "structured_output.json_schema", "not valid JSON"),
+    ("structured output empty choice", lambda: pb.GenerateRequest(
+        text="hi", structured_output=pb.StructuredOutput(choice=pb.StructuredOutput.Choices(
+            values=["a", ""]))), 4,
+     "structured_output.choice.values[1]", "must not be empty"),
     ("prompt too long", lambda: _request(), 64, "text", "max_model_len is 64"),
     ("prompt ids too long", lambda: pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 70)), 0,
      "token_ids.ids", "70 tokens"),

@@ -39,6 +39,7 @@ from switchboard.engine.peers import EnginePeers
 from switchboard.engine.request import Request
 from switchboard.engine.scheduler import Scheduler
 from switchboard.engine.shutdown import ShutdownRequest
+from switchboard.engine.structured_output import StructuredOutputManager, attach_bitmask
 from switchboard.engine.utility import run_utility
 from switchboard.model_tasks import read_model_tasks
 from switchboard.wire import zmq_channel
@@ -60,6 +61,7 @@ logger = logging.getLogger(__name__)
 
 DEAD_SEND_TIMEOUT_S = 5.0
 IO_THREAD_FAILED = "io-thread-failed"  # input-queue kind: an I/O thread died, the engine follows
+GRAMMAR_READY = "grammar-ready"  # input-queue kind: a structured-output grammar finished compiling
 
 
 class EngineCore:
@@ -80,6 +82,10 @@ class EngineCore:
         self._input_thread: InputThread | None = None
         self._output_thread: OutputThread | None = None
         self._peers: EnginePeers | None = None  # coordinator, discovered gateways
+        self.structured_output: StructuredOutputManager | None = None
+        # Constrained requests whose grammar is still compiling, in arrival order: they wait
+        # here, outside the scheduler, so nobody behind them is held back.
+        self._compiling: dict[str, Request] = {}
 
     def start(self) -> None:
         """Start the workers, load the model, size the KV cache, then open the wire to the
@@ -114,6 +120,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             config.scheduler, config.cache, self.num_gpu_blocks, self.max_model_len
         )
+        self.structured_output = StructuredOutputManager(config.model.model, summary.vocab_size)
         self._ready = EngineReady(
             engine_id=f"EngineCore_DP{self.engine_index}-{uuid.uuid4().hex[:8]}",
             data_parallel_rank=self.engine_index,
@@ -189,12 +196,19 @@ class EngineCore:
             check_engine_request(request, self._ready.vocab_size, self.max_model_len)
             if self.embed_only and request.pooling_params is None:
                 raise ValueError("the model is an encoder: it embeds and cannot generate")
-            return Request.from_engine_core_request(
+            prepared = Request.from_engine_core_request(
                 request,
                 self.block_size,
                 clock.monotonic_ns(),
                 hash_blocks=self.config.cache.enable_prefix_caching,
             )
+            params = request.sampling_params
+            if params is not None and params.structured_output is not None:
+                assert self.structured_output is not None
+                prepared.grammar = self.structured_output.start(  # compiles in the pool
+                    params.structured_output, params.eos_token_ids, self._on_grammar_ready
+                )
+            return prepared
         except Exception as exc:
             self._reject(request.request_id, request.client_index, exc)
             return None
@@ -210,6 +224,10 @@ class EngineCore:
     def _on_executor_failure(self, reason: str) -> None:
         """Monitor thread: hand the failure to the busy loop, which raises."""
         self.input_queue.put((RequestType.EXECUTOR_FAILED, reason))
+
+    def _on_grammar_ready(self) -> None:
+        """Compile pool: wake the busy loop (it may be blocked on an empty input queue)."""
+        self.input_queue.put((GRAMMAR_READY, None))
 
     def _on_io_thread_failure(self, reason: str) -> None:
         self.input_queue.put((IO_THREAD_FAILED, reason))
@@ -266,7 +284,9 @@ class EngineCore:
         if kind == RequestType.ADD:
             self._add_request(payload)
         elif kind == RequestType.ABORT:
-            self.scheduler.finish_requests(payload, FinishReason.ABORT)
+            self._abort(payload)
+        elif kind == GRAMMAR_READY:
+            self._admit_compiled()
         elif kind == RequestType.UTILITY:
             self._run_utility(payload)
         elif kind == RequestType.EXECUTOR_FAILED:
@@ -275,15 +295,46 @@ class EngineCore:
             raise RuntimeError(f"Engine I/O failed: {payload}")
         # WAKEUP only unblocks the loop so that it sees a shutdown request.
 
+    def _abort(self, request_ids: list[str] | str) -> None:
+        if self._compiling:
+            for rid in (request_ids,) if isinstance(request_ids, str) else request_ids:
+                self._compiling.pop(rid, None)
+        self.scheduler.finish_requests(request_ids, FinishReason.ABORT)
+
     def _add_request(self, request: Request) -> None:
+        grammar = request.grammar
+        if grammar is not None:
+            if request.request_id in self._compiling:
+                self._reject(
+                    request.request_id,
+                    request.client_index,
+                    ValueError(f"request {request.request_id!r} is already in the engine"),
+                )
+                return
+            if not grammar.ready:
+                self._compiling[request.request_id] = request  # GRAMMAR_READY admits it
+                return
+            error = grammar.resolve()
+            if error is not None:  # e.g. a bad spec that came in on the wire
+                self._reject(request.request_id, request.client_index, ValueError(error))
+                return
         try:
             self.scheduler.add_request(request)
         except ValueError as exc:  # e.g. a request id already in flight: fail it alone
             self._reject(request.request_id, request.client_index, exc)
 
+    def _admit_compiled(self) -> None:
+        """Move the requests whose grammar is ready to the scheduler, in arrival order."""
+        ready = [r for r in self._compiling.values() if r.grammar.ready]
+        for request in ready:
+            del self._compiling[request.request_id]
+            self._add_request(request)
+
     def _step(self) -> SchedulerStats:
         """One step; returns the stats it sent with the outputs (the turn publishes them too)."""
         scheduler_output = self.scheduler.schedule()
+        if self.structured_output is not None:
+            attach_bitmask(self.structured_output, scheduler_output, self.scheduler.requests)
         runner_output = self._execute(scheduler_output)
         self._finish_aborted_requests()
         outputs_by_client = self.scheduler.update_from_output(scheduler_output, runner_output)
@@ -300,7 +351,7 @@ class EngineCore:
 
     def _finish_aborted_requests(self) -> None:
         for request_ids in _drain(self.aborts_queue):
-            self.scheduler.finish_requests(request_ids, FinishReason.ABORT)
+            self._abort(request_ids)
 
     def _run_utility(self, call: UtilityCall) -> None:
         output = EngineCoreOutputs(
@@ -340,6 +391,8 @@ class EngineCore:
             self._output_thread.stop()  # sends what is already queued first
         if self.executor is not None:
             self.executor.shutdown()
+        if self.structured_output is not None:
+            self.structured_output.shutdown()
         threads = (self._input_thread, self._output_thread)
         if any(t is not None and t.is_alive() for t in threads):
             self._ctx.destroy(linger=0)  # a stuck thread must not hold the exit hostage

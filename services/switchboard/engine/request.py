@@ -18,6 +18,7 @@ Status::
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 from switchboard.engine.block_hash import BlockHash, extend_block_hashes
 from switchboard.wire.engine_msgs import (
@@ -60,6 +61,7 @@ class Request:
         "hash_blocks",
         "num_block_ids_sent",
         "pooling_params",
+        "grammar",
     )
 
     def __init__(
@@ -99,6 +101,9 @@ class Request:
         self.num_block_ids_sent = 0  # block-table entries the workers already know
         # Set for an embedding request: prefill only, finished with its pooled vector.
         self.pooling_params = pooling_params
+        # Set for a constrained request (structured output): engine/structured_output.py's
+        # RequestGrammar, advanced with every accepted output token.
+        self.grammar: Any = None
         self.update_block_hashes()
 
     @classmethod

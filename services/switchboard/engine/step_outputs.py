@@ -8,6 +8,7 @@ the request FINISHED when the step ended it; the scheduler then frees what it he
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from switchboard.engine.request import Request, RequestStatus
 from switchboard.engine.stop_check import check_stop
@@ -27,9 +28,12 @@ def sampled_output(
     first_output = request.num_output_tokens == 0
     stop = None
     appended = new_token_ids
+    grammar = request.grammar
     for i, token_id in enumerate(new_token_ids):
         request.append_output_token(token_id)
         stop = check_stop(request, max_model_len)
+        if grammar is not None:
+            stop = _grammar_stop(grammar, token_id, stop)
         if stop is not None:
             appended = new_token_ids[: i + 1]
             break
@@ -53,6 +57,22 @@ def sampled_output(
         request.finish_reason = finish_reason
         request.stop_reason = stop_reason
     return output
+
+
+def _grammar_stop(
+    grammar: Any, token_id: int, stop: tuple[FinishReason, int | str | None] | None
+) -> tuple[FinishReason, int | str | None] | None:
+    """Advance a constrained request's matcher with its accepted token. A complete output ends
+    with STOP (even on its max_tokens-th token: the output is whole); a token the grammar
+    rejects (the worker's mask should make that impossible) ends it with ERROR; otherwise the
+    token-level stop stands, so an output cut by max_tokens is LENGTH, never STOP (a stop token
+    of the request's own stop_token_ids still stops it, as in vLLM)."""
+    if not grammar.accept(token_id):
+        logger.error("structured output: token %d rejected (%s)", token_id, grammar.error_message())
+        return FinishReason.ERROR, grammar.error_message()
+    if grammar.is_terminated:
+        return FinishReason.STOP, stop[1] if stop is not None else None
+    return stop
 
 
 def pooled_output(request: Request, vector: list[float] | None) -> EngineCoreOutput:

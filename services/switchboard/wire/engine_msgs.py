@@ -92,6 +92,17 @@ class SamplingParams(_Wire):
     logprobs: int | None = None  # top-N alternatives per output token (0 = the chosen only)
     prompt_logprobs: int | None = None  # top-N per prompt token (all but the first)
     repetition_detection: RepetitionDetectionParams | None = None
+    # Appended for constrained decoding: the output must match this (engine-side grammar).
+    structured_output: StructuredOutputParams | None = None
+
+
+class StructuredOutputParams(_Wire):
+    """A constraint on the output (``switchboard/structured_output.py`` lists the kinds):
+    the engine compiles it, masks the logits each step and ends the request with STOP when the
+    output is complete."""
+
+    kind: str  # json_schema | json_object | regex | grammar | choice | structural_tag
+    spec: str = ""  # schema JSON / regex / grammar text / JSON list of choices / tag JSON
 
 
 class RepetitionDetectionParams(_Wire):

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 
+from switchboard.structured_output import KINDS as STRUCTURED_OUTPUT_KINDS
+from switchboard.structured_output import MAX_SPEC_CHARS as MAX_STRUCTURED_SPEC_CHARS
 from switchboard.wire.engine_msgs import EngineCoreRequest, PoolingParams, SamplingParams
 
 MAX_LOGPROBS = 20  # top-N alternatives per output / prompt token (vLLM's default cap)
@@ -130,6 +132,13 @@ def check_sampling_params(s: SamplingParams, vocab_size: int, max_model_len: int
             raise RequestRuleError(
                 f"sampling_params.{knob}", f"must be in [0, {MAX_LOGPROBS}], got {value}"
             )
+    so = s.structured_output
+    if so is not None:
+        field = "sampling_params.structured_output"
+        if not isinstance(so.kind, str) or so.kind not in STRUCTURED_OUTPUT_KINDS:
+            raise RequestRuleError(f"{field}.kind", f"must be one of {STRUCTURED_OUTPUT_KINDS}")
+        if not isinstance(so.spec, str) or len(so.spec) > MAX_STRUCTURED_SPEC_CHARS:
+            raise RequestRuleError(f"{field}.spec", f"at most {MAX_STRUCTURED_SPEC_CHARS} chars")
     rd = s.repetition_detection
     if rd is not None:
         field = "sampling_params.repetition_detection"

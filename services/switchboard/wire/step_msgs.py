@@ -7,7 +7,8 @@ method is annotated with (``msgspec.convert``), so no pickle is ever needed.
 
 The per-step broadcast (:class:`SchedulerOutput`) is a *delta*: requests new to the batch carry
 their prompt and block table once; requests already running carry only their new block ids and
-the number of tokens computed so far. Workers keep per-request state between steps and drop it
+the number of tokens computed so far (and, for constrained requests, the step's token bitmask).
+Workers keep per-request state between steps and drop it
 when a request id appears in ``finished_request_ids``.
 
 A request's tokens in a step are ``tokens[num_computed_tokens : num_computed_tokens + n]``
@@ -56,6 +57,12 @@ class SchedulerOutput(_Wire):
     num_scheduled_tokens: dict[str, int] = {}
     total_num_scheduled_tokens: int = 0
     finished_request_ids: list[str] = []  # drop their state (finished, aborted or preempted)
+    # Appended for structured output: the allowed next tokens of the constrained requests that
+    # sample in this step, one row each (in ``structured_request_ids`` order) of
+    # ceil(vocab / 32) little-endian int32 words, bit ``t % 32`` of word ``t // 32`` set when
+    # token ``t`` is allowed. Every worker gets it; the ones that sample apply it to the logits.
+    grammar_bitmask: bytes = b""
+    structured_request_ids: list[str] = []
 
 
 class ModelRunnerOutput(_Wire):

@@ -25,6 +25,7 @@ from switchboard.models.hf_config import TransformerConfig
 from switchboard.models.parallel import SINGLE_PROCESS, ParallelState
 from switchboard.wire.engine_msgs import TokenLogprobs
 from switchboard.wire.step_msgs import ModelRunnerOutput, ModelSummary, SchedulerOutput
+from switchboard.worker.grammar_mask import apply_grammar_bitmask
 from switchboard.worker.input_batch import (
     RequestState,
     RequestStates,
@@ -49,6 +50,9 @@ class StepLogits:
     # [len(inputs.sampled_request_ids), vocab] float32; None on a pipeline stage but the last
     logits: torch.Tensor | None
     pooled: dict[str, list[float]] | None = None  # pooling requests whose prompt is done
+    # Structured output: the step's packed token bitmask and its rows' request ids.
+    grammar_bitmask: bytes = b""
+    structured_request_ids: list[str] | None = None
 
 
 class ModelRunner:
@@ -153,7 +157,14 @@ class ModelRunner:
         for request_id, n in step.num_scheduled_tokens.items():
             if n > 0:
                 self.requests[request_id].num_computed_tokens += n
-        return StepLogits(step.step_id, inputs, logits, pooled=pooled)
+        return StepLogits(
+            step.step_id,
+            inputs,
+            logits,
+            pooled=pooled,
+            grammar_bitmask=step.grammar_bitmask,
+            structured_request_ids=step.structured_request_ids,
+        )
 
     def _forward_stage(self, inputs: StepInputs) -> torch.Tensor:
         """This pipeline stage's layers: hidden states in from the previous stage (unless
@@ -184,6 +195,13 @@ class ModelRunner:
         if states:
             result = None
             if step.logits is not None:  # the last pipeline stage
+                if step.grammar_bitmask and step.structured_request_ids:
+                    apply_grammar_bitmask(
+                        step.logits,
+                        step.grammar_bitmask,
+                        step.structured_request_ids,
+                        inputs.sampled_request_ids,
+                    )
                 batch = build_sampling_batch(states, step.logits.shape[-1], self.device)
                 result = sample(step.logits, batch)
             token_ids = self._share_sampled_tokens(result, len(states))

@@ -3,8 +3,9 @@
 Validation runs in two halves around tokenization: ``plan_generate`` checks everything that does
 not need the prompt's tokens (cheap, on the event loop), ``build_engine_request`` checks lengths
 and token ids once the prompt is tokenized. The rules of the sampling knobs themselves live in
-``sampling_validation.py``. Knobs the engine cannot honour yet (structured output, extra_args)
-are rejected, not silently ignored: a client must not believe it got a grammar it did not get.
+``sampling_validation.py``; those of structured output in ``structured_output.py`` (whose
+grammar check runs in the thread pool before ADD). Knobs the engine cannot honour yet
+(extra_args) are rejected, not silently ignored.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from switchboard.gateway.pipeline.sampling_validation import (
     check_sampling,
     check_token_ids,
 )
+from switchboard.gateway.pipeline.structured_output import plan_structured_output
 from switchboard.wire.engine_msgs import (
     EngineCoreRequest,
     RepetitionDetectionParams,
     SamplingParams,
+    StructuredOutputParams,
 )
 from switchboard.wire.request_rules import MAX_REQUEST_ID_CHARS
 
@@ -73,6 +76,8 @@ class GeneratePlan:
     repetition_detection: RepetitionDetectionParams | None = None
     data_parallel_rank: int | None = None  # pinned engine core (DP > 1); None: engine_pool picks
     chat: ChatPrompt | None = None  # chat messages, rendered by the chat template at submit
+    # The output constraint; its grammar is checked in the thread pool at submit.
+    structured_output: StructuredOutputParams | None = None
 
     @property
     def prompt_field(self) -> str:
@@ -142,8 +147,7 @@ def plan_generate(
     check_sampling(request.sampling, facts.vocab_size)
     _check_stopping(request.stopping)
     _check_output(request.output)
-    if request.structured_output.WhichOneof("constraint"):
-        raise not_supported("structured_output", "structured output")
+    structured_output = plan_structured_output(request.structured_output)
     if request.HasField("extra_args") and request.extra_args.fields:
         raise not_supported("extra_args", "engine passthrough arguments")
     s, st, o = request.sampling, request.stopping, request.output
@@ -202,6 +206,7 @@ def plan_generate(
             request.data_parallel_rank if request.HasField("data_parallel_rank") else None
         ),
         chat=chat,
+        structured_output=structured_output,
     )
 
 
@@ -272,6 +277,7 @@ def build_engine_request(
         logprobs=plan.logprobs,
         prompt_logprobs=plan.prompt_logprobs,
         repetition_detection=plan.repetition_detection,
+        structured_output=plan.structured_output,
     )
     return EngineCoreRequest(
         request_id=plan.request_id,

@@ -22,6 +22,7 @@ from switchboard.gateway.pipeline.sequence_group import (
     child_requests,
     submit_children,
 )
+from switchboard.gateway.pipeline.structured_output import check_structured_output_plan
 from switchboard.gateway.pipeline.validation import (
     GeneratePlan,
     build_engine_request,
@@ -129,6 +130,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             token_ids = plan.prompt_token_ids or []
         facts = state.facts
         prompt_token_ids = resolve_prompt(plan, token_ids, facts)
+        if plan.structured_output is not None:  # a bad grammar is refused before ADD
+            await state.in_pool(check_structured_output_plan, plan.structured_output)
         bad_words_token_ids = None
         if plan.bad_words:
             bad_words_token_ids = await state.in_pool(
