@@ -27,9 +27,11 @@ SO = pb.StructuredOutput
         (SO(json_object=False), None),
         (SO(json_object=True), StructuredOutputParams("json_object", "")),
         (SO(regex=r"\d+"), StructuredOutputParams("regex", r"\d+")),
-        (SO(json_schema='{"type": "integer"}'), StructuredOutputParams("json_schema", '{"type": "integer"}')),
+        (SO(json_schema='{"type": "integer"}'),
+         StructuredOutputParams("json_schema", '{"type": "integer"}')),
         (SO(grammar='start: "a"'), StructuredOutputParams("grammar", 'start: "a"')),
-        (SO(choice=SO.Choices(values=["x", "y z"])), StructuredOutputParams("choice", '["x", "y z"]')),
+        (SO(choice=SO.Choices(values=["x", "y z"])),
+         StructuredOutputParams("choice", '["x", "y z"]')),
     ],
 )  # fmt: skip
 def test_each_kind_reaches_the_wire(so, expected) -> None:
