@@ -30,6 +30,9 @@ from typing import Any
 KINDS = ("json_schema", "json_object", "regex", "grammar", "choice", "structural_tag")
 MAX_SPEC_CHARS = 1 << 20  # a schema, grammar or regex of at most 1 MiB (the engine checks too)
 MAX_CHOICES = 4096
+# JSON on one line with the usual separators: flexible whitespace lets a small model loop on
+# newlines until max_tokens. A schema's own "x-guidance" options override these.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class StructuredOutputError(ValueError):
@@ -46,9 +49,11 @@ def to_grammar(kind: str, spec: str) -> str:
         schema = _json(spec, "json_schema: not valid JSON")
         if not isinstance(schema, dict | bool):
             raise StructuredOutputError("json_schema: a schema is a JSON object (or a boolean)")
-        return _from(lambda: matcher.grammar_from_json_schema(json.dumps(schema)), kind)
+        return _from(
+            lambda: matcher.grammar_from_json_schema(json.dumps(schema), JSON_OPTIONS), kind
+        )
     if kind == "json_object":
-        return matcher.grammar_from_json_schema('{"type": "object"}')
+        return matcher.grammar_from_json_schema('{"type": "object"}', JSON_OPTIONS)
     if kind == "regex":
         if not spec:
             raise StructuredOutputError("regex: must not be empty")
