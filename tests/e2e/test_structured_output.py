@@ -68,9 +68,11 @@ SCHEMAS = [
 DATE = r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"
 PHONE = r"\(\d{3}\) \d{3}-\d{4}"
 CHOICES = ["positive", "negative", "neutral"]
-# An EBNF (GBNF) grammar: a small arithmetic expression.
-GRAMMAR = 'root ::= expr\nexpr ::= term ("+" term)*\nterm ::= [1-9] [0-9]?'
-GRAMMAR_RE = r"[1-9][0-9]?(\+[1-9][0-9]?)*"
+# An EBNF (GBNF) grammar: a sum of two or three two-digit numbers; and a Lark one.
+GRAMMAR = 'root ::= term "+" term ("+" term)?\nterm ::= [1-9] [0-9]'
+GRAMMAR_RE = r"[1-9][0-9]\+[1-9][0-9](\+[1-9][0-9])?"
+LARK = 'start: greeting ", " NAME "!"\ngreeting: "Hello" | "Hi"\nNAME: /[A-Z][a-z]{1,8}/'
+LARK_RE = r"(Hello|Hi), [A-Z][a-z]{1,8}!"
 FREE_PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
 
 
@@ -135,12 +137,15 @@ def test_regex_choice_grammar_and_json_object(server: RunningServer) -> None:
               SO(choice=SO.Choices(values=CHOICES))),
         _chat("Write a sum of two or three small numbers.", 16, SO(grammar=GRAMMAR)),
         _chat("Describe a cat as a JSON object.", 120, SO(json_object=True)),
+        _chat("Greet Alice.", 16, SO(grammar=LARK)),
     ]  # fmt: skip
-    (date, r1), (phone, r2), (choice, r3), (expr, r4), (obj, r5) = _run(server, requests)
+    results = _run(server, requests)
+    (date, r1), (phone, r2), (choice, r3), (expr, r4), (obj, r5), (hello, r6) = results
     assert re.fullmatch(DATE, date) and r1 == STOP, date
     assert re.fullmatch(PHONE, phone) and r2 == STOP, phone
     assert choice in CHOICES and r3 == STOP, choice
     assert re.fullmatch(GRAMMAR_RE, expr) and r4 == STOP, expr
+    assert re.fullmatch(LARK_RE, hello) and r6 == STOP, hello
     if r5 == STOP:
         assert isinstance(json.loads(obj), dict), obj
     else:  # cut by max_tokens: LENGTH, never STOP with half an object
