@@ -201,3 +201,22 @@ def test_preemption_keeps_constrained_output_valid(small_kv_server: RunningServe
     assert re.fullmatch(DATE, results[4][0]) and results[4][1] == STOP, results[4]
     assert re.fullmatch(PHONE, results[5][0]) and results[5][1] == STOP, results[5]
     assert "preempted request" in small_kv_server.log()
+
+
+def test_n_sequences_each_follow_the_constraint(server: RunningServer) -> None:
+    request = _chat("Name a month and a day.", 20, SO(regex=DATE))
+    request.sampling.temperature = 1.0
+    request.sampling.seed = 7
+    request.sampling.n = 3
+    with server.channel() as channel:
+        responses = list(pb_grpc.GenerationServiceStub(channel).Generate(request, timeout=300))
+    texts: dict[int, str] = {}
+    reasons: dict[int, int] = {}
+    for response in responses:
+        for output in response.outputs:
+            texts[output.index] = texts.get(output.index, "") + output.text
+            if output.finish_reason:
+                reasons[output.index] = output.finish_reason
+    assert sorted(texts) == [0, 1, 2]
+    for index, text in texts.items():
+        assert re.fullmatch(DATE, text) and reasons[index] == STOP, (index, text)
