@@ -287,3 +287,37 @@ def compare_parallel_layers(parallel, seed: int = 0) -> dict[str, float]:
 
 def _max_diff(a, b) -> float:
     return float((a - b).abs().max())
+
+
+# -- structured output: the grammar bitmask under TP / PP ------------------------------------------
+
+
+def sample_under_grammar_mask(parallel, model_dir: str, bitmask: bytes) -> dict[str, int]:
+    """Target: one prefill step of a free and a constrained request (mask row for "held");
+    the token each got on this rank (every rank appends the output rank's draw)."""
+    import torch
+
+    from switchboard.config import ModelConfig
+    from switchboard.wire.engine_msgs import SamplingParams
+    from switchboard.wire.step_msgs import NewRequest, SchedulerOutput
+    from switchboard.worker.model_runner import ModelRunner
+
+    runner = ModelRunner(ModelConfig(model=model_dir), torch.device("cpu"), parallel)
+    runner.load_model()
+    runner.initialize_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
+    greedy = SamplingParams(temperature=0.0, max_tokens=4)
+    prompt = [0, 17, 42, 99, 7]
+    runner.execute_model(
+        SchedulerOutput(
+            step_id=1,
+            new_requests=[
+                NewRequest("free", prompt, greedy, [1, 2], 0),
+                NewRequest("held", prompt, greedy, [3, 4], 0),
+            ],
+            num_scheduled_tokens={"free": 5, "held": 5},
+            total_num_scheduled_tokens=10,
+            grammar_bitmask=bitmask,
+            structured_request_ids=["held"] if bitmask else [],
+        )
+    )
+    return {rid: runner.requests[rid].token_ids[-1] for rid in ("free", "held")}

@@ -5,11 +5,13 @@ checkpoint)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from switchboard.wire.engine_msgs import SamplingParams
 from switchboard.wire.step_msgs import NewRequest, SchedulerOutput
 from switchboard.worker.grammar_mask import apply_grammar_bitmask, unpack_bitmask
+from tests.parallel_ranks import run_on_ranks, sample_under_grammar_mask
 from tests.tiny_checkpoint import tiny_llama_dir
 from tests.worker.test_model_runner_parity import make_runner
 
@@ -80,3 +82,15 @@ def test_runner_samples_within_the_mask_and_leaves_free_requests_alone() -> None
     masked = step(pack(forced), ["held"])
     assert masked["held"] in forced
     assert masked["free"] == plain["free"]
+
+
+@pytest.mark.slow
+def test_tp2_pp2_ranks_all_append_the_masked_token() -> None:
+    tiny = tiny_llama_dir()
+    [plain] = run_on_ranks(sample_under_grammar_mask, 1, 1, tiny, b"")
+    forced = [t for t in (500, 501) if t != plain["held"]]
+    per_rank = run_on_ranks(sample_under_grammar_mask, 2, 2, tiny, pack(forced))
+    for rank, tokens in enumerate(per_rank):
+        assert tokens["held"] in forced, rank
+        assert tokens["free"] == plain["free"], rank
+    assert len({tokens["held"] for tokens in per_rank}) == 1
