@@ -36,6 +36,7 @@ import zmq
 
 from switchboard.config import EngineConfig, encode_config, ipc_address
 from switchboard.wire import zmq_channel
+from switchboard.wire.codec import RPC_CALL, RPC_REPLY, WORKER_STARTUP
 from switchboard.wire.shm_ring import ShmRingWriter
 from switchboard.wire.step_msgs import (
     ModelRunnerOutput,
@@ -88,8 +89,6 @@ class MultiprocExecutor:
         self._on_failure = on_failure
         self._execute_timeout_s = config.worker.execute_timeout_s
         self._call_ids = itertools.count()
-        self._reply_decoder = msgspec.msgpack.Decoder(RpcReply)
-        self._encoder = msgspec.msgpack.Encoder()
         self._failure: str | None = None
         self._shutting_down = False
         self._stop_monitor = threading.Event()
@@ -140,7 +139,7 @@ class MultiprocExecutor:
                     distributed_init_method=init_method,
                 )
                 argv = [sys.executable, "-m", WORKER_MODULE, "--startup-json"]
-                argv.append(msgspec.json.encode(startup).decode())
+                argv.append(WORKER_STARTUP.encode(startup))
                 process = subprocess.Popen(argv, close_fds=True)
                 self.workers.append(WorkerProcess(rank, tp_rank, pp_rank, process))
                 logger.info(
@@ -189,7 +188,7 @@ class MultiprocExecutor:
             raise ExecutorFailed(self._failure)
         call = RpcCall(next(self._call_ids), method, list(args), kwargs or {}, output_rank)
         try:
-            self._ring.enqueue(self._encoder.encode(call), timeout=timeout)
+            self._ring.enqueue(RPC_CALL.encode(call), timeout=timeout)
         except TimeoutError as exc:
             raise ExecutorFailed(f"RPC call to {method} could not be sent: {exc}") from exc
         reply = self._wait_for_reply(call, timeout)
@@ -201,7 +200,7 @@ class MultiprocExecutor:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if self._reply_socket.poll(_REPLY_POLL_MS):
-                reply = self._reply_decoder.decode(self._reply_socket.recv(copy=False).buffer)
+                reply = RPC_REPLY.decode(self._reply_socket.recv(copy=False).buffer)
                 if reply.call_id == call.call_id:
                     return reply
                 logger.warning(
@@ -287,7 +286,7 @@ class MultiprocExecutor:
             return
         try:
             call = RpcCall(next(self._call_ids), "shutdown", output_rank=-1)  # nobody replies
-            self._ring.enqueue(self._encoder.encode(call), timeout=1.0)
+            self._ring.enqueue(RPC_CALL.encode(call), timeout=1.0)
         except Exception as exc:  # a worker may already be gone; the ladder below follows
             logger.warning("Could not send shutdown to the workers: %s", exc)
 

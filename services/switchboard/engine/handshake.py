@@ -27,10 +27,10 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import msgspec
 import zmq
 
 from switchboard.wire import zmq_channel
+from switchboard.wire.codec import GATEWAY_ADDRESSES, GATEWAY_HELLO, DecodeError
 from switchboard.wire.engine_msgs import GatewayAddresses, GatewayHello
 from switchboard.wire.zmq_channel import tcp_address
 
@@ -98,11 +98,11 @@ def say_hello(
     """One handshake with the gateway at ``host:port``; None when it does not answer in time."""
     sock = zmq_channel.make_socket(ctx, zmq.DEALER, tcp_address(host, port), bind=False)
     try:
-        sock.send(zmq_channel.encode(hello))
+        sock.send(GATEWAY_HELLO.encode(hello))
         if not sock.poll(int(timeout_s * 1000)):
             return None
-        return zmq_channel.decode(sock.recv(), GatewayAddresses)
-    except (msgspec.DecodeError, zmq.ZMQError) as exc:
+        return GATEWAY_ADDRESSES.decode(sock.recv())
+    except (DecodeError, zmq.ZMQError) as exc:
         logger.warning("Bad handshake answer from %s:%d: %s", host, port, exc)
         return None
     finally:

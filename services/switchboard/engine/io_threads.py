@@ -33,11 +33,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import zmq
 
 from switchboard.engine import clock
 from switchboard.wire import zmq_channel
+from switchboard.wire.codec import ENGINE_CORE_OUTPUTS, ENGINE_READY
 from switchboard.wire.engine_msgs import (
     ENGINE_CORE_DEAD,
     EngineCoreOutputs,
@@ -146,7 +146,7 @@ class InputThread(_GatewaySocketThread):
         sock = zmq_channel.make_socket(
             self._ctx, zmq.DEALER, address, bind=False, identity=self._identity
         )
-        sock.send(zmq_channel.encode(self._make_ready()))
+        sock.send(ENGINE_READY.encode(self._make_ready()))
         self._sockets[client_index] = sock
         self._poller.register(sock, zmq.POLLIN)
 
@@ -234,7 +234,6 @@ class OutputThread(_GatewaySocketThread):
         self._heartbeat_interval_s = heartbeat_interval_s
         # Set by the busy loop every turn; heartbeats carry it (engine-level metrics stay fresh).
         self.latest_stats: SchedulerStats | None = None
-        self._encoder = msgspec.msgpack.Encoder()
         self._buffers = _BufferPool(capacity=len(addresses) + 1)
 
     def stop(self, timeout_s: float = 5.0) -> None:
@@ -315,7 +314,7 @@ class OutputThread(_GatewaySocketThread):
 
     def _send(self, sock: zmq.Socket, outputs: EngineCoreOutputs) -> None:
         buffer = self._buffers.take()
-        self._encoder.encode_into(outputs, buffer)
+        ENGINE_CORE_OUTPUTS.encode_into(outputs, buffer)
         tracker = sock.send(buffer, copy=False, track=True)
         self._buffers.give(buffer, tracker)
 

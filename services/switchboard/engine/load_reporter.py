@@ -14,6 +14,7 @@ import threading
 import zmq
 
 from switchboard.wire import zmq_channel
+from switchboard.wire.codec import ENGINE_LOAD
 from switchboard.wire.engine_msgs import EngineLoad
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ class LoadReporter(threading.Thread):
                 with self._lock:
                     load = self._latest
                 self.num_sent += 1  # before the send: a receiver never sees a stale count
-                sock.send(zmq_channel.encode(load))
+                sock.send(ENGINE_LOAD.encode(load))
                 # Changes during the pause are merged into the next send.
                 self._stop_event.wait(self._interval_s)
         except Exception:
