@@ -66,7 +66,9 @@ class ExecutorFailed(RuntimeError):
 class WorkerProcess:
     """The executor's handle on one worker process."""
 
-    def __init__(self, rank: int, tp_rank: int, pp_rank: int, process: subprocess.Popen) -> None:
+    def __init__(
+        self, rank: int, tp_rank: int, pp_rank: int, process: subprocess.Popen[bytes]
+    ) -> None:
         self.rank = rank
         self.tp_rank = tp_rank
         self.pp_rank = pp_rank
@@ -100,7 +102,7 @@ class MultiprocExecutor:
         self._ctx = zmq.Context()
         # torch.distributed rendezvous of the workers (only when there are several).
         self._rendezvous_path = os.path.join(run_dir, f"dist-{uuid.uuid4().hex[:8]}")
-        self._reply_socket: zmq.Socket | None = None
+        self._reply_socket: zmq.SyncSocket | None = None
         try:
             self._reply_socket = zmq_channel.make_socket(
                 self._ctx, zmq.PULL, self._reply_address, bind=True
@@ -119,6 +121,7 @@ class MultiprocExecutor:
     # ---- start-up -------------------------------------------------------------------------
 
     def _start_workers(self, run_dir: str) -> None:
+        assert self._ring is not None  # the ring and the reply socket exist once __init__ ran
         parallel = self._config.parallel
         ring_handle = msgspec.to_builtins(self._ring.handle)
         engine_config_json = encode_config(self._config)
@@ -152,6 +155,7 @@ class MultiprocExecutor:
 
     def _wait_for_workers(self) -> None:
         """Until every worker has attached to the ring; fail fast if one exits meanwhile."""
+        assert self._ring is not None
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while True:
             self._raise_if_a_worker_exited()
@@ -177,7 +181,7 @@ class MultiprocExecutor:
     def collective_rpc(
         self,
         method: str,
-        args: tuple | list = (),
+        args: tuple[Any, ...] | list[Any] = (),
         kwargs: dict[str, Any] | None = None,
         output_rank: int = 0,
         timeout: float | None = RPC_TIMEOUT_S,
@@ -186,6 +190,7 @@ class MultiprocExecutor:
         values). Raises ExecutorFailed on a worker error, a dead worker or a timeout."""
         if self._failure is not None:
             raise ExecutorFailed(self._failure)
+        assert self._ring is not None
         call = RpcCall(next(self._call_ids), method, list(args), kwargs or {}, output_rank)
         try:
             self._ring.enqueue(RPC_CALL.encode(call), timeout=timeout)
@@ -197,6 +202,7 @@ class MultiprocExecutor:
         return reply.result
 
     def _wait_for_reply(self, call: RpcCall, timeout: float | None) -> RpcReply:
+        assert self._reply_socket is not None
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if self._reply_socket.poll(_REPLY_POLL_MS):

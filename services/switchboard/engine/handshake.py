@@ -89,11 +89,11 @@ def resolve_addresses(name: str) -> list[str]:
     except socket.gaierror as exc:
         logger.warning("Cannot resolve gateway name %r: %s", name, exc)
         return []
-    return sorted({info[4][0] for info in infos})
+    return sorted({str(info[4][0]) for info in infos})
 
 
 def say_hello(
-    ctx: zmq.Context, host: str, port: int, hello: GatewayHello, timeout_s: float
+    ctx: zmq.SyncContext, host: str, port: int, hello: GatewayHello, timeout_s: float
 ) -> GatewayAddresses | None:
     """One handshake with the gateway at ``host:port``; None when it does not answer in time."""
     sock = zmq_channel.make_socket(ctx, zmq.DEALER, tcp_address(host, port), bind=False)
@@ -112,7 +112,7 @@ def say_hello(
 class GatewayDiscovery(threading.Thread):
     def __init__(
         self,
-        ctx: zmq.Context,
+        ctx: zmq.SyncContext,
         target: str,
         hello: GatewayHello,
         on_added: Callable[[GatewayEndpoint], None],

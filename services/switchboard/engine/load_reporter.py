@@ -25,7 +25,7 @@ SEND_LINGER_MS = 1000
 class LoadReporter(threading.Thread):
     def __init__(
         self,
-        ctx: zmq.Context,
+        ctx: zmq.SyncContext,
         coordinator_address: str,
         engine_index: int,
         engine_id: str,
@@ -79,6 +79,8 @@ class LoadReporter(threading.Thread):
                 self._changed.clear()
                 with self._lock:
                     load = self._latest
+                if load is None:  # set only after a first update; stop() returned above
+                    continue
                 self.num_sent += 1  # before the send: a receiver never sees a stale count
                 sock.send(ENGINE_LOAD.encode(load))
                 # Changes during the pause are merged into the next send.

@@ -18,7 +18,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 
@@ -46,6 +46,9 @@ from switchboard.wire.engine_msgs import (
 
 logger = logging.getLogger(__name__)
 
+# A socket of a plain context (zmq.SyncSocket) or of an asyncio one (zmq.asyncio.Socket).
+S = TypeVar("S", bound="zmq.Socket[Any]")
+
 _REQUEST_TYPES = {t.value: t for t in RequestType}
 # The body codec of each frame type a gateway may send; ABORT carries a list of request ids.
 _BODY_CODECS: dict[RequestType, Codec[Any] | None] = {
@@ -62,14 +65,14 @@ class BadFrame(ValueError):
 
 
 def make_socket(
-    ctx: zmq.Context,
+    ctx: zmq.Context[S],
     socket_type: int,
     address: str,
     *,
     bind: bool,
     identity: bytes | None = None,
     linger_ms: int = 0,
-) -> zmq.Socket:
+) -> S:
     """A socket with unbounded queues (HWM 0): dropping a request or output silently is worse
     than using memory, and both sides drain continuously."""
     sock = ctx.socket(socket_type)
@@ -97,7 +100,7 @@ def tcp_address(host: str, port: int) -> str:
     return f"tcp://{host}:{port}"
 
 
-def bound_address(sock: zmq.Socket) -> str:
+def bound_address(sock: zmq.Socket[Any]) -> str:
     """The address the kernel really bound (``tcp://host:0`` becomes a real port)."""
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
@@ -150,7 +153,9 @@ def parse_engine_dead(frames: Sequence[Buffer]) -> EngineDead | None:
         return None
 
 
-def parse_output_frames(frames: Sequence[Buffer]) -> tuple[EngineCoreOutputs | None, list]:
+def parse_output_frames(
+    frames: Sequence[Buffer],
+) -> tuple[EngineCoreOutputs | None, list[memoryview]]:
     """Decode frames received on a gateway's PULL. ``None`` means the engine died (see
     ``parse_engine_dead`` for which one)."""
     if _is_engine_dead(frames):

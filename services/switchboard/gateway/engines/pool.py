@@ -98,7 +98,7 @@ class LoadSubscriber:
     async def run(self) -> None:
         try:
             while True:
-                if not await self._sock.poll(self._stale_after_ms, zmq.POLLIN):
+                if not await self._sock.poll(self._stale_after_ms):  # POLLIN, the default
                     self._forget_loads()
                     continue
                 data = await self._sock.recv()
