@@ -27,7 +27,7 @@ import socket
 
 import msgspec
 
-from switchboard.config import encode_config
+from switchboard.config import EngineConfig, GatewayRoleConfig, encode_config
 from switchboard.wire.zmq_channel import tcp_address
 
 DEFAULT_HANDSHAKE_PORT = 50052
@@ -152,7 +152,7 @@ def hostname_ordinal() -> int:
     return int(match.group(1)) if match else 0
 
 
-def cmd_gateway(args: argparse.Namespace, gateway) -> int:
+def cmd_gateway(args: argparse.Namespace, gateway: GatewayRoleConfig) -> int:
     """Run one gateway in this process (``gateway``: the GatewayRoleConfig of the serve flags)."""
     from switchboard.gateway.__main__ import main as gateway_main
 
@@ -174,7 +174,7 @@ def cmd_gateway(args: argparse.Namespace, gateway) -> int:
     return gateway_main(["--config-json", encode_config(config)])
 
 
-def cmd_engine(args: argparse.Namespace, engine) -> int:
+def cmd_engine(args: argparse.Namespace, engine: EngineConfig) -> int:
     """Run one engine core (and its workers) in this process."""
     from switchboard.engine.__main__ import main as engine_main
     from switchboard.engine.handshake import split_host_port

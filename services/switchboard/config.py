@@ -30,10 +30,11 @@ def cache_root() -> Path:
 
 
 class _Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    pass
+    """Base of every config. Subclasses inherit these options; each restates ``frozen=True``
+    because type checkers do not see a msgspec option inherited."""
 
 
-class ModelConfig(_Config):
+class ModelConfig(_Config, frozen=True):
     model: str  # a Hugging Face checkpoint directory (config.json + safetensors + tokenizer.json)
     served_model_name: str = ""  # "" = the directory's name
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
@@ -48,7 +49,7 @@ class ModelConfig(_Config):
         return self.served_model_name or os.path.basename(os.path.normpath(self.model))
 
 
-class CacheConfig(_Config):
+class CacheConfig(_Config, frozen=True):
     block_size: int = 16
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None  # None = fraction of free device memory / CPU default
@@ -56,14 +57,14 @@ class CacheConfig(_Config):
     enable_prefix_caching: bool = True
 
 
-class SchedulerConfig(_Config):
+class SchedulerConfig(_Config, frozen=True):
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int = 0  # 0 = no cap on one request's chunk
     scheduling_policy: str = "fcfs"  # fcfs | priority
 
 
-class ParallelConfig(_Config):
+class ParallelConfig(_Config, frozen=True):
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -74,7 +75,7 @@ class ParallelConfig(_Config):
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
-class WorkerConfig(_Config):
+class WorkerConfig(_Config, frozen=True):
     device: str = "auto"  # auto | cpu | cuda
     # Torch intra-op threads per worker; 0 = an equal share of the usable CPUs among the
     # workers on this host (worker/threads.py says why).
@@ -85,7 +86,7 @@ class WorkerConfig(_Config):
     workers_on_host: int = 0
 
 
-class GatewayConfig(_Config):
+class GatewayConfig(_Config, frozen=True):
     host: str = "0.0.0.0"
     port: int = DEFAULT_GRPC_PORT
     enable_admin: bool = False
@@ -100,7 +101,7 @@ class GatewayConfig(_Config):
     log_stats_interval_s: float = 10.0  # the periodic stats log line; 0 = off
 
 
-class EngineConfig(_Config):
+class EngineConfig(_Config, frozen=True):
     """Everything one engine core (and its workers) needs."""
 
     model: ModelConfig
@@ -128,7 +129,7 @@ class EngineConfig(_Config):
     first_device_index: int = 0
 
 
-class GatewayRoleConfig(_Config):
+class GatewayRoleConfig(_Config, frozen=True):
     """Everything one gateway process needs."""
 
     model: ModelConfig
@@ -146,7 +147,7 @@ class GatewayRoleConfig(_Config):
     handshake_address: str = ""
 
 
-class CoordinatorConfig(_Config):
+class CoordinatorConfig(_Config, frozen=True):
     """The coordinator (only when DP > 1): engines' load in, one report to every gateway out."""
 
     input_address: str  # PULL bind: EngineLoad from every engine

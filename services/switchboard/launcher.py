@@ -28,6 +28,8 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from types import FrameType
+from typing import Any, TypeVar
 
 import grpc
 import msgspec
@@ -54,7 +56,7 @@ READY_POLL_S = 0.25
 @dataclass
 class Child:
     role: str  # e.g. "Gateway_0", "EngineCore_DP0"
-    process: subprocess.Popen
+    process: subprocess.Popen[bytes]
 
 
 def plan_coordinator(engine: EngineConfig, run_dir: str) -> CoordinatorConfig | None:
@@ -142,7 +144,10 @@ def _probe_target(gateway: GatewayRoleConfig) -> str:
     return _host_port(host, gateway.gateway.port)
 
 
-def _replace(config, **changes):
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+def _replace(config: S, **changes: Any) -> S:
     return msgspec.structs.replace(config, **changes)
 
 
@@ -184,12 +189,12 @@ class Supervisor:
                 self._children.append(
                     _start(f"Gateway_{cfg.client_index}", "switchboard.gateway", encode_config(cfg))
                 )
-            for cfg in self._engines:
+            for engine in self._engines:
                 self._children.append(
                     _start(
-                        f"EngineCore_DP{cfg.data_parallel_rank}",
+                        f"EngineCore_DP{engine.data_parallel_rank}",
                         "switchboard.engine",
-                        encode_config(cfg),
+                        encode_config(engine),
                     )
                 )
             threading.Thread(target=self._announce_ready, name="ready", daemon=True).start()
@@ -235,7 +240,7 @@ class Supervisor:
                 for name in unlink_orphaned_segments(child.process.pid):
                     logger.warning("removed shared-memory ring %s left by %s", name, child.role)
 
-    def _on_signal(self, signum: int, _frame) -> None:
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         logger.info("received %s: stopping", signal.Signals(signum).name)
         self._stop_requested.set()
 

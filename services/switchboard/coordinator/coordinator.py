@@ -22,11 +22,11 @@ import os
 import time
 from collections.abc import Callable
 
-import msgspec
 import zmq
 
 from switchboard.config import CoordinatorConfig
 from switchboard.wire import zmq_channel
+from switchboard.wire.codec import ENGINE_LOAD, LOAD_REPORT, DecodeError
 from switchboard.wire.engine_msgs import EngineLoad, LoadReport
 
 logger = logging.getLogger(__name__)
@@ -41,7 +41,6 @@ class Coordinator:
         self._sequence = 0
         self._changed = False
         self._last_publish = 0.0
-        self._decoder = msgspec.msgpack.Decoder(EngineLoad)
         self._ctx = zmq.Context()
         self._pull = zmq_channel.make_socket(self._ctx, zmq.PULL, config.input_address, bind=True)
         self._pub = zmq_channel.make_socket(self._ctx, zmq.PUB, config.publish_address, bind=True)
@@ -73,8 +72,8 @@ class Coordinator:
             except zmq.Again:
                 return
             try:
-                load = self._decoder.decode(data)
-            except msgspec.DecodeError as exc:
+                load = ENGINE_LOAD.decode(data)
+            except DecodeError as exc:
                 logger.warning("Dropped a bad EngineLoad: %s", exc)
                 continue
             previous = self.loads.get(load.engine_index)
@@ -97,7 +96,7 @@ class Coordinator:
         ):
             self._sequence += 1
             report = LoadReport(self._sequence, [self.loads[i] for i in sorted(self.loads)])
-            self._pub.send(zmq_channel.encode(report))
+            self._pub.send(LOAD_REPORT.encode(report))
             self._changed = False
             self._last_publish = now
 

@@ -24,7 +24,7 @@ import queue
 import shutil
 import time
 import uuid
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import zmq
@@ -33,7 +33,12 @@ from switchboard import __version__
 from switchboard.config import EngineConfig, new_run_dir
 from switchboard.engine import clock
 from switchboard.engine.executor import MultiprocExecutor
-from switchboard.engine.io_threads import InputThread, OutputThread, send_engine_dead_directly
+from switchboard.engine.io_threads import (
+    InputQueue,
+    InputThread,
+    OutputThread,
+    send_engine_dead_directly,
+)
 from switchboard.engine.kv_sizing import check_num_blocks, fit_max_model_len
 from switchboard.engine.peers import EnginePeers
 from switchboard.engine.request import Request
@@ -58,12 +63,14 @@ from switchboard.wire.step_msgs import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 DEAD_SEND_TIMEOUT_S = 5.0
 IO_THREAD_FAILED = "io-thread-failed"  # input-queue kind: an I/O thread died, the engine follows
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, shutdown: ShutdownRequest, input_queue: queue.Queue):
+    def __init__(self, config: EngineConfig, shutdown: ShutdownRequest, input_queue: InputQueue):
         self.config = config
         self.engine_index = config.data_parallel_rank
         self.block_size = config.cache.block_size
@@ -294,6 +301,7 @@ class EngineCore:
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_request_ids:
+            assert self.executor is not None  # started before the busy loop
             return self.executor.execute_model(scheduler_output)
         time.sleep(0.001)  # nothing could be scheduled: let the I/O threads run
         return ModelRunnerOutput(step_id=scheduler_output.step_id)
@@ -351,8 +359,8 @@ class EngineCore:
         logger.info("EngineCore_DP%d shut down", self.engine_index)
 
 
-def _drain(q: queue.Queue) -> list[Any]:
-    items = []
+def _drain(q: queue.Queue[T]) -> list[T]:
+    items: list[T] = []
     while True:
         try:
             items.append(q.get_nowait())

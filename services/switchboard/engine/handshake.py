@@ -27,10 +27,10 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import msgspec
 import zmq
 
 from switchboard.wire import zmq_channel
+from switchboard.wire.codec import GATEWAY_ADDRESSES, GATEWAY_HELLO, DecodeError
 from switchboard.wire.engine_msgs import GatewayAddresses, GatewayHello
 from switchboard.wire.zmq_channel import tcp_address
 
@@ -89,20 +89,20 @@ def resolve_addresses(name: str) -> list[str]:
     except socket.gaierror as exc:
         logger.warning("Cannot resolve gateway name %r: %s", name, exc)
         return []
-    return sorted({info[4][0] for info in infos})
+    return sorted({str(info[4][0]) for info in infos})
 
 
 def say_hello(
-    ctx: zmq.Context, host: str, port: int, hello: GatewayHello, timeout_s: float
+    ctx: zmq.SyncContext, host: str, port: int, hello: GatewayHello, timeout_s: float
 ) -> GatewayAddresses | None:
     """One handshake with the gateway at ``host:port``; None when it does not answer in time."""
     sock = zmq_channel.make_socket(ctx, zmq.DEALER, tcp_address(host, port), bind=False)
     try:
-        sock.send(zmq_channel.encode(hello))
+        sock.send(GATEWAY_HELLO.encode(hello))
         if not sock.poll(int(timeout_s * 1000)):
             return None
-        return zmq_channel.decode(sock.recv(), GatewayAddresses)
-    except (msgspec.DecodeError, zmq.ZMQError) as exc:
+        return GATEWAY_ADDRESSES.decode(sock.recv())
+    except (DecodeError, zmq.ZMQError) as exc:
         logger.warning("Bad handshake answer from %s:%d: %s", host, port, exc)
         return None
     finally:
@@ -112,7 +112,7 @@ def say_hello(
 class GatewayDiscovery(threading.Thread):
     def __init__(
         self,
-        ctx: zmq.Context,
+        ctx: zmq.SyncContext,
         target: str,
         hello: GatewayHello,
         on_added: Callable[[GatewayEndpoint], None],

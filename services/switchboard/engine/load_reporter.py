@@ -14,6 +14,7 @@ import threading
 import zmq
 
 from switchboard.wire import zmq_channel
+from switchboard.wire.codec import ENGINE_LOAD
 from switchboard.wire.engine_msgs import EngineLoad
 
 logger = logging.getLogger(__name__)
@@ -24,7 +25,7 @@ SEND_LINGER_MS = 1000
 class LoadReporter(threading.Thread):
     def __init__(
         self,
-        ctx: zmq.Context,
+        ctx: zmq.SyncContext,
         coordinator_address: str,
         engine_index: int,
         engine_id: str,
@@ -78,8 +79,10 @@ class LoadReporter(threading.Thread):
                 self._changed.clear()
                 with self._lock:
                     load = self._latest
+                if load is None:  # set only after a first update; stop() returned above
+                    continue
                 self.num_sent += 1  # before the send: a receiver never sees a stale count
-                sock.send(zmq_channel.encode(load))
+                sock.send(ENGINE_LOAD.encode(load))
                 # Changes during the pause are merged into the next send.
                 self._stop_event.wait(self._interval_s)
         except Exception:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from typing import Any
 
 import zmq
 
@@ -29,11 +30,11 @@ logger = logging.getLogger(__name__)
 class EnginePeers:
     def __init__(
         self,
-        ctx: zmq.Context,
+        ctx: zmq.SyncContext,
         config: EngineConfig,
         engine_id: str,
         input_thread: InputThread,
-        output_queue: queue.Queue,
+        output_queue: queue.Queue[Any],
     ) -> None:
         self._ctx = ctx
         self._config = config

@@ -27,7 +27,7 @@ import random
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import zmq
@@ -246,7 +246,8 @@ class EngineClient:
         """Send one request frame; False (and the engine is marked dead) if it cannot go out."""
         assert self._router is not None
         frames = [engine.identity, *zmq_channel.request_frames(request_type, body)]
-        sent = self._router.send_multipart(frames, copy=False)
+        # A Future (pyzmq's stubs say only Awaitable): done at once unless the send is queued.
+        sent = cast("asyncio.Future[Any]", self._router.send_multipart(frames, copy=False))
         if not sent.done():  # queued behind an earlier send (never with HWM 0): check later
             sent.add_done_callback(lambda f: self._check_late_send(f, engine))
             return True
@@ -300,7 +301,7 @@ class EngineClient:
     async def _output_loop(self) -> None:
         assert self._pull is not None
         while True:
-            frames = await self._pull.recv_multipart(copy=False)
+            frames = [frame.buffer for frame in await self._pull.recv_multipart(copy=False)]
             try:
                 outputs, _ = zmq_channel.parse_output_frames(frames)
             except zmq_channel.BadFrame as exc:
