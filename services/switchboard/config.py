@@ -15,6 +15,7 @@ from typing import TypeVar
 import msgspec
 
 DEFAULT_GRPC_PORT = 50051
+DEFAULT_HTTP_PORT = 8000  # the OpenAI-compatible HTTP API (as vLLM)
 # sun_path in struct sockaddr_un holds 108 bytes including the terminating NUL.
 _MAX_IPC_PATH_BYTES = 107
 
@@ -93,6 +94,9 @@ class GatewayConfig(_Config):
     otlp_traces_protocol: str = ""  # grpc | http/protobuf; "" = OTEL_EXPORTER_OTLP_* or grpc
     trace_content: bool = False  # prompt and output text in span attributes (opt-in)
     metrics_port: int | None = None  # /metrics on this port + client_index; None = off
+    # The OpenAI-compatible HTTP API (gateway/http/) on this port + client_index; 0 = a free
+    # port; None = off. `serve`/`gateway` default to 8000 (as vLLM); the config itself to off.
+    http_port: int | None = None
     log_stats_interval_s: float = 10.0  # the periodic stats log line; 0 = off
 
 
