@@ -7,6 +7,9 @@ and ``generation_config.json``. Weights are random but seeded, and drawn with a 
 than transformers' default so that logits are peaked: greedy decoding then has clear winners
 and does not flip on rounding differences between implementations.
 
+``make_tiny_llama(path, chat_template=TINY_CHAT_TEMPLATE)`` also gives the checkpoint a chat
+template (in ``tokenizer_config.json``, as Hub checkpoints have it); by default it has none.
+
 ``tiny_llama_dir(**kwargs)`` builds one checkpoint per distinct set of arguments per process
 and reuses it (the directories are removed when the process exits); ``tiny_llama`` is the
 matching session-scoped pytest fixture (import it into a test module to use it).
@@ -30,6 +33,20 @@ BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|eos|>"
 PAD_TOKEN = "<|pad|>"
 SPECIAL_TOKENS = [BOS_TOKEN, EOS_TOKEN, PAD_TOKEN]  # ids 0, 1, 2
+
+# A chat template in the style of Llama 3's: it writes BOS itself (so the prompt must be tokenized
+# without adding special tokens again), closes every turn with EOS, and refuses unknown roles
+# with raise_exception.
+TINY_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + message['role'] + ': use system, user or assistant') }}"
+    "{% endif %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] | trim + eos_token + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
 
 # A few stdlib sources (~250 KB of English-ish Python): enough text for a few hundred merges.
 _CORPUS_MODULES = ["textwrap.py", "string.py", "shlex.py", "fnmatch.py", "glob.py", "bisect.py"]
@@ -87,6 +104,7 @@ def _save_tiny(
     config: dict[str, Any],
     seed: int,
     model_max_length: int,
+    chat_template: str | None = None,
 ) -> str:
     """Train the tokenizer, build ``transformers.<model_class>`` from ``<config_class>(**config)``
     (plus the special token ids) under ``seed``, and write the whole checkpoint directory
@@ -122,6 +140,7 @@ def _save_tiny(
             "eos_token": EOS_TOKEN,
             "pad_token": PAD_TOKEN,
             "model_max_length": model_max_length,
+            **({"chat_template": chat_template} if chat_template else {}),
         },
     )
     for name in os.listdir(path):
@@ -144,10 +163,12 @@ def make_tiny_llama(
     rope_theta: float = 10000.0,
     rope_scaling: dict[str, Any] | None = None,
     initializer_range: float = 0.25,
+    chat_template: str | None = None,
 ) -> str:
     """Write a tiny seeded Llama checkpoint directory at ``path`` and return ``path``.
 
-    ``rope_scaling`` is merged into transformers' ``rope_parameters`` (e.g. a ``llama3`` dict).
+    ``rope_scaling`` is merged into transformers' ``rope_parameters`` (e.g. a ``llama3`` dict);
+    ``chat_template`` goes into ``tokenizer_config.json`` (e.g. ``TINY_CHAT_TEMPLATE``).
     """
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": rope_theta}
     if rope_scaling:
@@ -165,7 +186,13 @@ def make_tiny_llama(
         initializer_range=initializer_range,
     )
     return _save_tiny(
-        path, "LlamaConfig", "LlamaForCausalLM", config, seed, max_position_embeddings
+        path,
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        config,
+        seed,
+        max_position_embeddings,
+        chat_template=chat_template,
     )
 
 

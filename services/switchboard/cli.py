@@ -1,4 +1,5 @@
-"""The `switchboard` command: serve | gateway | engine | coordinator | generate | topology | ps.
+"""The `switchboard` command: serve | gateway | engine | coordinator | generate | chat | topology |
+ps.
 
 Flag names follow vLLM's where the concept is the same, so a vLLM user's command line works.
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from switchboard import cli_roles
@@ -230,6 +232,18 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_chat_template_arg(p: argparse.ArgumentParser) -> None:
+    """serve and gateway only: the gateway renders chat messages, engines never see them."""
+    p.add_argument(
+        "--chat-template",
+        metavar="FILE",
+        default=None,
+        help="a Jinja chat template for GenerateRequest.messages, instead of the checkpoint's "
+        "(default: the checkpoint's chat_template.jinja, else tokenizer_config.json's "
+        "chat_template; a model with neither refuses messages)",
+    )
+
+
 def build_configs(
     args: argparse.Namespace, model_dir: str
 ) -> tuple[GatewayRoleConfig, EngineConfig]:
@@ -239,6 +253,7 @@ def build_configs(
         dtype=args.dtype,
         max_model_len=args.max_model_len,
         seed=args.seed,
+        chat_template=os.path.abspath(args.chat_template) if _chat_template(args) else "",
     )
     parallel = ParallelConfig(
         tensor_parallel_size=args.tensor_parallel_size,
@@ -282,6 +297,25 @@ def build_configs(
     return gateway, engine
 
 
+def _chat_template(args: argparse.Namespace) -> str | None:
+    return getattr(args, "chat_template", None)
+
+
+def _check_chat_template(parser: argparse.ArgumentParser, args: argparse.Namespace, model: str):
+    """Fail now, not in the gateway child, on a missing or broken --chat-template file."""
+    path = _chat_template(args)
+    if not path:
+        return
+    if not os.path.isfile(path):
+        parser.error(f"--chat-template {path}: no such file")
+    from switchboard.gateway.chat.template import ChatTemplateError, load_chat_template
+
+    try:
+        load_chat_template(model, path)
+    except ChatTemplateError as error:
+        parser.error(f"--chat-template {path}: {error}")
+
+
 def _validate_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     positive = [
         "max_num_seqs",
@@ -317,6 +351,7 @@ def cmd_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     _validate_serve_args(parser, args)
     model_dir = resolve_model(args.model)
+    _check_chat_template(parser, args, model_dir)
     gateway, engine = build_configs(args, model_dir)
     return serve(gateway, engine)
 
@@ -326,7 +361,9 @@ def cmd_role(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from switchboard.checkpoint import resolve_model
 
     _validate_serve_args(parser, args)
-    gateway, engine = build_configs(args, resolve_model(args.model))
+    model_dir = resolve_model(args.model)
+    _check_chat_template(parser, args, model_dir)
+    gateway, engine = build_configs(args, model_dir)
     if args.command == "gateway":
         return cli_roles.cmd_gateway(args, gateway)
     return cli_roles.cmd_engine(args, engine)
@@ -340,6 +377,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.prompt,
         max_tokens=args.max_tokens,
         temperature=args.temperature,
+    )
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from switchboard.chat_client import run_chat
+
+    return run_chat(
+        args.target,
+        args.message,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        system=args.system,
     )
 
 
@@ -380,9 +429,11 @@ def make_parser() -> argparse.ArgumentParser:
 
     serve = command("serve", "start gateway, engine core and workers on this machine")
     _add_serve_args(serve)
+    _add_chat_template_arg(serve)
 
     gateway = command("gateway", "run one gateway; engines on other hosts join it")
     _add_serve_args(gateway)
+    _add_chat_template_arg(gateway)
     cli_roles.add_gateway_args(gateway)
     engine = command("engine", "run one engine core and its workers for gateways")
     _add_serve_args(engine)
@@ -392,8 +443,12 @@ def make_parser() -> argparse.ArgumentParser:
     )
     cli_roles.add_coordinator_args(coordinator)
 
-    gen = command("generate", "stream a completion from a running server")
-    gen.add_argument("prompt", help="the text to complete")
+    gen = command(
+        "generate",
+        "stream a raw completion of the prompt text from a running server (no chat template: "
+        "to talk to an instruct model, use `switchboard chat`)",
+    )
+    gen.add_argument("prompt", help="the text to complete, sent as is")
     gen.add_argument(
         "--target", default=f"127.0.0.1:{DEFAULT_GRPC_PORT}", help="the gateway's HOST:PORT"
     )
@@ -403,6 +458,33 @@ def make_parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         help="0 = greedy (default: the model's generation_config.json, else 1.0)",
+    )
+
+    chat = command(
+        "chat",
+        "chat with a running server's model through its chat template: interactive (history "
+        "kept; Ctrl-C ends the answer, Ctrl-D leaves), or one question given on the command line",
+    )
+    chat.add_argument(
+        "message",
+        nargs="?",
+        default=None,
+        help="ask this, print the answer and exit (default: an interactive chat)",
+    )
+    chat.add_argument(
+        "--target", default=f"127.0.0.1:{DEFAULT_GRPC_PORT}", help="the gateway's HOST:PORT"
+    )
+    chat.add_argument("--max-tokens", type=int, default=512, help="tokens per answer at most")
+    chat.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="0 = greedy (default: the model's generation_config.json, else 1.0)",
+    )
+    chat.add_argument(
+        "--system",
+        default=None,
+        help="a system message opening the chat (default: none; the template may add its own)",
     )
 
     topo = command("topology", "print the process table of a topology")
@@ -433,6 +515,8 @@ def main(argv: list[str] | None = None) -> int:
         return cli_roles.cmd_coordinator(args)
     if args.command == "generate":
         return cmd_generate(args)
+    if args.command == "chat":
+        return cmd_chat(args)
     if args.command == "topology":
         return cmd_topology(args)
     return cmd_ps(args)

@@ -48,7 +48,8 @@ def build_request(
     return request
 
 
-def _summary(response: pb.GenerateResponse) -> str:
+def summary_line(response: pb.GenerateResponse) -> str:
+    """One line on how the request ended (reason, tokens, latency, id): also ``chat``'s."""
     sequence = response.outputs[0] if response.outputs else pb.SequenceOutput()
     reason = pb.FinishReason.Name(sequence.finish_reason).removeprefix("FINISH_REASON_").lower()
     ttft = response.metrics.time_to_first_token.ToNanoseconds() / 1e9
@@ -103,5 +104,5 @@ def run_generate(
     out.write("\n")
     out.flush()
     if last is not None:
-        err.write(_summary(last) + "\n")
+        err.write(summary_line(last) + "\n")
     return EXIT_OK

@@ -39,6 +39,9 @@ class ModelConfig(_Config):
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     max_model_len: int | None = None  # None = max_position_embeddings (auto-fitted to the KV cache)
     seed: int = 0
+    # A Jinja chat template file for requests with chat messages (read by the gateway);
+    # "" = the checkpoint's own (chat_template.jinja, else tokenizer_config.json), if any.
+    chat_template: str = ""
 
     @property
     def name(self) -> str:

@@ -35,6 +35,7 @@ from switchboard.api.v1 import (
     model_service_pb2_grpc,
 )
 from switchboard.config import GatewayRoleConfig
+from switchboard.gateway.chat.template import ChatTemplate, load_chat_template
 from switchboard.gateway.engines.client import EngineClient
 from switchboard.gateway.http.server import HttpServer
 from switchboard.gateway.model_facts import ModelFacts
@@ -80,6 +81,19 @@ def _grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
+def _load_chat_template(config: GatewayRoleConfig) -> ChatTemplate | None:
+    model = config.model
+    template = load_chat_template(model.model, model.chat_template or None)
+    if template is None:
+        logger.info("model %r has no chat template: requests with messages are refused", model.name)
+    else:
+        where = model.chat_template or "the checkpoint"
+        logger.info(
+            "chat template from %s (bos %r, eos %r)", where, template.bos_token, template.eos_token
+        )
+    return template
+
+
 class GatewayServer:
     def __init__(self, config: GatewayRoleConfig) -> None:
         self.config = config
@@ -106,6 +120,7 @@ class GatewayServer:
                 max_workers=config.gateway.tokenizer_threads, thread_name_prefix="tokenizer"
             ),
             observability=Observability(config, tokenizer, self._engines),
+            chat_template=_load_chat_template(config),
         )
         self._server = grpc.aio.server(options=_grpc_options(config.gateway.max_message_bytes))
         self._calls = GenerateCalls(self.state)  # one call path and registry for gRPC and HTTP

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from switchboard.config import GatewayRoleConfig
+from switchboard.gateway.chat.template import ChatTemplate
 from switchboard.gateway.engines.client import EngineClient
 from switchboard.gateway.model_facts import ModelFacts
 from switchboard.gateway.observability.observer import Observability
@@ -26,6 +27,7 @@ class GatewayState:
     engines: EngineClient
     executor: ThreadPoolExecutor  # tokenization runs here, never on the event loop
     observability: Observability  # traces, metrics, the stats log line
+    chat_template: ChatTemplate | None = None  # loaded once at start; None: messages refused
     facts: ModelFacts = dataclasses.field(init=False)  # checkpoint facts + the engine's READY
 
     def __post_init__(self) -> None:

@@ -29,17 +29,6 @@ class OpenAIOptions:
     logprobs: int | None  # completions: top-N; chat: top_logprobs when logprobs is true
 
 
-@dataclasses.dataclass(frozen=True)
-class ChatPrompt:
-    """The chat half that needs the template (rendered in the tokenizer pool)."""
-
-    messages: list[dict[str, Any]]
-    add_generation_prompt: bool
-    continue_final_message: bool
-    tools: list[dict[str, Any]] | None
-    chat_template_kwargs: dict[str, Any] | None
-
-
 def parse_body(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
@@ -220,14 +209,15 @@ def completion_request(
     return request, dataclasses.replace(options, logprobs=logprobs)
 
 
-def chat_request(
-    raw: dict[str, Any], request_id: str
-) -> tuple[pb.GenerateRequest, OpenAIOptions, ChatPrompt]:
-    """POST /v1/chat/completions: the request without its prompt, and the chat to render."""
+def chat_request(raw: dict[str, Any], request_id: str) -> tuple[pb.GenerateRequest, OpenAIOptions]:
+    """POST /v1/chat/completions: the messages go into ``GenerateRequest.messages``, rendered by
+    the model's chat template on the shared path (``gateway/chat/``), as for gRPC."""
     body = _Body(raw)
     _refuse(body, "functions", "function_call", "audio", "prediction")
     if body.boolean("echo"):
         raise not_supported("echo", "echo")
+    if body.array("tools") and raw.get("tool_choice") != "none":
+        raise not_supported("tools", "tool calling (tools)")
     tool_choice = raw.get("tool_choice")
     if tool_choice not in (None, "none", "auto"):
         raise not_supported("tool_choice", "tool_choice other than none or auto")
@@ -243,31 +233,28 @@ def chat_request(
         request.output.logprobs = logprobs
     elif top_logprobs:
         raise invalid_argument("top_logprobs", "top_logprobs needs logprobs: true")
-    tools = body.array("tools")
-    prompt = ChatPrompt(
-        messages=chat_messages(raw.get("messages")),
-        add_generation_prompt=_flag(body, "add_generation_prompt", True),
-        continue_final_message=_flag(body, "continue_final_message", False),
-        tools=tools if tools and tool_choice != "none" else None,
-        chat_template_kwargs=body.object("chat_template_kwargs"),
-    )
-    if prompt.add_generation_prompt and prompt.continue_final_message:
-        raise invalid_argument(
-            "continue_final_message",
-            "continue_final_message and add_generation_prompt cannot both be true",
-        )
-    return request, dataclasses.replace(options, logprobs=logprobs), prompt
+    request.messages.extend(chat_messages(raw.get("messages")))
+    add_generation_prompt = body.boolean("add_generation_prompt")
+    if add_generation_prompt is not None:
+        request.add_generation_prompt = add_generation_prompt
+    request.continue_final_message = bool(body.boolean("continue_final_message"))
+    kwargs = body.object("chat_template_kwargs")
+    if kwargs:
+        request.chat_template_kwargs.update(kwargs)
+    return request, dataclasses.replace(options, logprobs=logprobs)
 
 
-def chat_messages(messages: Any) -> list[dict[str, Any]]:
+def chat_messages(messages: Any) -> list[pb.ChatMessage]:
     """Check the messages; text parts (``[{"type": "text", "text": ...}]``) become one string,
-    as the templates of text models expect. Images, audio and files are refused."""
+    as the templates of text models expect. Images, audio, files and tool calls are refused."""
     if not isinstance(messages, list) or not messages:
         raise invalid_argument("messages", "messages must be a non-empty array")
     result = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise invalid_argument("messages", f"messages[{i}] must be an object with a role")
+        if message.get("tool_calls") or message.get("tool_call_id"):
+            raise not_supported("messages", "tool calls in messages")
         content = message.get("content")
         if isinstance(content, list):
             texts = []
@@ -275,16 +262,15 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
                 if not isinstance(part, dict) or part.get("type") != "text":
                     raise not_supported("messages", "content parts other than text")
                 texts.append(str(part.get("text", "")))
-            message = {**message, "content": "\n".join(texts)}
+            content = "\n".join(texts)
         elif content is not None and not isinstance(content, str):
             raise invalid_argument("messages", f"messages[{i}].content must be a string")
-        result.append(message)
+        entry = pb.ChatMessage(role=message["role"], content=content or "")
+        name = message.get("name")
+        if isinstance(name, str):
+            entry.name = name
+        result.append(entry)
     return result
-
-
-def _flag(body: _Body, name: str, default: bool) -> bool:
-    value = body.boolean(name)
-    return default if value is None else value
 
 
 def _is_token_id(value: Any) -> bool:

@@ -18,7 +18,6 @@ from aiohttp import web
 
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.gateway.errors import ApiError, invalid_argument
-from switchboard.gateway.http.chat import render_chat
 from switchboard.gateway.http.context import HttpCallContext
 from switchboard.gateway.http.errors import error_body, error_response, json_response
 from switchboard.gateway.http.openai_request import (
@@ -30,7 +29,7 @@ from switchboard.gateway.http.openai_request import (
 from switchboard.gateway.http.openai_response import ChatShaper, CompletionShaper, _Shaper
 from switchboard.gateway.http.sse import open_stream, send_done, send_event
 from switchboard.gateway.pipeline.generate_call import GenerateCalls
-from switchboard.gateway.pipeline.validation import MAX_REQUEST_ID_CHARS, check_model
+from switchboard.gateway.pipeline.validation import MAX_REQUEST_ID_CHARS
 from switchboard.gateway.state import GatewayState
 
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -70,13 +69,10 @@ class OpenAIRoutes:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         arrival_time = time.time()
-        state = self._state
         try:
             request_id = _request_id(request, "chatcmpl")
             raw = parse_body(await request.read())
-            generate, options, chat = chat_request(raw, request_id)
-            check_model(generate.model, state.facts)  # a wrong model is a 404 before rendering
-            generate.token_ids.ids.extend(await render_chat(state, chat))
+            generate, options = chat_request(raw, request_id)
         except ApiError as error:
             return error_response(error, _CHAT_PARAMS)
         shaper = ChatShaper(*self._shaper_args(generate, options, request_id, arrival_time))

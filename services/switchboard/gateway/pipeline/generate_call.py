@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import grpc
 
 from switchboard.api.v1 import generation_service_pb2 as pb
+from switchboard.gateway.chat.prompt import chat_prompt_token_ids
 from switchboard.gateway.errors import ApiError, unavailable
 from switchboard.gateway.observability.observer import RequestObserver
 from switchboard.gateway.pipeline.bad_words import tokenize_bad_words
@@ -129,7 +130,7 @@ class GenerateCalls:
                     f"model {state.facts.name!r} is an encoder: it serves Embed only",
                     reason="TASK_NOT_SUPPORTED",
                 )
-            plan = plan_generate(request, request_id, state.facts)
+            plan = plan_generate(request, request_id, state.facts, state.chat_template)
             group = await self._submit(plan, arrival_time, context, observer=observer)
             observer.submitted(group.engine)
             live.engine_request_ids = group.request_ids
@@ -177,7 +178,11 @@ class GenerateCalls:
         state = self.state
         if not state.engines.live_engines:
             raise unavailable("no engine core is ready")
-        if plan.prompt_text is not None:
+        if plan.chat is not None and state.chat_template is not None:
+            token_ids = await state.in_pool(
+                chat_prompt_token_ids, state.chat_template, state.tokenizer, plan.chat
+            )
+        elif plan.prompt_text is not None:
             token_ids = await state.in_pool(state.tokenizer.encode, plan.prompt_text)
         else:
             token_ids = plan.prompt_token_ids or []

@@ -13,6 +13,8 @@ import dataclasses
 import time
 
 from switchboard.api.v1 import generation_service_pb2 as pb
+from switchboard.gateway.chat.prompt import ChatPrompt, plan_chat
+from switchboard.gateway.chat.template import ChatTemplate
 from switchboard.gateway.errors import invalid_argument, model_not_found, not_supported
 from switchboard.gateway.model_facts import ModelFacts
 from switchboard.gateway.pipeline.sampling_validation import (
@@ -36,7 +38,7 @@ class GeneratePlan:
     """A validated request, waiting for its prompt's token ids."""
 
     request_id: str
-    prompt_text: str | None  # exactly one of prompt_text / prompt_token_ids is set
+    prompt_text: str | None  # exactly one of prompt_text / prompt_token_ids / chat is set
     prompt_token_ids: list[int] | None
     truncate_prompt_tokens: int | None
     temperature: float
@@ -70,6 +72,14 @@ class GeneratePlan:
     prompt_logprobs: int | None = None
     repetition_detection: RepetitionDetectionParams | None = None
     data_parallel_rank: int | None = None  # pinned engine core (DP > 1); None: engine_pool picks
+    chat: ChatPrompt | None = None  # chat messages, rendered by the chat template at submit
+
+    @property
+    def prompt_field(self) -> str:
+        """The request field the prompt came from, for errors about it."""
+        if self.chat is not None:
+            return "messages"
+        return "text" if self.prompt_text is not None else "token_ids.ids"
 
 
 def check_model(model: str, facts: ModelFacts) -> None:
@@ -99,10 +109,10 @@ def _check_output(o: pb.OutputOptions) -> None:
     check_logprobs(o)
 
 
-def _check_prompt(request: pb.GenerateRequest) -> None:
+def _check_prompt(request: pb.GenerateRequest, is_chat: bool) -> None:
     which = request.WhichOneof("prompt")
-    if which is None:
-        raise invalid_argument("prompt", "prompt: set either text or token_ids")
+    if which is None and not is_chat:
+        raise invalid_argument("prompt", "prompt: set either text or token_ids (or messages)")
     if which == "text" and not request.text:
         raise invalid_argument("text", "text: the prompt must not be empty")
     if which == "token_ids" and not request.token_ids.ids:
@@ -114,14 +124,21 @@ def _check_prompt(request: pb.GenerateRequest) -> None:
         )
 
 
-def plan_generate(request: pb.GenerateRequest, request_id: str, facts: ModelFacts) -> GeneratePlan:
-    """Check everything that does not need the prompt's tokens; raise ApiError on a violation."""
+def plan_generate(
+    request: pb.GenerateRequest,
+    request_id: str,
+    facts: ModelFacts,
+    chat_template: ChatTemplate | None = None,
+) -> GeneratePlan:
+    """Check everything that does not need the prompt's tokens; raise ApiError on a violation.
+    ``chat_template``: the model's, for requests that send chat messages."""
     if len(request_id) > MAX_REQUEST_ID_CHARS:
         raise invalid_argument(
             "request_id", f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters"
         )
     check_model(request.model, facts)
-    _check_prompt(request)
+    chat = plan_chat(request, chat_template, facts.name)
+    _check_prompt(request, chat is not None)
     check_sampling(request.sampling, facts.vocab_size)
     _check_stopping(request.stopping)
     _check_output(request.output)
@@ -184,6 +201,7 @@ def plan_generate(request: pb.GenerateRequest, request_id: str, facts: ModelFact
         data_parallel_rank=(
             request.data_parallel_rank if request.HasField("data_parallel_rank") else None
         ),
+        chat=chat,
     )
 
 
@@ -191,11 +209,11 @@ def resolve_prompt(plan: GeneratePlan, token_ids: list[int], facts: ModelFacts) 
     """Truncate and check the tokenized prompt; return the ids the engine gets."""
     if plan.truncate_prompt_tokens is not None:
         token_ids = token_ids[-plan.truncate_prompt_tokens :]
+    field = plan.prompt_field
     if not token_ids:
-        raise invalid_argument("text", "text: the prompt has no tokens after tokenization")
+        raise invalid_argument(field, f"{field}: the prompt has no tokens after tokenization")
     if plan.prompt_token_ids is not None:
         check_token_ids("token_ids.ids", token_ids, facts.vocab_size)
-    field = "text" if plan.prompt_text is not None else "token_ids.ids"
     if len(token_ids) >= facts.max_model_len:
         raise invalid_argument(
             field,

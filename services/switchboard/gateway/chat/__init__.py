@@ -1,0 +1,1 @@
+"""Chat messages -> prompt text: the checkpoint's chat template, rendered like transformers."""
