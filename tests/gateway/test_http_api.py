@@ -21,8 +21,20 @@ from gateway_scripted_engine import ScriptedEngine
 
 from switchboard.config import GatewayConfig
 from switchboard.gateway.server import GatewayServer
+from tests.gateway.conftest import build_byte_level_tokenizer, write_checkpoint_dir
 
 SCRIPT_TEXT = " one two three four five six seven eight nine ten"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def chat_checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = write_checkpoint_dir(tmp_path_factory.mktemp("chat-model"), build_byte_level_tokenizer())
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    return path
 
 
 @dataclasses.dataclass
@@ -43,12 +55,15 @@ StartHttp = Callable[..., Awaitable[HttpHarness]]
 
 
 @pytest.fixture
-async def start_http(checkpoint_dir: Path, run_dir: str) -> AsyncIterator[StartHttp]:
+async def start_http(
+    checkpoint_dir: Path, chat_checkpoint_dir: Path, run_dir: str
+) -> AsyncIterator[StartHttp]:
     started: list[HttpHarness] = []
 
-    async def start(connect_engine: bool = True) -> HttpHarness:
+    async def start(connect_engine: bool = True, chat: bool = False) -> HttpHarness:
         gateway = GatewayConfig(host="127.0.0.1", port=0, http_port=0)
-        config = gateway_config(checkpoint_dir, run_dir, gateway=gateway)
+        model_dir = chat_checkpoint_dir if chat else checkpoint_dir
+        config = gateway_config(model_dir, run_dir, gateway=gateway)
         server = GatewayServer(config)
         await server.start()
         script = server.state.tokenizer.encode(SCRIPT_TEXT, add_special_tokens=False)
@@ -256,3 +271,91 @@ async def test_stop_closes_the_http_port(start_http: StartHttp) -> None:
     await h.server.stop()
     with pytest.raises(aiohttp.ClientConnectionError):
         await asyncio.wait_for(_get(f"{url}/health"), WAIT_S)
+
+
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": [{"type": "text", "text": "Hello"}]},
+]
+
+
+def _rendered_ids(h: HttpHarness) -> list[int]:
+    text = (
+        "<|im_start|>system\nBe brief.<|endoftext|>\n<|im_start|>user\nHello<|endoftext|>\n"
+        "<|im_start|>assistant\n"
+    )
+    return h.server.state.tokenizer.encode(text, add_special_tokens=False)
+
+
+async def test_chat_completion(start_http: StartHttp) -> None:
+    h = await start_http(chat=True)
+    chat = await h.client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_completion_tokens=4, top_p=0.5
+    )
+    assert chat.object == "chat.completion" and chat.id.startswith("chatcmpl-")
+    (choice,) = chat.choices
+    assert choice.message.role == "assistant"
+    assert choice.message.content == h.script_text(4)
+    assert choice.finish_reason == "length"
+    assert chat.usage.completion_tokens == 4
+    (added,) = h.engine.added.values()
+    assert added.prompt_token_ids == _rendered_ids(h)  # the template's text, no BOS added
+    assert chat.usage.prompt_tokens == len(added.prompt_token_ids)
+    assert added.sampling_params.top_p == pytest.approx(0.5)
+
+
+async def test_chat_stream_n2_logprobs_and_usage(start_http: StartHttp) -> None:
+    h = await start_http(chat=True)
+    stream = await h.client.chat.completions.create(
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=3,
+        n=2,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = [chunk async for chunk in stream]
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert [c.choices[0].delta.role for c in chunks[:2]] == ["assistant", "assistant"]
+    texts = {0: "", 1: ""}
+    finish = {}
+    for chunk in chunks[2:-1]:
+        (choice,) = chunk.choices
+        texts[choice.index] += choice.delta.content or ""
+        if choice.finish_reason:
+            finish[choice.index] = choice.finish_reason
+        for entry in choice.logprobs.content:
+            assert len(entry.top_logprobs) == 2 and entry.bytes == list(entry.token.encode())
+    assert texts == {0: h.script_text(3), 1: h.script_text(3)}
+    assert finish == {0: "length", 1: "length"}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+
+
+async def test_chat_without_a_template_is_a_400(start_http: StartHttp) -> None:
+    h = await start_http(chat=False)
+    with pytest.raises(openai.BadRequestError) as caught:
+        await h.client.chat.completions.create(model="tiny", messages=MESSAGES)
+    assert "no chat template" in caught.value.body["message"]
+    assert caught.value.body["param"] == "messages"
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"messages": []}, "messages"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"frequency_penalty": 3}, "frequency_penalty"),
+    ],
+)
+async def test_chat_bad_parameter_is_a_400(start_http: StartHttp, fields: dict, param) -> None:
+    h = await start_http(chat=True)
+    body = {"model": "tiny", "messages": MESSAGES, **fields}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(f"{h.url}/v1/chat/completions", json=body) as response,
+    ):
+        assert response.status == 400
+        assert (await response.json())["error"]["param"] == param
