@@ -213,3 +213,9 @@ def test_load_fails_on_bad_files(tmp_path: Path) -> None:
     broken.write_text("{% if %}")
     with pytest.raises(ChatTemplateError, match="syntax error, line 1"):
         load_chat_template(model, str(broken))
+
+
+def test_generation_tag_renders_its_body() -> None:
+    # transformers' {% generation %} marks assistant text for training masks; here it is text.
+    template = ChatTemplate("{% generation %}{{ messages[0].content }}{% endgeneration %}", "", "")
+    assert template.render(QUESTION) == QUESTION[0]["content"]
