@@ -121,6 +121,8 @@ async def test_completion_and_usage(start_http: StartHttp) -> None:
     assert usage.total_tokens == usage.prompt_tokens + 4
     (added,) = h.engine.added.values()
     assert added.sampling_params.temperature == 0 and added.sampling_params.seed == 7
+    counts = h.server.state.observability.counts  # the same observer as gRPC calls
+    assert counts.generation_tokens == 4 and counts.requests_in_flight == 0
 
 
 async def test_completion_default_max_tokens_is_16(start_http: StartHttp) -> None:

@@ -37,11 +37,15 @@ def _finish(sequence: pb.SequenceOutput) -> tuple[str | None, str | int | None]:
     return reason, getattr(sequence, which) if which else None
 
 
-class _Shaper:
+class Shaper:
+    """One call's OpenAI objects; the subclasses name the choice fields."""
+
     object_name = ""
     chunk_object_name = ""
 
-    def __init__(self, request_id: str, model: str, created: int, n: int, logprobs: int | None):
+    def __init__(
+        self, request_id: str, model: str, created: int, n: int, logprobs: int | None
+    ) -> None:
         self.request_id = request_id
         self.model = model
         self.created = created
@@ -87,7 +91,7 @@ class _Shaper:
         raise NotImplementedError
 
 
-class CompletionShaper(_Shaper):
+class CompletionShaper(Shaper):
     object_name = chunk_object_name = "text_completion"
 
     def __init__(self, *args: Any) -> None:
@@ -122,7 +126,7 @@ class CompletionShaper(_Shaper):
         }
 
 
-class ChatShaper(_Shaper):
+class ChatShaper(Shaper):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 

@@ -9,6 +9,7 @@ a cancelled call, as for a cancelled gRPC stream.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from typing import Any
@@ -26,7 +27,7 @@ from switchboard.gateway.http.openai_request import (
     completion_request,
     parse_body,
 )
-from switchboard.gateway.http.openai_response import ChatShaper, CompletionShaper, _Shaper
+from switchboard.gateway.http.openai_response import ChatShaper, CompletionShaper, Shaper
 from switchboard.gateway.http.sse import open_stream, send_done, send_event
 from switchboard.gateway.pipeline.generate_call import GenerateCalls
 from switchboard.gateway.pipeline.validation import MAX_REQUEST_ID_CHARS
@@ -89,7 +90,7 @@ class OpenAIRoutes:
         request: web.Request,
         generate: pb.GenerateRequest,
         options: OpenAIOptions,
-        shaper: _Shaper,
+        shaper: Shaper,
         arrival_time: float,
         params: dict[str, str],
     ) -> web.StreamResponse:
@@ -115,9 +116,10 @@ class OpenAIRoutes:
                 except ConnectionError:
                     disconnected = True  # the call path sees a cancelled call: ABORT
                     raise asyncio.CancelledError("the HTTP client disconnected") from None
-            if options.include_usage:
-                await send_event(stream, shaper.usage_chunk())
-            await send_done(stream)
+            with contextlib.suppress(ConnectionError):  # done: nothing left to abort
+                if options.include_usage:
+                    await send_event(stream, shaper.usage_chunk())
+                await send_done(stream)
             return stream
         except asyncio.CancelledError:
             if disconnected and stream is not None:
@@ -126,8 +128,9 @@ class OpenAIRoutes:
         except ApiError as error:
             if stream is None:
                 return error_response(error, params)
-            await send_event(stream, error_body(error, params))  # mid-stream: in band, as vLLM
-            await send_done(stream)
+            with contextlib.suppress(ConnectionError):
+                await send_event(stream, error_body(error, params))  # in band, as vLLM
+                await send_done(stream)
             return stream
 
 

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from switchboard.config import GatewayRoleConfig
 from switchboard.gateway.errors import ApiError
-from switchboard.gateway.http.errors import json_response
+from switchboard.gateway.http.errors import error_response, json_response
 from switchboard.gateway.http.routes import OpenAIRoutes, internal_error
 from switchboard.gateway.pipeline.generate_call import GenerateCalls
 from switchboard.gateway.state import GatewayState
@@ -46,8 +46,8 @@ async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamRe
         body = {"error": {"message": error.reason, "type": "invalid_request_error"}}
         body["error"].update(param=None, code=None)
         return json_response(body, error.status)
-    except ApiError:
-        raise
+    except ApiError as error:  # the routes answer their own; this is a backstop
+        return error_response(error)
     except Exception:
         logger.exception("HTTP %s %s failed", request.method, request.path)
         return internal_error("internal error (the gateway's log has the traceback)")

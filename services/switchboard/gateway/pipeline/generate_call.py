@@ -70,7 +70,9 @@ class _LiveRequest:
 class GenerateCall:
     """A submitted call: its sequence group and the responses it makes."""
 
-    def __init__(self, calls: GenerateCalls, group: SequenceGroup, observer: RequestObserver):
+    def __init__(
+        self, calls: GenerateCalls, group: SequenceGroup, observer: RequestObserver
+    ) -> None:
         self._state = calls.state
         self.group = group
         self._observer = observer
