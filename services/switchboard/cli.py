@@ -16,7 +16,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from switchboard.defaults import DEFAULT_GRPC_PORT
+from switchboard.defaults import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT
 
 if TYPE_CHECKING:
     from switchboard.config import EngineConfig, GatewayRoleConfig
@@ -125,6 +125,13 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("gateway")
     g.add_argument("--host", default="0.0.0.0", help="address the gRPC server binds on")
     g.add_argument("--port", type=int, default=DEFAULT_GRPC_PORT, help="the gRPC server's port")
+    g.add_argument(
+        "--http-port",
+        type=int,
+        default=DEFAULT_HTTP_PORT,
+        help="the OpenAI-compatible HTTP API's port (gateway i of one machine: port + i; "
+        "0: a free port, logged; -1: no HTTP API)",
+    )
     g.add_argument(
         "--api-servers",
         type=int,
@@ -310,6 +317,7 @@ def build_configs(
             otlp_traces_protocol=args.otlp_traces_protocol,
             trace_content=args.trace_content,
             metrics_port=args.metrics_port,
+            http_port=None if args.http_port < 0 else args.http_port,
             log_stats_interval_s=0.0 if args.disable_log_stats else 10.0,
         ),
         num_engines=parallel.data_parallel_size,
@@ -359,6 +367,8 @@ def _validate_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespa
         parser.error("--long-prefill-token-threshold must be at least 0 (0: no cap)")
     if not 0 < args.gpu_memory_utilization <= 1:
         parser.error("--gpu-memory-utilization must be in (0, 1]")
+    if not -1 <= args.http_port <= 65535:
+        parser.error("--http-port must be a port, 0 (a free port) or -1 (no HTTP API)")
     if getattr(args, "data_parallel_rank", None) is not None and args.data_parallel_rank < 0:
         parser.error("--data-parallel-rank must be at least 0")
 

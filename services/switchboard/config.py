@@ -98,6 +98,9 @@ class GatewayConfig(_Config, frozen=True):
     otlp_traces_protocol: str = ""  # grpc | http/protobuf; "" = OTEL_EXPORTER_OTLP_* or grpc
     trace_content: bool = False  # prompt and output text in span attributes (opt-in)
     metrics_port: int | None = None  # /metrics on this port + client_index; None = off
+    # The OpenAI-compatible HTTP API (gateway/http/) on this port + client_index; 0 = a free
+    # port; None = off. `serve`/`gateway` default to 8000 (as vLLM); the config itself to off.
+    http_port: int | None = None
     log_stats_interval_s: float = 10.0  # the periodic stats log line; 0 = off
 
 

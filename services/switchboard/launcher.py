@@ -114,9 +114,13 @@ def _host_port(host: str, port: int) -> str:
 
 def server_addresses(gateways: list[GatewayRoleConfig]) -> list[tuple[str, str]]:
     """(what, address) for every endpoint of a one-machine server, in the order the ready line
-    lists them. A new endpoint (an HTTP API, say) is one more entry here."""
+    lists them."""
     first = gateways[0].gateway
     addresses = [("gRPC", _host_port(first.host, first.port))]
+    if first.http_port:  # gateway i serves the OpenAI-compatible API on --http-port + i
+        for cfg in gateways:
+            port = first.http_port + cfg.client_index
+            addresses.append(("HTTP", f"http://{_host_port(first.host, port)}/v1"))
     if first.metrics_port:  # (0: ephemeral ports, which the gateways log themselves)
         for cfg in gateways:  # gateway i serves /metrics on --metrics-port + i
             port = first.metrics_port + cfg.client_index

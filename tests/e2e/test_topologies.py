@@ -192,7 +192,8 @@ def test_gateways_and_engine_as_separate_commands(tiny_model: str, tmp_path: Pat
         args = ["gateway", "--model", tiny_model, "--host", host, "--port", port,
                 "--engine-host", host, "--handshake-port", str(handshake_port),
                 "--engine-heartbeat-timeout", "3",
-                "--metrics-port", str(metrics_ports[i])]  # fmt: skip
+                "--metrics-port", str(metrics_ports[i]),
+                "--http-port", str(free_port())]  # fmt: skip
         return Role(f"gateway{i}", args, tmp_path, env)
 
     def engine() -> Role:
