@@ -27,6 +27,7 @@ SERVER_COMMANDS = {
     "gateway": "run one gateway; engines on other hosts join it",
     "engine": "run one engine core and its workers for gateways",
     "coordinator": "run the coordinator for engines and gateways on other hosts (DP > 1)",
+    "keys": "make the CURVE keys that authenticate gateways, engines and coordinator over TCP",
 }
 SERVER_INSTALL_HINT = "pip install 'switchboard[server]'"
 
@@ -485,6 +486,7 @@ def make_parser() -> argparse.ArgumentParser:
         cli_roles.add_engine_args(engine)
         coordinator = command("coordinator", SERVER_COMMANDS["coordinator"])
         cli_roles.add_coordinator_args(coordinator)
+        cli_roles.add_keys_args(command("keys", SERVER_COMMANDS["keys"]))
     else:  # the client install: the server commands only say how to get them
         for name, text in SERVER_COMMANDS.items():
             stub = command(name, f"{text} (needs the server: {SERVER_INSTALL_HINT})")
@@ -572,6 +574,10 @@ def main(argv: list[str] | None = None) -> int:
         from switchboard import cli_roles
 
         return cli_roles.cmd_coordinator(args)
+    if args.command == "keys":
+        from switchboard import cli_roles
+
+        return cli_roles.cmd_keys(args)
     if args.command == "generate":
         return cmd_generate(args)
     if args.command == "chat":

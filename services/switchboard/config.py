@@ -120,6 +120,8 @@ class EngineConfig(_Config):
     # every discovery_interval_s and every address it lists is a gateway; the static address
     # lists above are then unused.
     gateway_discovery: str = ""
+    # CURVE on every tcp:// socket: the keys directory (wire/curve.py); "" = plain TCP.
+    curve_keys_dir: str = ""
     discovery_interval_s: float = 5.0
     load_report_interval_s: float = 0.1  # EngineLoad at most this often
     # Worker rank r of this engine uses accelerator first_device_index + r. One machine:
@@ -144,6 +146,8 @@ class GatewayRoleConfig(_Config):
     # Engines on other hosts: the fixed TCP address engines say hello to ("" = one machine).
     # The data sockets then bind on port 0 of the same host and are announced in the answer.
     handshake_address: str = ""
+    # CURVE on every tcp:// socket: the keys directory (wire/curve.py); "" = plain TCP.
+    curve_keys_dir: str = ""
 
 
 class CoordinatorConfig(_Config):
@@ -154,6 +158,8 @@ class CoordinatorConfig(_Config):
     num_engines: int = 1
     publish_interval_s: float = 0.1  # at most this often, when something changed
     keepalive_interval_s: float = 5.0  # at least this often, changed or not
+    # CURVE on every tcp:// socket: the keys directory (wire/curve.py); "" = plain TCP.
+    curve_keys_dir: str = ""
 
 
 C = TypeVar("C", bound=_Config)
@@ -168,10 +174,15 @@ def decode_config(text: str | bytes, kind: type[C]) -> C:
 
 
 def new_run_dir(base: str | None = None) -> str:
-    """A private directory for one server's ipc:// sockets; the launcher removes it at exit."""
+    """A private directory for one server's ipc:// sockets; the launcher removes it at exit.
+    Created 0700 (whatever the umask) and checked: its sockets are only as private as it."""
     base = base or os.environ.get("SWITCHBOARD_RPC_BASE_PATH") or tempfile.gettempdir()
     path = os.path.join(base, f"switchboard-{uuid.uuid4().hex[:12]}")
-    os.makedirs(path, mode=0o700)
+    os.makedirs(path, mode=0o700)  # fails if it exists: never one someone else made
+    os.chmod(path, 0o700)
+    from switchboard.wire.zmq_channel import check_private_dir
+
+    check_private_dir(path)
     return path
 
 

@@ -103,6 +103,7 @@ class GatewayServer:
             on_engines_changed=self._on_engines_changed,
             coordinator_publish_address=config.coordinator_publish_address,
             handshake_address=config.handshake_address,
+            curve_keys_dir=config.curve_keys_dir,
         )
         tokenizer = Tokenizer.from_model_dir(config.model.model)
         self.state = GatewayState(
