@@ -87,7 +87,7 @@ def _server_import_error() -> ImportError | None:
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    from switchboard.config import CacheConfig, SchedulerConfig, WorkerConfig
+    from switchboard.config import CacheConfig, GatewayConfig, SchedulerConfig, WorkerConfig
 
     m = p.add_argument_group("model")
     m.add_argument(
@@ -136,6 +136,20 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         "--enable-admin",
         action="store_true",
         help="serve AdminService (allow-listed engine utilities)",
+    )
+    g.add_argument(
+        "--max-inflight-requests",
+        type=int,
+        default=GatewayConfig().max_inflight_requests,
+        help="Generate calls one gateway process serves at once; more get RESOURCE_EXHAUSTED "
+        "with a retry delay (0: no cap)",
+    )
+    g.add_argument(
+        "--max-queued-prompt-tokens",
+        type=int,
+        default=GatewayConfig().max_queued_prompt_tokens,
+        help="prompt tokens one gateway process holds waiting for their first output; more get "
+        "RESOURCE_EXHAUSTED with a retry delay (0: no cap)",
     )
 
     s = p.add_argument_group("scheduler and KV cache")
@@ -312,6 +326,8 @@ def build_configs(
             trace_content=args.trace_content,
             metrics_port=args.metrics_port,
             log_stats_interval_s=0.0 if args.disable_log_stats else 10.0,
+            max_inflight_requests=args.max_inflight_requests,
+            max_queued_prompt_tokens=args.max_queued_prompt_tokens,
         ),
         num_engines=parallel.data_parallel_size,
     )
@@ -354,6 +370,9 @@ def _validate_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespa
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("max_inflight_requests", "max_queued_prompt_tokens"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be at least 0 (0: no cap)")
     if args.torch_threads < 0:
         parser.error("--torch-threads must be at least 0 (0: an equal share of the CPUs)")
     if args.long_prefill_token_threshold < 0:

@@ -98,6 +98,9 @@ class GatewayConfig(_Config):
     trace_content: bool = False  # prompt and output text in span attributes (opt-in)
     metrics_port: int | None = None  # /metrics on this port + client_index; None = off
     log_stats_interval_s: float = 10.0  # the periodic stats log line; 0 = off
+    # Admission control (gateway/admission.py), per gateway process; 0 = no cap.
+    max_inflight_requests: int = 1024
+    max_queued_prompt_tokens: int = 1 << 22
 
 
 class EngineConfig(_Config):

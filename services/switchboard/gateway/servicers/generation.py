@@ -12,11 +12,20 @@ import grpc
 
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
+from switchboard.gateway.admission import Ticket
 from switchboard.gateway.chat.prompt import chat_prompt_token_ids
 from switchboard.gateway.errors import ApiError, invalid_argument, maps_api_errors, unavailable
 from switchboard.gateway.observability.observer import RequestObserver
 from switchboard.gateway.pipeline.bad_words import tokenize_bad_words
 from switchboard.gateway.pipeline.generate_stream import GenerateStream
+from switchboard.gateway.pipeline.request_bounds import (
+    check_data_parallel_rank,
+    check_labels,
+    check_model_name,
+    check_request_id,
+    check_text_bytes,
+    prompt_bytes,
+)
 from switchboard.gateway.pipeline.sequence_group import (
     SequenceGroup,
     child_requests,
@@ -55,39 +64,52 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         arrival_time = time.time()
+        state = self._state
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
-        await context.send_initial_metadata(((REQUEST_ID_HEADER, request_id),))
-        if request_id in self._live:
-            await ApiError(
-                grpc.StatusCode.ALREADY_EXISTS,
-                f"request_id {request_id!r} is already in flight",
-                reason="DUPLICATE_REQUEST_ID",
-                field="request_id",
-            ).abort(context)
-        live = self._live[request_id] = _LiveRequest()
+        # Before anything is echoed (the x-request-id header, errors naming the model) or
+        # spent: the fields' sizes and characters, then this gateway's room for one more.
+        check_request_id(request_id)
+        check_model_name(request.model)
+        check_labels(request.labels)
+        ticket = state.admission.enter()
+        # Begun before the first await: a call cancelled at any point is observed (an abort).
+        observer = state.observability.begin(request_id, arrival_time, context)
+        live: _LiveRequest | None = None
         group: SequenceGroup | None = None
         finished = False
-        observer = self._state.observability.begin(request_id, arrival_time, context)
         try:
-            if not self._state.facts.tasks.can_generate:
+            await context.send_initial_metadata(((REQUEST_ID_HEADER, request_id),))
+            if request_id in self._live:
+                raise ApiError(
+                    grpc.StatusCode.ALREADY_EXISTS,
+                    f"request_id {request_id!r} is already in flight",
+                    reason="DUPLICATE_REQUEST_ID",
+                    field="request_id",
+                )
+            live = self._live[request_id] = _LiveRequest()
+            if not state.facts.tasks.can_generate:
                 raise ApiError(
                     grpc.StatusCode.FAILED_PRECONDITION,
-                    f"model {self._state.facts.name!r} is an encoder: it serves Embed only",
+                    f"model {state.facts.name!r} is an encoder: it serves Embed only",
                     reason="TASK_NOT_SUPPORTED",
                 )
-            plan = plan_generate(request, request_id, self._state.facts, self._state.chat_template)
-            group = await self._submit(plan, arrival_time, context, observer=observer)
+            self._check_bounds(request)
+            plan = plan_generate(request, request_id, state.facts, state.chat_template)
+            group = await self._submit(
+                plan, arrival_time, context, observer=observer, ticket=ticket
+            )
             observer.submitted(group.engine)
             live.engine_request_ids = group.request_ids
             if live.aborted:  # the Abort RPC came while the prompt was being tokenized
-                self._state.engines.abort(group.request_ids, "Abort RPC")
+                state.engines.abort(group.request_ids, "Abort RPC")
             while not group.finished:
                 index, event = await group.next_event()
+                ticket.prompt_started()  # the engine answered: the prompt left the queue
                 observer.on_event(event)
                 response = group.handle(index, event)
                 stopped = group.take_stopped_request_ids()
                 if stopped:
-                    self._state.engines.abort(stopped, "stop string")
+                    state.engines.abort(stopped, "stop string")
                 if response is not None:
                     yield response
             finished = True
@@ -95,17 +117,33 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         except ApiError:
             finished = True  # the engine client already forgot a failed request
             if group is not None:  # ... but not its sibling sequences (n > 1)
-                self._state.engines.abort(group.request_ids, "a sibling sequence failed")
+                state.engines.abort(group.request_ids, "a sibling sequence failed")
             raise  # maps_api_errors ends the RPC with it
         finally:
             observer.end(group)
-            del self._live[request_id]
+            ticket.release()
+            if live is not None:
+                del self._live[request_id]
             if group is not None:
                 group.close()
             if group is not None and not finished:
                 # Cancelled, disconnected or past its deadline: free the engine's slot now.
-                self._state.engines.abort(group.request_ids, "client cancelled or deadline")
+                state.engines.abort(group.request_ids, "client cancelled or deadline")
                 logger.info("request %s: client went away; sent ABORT", request_id)
+
+    def _check_bounds(self, request: pb.GenerateRequest) -> None:
+        """What bounds the work before any of it: the prompt's bytes, the pinned rank."""
+        state = self._state
+        if state.longest_token_bytes:
+            check_text_bytes(
+                "messages" if request.messages else "text",
+                prompt_bytes(request),
+                state.max_prompt_bytes,
+            )
+        if request.HasField("data_parallel_rank"):
+            check_data_parallel_rank(
+                request.data_parallel_rank, state.config.num_engines, state.engines.engines
+            )
 
     async def _submit(
         self,
@@ -114,6 +152,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         context: grpc.aio.ServicerContext,
         *,
         observer: RequestObserver,
+        ticket: Ticket | None = None,
     ) -> SequenceGroup:
         """Tokenize and check; ADD the request's n sequences to the engines."""
         state = self._state
@@ -129,6 +168,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             token_ids = plan.prompt_token_ids or []
         facts = state.facts
         prompt_token_ids = resolve_prompt(plan, token_ids, facts)
+        if ticket is not None:  # admission: the prompt waits for prefill from now on
+            ticket.queue_prompt(len(prompt_token_ids) * plan.n)
         bad_words_token_ids = None
         if plan.bad_words:
             bad_words_token_ids = await state.in_pool(
@@ -188,7 +229,10 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
         state = self._state
+        check_model_name(request.model)
         check_model(request.model, state.facts)
+        if state.longest_token_bytes:
+            check_text_bytes("text", len(request.text.encode()), state.max_prompt_bytes)
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
         token_ids = await state.in_pool(state.tokenizer.encode, request.text, add_special)
         response = pb.TokenizeResponse(token_ids=token_ids, max_model_len=state.facts.max_model_len)
@@ -201,6 +245,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.DetokenizeResponse:
         state = self._state
+        check_model_name(request.model)
         check_model(request.model, state.facts)
         vocab_size = state.tokenizer.vocab_size
         for i, token_id in enumerate(request.token_ids):
