@@ -106,7 +106,9 @@ def check_text_bytes(field: str, size: int, limit: int) -> None:
         )
 
 
-def check_data_parallel_rank(rank: int | None, num_engines: int, known_ranks: Iterable[int]):
+def check_data_parallel_rank(
+    rank: int | None, num_engines: int, known_ranks: Iterable[int]
+) -> None:
     """A pinned rank must be one of the deployment's: below its DP size (or a rank an engine
     has registered as); an existing rank that is not ready stays UNAVAILABLE (engine pool)."""
     if rank is None:
