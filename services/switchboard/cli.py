@@ -27,6 +27,7 @@ SERVER_COMMANDS = {
     "gateway": "run one gateway; engines on other hosts join it",
     "engine": "run one engine core and its workers for gateways",
     "coordinator": "run the coordinator for engines and gateways on other hosts (DP > 1)",
+    "keys": "make the CURVE keys that authenticate gateways, engines and coordinator over TCP",
 }
 SERVER_INSTALL_HINT = "pip install 'switchboard[server]'"
 
@@ -86,7 +87,7 @@ def _server_import_error() -> ImportError | None:
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    from switchboard.config import CacheConfig, SchedulerConfig, WorkerConfig
+    from switchboard.config import CacheConfig, GatewayConfig, SchedulerConfig, WorkerConfig
 
     m = p.add_argument_group("model")
     m.add_argument(
@@ -142,6 +143,20 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         "--enable-admin",
         action="store_true",
         help="serve AdminService (allow-listed engine utilities)",
+    )
+    g.add_argument(
+        "--max-inflight-requests",
+        type=int,
+        default=GatewayConfig().max_inflight_requests,
+        help="Generate calls one gateway process serves at once; more get RESOURCE_EXHAUSTED "
+        "with a retry delay (0: no cap)",
+    )
+    g.add_argument(
+        "--max-queued-prompt-tokens",
+        type=int,
+        default=GatewayConfig().max_queued_prompt_tokens,
+        help="prompt tokens one gateway process holds waiting for their first output; more get "
+        "RESOURCE_EXHAUSTED with a retry delay (0: no cap)",
     )
 
     s = p.add_argument_group("scheduler and KV cache")
@@ -319,6 +334,8 @@ def build_configs(
             metrics_port=args.metrics_port,
             http_port=None if args.http_port < 0 else args.http_port,
             log_stats_interval_s=0.0 if args.disable_log_stats else 10.0,
+            max_inflight_requests=args.max_inflight_requests,
+            max_queued_prompt_tokens=args.max_queued_prompt_tokens,
         ),
         num_engines=parallel.data_parallel_size,
     )
@@ -361,6 +378,9 @@ def _validate_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespa
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("max_inflight_requests", "max_queued_prompt_tokens"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be at least 0 (0: no cap)")
     if args.torch_threads < 0:
         parser.error("--torch-threads must be at least 0 (0: an equal share of the CPUs)")
     if args.long_prefill_token_threshold < 0:
@@ -495,6 +515,7 @@ def make_parser() -> argparse.ArgumentParser:
         cli_roles.add_engine_args(engine)
         coordinator = command("coordinator", SERVER_COMMANDS["coordinator"])
         cli_roles.add_coordinator_args(coordinator)
+        cli_roles.add_keys_args(command("keys", SERVER_COMMANDS["keys"]))
     else:  # the client install: the server commands only say how to get them
         for name, text in SERVER_COMMANDS.items():
             stub = command(name, f"{text} (needs the server: {SERVER_INSTALL_HINT})")
@@ -582,6 +603,10 @@ def main(argv: list[str] | None = None) -> int:
         from switchboard import cli_roles
 
         return cli_roles.cmd_coordinator(args)
+    if args.command == "keys":
+        from switchboard import cli_roles
+
+        return cli_roles.cmd_keys(args)
     if args.command == "generate":
         return cmd_generate(args)
     if args.command == "chat":

@@ -102,6 +102,9 @@ class GatewayConfig(_Config, frozen=True):
     # port; None = off. `serve`/`gateway` default to 8000 (as vLLM); the config itself to off.
     http_port: int | None = None
     log_stats_interval_s: float = 10.0  # the periodic stats log line; 0 = off
+    # Admission control (gateway/admission.py), per gateway process; 0 = no cap.
+    max_inflight_requests: int = 1024
+    max_queued_prompt_tokens: int = 1 << 22
 
 
 class EngineConfig(_Config, frozen=True):
@@ -124,6 +127,8 @@ class EngineConfig(_Config, frozen=True):
     # every discovery_interval_s and every address it lists is a gateway; the static address
     # lists above are then unused.
     gateway_discovery: str = ""
+    # CURVE on every tcp:// socket: the keys directory (wire/curve.py); "" = plain TCP.
+    curve_keys_dir: str = ""
     discovery_interval_s: float = 5.0
     load_report_interval_s: float = 0.1  # EngineLoad at most this often
     # Worker rank r of this engine uses accelerator first_device_index + r. One machine:
@@ -148,6 +153,8 @@ class GatewayRoleConfig(_Config, frozen=True):
     # Engines on other hosts: the fixed TCP address engines say hello to ("" = one machine).
     # The data sockets then bind on port 0 of the same host and are announced in the answer.
     handshake_address: str = ""
+    # CURVE on every tcp:// socket: the keys directory (wire/curve.py); "" = plain TCP.
+    curve_keys_dir: str = ""
 
 
 class CoordinatorConfig(_Config, frozen=True):
@@ -158,6 +165,8 @@ class CoordinatorConfig(_Config, frozen=True):
     num_engines: int = 1
     publish_interval_s: float = 0.1  # at most this often, when something changed
     keepalive_interval_s: float = 5.0  # at least this often, changed or not
+    # CURVE on every tcp:// socket: the keys directory (wire/curve.py); "" = plain TCP.
+    curve_keys_dir: str = ""
 
 
 C = TypeVar("C", bound=_Config)
@@ -172,10 +181,15 @@ def decode_config(text: str | bytes, kind: type[C]) -> C:
 
 
 def new_run_dir(base: str | None = None) -> str:
-    """A private directory for one server's ipc:// sockets; the launcher removes it at exit."""
+    """A private directory for one server's ipc:// sockets; the launcher removes it at exit.
+    Created 0700 (whatever the umask) and checked: its sockets are only as private as it."""
     base = base or os.environ.get("SWITCHBOARD_RPC_BASE_PATH") or tempfile.gettempdir()
     path = os.path.join(base, f"switchboard-{uuid.uuid4().hex[:12]}")
-    os.makedirs(path, mode=0o700)
+    os.makedirs(path, mode=0o700)  # fails if it exists: never one someone else made
+    os.chmod(path, 0o700)
+    from switchboard.wire.zmq_channel import check_private_dir
+
+    check_private_dir(path)
     return path
 
 

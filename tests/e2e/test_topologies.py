@@ -125,7 +125,7 @@ def test_dp2_pinned_rank(dp2_server: RunningServer) -> None:
         assert final.metrics.engine_id.startswith(f"EngineCore_DP{rank}-")
     with pytest.raises(grpc.RpcError) as error:
         generate(dp2_server.target, greedy(rank=2))
-    assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # DP = 2: ranks 0 and 1
 
 
 # ---- gateway and engine as separate commands (the Kubernetes building blocks) ----------------

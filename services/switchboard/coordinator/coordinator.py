@@ -21,12 +21,14 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 
 from switchboard.config import CoordinatorConfig
-from switchboard.wire import zmq_channel
+from switchboard.wire import curve, zmq_channel
 from switchboard.wire.codec import ENGINE_LOAD, LOAD_REPORT, DecodeError
+from switchboard.wire.curve import CurveKeys
 from switchboard.wire.engine_msgs import EngineLoad, LoadReport
 
 logger = logging.getLogger(__name__)
@@ -42,8 +44,14 @@ class Coordinator:
         self._changed = False
         self._last_publish = 0.0
         self._ctx = zmq.Context()
-        self._pull = zmq_channel.make_socket(self._ctx, zmq.PULL, config.input_address, bind=True)
-        self._pub = zmq_channel.make_socket(self._ctx, zmq.PUB, config.publish_address, bind=True)
+        self._authenticator: Any = None
+        keys = self._security(config)
+        self._pull = zmq_channel.make_socket(
+            self._ctx, zmq.PULL, config.input_address, bind=True, curve=keys
+        )
+        self._pub = zmq_channel.make_socket(
+            self._ctx, zmq.PUB, config.publish_address, bind=True, curve=keys
+        )
         self.input_address = zmq_channel.bound_address(self._pull)
         self.publish_address = zmq_channel.bound_address(self._pub)
         logger.info(
@@ -51,6 +59,22 @@ class Coordinator:
             self.input_address,
             self.publish_address,
         )
+
+    def _security(self, config: CoordinatorConfig) -> CurveKeys | None:
+        """Server keys for both sockets and the ZAP thread admitting engines and gateways
+        (None, and a WARNING on TCP, without a keys directory)."""
+        keys_dir = config.curve_keys_dir
+        if not keys_dir:
+            addresses = (config.input_address, config.publish_address)
+            if any(a.startswith("tcp://") for a in addresses):
+                curve.warn_unauthenticated("coordinator")
+            return None
+        keys = curve.server_keys(keys_dir, curve.COORDINATOR)
+        allowed = [
+            os.path.join(keys_dir, d) for d in (curve.ALLOWED_ENGINES, curve.ALLOWED_GATEWAYS)
+        ]
+        self._authenticator = curve.start_authenticator(self._ctx, allowed)
+        return keys
 
     def run(self, should_stop: Callable[[], bool]) -> None:
         """Receive and publish until ``should_stop()``."""
@@ -103,6 +127,8 @@ class Coordinator:
     def close(self) -> None:
         for sock in (self._pull, self._pub):
             sock.close(linger=0)
+        if self._authenticator is not None:
+            self._authenticator.stop()
         self._ctx.term()
         for address in (self.input_address, self.publish_address):
             if address.startswith("ipc://") and os.path.exists(address[len("ipc://") :]):

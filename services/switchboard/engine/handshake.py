@@ -31,6 +31,7 @@ import zmq
 
 from switchboard.wire import zmq_channel
 from switchboard.wire.codec import GATEWAY_ADDRESSES, GATEWAY_HELLO, DecodeError
+from switchboard.wire.curve import CurveKeys
 from switchboard.wire.engine_msgs import GatewayAddresses, GatewayHello
 from switchboard.wire.zmq_channel import tcp_address
 
@@ -93,10 +94,16 @@ def resolve_addresses(name: str) -> list[str]:
 
 
 def say_hello(
-    ctx: zmq.SyncContext, host: str, port: int, hello: GatewayHello, timeout_s: float
+    ctx: zmq.SyncContext,
+    host: str,
+    port: int,
+    hello: GatewayHello,
+    timeout_s: float,
+    curve: CurveKeys | None = None,
 ) -> GatewayAddresses | None:
     """One handshake with the gateway at ``host:port``; None when it does not answer in time."""
-    sock = zmq_channel.make_socket(ctx, zmq.DEALER, tcp_address(host, port), bind=False)
+    address = tcp_address(host, port)
+    sock = zmq_channel.make_socket(ctx, zmq.DEALER, address, bind=False, curve=curve)
     try:
         sock.send(GATEWAY_HELLO.encode(hello))
         if not sock.poll(int(timeout_s * 1000)):
@@ -119,9 +126,11 @@ class GatewayDiscovery(threading.Thread):
         on_removed: Callable[[GatewayEndpoint], None],
         interval_s: float = 5.0,
         hello_timeout_s: float = HELLO_TIMEOUT_S,
+        curve: CurveKeys | None = None,
     ) -> None:
         super().__init__(name="GatewayDiscovery", daemon=True)
         self._ctx = ctx
+        self._curve = curve
         self.name, self.port = split_host_port(target)
         self._hello = hello
         self._on_added = on_added
@@ -161,7 +170,9 @@ class GatewayDiscovery(threading.Thread):
         for host in hosts:
             if self._stop_event.is_set():
                 return
-            answer = say_hello(self._ctx, host, self.port, self._hello, self._hello_timeout_s)
+            answer = say_hello(
+                self._ctx, host, self.port, self._hello, self._hello_timeout_s, self._curve
+            )
             if answer is None:
                 self._missed(host)
             else:

@@ -38,6 +38,7 @@ import zmq
 from switchboard.engine import clock
 from switchboard.wire import zmq_channel
 from switchboard.wire.codec import ENGINE_CORE_OUTPUTS, ENGINE_READY
+from switchboard.wire.curve import CurveKeys
 from switchboard.wire.engine_msgs import (
     ENGINE_CORE_DEAD,
     EngineCoreOutputs,
@@ -80,8 +81,10 @@ class _GatewaySocketThread(threading.Thread):
         addresses: list[str],
         on_failure: Callable[[str], None],
         close_linger_ms: int | None,
+        curve: CurveKeys | None = None,
     ) -> None:
         super().__init__(name=name, daemon=True)
+        self._curve = curve  # CURVE client keys toward the gateways (None: plain)
         self._role = role
         self._ctx = ctx
         self._addresses = addresses
@@ -114,8 +117,9 @@ class InputThread(_GatewaySocketThread):
         input_queue: InputQueue,
         aborts_queue: queue.Queue[list[str]],
         on_failure: Callable[[str], None],
+        curve: CurveKeys | None = None,
     ) -> None:
-        super().__init__("EngineCoreInput", "input", ctx, addresses, on_failure, 0)
+        super().__init__("EngineCoreInput", "input", ctx, addresses, on_failure, 0, curve)
         self._identity = identity
         self._make_ready = make_ready
         self._prepare_add = prepare_add
@@ -147,7 +151,7 @@ class InputThread(_GatewaySocketThread):
     def _connect(self, client_index: int, address: str) -> None:
         self._disconnect(client_index)
         sock = zmq_channel.make_socket(
-            self._ctx, zmq.DEALER, address, bind=False, identity=self._identity
+            self._ctx, zmq.DEALER, address, bind=False, identity=self._identity, curve=self._curve
         )
         sock.send(ENGINE_READY.encode(self._make_ready()))
         self._sockets[client_index] = sock
@@ -227,9 +231,10 @@ class OutputThread(_GatewaySocketThread):
         heartbeat_interval_s: float,
         on_failure: Callable[[str], None],
         engine_id: str = "",
+        curve: CurveKeys | None = None,
     ) -> None:
         # Closing lingers up to DEAD_LINGER_MS (set on each PUSH) so the last frames arrive.
-        super().__init__("EngineCoreOutput", "output", ctx, addresses, on_failure, None)
+        super().__init__("EngineCoreOutput", "output", ctx, addresses, on_failure, None, curve)
         self._output_queue = output_queue
         self._engine_index = engine_index
         self._engine_id = engine_id
@@ -257,7 +262,12 @@ class OutputThread(_GatewaySocketThread):
             old.close(linger=0)  # the gateway is gone: nobody will read what is queued
         if change.address is not None:
             self._sockets[change.client_index] = zmq_channel.make_socket(
-                self._ctx, zmq.PUSH, change.address, bind=False, linger_ms=DEAD_LINGER_MS
+                self._ctx,
+                zmq.PUSH,
+                change.address,
+                bind=False,
+                linger_ms=DEAD_LINGER_MS,
+                curve=self._curve,
             )
             self._last_sent[change.client_index] = time.monotonic()
 
@@ -323,12 +333,18 @@ class OutputThread(_GatewaySocketThread):
 
 
 def send_engine_dead_directly(
-    ctx: zmq.SyncContext, addresses: list[str], engine_index: int = 0, engine_id: str = ""
+    ctx: zmq.SyncContext,
+    addresses: list[str],
+    engine_index: int = 0,
+    engine_id: str = "",
+    curve: CurveKeys | None = None,
 ) -> None:
     """ENGINE_CORE_DEAD from a fresh PUSH per gateway, for a death before the output thread runs."""
     frames = zmq_channel.engine_dead_frames(engine_index, engine_id)
     for address in addresses:
-        sock = zmq_channel.make_socket(ctx, zmq.PUSH, address, bind=False, linger_ms=DEAD_LINGER_MS)
+        sock = zmq_channel.make_socket(
+            ctx, zmq.PUSH, address, bind=False, linger_ms=DEAD_LINGER_MS, curve=curve
+        )
         sock.send_multipart(frames)
         sock.close()
     logger.info("Sent ENGINE_CORE_DEAD to %d gateway(s)", len(addresses))

@@ -15,6 +15,7 @@ import zmq
 
 from switchboard.wire import zmq_channel
 from switchboard.wire.codec import ENGINE_LOAD
+from switchboard.wire.curve import CurveKeys
 from switchboard.wire.engine_msgs import EngineLoad
 
 logger = logging.getLogger(__name__)
@@ -30,9 +31,11 @@ class LoadReporter(threading.Thread):
         engine_index: int,
         engine_id: str,
         interval_s: float = 0.1,
+        curve: CurveKeys | None = None,
     ) -> None:
         super().__init__(name="EngineLoadReporter", daemon=True)
         self._ctx = ctx
+        self._curve = curve
         self._address = coordinator_address
         self._engine_index = engine_index
         self._engine_id = engine_id
@@ -68,7 +71,12 @@ class LoadReporter(threading.Thread):
 
     def run(self) -> None:
         sock = zmq_channel.make_socket(
-            self._ctx, zmq.PUSH, self._address, bind=False, linger_ms=SEND_LINGER_MS
+            self._ctx,
+            zmq.PUSH,
+            self._address,
+            bind=False,
+            linger_ms=SEND_LINGER_MS,
+            curve=self._curve,
         )
         logger.info("Reporting load to the coordinator at %s", self._address)
         try:

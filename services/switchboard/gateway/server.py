@@ -35,12 +35,15 @@ from switchboard.api.v1 import (
     model_service_pb2_grpc,
 )
 from switchboard.config import GatewayRoleConfig
+from switchboard.gateway.admission import Admission
 from switchboard.gateway.chat.template import ChatTemplate, load_chat_template
 from switchboard.gateway.engines.client import EngineClient
 from switchboard.gateway.http.server import HttpServer
 from switchboard.gateway.model_facts import ModelFacts
 from switchboard.gateway.observability.observer import Observability
 from switchboard.gateway.pipeline.generate_call import GenerateCalls
+from switchboard.gateway.pipeline.request_bounds import longest_token_bytes
+from switchboard.gateway.request_guard import MalformedRequestGuard
 from switchboard.gateway.servicers.admin import AdminServicer
 from switchboard.gateway.servicers.generation import GenerationServicer
 from switchboard.gateway.servicers.model_service import ModelServicer
@@ -109,6 +112,7 @@ class GatewayServer:
             on_engines_changed=self._on_engines_changed,
             coordinator_publish_address=config.coordinator_publish_address,
             handshake_address=config.handshake_address,
+            curve_keys_dir=config.curve_keys_dir,
         )
         tokenizer = Tokenizer.from_model_dir(config.model.model)
         self.state = GatewayState(
@@ -121,8 +125,15 @@ class GatewayServer:
             ),
             observability=Observability(config, tokenizer, self._engines),
             chat_template=_load_chat_template(config),
+            longest_token_bytes=longest_token_bytes(tokenizer),
+            admission=Admission(
+                config.gateway.max_inflight_requests, config.gateway.max_queued_prompt_tokens
+            ),
         )
-        self._server = grpc.aio.server(options=_grpc_options(config.gateway.max_message_bytes))
+        self._server = grpc.aio.server(
+            options=_grpc_options(config.gateway.max_message_bytes),
+            interceptors=[MalformedRequestGuard()],
+        )
         self._calls = GenerateCalls(self.state)  # one call path and registry for gRPC and HTTP
         self.ready = False  # what the readiness service says (gRPC health and HTTP /ready)
         self._http = HttpServer(self.state, self._calls, lambda: self.ready)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
+import stat
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -36,6 +38,7 @@ from switchboard.wire.codec import (
 )
 from switchboard.wire.codec import decode as decode  # re-exported: frame bodies of any type
 from switchboard.wire.codec import encode as encode
+from switchboard.wire.curve import CurveKeys
 from switchboard.wire.engine_msgs import (
     ENGINE_CORE_DEAD,
     EngineCoreOutputs,
@@ -72,9 +75,11 @@ def make_socket(
     bind: bool,
     identity: bytes | None = None,
     linger_ms: int = 0,
+    curve: CurveKeys | None = None,
 ) -> S:
     """A socket with unbounded queues (HWM 0): dropping a request or output silently is worse
-    than using memory, and both sides drain continuously."""
+    than using memory, and both sides drain continuously. ``curve``: the socket's CURVE keys,
+    applied to a tcp:// address (ipc:// is guarded by its directory's permissions)."""
     sock = ctx.socket(socket_type)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
@@ -83,11 +88,28 @@ def make_socket(
         sock.setsockopt(zmq.IDENTITY, identity)
     if address.startswith("tcp://") and ":[" in address:
         sock.setsockopt(zmq.IPV6, 1)
+    if curve is not None and address.startswith("tcp://"):
+        curve.apply(sock)
     if bind:
         sock.bind(address)
     else:
         sock.connect(address)
     return sock
+
+
+def check_private_dir(path: str) -> None:
+    """ValueError unless ``path`` is a directory of this user that no one else may enter
+    (no group or other permission bits): where ipc:// sockets may be bound."""
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode):
+        raise ValueError(f"run directory {path} is not a directory")
+    if info.st_uid != os.getuid():
+        raise ValueError(f"run directory {path} belongs to uid {info.st_uid}, not to us")
+    if info.st_mode & 0o077:
+        raise ValueError(
+            f"run directory {path} has mode {stat.S_IMODE(info.st_mode):04o}; ipc:// sockets "
+            "need 0700 (no access for group or others)"
+        )
 
 
 def tcp_address(host: str, port: int) -> str:
@@ -105,8 +127,10 @@ def bound_address(sock: zmq.Socket[Any]) -> str:
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
-def engine_identity(data_parallel_rank: int) -> bytes:
-    return data_parallel_rank.to_bytes(2, "little")
+def engine_identity(data_parallel_rank: int, nonce: bytes = b"") -> bytes:
+    """An engine DEALER's routing id: its rank, and with CURVE a nonce per incarnation (the
+    gateway's ROUTER then refuses a second peer with an id in use instead of handing it over)."""
+    return data_parallel_rank.to_bytes(2, "little") + nonce
 
 
 def request_frames(

@@ -22,6 +22,7 @@ import zmq.asyncio
 
 from switchboard.wire import zmq_channel
 from switchboard.wire.codec import GATEWAY_ADDRESSES, GATEWAY_HELLO, DecodeError
+from switchboard.wire.curve import CurveKeys
 from switchboard.wire.engine_msgs import GatewayAddresses
 
 logger = logging.getLogger(__name__)
@@ -33,9 +34,15 @@ def port_of(address: str) -> int:
 
 
 class HandshakeServer:
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, answer: GatewayAddresses) -> None:
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        address: str,
+        answer: GatewayAddresses,
+        curve: CurveKeys | None = None,
+    ) -> None:
         self._answer = GATEWAY_ADDRESSES.encode(answer)
-        self._sock = zmq_channel.make_socket(ctx, zmq.ROUTER, address, bind=True)
+        self._sock = zmq_channel.make_socket(ctx, zmq.ROUTER, address, bind=True, curve=curve)
         self.address = zmq_channel.bound_address(self._sock)
         self._engines_seen: dict[int, str] = {}
         logger.info(

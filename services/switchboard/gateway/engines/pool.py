@@ -32,6 +32,7 @@ from switchboard.gateway.engines.types import EngineHandle
 from switchboard.gateway.errors import unavailable
 from switchboard.wire import zmq_channel
 from switchboard.wire.codec import LOAD_REPORT, DecodeError
+from switchboard.wire.curve import CurveKeys
 from switchboard.wire.engine_msgs import LoadReport
 
 logger = logging.getLogger(__name__)
@@ -86,10 +87,11 @@ class LoadSubscriber:
         publish_address: str,
         engines: Callable[[], dict[int, EngineHandle]],
         stale_after_s: float = REPORTS_STALE_S,
+        curve: CurveKeys | None = None,
     ) -> None:
         self._engines = engines
         self._stale_after_ms = int(stale_after_s * 1000)
-        self._sock = zmq_channel.make_socket(ctx, zmq.SUB, publish_address, bind=False)
+        self._sock = zmq_channel.make_socket(ctx, zmq.SUB, publish_address, bind=False, curve=curve)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
         self.fresh = False  # a report came within stale_after_s
         self.reported_ranks: list[int] = []  # the engines the latest report covered

@@ -25,11 +25,17 @@ from typing import Any, Protocol
 import grpc
 
 from switchboard.api.v1 import generation_service_pb2 as pb
+from switchboard.gateway.admission import Ticket
 from switchboard.gateway.chat.prompt import chat_prompt_token_ids
 from switchboard.gateway.errors import ApiError, unavailable
 from switchboard.gateway.observability.observer import RequestObserver
 from switchboard.gateway.pipeline.bad_words import tokenize_bad_words
 from switchboard.gateway.pipeline.generate_stream import GenerateStream
+from switchboard.gateway.pipeline.request_bounds import (
+    check_data_parallel_rank,
+    check_text_bytes,
+    prompt_bytes,
+)
 from switchboard.gateway.pipeline.sequence_group import (
     SequenceGroup,
     child_requests,
@@ -71,17 +77,23 @@ class GenerateCall:
     """A submitted call: its sequence group and the responses it makes."""
 
     def __init__(
-        self, calls: GenerateCalls, group: SequenceGroup, observer: RequestObserver
+        self,
+        calls: GenerateCalls,
+        group: SequenceGroup,
+        observer: RequestObserver,
+        ticket: Ticket,
     ) -> None:
         self._state = calls.state
         self.group = group
         self._observer = observer
+        self._ticket = ticket
         self.finished = False  # ran to its end: nothing left to abort
 
     async def responses(self) -> AsyncIterator[pb.GenerateResponse]:
         group = self.group
         while not group.finished:
             index, event = await group.next_event()
+            self._ticket.prompt_started()  # the engine answered: the prompt left the queue
             self._observer.on_event(event)
             response = group.handle(index, event)
             stopped = group.take_stopped_request_ids()
@@ -120,6 +132,7 @@ class GenerateCalls:
                 field="request_id",
             )
         state = self.state
+        ticket = state.admission.enter()  # this gateway's room for one more, or RESOURCE_EXHAUSTED
         live = self._live[request_id] = _LiveRequest()
         group: SequenceGroup | None = None
         call: GenerateCall | None = None
@@ -132,13 +145,16 @@ class GenerateCalls:
                     f"model {state.facts.name!r} is an encoder: it serves Embed only",
                     reason="TASK_NOT_SUPPORTED",
                 )
+            self._check_bounds(request)
             plan = plan_generate(request, request_id, state.facts, state.chat_template)
-            group = await self._submit(plan, arrival_time, context, observer=observer)
+            group = await self._submit(
+                plan, arrival_time, context, observer=observer, ticket=ticket
+            )
             observer.submitted(group.engine)
             live.engine_request_ids = group.request_ids
             if live.aborted:  # the Abort RPC came while the prompt was being tokenized
                 state.engines.abort(group.request_ids, "Abort RPC")
-            call = GenerateCall(self, group, observer)
+            call = GenerateCall(self, group, observer, ticket)
             yield call
         except ApiError:
             failed = True  # the engine client already forgot a failed request
@@ -147,6 +163,7 @@ class GenerateCalls:
             raise
         finally:
             observer.end(group)
+            ticket.release()
             del self._live[request_id]
             if group is not None:
                 group.close()
@@ -154,6 +171,20 @@ class GenerateCalls:
                 # Cancelled, disconnected or past its deadline: free the engine's slot now.
                 state.engines.abort(group.request_ids, "client cancelled or deadline")
                 logger.info("request %s: client went away; sent ABORT", request_id)
+
+    def _check_bounds(self, request: pb.GenerateRequest) -> None:
+        """What bounds the work before any of it: the prompt's bytes, the pinned rank."""
+        state = self.state
+        if state.longest_token_bytes:
+            check_text_bytes(
+                "messages" if request.messages else "text",
+                prompt_bytes(request),
+                state.max_prompt_bytes,
+            )
+        if request.HasField("data_parallel_rank"):
+            check_data_parallel_rank(
+                request.data_parallel_rank, state.config.num_engines, state.engines.engines
+            )
 
     def abort(self, request_ids: Iterable[str], reason: str) -> tuple[list[str], list[str]]:
         """The Abort RPC: (aborted, unknown) request ids."""
@@ -175,6 +206,7 @@ class GenerateCalls:
         context: CallContext,
         *,
         observer: RequestObserver,
+        ticket: Ticket,
     ) -> SequenceGroup:
         """Tokenize and check; ADD the request's n sequences to the engines."""
         state = self.state
@@ -190,6 +222,7 @@ class GenerateCalls:
             token_ids = plan.prompt_token_ids or []
         facts = state.facts
         prompt_token_ids = resolve_prompt(plan, token_ids, facts)
+        ticket.queue_prompt(len(prompt_token_ids) * plan.n)  # admission: waits for prefill now
         bad_words_token_ids = None
         if plan.bad_words:
             bad_words_token_ids = await state.in_pool(

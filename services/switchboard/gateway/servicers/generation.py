@@ -13,6 +13,12 @@ from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
 from switchboard.gateway.errors import invalid_argument, maps_api_errors
 from switchboard.gateway.pipeline.generate_call import GenerateCalls
+from switchboard.gateway.pipeline.request_bounds import (
+    check_labels,
+    check_model_name,
+    check_request_id,
+    check_text_bytes,
+)
 from switchboard.gateway.pipeline.validation import check_model
 from switchboard.gateway.servicers.embedding import Embedder
 from switchboard.gateway.state import GatewayState
@@ -34,6 +40,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         arrival_time = time.time()
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
+        # Before anything is echoed (the x-request-id header, errors naming the model): the
+        # fields' sizes and characters.
+        check_request_id(request_id)
+        check_model_name(request.model)
+        check_labels(request.labels)
         await context.send_initial_metadata(((REQUEST_ID_HEADER, request_id),))
         async with self._calls.open(request, request_id, arrival_time, context) as call:
             async for response in call.responses():
@@ -58,7 +69,10 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
         state = self._state
+        check_model_name(request.model)
         check_model(request.model, state.facts)
+        if state.longest_token_bytes:
+            check_text_bytes("text", len(request.text.encode()), state.max_prompt_bytes)
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
         token_ids = await state.in_pool(state.tokenizer.encode, request.text, add_special)
         response = pb.TokenizeResponse(token_ids=token_ids, max_model_len=state.facts.max_model_len)
@@ -71,6 +85,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.DetokenizeResponse:
         state = self._state
+        check_model_name(request.model)
         check_model(request.model, state.facts)
         vocab_size = state.tokenizer.vocab_size
         for i, token_id in enumerate(request.token_ids):
