@@ -44,7 +44,7 @@ def test_keyed_roles_serve_and_an_unkeyed_engine_is_refused(tiny_model: str, tmp
     gateway = Role("gateway", ["gateway", "--model", tiny_model, "--host", "127.0.0.1",
                    "--port", str(grpc_port), "--engine-host", "127.0.0.1", "--handshake-port",
                    str(handshake), "--coordinator-address", f"127.0.0.1:{report}",
-                   "--curve-keys-dir", keys], tmp_path, env)  # fmt: skip
+                   "--curve-keys-dir", keys, "--http-port", "-1"], tmp_path, env)  # fmt: skip
     roles = [coordinator, gateway]
 
     def engine(name: str, *extra: str) -> Role:

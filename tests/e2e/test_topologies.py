@@ -277,7 +277,7 @@ def test_coordinator_as_a_separate_command_feeds_the_gateway(
     gateway = Role("gateway", ["gateway", "--model", tiny_model, "--host", "127.0.0.1",
                    "--port", str(grpc_port), "--engine-host", "127.0.0.1", "--handshake-port",
                    str(handshake_port), "-dp", "2", "--coordinator-address",
-                   f"127.0.0.1:{report_port}"], tmp_path, env)  # fmt: skip
+                   f"127.0.0.1:{report_port}", "--http-port", "-1"], tmp_path, env)  # fmt: skip
     roles = [coordinator, gateway]
     for rank in (0, 1):
         args = ["engine", "--model", tiny_model, "--gateway-address",

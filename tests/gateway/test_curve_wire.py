@@ -198,7 +198,8 @@ class Gateway:
         args = [sys.executable, "-m", "switchboard.cli", "gateway", "--model",
                 str(checkpoint_dir), "--host", "127.0.0.1", "--port", str(self.grpc_port),
                 "--engine-host", "127.0.0.1", "--handshake-port", str(self.handshake_port),
-                "--engine-heartbeat-timeout", "30", "--disable-log-stats"]  # fmt: skip
+                "--engine-heartbeat-timeout", "30", "--disable-log-stats",
+                "--http-port", "-1"]  # fmt: skip
         if keys_dir:
             args += ["--curve-keys-dir", keys_dir]
         with open(self.log_path, "wb") as log:
