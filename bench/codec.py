@@ -4,7 +4,7 @@
 
 Messages: an ``EngineCoreRequest`` with a 512-token prompt (one per request, gateway ->
 engine) and an ``EngineCoreOutputs`` with 64 outputs (one per engine step, engine -> gateway).
-"ours" is ``zmq_channel.Codec`` (msgspec msgpack, typed decoder); "ours, reused buffer" encodes
+"ours" is ``wire.codec.Codec`` (msgspec msgpack, typed decoder); "ours, reused buffer" encodes
 into one bytearray the way the engine's output thread does. pickle is only the baseline here:
 it never crosses a wire, because unpickling runs code.
 """
@@ -18,6 +18,7 @@ import timeit
 from collections.abc import Callable
 from typing import Any
 
+from switchboard.wire.codec import Codec
 from switchboard.wire.engine_msgs import (
     EngineCoreEvent,
     EngineCoreOutput,
@@ -27,7 +28,6 @@ from switchboard.wire.engine_msgs import (
     SamplingParams,
     SchedulerStats,
 )
-from switchboard.wire.zmq_channel import Codec
 
 
 def make_request(prompt_tokens: int = 512) -> EngineCoreRequest:

@@ -28,7 +28,8 @@ ENV PATH=/opt/venv/bin:$PATH \
 RUN useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin switchboard
 COPY --from=build /opt/venv /opt/venv
 USER 10001
-# gRPC, engine handshake, Prometheus /metrics, coordinator load and report ports.
-EXPOSE 50051 50052 9090 50053 50054
+# gRPC, engine handshake, the OpenAI-compatible HTTP API, Prometheus /metrics, coordinator load
+# and report ports.
+EXPOSE 50051 50052 8000 9090 50053 50054
 ENTRYPOINT ["switchboard"]
 CMD ["gateway", "--help"]

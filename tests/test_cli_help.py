@@ -9,7 +9,17 @@ import pytest
 
 from switchboard import cli
 
-COMMANDS = ["serve", "gateway", "engine", "coordinator", "generate", "chat", "topology", "ps"]
+COMMANDS = [
+    "serve",
+    "gateway",
+    "engine",
+    "coordinator",
+    "keys",
+    "generate",
+    "chat",
+    "topology",
+    "ps",
+]
 
 
 def _commands() -> dict[str, argparse.ArgumentParser]:

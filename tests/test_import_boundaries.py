@@ -1,6 +1,6 @@
 """The house rules on imports: process roles never import one another, and only
 ``worker/`` and ``models/`` import torch, so the gateway and the engine core start (and test)
-without it."""
+without it. The wires own their codecs: no role builds a msgpack or JSON codec of its own."""
 
 from __future__ import annotations
 
@@ -57,6 +57,27 @@ def test_only_workers_and_models_import_torch() -> None:
         for module in _imported_modules(path)
         if module.split(".")[0] == "torch"
     ]
+    assert breaches == []
+
+
+def test_roles_use_the_wires_codecs() -> None:
+    """``msgspec.msgpack`` and ``msgspec.json`` appear only in ``wire/`` (``wire/codec.py``):
+    a role encodes and decodes wire messages with the codecs there."""
+    breaches = []
+    for path in _sources():
+        if _top_folder(path) not in ROLES:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names: set[str] = set()
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                names.add(f"{node.value.id}.{node.attr}")  # msgspec.msgpack.Decoder(...)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names.update(a.name for a in node.names)  # import msgspec.msgpack
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    names.add(node.module)  # from msgspec.msgpack import Decoder
+                    names.update(f"{node.module}.{a.name}" for a in node.names)
+            for name in sorted(names & {"msgspec.msgpack", "msgspec.json"}):
+                breaches.append(f"{path.relative_to(PACKAGE)}:{node.lineno} uses {name}")
     assert breaches == []
 
 

@@ -73,6 +73,20 @@ def test_the_ready_line_lists_every_address() -> None:
     )
 
 
+def test_the_ready_line_lists_the_http_api_of_each_gateway() -> None:
+    model = ModelConfig(model="/models/tiny")
+    parallel = ParallelConfig(api_servers=2)
+    gateway = GatewayRoleConfig(
+        model=model, gateway=GatewayConfig(host="127.0.0.1", port=50051, http_port=8000)
+    )
+    gateways, _ = plan_server(gateway, EngineConfig(model=model, parallel=parallel), "/r")
+    assert server_addresses(gateways) == [
+        ("gRPC", "127.0.0.1:50051"),
+        ("HTTP", "http://127.0.0.1:8000/v1"),
+        ("HTTP", "http://127.0.0.1:8001/v1"),
+    ]
+
+
 def test_without_metrics_only_grpc_is_listed_and_ipv6_is_bracketed() -> None:
     model = ModelConfig(model="/m")
     gateway = GatewayRoleConfig(model=model, gateway=GatewayConfig(host="::", port=7))

@@ -3,6 +3,7 @@
 // failed call's google.rpc.Status details (the grpc-status-details-bin trailer) are read.
 //
 //   npm ci && node client.js --target 127.0.0.1:50051 --max-tokens 16 "The capital of France is"
+//   node client.js --chat "What is the capital of France?"   # a chat message, the model's template
 //
 // The protos come from the repository's proto/ folder (self-contained: google/rpc is vendored
 // there; google/protobuf/* ship with the loader). Set SWITCHBOARD_PROTO_DIR to use a copy.
@@ -66,6 +67,7 @@ function parseArgs(argv) {
     target: "127.0.0.1:50051",
     maxTokens: 16,
     ignoreEos: false,
+    chat: false,
     json: false,
     prompt: null,
   };
@@ -74,10 +76,11 @@ function parseArgs(argv) {
     if (arg === "--target") args.target = argv[++i];
     else if (arg === "--max-tokens") args.maxTokens = Number(argv[++i]);
     else if (arg === "--ignore-eos") args.ignoreEos = true;
+    else if (arg === "--chat") args.chat = true;
     else if (arg === "--json") args.json = true;
     else if (arg === "-h" || arg === "--help") {
       console.log(
-        "usage: node client.js [--target HOST:PORT] [--max-tokens N] [--ignore-eos] [--json] PROMPT",
+        "usage: node client.js [--target HOST:PORT] [--max-tokens N] [--ignore-eos] [--chat] [--json] PROMPT",
       );
       process.exit(0);
     } else args.prompt = arg;
@@ -86,11 +89,15 @@ function parseArgs(argv) {
   return args;
 }
 
-// Generate: one server-streaming call; OUTPUT_KIND_DELTA sends each step's new text.
+// Generate: one server-streaming call; OUTPUT_KIND_DELTA sends each step's new text. With
+// --chat the prompt is one user message, rendered by the server with the model's chat template.
 function generate(api, channel, args, onText) {
   const stub = new api.GenerationService(channel.target, channel.credentials);
+  const prompt = args.chat
+    ? { messages: [{ role: "user", content: args.prompt }] }
+    : { text: args.prompt };
   const request = {
-    text: args.prompt,
+    ...prompt,
     sampling: { temperature: 0 }, // greedy
     stopping: { max_tokens: args.maxTokens, ignore_eos: args.ignoreEos },
     output: { kind: "OUTPUT_KIND_DELTA" },

@@ -16,7 +16,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from switchboard.defaults import DEFAULT_GRPC_PORT
+from switchboard.defaults import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT
 
 if TYPE_CHECKING:
     from switchboard.config import EngineConfig, GatewayRoleConfig
@@ -27,6 +27,7 @@ SERVER_COMMANDS = {
     "gateway": "run one gateway; engines on other hosts join it",
     "engine": "run one engine core and its workers for gateways",
     "coordinator": "run the coordinator for engines and gateways on other hosts (DP > 1)",
+    "keys": "make the CURVE keys that authenticate gateways, engines and coordinator over TCP",
 }
 SERVER_INSTALL_HINT = "pip install 'switchboard[server]'"
 
@@ -86,7 +87,7 @@ def _server_import_error() -> ImportError | None:
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    from switchboard.config import CacheConfig, SchedulerConfig, WorkerConfig
+    from switchboard.config import CacheConfig, GatewayConfig, SchedulerConfig, WorkerConfig
 
     m = p.add_argument_group("model")
     m.add_argument(
@@ -126,6 +127,13 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="0.0.0.0", help="address the gRPC server binds on")
     g.add_argument("--port", type=int, default=DEFAULT_GRPC_PORT, help="the gRPC server's port")
     g.add_argument(
+        "--http-port",
+        type=int,
+        default=DEFAULT_HTTP_PORT,
+        help="the OpenAI-compatible HTTP API's port (gateway i of one machine: port + i; "
+        "0: a free port, logged; -1: no HTTP API)",
+    )
+    g.add_argument(
         "--api-servers",
         type=int,
         default=None,
@@ -135,6 +143,20 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         "--enable-admin",
         action="store_true",
         help="serve AdminService (allow-listed engine utilities)",
+    )
+    g.add_argument(
+        "--max-inflight-requests",
+        type=int,
+        default=GatewayConfig().max_inflight_requests,
+        help="Generate calls one gateway process serves at once; more get RESOURCE_EXHAUSTED "
+        "with a retry delay (0: no cap)",
+    )
+    g.add_argument(
+        "--max-queued-prompt-tokens",
+        type=int,
+        default=GatewayConfig().max_queued_prompt_tokens,
+        help="prompt tokens one gateway process holds waiting for their first output; more get "
+        "RESOURCE_EXHAUSTED with a retry delay (0: no cap)",
     )
 
     s = p.add_argument_group("scheduler and KV cache")
@@ -310,7 +332,10 @@ def build_configs(
             otlp_traces_protocol=args.otlp_traces_protocol,
             trace_content=args.trace_content,
             metrics_port=args.metrics_port,
+            http_port=None if args.http_port < 0 else args.http_port,
             log_stats_interval_s=0.0 if args.disable_log_stats else 10.0,
+            max_inflight_requests=args.max_inflight_requests,
+            max_queued_prompt_tokens=args.max_queued_prompt_tokens,
         ),
         num_engines=parallel.data_parallel_size,
     )
@@ -353,12 +378,17 @@ def _validate_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespa
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("max_inflight_requests", "max_queued_prompt_tokens"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be at least 0 (0: no cap)")
     if args.torch_threads < 0:
         parser.error("--torch-threads must be at least 0 (0: an equal share of the CPUs)")
     if args.long_prefill_token_threshold < 0:
         parser.error("--long-prefill-token-threshold must be at least 0 (0: no cap)")
     if not 0 < args.gpu_memory_utilization <= 1:
         parser.error("--gpu-memory-utilization must be in (0, 1]")
+    if not -1 <= args.http_port <= 65535:
+        parser.error("--http-port must be a port, 0 (a free port) or -1 (no HTTP API)")
     if getattr(args, "data_parallel_rank", None) is not None and args.data_parallel_rank < 0:
         parser.error("--data-parallel-rank must be at least 0")
 
@@ -485,6 +515,7 @@ def make_parser() -> argparse.ArgumentParser:
         cli_roles.add_engine_args(engine)
         coordinator = command("coordinator", SERVER_COMMANDS["coordinator"])
         cli_roles.add_coordinator_args(coordinator)
+        cli_roles.add_keys_args(command("keys", SERVER_COMMANDS["keys"]))
     else:  # the client install: the server commands only say how to get them
         for name, text in SERVER_COMMANDS.items():
             stub = command(name, f"{text} (needs the server: {SERVER_INSTALL_HINT})")
@@ -572,6 +603,10 @@ def main(argv: list[str] | None = None) -> int:
         from switchboard import cli_roles
 
         return cli_roles.cmd_coordinator(args)
+    if args.command == "keys":
+        from switchboard import cli_roles
+
+        return cli_roles.cmd_keys(args)
     if args.command == "generate":
         return cmd_generate(args)
     if args.command == "chat":

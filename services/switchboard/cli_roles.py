@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import random
 import re
 import socket
 
 import msgspec
 
-from switchboard.config import encode_config
+from switchboard.config import EngineConfig, GatewayRoleConfig, encode_config
 from switchboard.wire.zmq_channel import tcp_address
 
 DEFAULT_HANDSHAKE_PORT = 50052
@@ -36,6 +37,41 @@ DEFAULT_COORDINATOR_LOAD_PORT = 50053  # engines push EngineLoad here
 DEFAULT_COORDINATOR_REPORT_PORT = 50054  # gateways subscribe to LoadReport here
 
 logger = logging.getLogger("switchboard.cli")
+
+
+CURVE_HELP = (
+    "CURVE on every tcp:// ZeroMQ socket, keys from this directory (`switchboard keys "
+    "generate DIR`; docs/architecture.md, Trust) (default: none: plain TCP, unauthenticated)"
+)
+
+
+def _add_curve_arg(g: argparse._ActionsContainer) -> None:
+    g.add_argument("--curve-keys-dir", default="", metavar="DIR", help=CURVE_HELP)
+
+
+def add_keys_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "action",
+        choices=["generate"],
+        help="generate: write CURVE key pairs (gateway, coordinator, engine-<r> for each rank) "
+        "and the allow-list directories allowed-engines/ and allowed-gateways/ into DIR",
+    )
+    p.add_argument("dir", metavar="DIR", help="the keys directory (created 0700)")
+    p.add_argument("--engines", type=int, default=1, help="engine key pairs, one per DP rank")
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from switchboard.wire import curve
+
+    if args.engines < 1:
+        raise SystemExit("switchboard keys generate: --engines must be at least 1")
+    try:
+        written = curve.generate(args.dir, args.engines)
+    except curve.CurveKeyError as exc:
+        raise SystemExit(f"switchboard keys generate: {exc}") from None
+    for path in written:
+        print(path)
+    return 0
 
 
 def add_gateway_args(p: argparse.ArgumentParser) -> None:
@@ -65,6 +101,7 @@ def add_gateway_args(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="an engine silent this long (no output, no heartbeat) is dead",
     )
+    _add_curve_arg(g)
     g.add_argument(
         "--coordinator-address",
         default="",
@@ -97,6 +134,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="seconds between two resolutions of --gateway-address (new gateways join then)",
     )
+    _add_curve_arg(g)
     g.add_argument(
         "--coordinator-address",
         default="",
@@ -132,6 +170,7 @@ def add_coordinator_args(p: argparse.ArgumentParser) -> None:
         default=1,
         help="engines expected (the deployment's DP size; for its log lines)",
     )
+    _add_curve_arg(p)
 
 
 def coordinator_tcp_address(target: str, default_port: int) -> str:
@@ -147,12 +186,22 @@ def coordinator_tcp_address(target: str, default_port: int) -> str:
     return tcp_address(host, int(port))
 
 
+def _keys_dir(args: argparse.Namespace) -> str:
+    """``--curve-keys-dir`` as an absolute path ("" when not given); exits on a missing one."""
+    path = str(args.curve_keys_dir or "")
+    if not path:
+        return ""
+    if not os.path.isdir(path):
+        raise SystemExit(f"--curve-keys-dir {path}: no such directory")
+    return os.path.abspath(path)
+
+
 def hostname_ordinal() -> int:
     match = re.search(r"-(\d+)$", socket.gethostname())
     return int(match.group(1)) if match else 0
 
 
-def cmd_gateway(args: argparse.Namespace, gateway) -> int:
+def cmd_gateway(args: argparse.Namespace, gateway: GatewayRoleConfig) -> int:
     """Run one gateway in this process (``gateway``: the GatewayRoleConfig of the serve flags)."""
     from switchboard.gateway.__main__ import main as gateway_main
 
@@ -170,11 +219,12 @@ def cmd_gateway(args: argparse.Namespace, gateway) -> int:
         coordinator_publish_address=coordinator_tcp_address(
             args.coordinator_address, DEFAULT_COORDINATOR_REPORT_PORT
         ),
+        curve_keys_dir=_keys_dir(args),
     )
     return gateway_main(["--config-json", encode_config(config)])
 
 
-def cmd_engine(args: argparse.Namespace, engine) -> int:
+def cmd_engine(args: argparse.Namespace, engine: EngineConfig) -> int:
     """Run one engine core (and its workers) in this process."""
     from switchboard.engine.__main__ import main as engine_main
     from switchboard.engine.handshake import split_host_port
@@ -191,6 +241,7 @@ def cmd_engine(args: argparse.Namespace, engine) -> int:
         coordinator_address=coordinator_tcp_address(
             args.coordinator_address, DEFAULT_COORDINATOR_LOAD_PORT
         ),
+        curve_keys_dir=_keys_dir(args),
     )
     return engine_main(["--config-json", encode_config(config), "--log-level", args.log_level])
 
@@ -204,5 +255,6 @@ def cmd_coordinator(args: argparse.Namespace) -> int:
         input_address=tcp_address(args.host, args.load_port),
         publish_address=tcp_address(args.host, args.report_port),
         num_engines=args.data_parallel_size,
+        curve_keys_dir=_keys_dir(args),
     )
     return coordinator_main(["--config-json", encode_config(config), "--log-level", args.log_level])

@@ -30,10 +30,11 @@ def cache_root() -> Path:
 
 
 class _Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    pass
+    """Base of every config. Subclasses inherit these options; each restates ``frozen=True``
+    because type checkers do not see a msgspec option inherited."""
 
 
-class ModelConfig(_Config):
+class ModelConfig(_Config, frozen=True):
     model: str  # a Hugging Face checkpoint directory (config.json + safetensors + tokenizer.json)
     served_model_name: str = ""  # "" = the directory's name
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
@@ -48,7 +49,7 @@ class ModelConfig(_Config):
         return self.served_model_name or os.path.basename(os.path.normpath(self.model))
 
 
-class CacheConfig(_Config):
+class CacheConfig(_Config, frozen=True):
     block_size: int = 16
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None  # None = fraction of free device memory / CPU default
@@ -56,14 +57,14 @@ class CacheConfig(_Config):
     enable_prefix_caching: bool = True
 
 
-class SchedulerConfig(_Config):
+class SchedulerConfig(_Config, frozen=True):
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int = 0  # 0 = no cap on one request's chunk
     scheduling_policy: str = "fcfs"  # fcfs | priority
 
 
-class ParallelConfig(_Config):
+class ParallelConfig(_Config, frozen=True):
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -74,7 +75,7 @@ class ParallelConfig(_Config):
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
-class WorkerConfig(_Config):
+class WorkerConfig(_Config, frozen=True):
     device: str = "auto"  # auto | cpu | cuda
     # Torch intra-op threads per worker; 0 = an equal share of the usable CPUs among the
     # workers on this host (worker/threads.py says why).
@@ -85,7 +86,7 @@ class WorkerConfig(_Config):
     workers_on_host: int = 0
 
 
-class GatewayConfig(_Config):
+class GatewayConfig(_Config, frozen=True):
     host: str = "0.0.0.0"
     port: int = DEFAULT_GRPC_PORT
     enable_admin: bool = False
@@ -97,10 +98,16 @@ class GatewayConfig(_Config):
     otlp_traces_protocol: str = ""  # grpc | http/protobuf; "" = OTEL_EXPORTER_OTLP_* or grpc
     trace_content: bool = False  # prompt and output text in span attributes (opt-in)
     metrics_port: int | None = None  # /metrics on this port + client_index; None = off
+    # The OpenAI-compatible HTTP API (gateway/http/) on this port + client_index; 0 = a free
+    # port; None = off. `serve`/`gateway` default to 8000 (as vLLM); the config itself to off.
+    http_port: int | None = None
     log_stats_interval_s: float = 10.0  # the periodic stats log line; 0 = off
+    # Admission control (gateway/admission.py), per gateway process; 0 = no cap.
+    max_inflight_requests: int = 1024
+    max_queued_prompt_tokens: int = 1 << 22
 
 
-class EngineConfig(_Config):
+class EngineConfig(_Config, frozen=True):
     """Everything one engine core (and its workers) needs."""
 
     model: ModelConfig
@@ -120,6 +127,8 @@ class EngineConfig(_Config):
     # every discovery_interval_s and every address it lists is a gateway; the static address
     # lists above are then unused.
     gateway_discovery: str = ""
+    # CURVE on every tcp:// socket: the keys directory (wire/curve.py); "" = plain TCP.
+    curve_keys_dir: str = ""
     discovery_interval_s: float = 5.0
     load_report_interval_s: float = 0.1  # EngineLoad at most this often
     # Worker rank r of this engine uses accelerator first_device_index + r. One machine:
@@ -128,7 +137,7 @@ class EngineConfig(_Config):
     first_device_index: int = 0
 
 
-class GatewayRoleConfig(_Config):
+class GatewayRoleConfig(_Config, frozen=True):
     """Everything one gateway process needs."""
 
     model: ModelConfig
@@ -144,9 +153,11 @@ class GatewayRoleConfig(_Config):
     # Engines on other hosts: the fixed TCP address engines say hello to ("" = one machine).
     # The data sockets then bind on port 0 of the same host and are announced in the answer.
     handshake_address: str = ""
+    # CURVE on every tcp:// socket: the keys directory (wire/curve.py); "" = plain TCP.
+    curve_keys_dir: str = ""
 
 
-class CoordinatorConfig(_Config):
+class CoordinatorConfig(_Config, frozen=True):
     """The coordinator (only when DP > 1): engines' load in, one report to every gateway out."""
 
     input_address: str  # PULL bind: EngineLoad from every engine
@@ -154,6 +165,8 @@ class CoordinatorConfig(_Config):
     num_engines: int = 1
     publish_interval_s: float = 0.1  # at most this often, when something changed
     keepalive_interval_s: float = 5.0  # at least this often, changed or not
+    # CURVE on every tcp:// socket: the keys directory (wire/curve.py); "" = plain TCP.
+    curve_keys_dir: str = ""
 
 
 C = TypeVar("C", bound=_Config)
@@ -168,10 +181,15 @@ def decode_config(text: str | bytes, kind: type[C]) -> C:
 
 
 def new_run_dir(base: str | None = None) -> str:
-    """A private directory for one server's ipc:// sockets; the launcher removes it at exit."""
+    """A private directory for one server's ipc:// sockets; the launcher removes it at exit.
+    Created 0700 (whatever the umask) and checked: its sockets are only as private as it."""
     base = base or os.environ.get("SWITCHBOARD_RPC_BASE_PATH") or tempfile.gettempdir()
     path = os.path.join(base, f"switchboard-{uuid.uuid4().hex[:12]}")
-    os.makedirs(path, mode=0o700)
+    os.makedirs(path, mode=0o700)  # fails if it exists: never one someone else made
+    os.chmod(path, 0o700)
+    from switchboard.wire.zmq_channel import check_private_dir
+
+    check_private_dir(path)
     return path
 
 

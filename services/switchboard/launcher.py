@@ -28,6 +28,8 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from types import FrameType
+from typing import Any, TypeVar
 
 import grpc
 import msgspec
@@ -54,7 +56,7 @@ READY_POLL_S = 0.25
 @dataclass
 class Child:
     role: str  # e.g. "Gateway_0", "EngineCore_DP0"
-    process: subprocess.Popen
+    process: subprocess.Popen[bytes]
 
 
 def plan_coordinator(engine: EngineConfig, run_dir: str) -> CoordinatorConfig | None:
@@ -112,9 +114,13 @@ def _host_port(host: str, port: int) -> str:
 
 def server_addresses(gateways: list[GatewayRoleConfig]) -> list[tuple[str, str]]:
     """(what, address) for every endpoint of a one-machine server, in the order the ready line
-    lists them. A new endpoint (an HTTP API, say) is one more entry here."""
+    lists them."""
     first = gateways[0].gateway
     addresses = [("gRPC", _host_port(first.host, first.port))]
+    if first.http_port:  # gateway i serves the OpenAI-compatible API on --http-port + i
+        for cfg in gateways:
+            port = first.http_port + cfg.client_index
+            addresses.append(("HTTP", f"http://{_host_port(first.host, port)}/v1"))
     if first.metrics_port:  # (0: ephemeral ports, which the gateways log themselves)
         for cfg in gateways:  # gateway i serves /metrics on --metrics-port + i
             port = first.metrics_port + cfg.client_index
@@ -142,7 +148,10 @@ def _probe_target(gateway: GatewayRoleConfig) -> str:
     return _host_port(host, gateway.gateway.port)
 
 
-def _replace(config, **changes):
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+def _replace(config: S, **changes: Any) -> S:
     return msgspec.structs.replace(config, **changes)
 
 
@@ -184,12 +193,12 @@ class Supervisor:
                 self._children.append(
                     _start(f"Gateway_{cfg.client_index}", "switchboard.gateway", encode_config(cfg))
                 )
-            for cfg in self._engines:
+            for engine in self._engines:
                 self._children.append(
                     _start(
-                        f"EngineCore_DP{cfg.data_parallel_rank}",
+                        f"EngineCore_DP{engine.data_parallel_rank}",
                         "switchboard.engine",
-                        encode_config(cfg),
+                        encode_config(engine),
                     )
                 )
             threading.Thread(target=self._announce_ready, name="ready", daemon=True).start()
@@ -235,7 +244,7 @@ class Supervisor:
                 for name in unlink_orphaned_segments(child.process.pid):
                     logger.warning("removed shared-memory ring %s left by %s", name, child.role)
 
-    def _on_signal(self, signum: int, _frame) -> None:
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         logger.info("received %s: stopping", signal.Signals(signum).name)
         self._stop_requested.set()
 

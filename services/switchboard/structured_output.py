@@ -32,7 +32,7 @@ MAX_SPEC_CHARS = 1 << 20  # a schema, grammar or regex of at most 1 MiB (the eng
 MAX_CHOICES = 4096
 # JSON on one line with the usual separators: flexible whitespace lets a small model loop on
 # newlines until max_tokens. A schema's own "x-guidance" options override these.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_OPTIONS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class StructuredOutputError(ValueError):
@@ -90,7 +90,7 @@ def _json(spec: str, message: str) -> Any:
 
 def _from(make: Any, kind: str) -> str:
     try:
-        return make()
+        return str(make())
     except (ValueError, TypeError) as exc:
         raise StructuredOutputError(f"{kind}: {exc}") from None
 

@@ -82,6 +82,8 @@ def test_values_and_rendered_yaml_pass_yamllint(tmp_path) -> None:
         ({"engine": {"shm": {"sizeLimit": "lots"}}}, "/engine/shm/sizeLimit"),
         ({"tracing": {"enabled": True}}, "/tracing/endpoint"),
         ({"gateway": {"replica": 2}}, "replica"),  # a typo is refused, not ignored
+        ({"gateway": {"probes": "tcp"}}, "/gateway/probes"),
+        ({"gateway": {"http": {"port": 0}}}, "/gateway/http/port"),
     ],
 )
 def test_schema_rejects_bad_values(values: dict, where: str) -> None:
@@ -120,6 +122,38 @@ def test_gateway_pods_probe_grpc_health_and_drain() -> None:
     assert pod["terminationGracePeriodSeconds"] >= sleep_s + 5  # + the 5 s stream drain
     assert gateway["securityContext"]["readOnlyRootFilesystem"] is True
     assert pod["securityContext"]["runAsNonRoot"] is True
+
+
+def _client_service(docs: list[dict]) -> dict:
+    (service,) = [d for d in docs if d["metadata"]["name"] == "demo-switchboard-gateway"
+                  and d["kind"] == "Service"]  # fmt: skip
+    return service
+
+
+def test_gateway_serves_http_and_can_be_probed_over_it() -> None:
+    docs = manifests()
+    gateway = container(docs, "Deployment", "gateway")
+    ports = {p["name"]: p["containerPort"] for p in gateway["ports"]}
+    assert ports["http"] == 8000
+    args = gateway["args"]
+    assert args[args.index("--http-port") + 1] == "8000"
+    service = _client_service(docs)
+    assert {"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP",
+            "appProtocol": "http"} in service["spec"]["ports"]  # fmt: skip
+
+    gateway = container(manifests({"gateway": {"probes": "http"}}), "Deployment", "gateway")
+    assert gateway["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert gateway["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert gateway["startupProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert "grpc" not in gateway["readinessProbe"]
+
+    off = manifests({"gateway": {"http": {"enabled": False}}})
+    gateway = container(off, "Deployment", "gateway")
+    assert "http" not in {p["name"] for p in gateway["ports"]}
+    assert gateway["args"][gateway["args"].index("--http-port") + 1] == "-1"
+    assert "http" not in {p["name"] for p in _client_service(off)["spec"]["ports"]}
+    with pytest.raises(Exception, match="needs gateway.http.enabled"):
+        render({"gateway": {"probes": "http", "http": {"enabled": False}}})
 
 
 def test_engines_find_every_gateway_through_a_headless_service() -> None:

@@ -2,8 +2,8 @@
 proto/ folder) against a live `switchboard serve` on the tiny checkpoint.
 
 Its dependencies are installed with `npm ci` (package-lock.json) into examples/node/node_modules
-when missing; the test is skipped where node or npm is not installed. The chat form of Generate
-joins the example when generation_service.proto has it.
+when missing; the test is skipped where node or npm is not installed. The checkpoint has a chat
+template, so the example's chat form (``--chat``: one user message) runs too.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
 from tests.e2e.server import RunningServer, served
-from tests.tiny_checkpoint import tiny_llama_dir
+from tests.tiny_checkpoint import TINY_CHAT_TEMPLATE, tiny_llama_dir
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +43,8 @@ def node() -> str:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
-    yield from served(tiny_llama_dir(), tmp_path_factory.mktemp("node"))
+    model = tiny_llama_dir(chat_template=TINY_CHAT_TEMPLATE)
+    yield from served(model, tmp_path_factory.mktemp("node"))
 
 
 def _run_client(node: str, server: RunningServer, *args: str) -> subprocess.CompletedProcess:
@@ -88,3 +89,15 @@ def test_node_client_streams_text_to_the_terminal(node: str, server: RunningServ
     assert done.stdout.strip() != ""
     assert "[FINISH_REASON_LENGTH;" in done.stderr and "4 completion tokens" in done.stderr
     assert "refused as expected: INVALID_ARGUMENT" in done.stderr
+
+
+def test_node_client_sends_a_chat_message(node: str, server: RunningServer) -> None:
+    question = "hello there"
+    done = _run_client(node, server, "--json", "--chat", "--ignore-eos", "--max-tokens", "3",
+                       question)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["finish_reason"] == "FINISH_REASON_LENGTH"
+    assert result["completion_tokens"] == 3
+    # the template wrapped the message: more prompt tokens than the bare text has
+    assert result["usage"]["prompt_tokens"] > len(result["prompt_token_ids"])

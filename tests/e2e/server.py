@@ -61,6 +61,7 @@ class RunningServer:
     run_base: Path  # SWITCHBOARD_RPC_BASE_PATH: the server's run directory is created in here
     log_path: Path
     leftovers: list[str] | None = None  # what stop() found in run_base (must be nothing)
+    http_url: str = ""  # the OpenAI-compatible HTTP API of gateway 0 ("" = started without)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -102,18 +103,26 @@ def start_server(
     model_dir: str | None, workdir: Path, *extra_args: str, ready_timeout: float = 180.0
 ) -> RunningServer:
     """Start `switchboard serve` (model_dir None: the built-in default model) on a free port and
-    wait until it reports SERVING for generation."""
+    wait until it reports SERVING for generation. The HTTP API gets a free port too (unless
+    ``extra_args`` choose one): never the default 8000, which parallel runs would share."""
     port = free_port()
+    http_args: list[str] = []
+    if "--http-port" not in extra_args:
+        http_args = ["--http-port", str(free_port())]
+    args = [*http_args, *extra_args]
+    http_port = int(args[args.index("--http-port") + 1])
     # ipc:// paths must stay under 107 bytes: a short base in /tmp, not pytest's deep tmp_path.
     run_base = Path(tempfile.mkdtemp(prefix="sb-"))
     log_path = workdir / "server.log"
     env = dict(os.environ, SWITCHBOARD_RPC_BASE_PATH=str(run_base), PYTHONUNBUFFERED="1")
     model_args = ["--model", model_dir] if model_dir else []
     cmd = [sys.executable, "-m", "switchboard.cli", "serve", *model_args,
-           "--host", "127.0.0.1", "--port", str(port), *extra_args]  # fmt: skip
+           "--host", "127.0.0.1", "--port", str(port), *args]  # fmt: skip
     with open(log_path, "wb") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     server = RunningServer(process, f"127.0.0.1:{port}", run_base, log_path)
+    if http_port >= 0:
+        server.http_url = f"http://127.0.0.1:{http_port}"
     deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:

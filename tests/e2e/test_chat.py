@@ -45,3 +45,20 @@ def test_chat_command_one_shot(chat_server: RunningServer, tmp_path: Path) -> No
     assert done.returncode == 0, done.stderr
     assert "Paris" in done.stdout, done.stdout
     assert "prompt +" in done.stderr  # the summary line
+
+
+def test_openai_chat_completion_over_http(chat_server: RunningServer) -> None:
+    """The same question through the official ``openai`` package and the HTTP API."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{chat_server.http_url}/v1", api_key="unused", timeout=120)
+    (model,) = client.models.list().data
+    reply = client.chat.completions.create(
+        model=model.id,
+        messages=[{"role": "user", "content": QUESTION}],
+        temperature=0.0,
+        max_tokens=40,
+    )
+    answer = reply.choices[0].message.content or ""
+    assert "Paris" in answer, answer
+    assert reply.usage is not None and reply.usage.completion_tokens > 0

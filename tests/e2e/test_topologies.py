@@ -125,7 +125,7 @@ def test_dp2_pinned_rank(dp2_server: RunningServer) -> None:
         assert final.metrics.engine_id.startswith(f"EngineCore_DP{rank}-")
     with pytest.raises(grpc.RpcError) as error:
         generate(dp2_server.target, greedy(rank=2))
-    assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # DP = 2: ranks 0 and 1
 
 
 # ---- gateway and engine as separate commands (the Kubernetes building blocks) ----------------
@@ -192,7 +192,8 @@ def test_gateways_and_engine_as_separate_commands(tiny_model: str, tmp_path: Pat
         args = ["gateway", "--model", tiny_model, "--host", host, "--port", port,
                 "--engine-host", host, "--handshake-port", str(handshake_port),
                 "--engine-heartbeat-timeout", "3",
-                "--metrics-port", str(metrics_ports[i])]  # fmt: skip
+                "--metrics-port", str(metrics_ports[i]),
+                "--http-port", str(free_port())]  # fmt: skip
         return Role(f"gateway{i}", args, tmp_path, env)
 
     def engine() -> Role:
@@ -276,7 +277,7 @@ def test_coordinator_as_a_separate_command_feeds_the_gateway(
     gateway = Role("gateway", ["gateway", "--model", tiny_model, "--host", "127.0.0.1",
                    "--port", str(grpc_port), "--engine-host", "127.0.0.1", "--handshake-port",
                    str(handshake_port), "-dp", "2", "--coordinator-address",
-                   f"127.0.0.1:{report_port}"], tmp_path, env)  # fmt: skip
+                   f"127.0.0.1:{report_port}", "--http-port", "-1"], tmp_path, env)  # fmt: skip
     roles = [coordinator, gateway]
     for rank in (0, 1):
         args = ["engine", "--model", tiny_model, "--gateway-address",

@@ -102,8 +102,9 @@ async def test_requests_spread_and_pin(start_cluster) -> None:
     assert list(engines[1].added.values())[-1].data_parallel_rank == 1
     with pytest.raises(grpc.aio.AioRpcError) as error:
         await cluster.generate(rank=7)
-    assert error.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert "data_parallel_rank 7" in error.value.details()
+    # Beyond the deployment's ranks: a permanent error, not a retryable UNAVAILABLE.
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "data_parallel_rank 7 is out of range" in error.value.details()
 
 
 async def test_utility_calls_fan_out_to_every_engine(start_cluster) -> None:

@@ -8,6 +8,7 @@ import pytest
 import zmq
 
 from switchboard.wire import zmq_channel
+from switchboard.wire.codec import ENGINE_CORE_OUTPUTS
 from switchboard.wire.engine_msgs import (
     ENGINE_CORE_DEAD,
     EngineCoreEvent,
@@ -174,7 +175,7 @@ def test_output_frames_round_trip() -> None:
 
 
 def test_output_frames_encoded_into_a_reused_buffer() -> None:
-    codec = zmq_channel.Codec(EngineCoreOutputs)
+    codec = ENGINE_CORE_OUTPUTS  # the engine's output thread encodes with it
     buffer = bytearray()
     for outputs in (full_outputs(), EngineCoreOutputs(engine_index=1, heartbeat=True)):
         codec.encode_into(outputs, buffer)

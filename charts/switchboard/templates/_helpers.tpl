@@ -104,3 +104,54 @@ app.kubernetes.io/part-of: switchboard
 {{- $script := printf "import glob,sys\nt=[]\nfor f in glob.glob('/proc/[0-9]*/cmdline'):\n  try: t.append(open(f,'rb').read())\n  except OSError: pass\nw=sum(b'switchboard::Worker_' in c for c in t)\ne=sum(b'switchboard::EngineCore_' in c for c in t)\nsys.exit(0 if e and w>=%d else 1)" (include "switchboard.workersPerEngine" . | int) }}
 {{- list "python" "-c" $script | toJson }}
 {{- end }}
+
+{{/* CURVE keys (included under curve.enabled): `--curve-keys-dir` args, the mount, and a Secret volume that
+projects only the role's files (ctx: dict "root" . "role" gateway|engine|coordinator):
+gateway: its pair, the engines' public keys as allowed-engines/, the coordinator's public key;
+engine: every engine pair (each picks engine-<rank>), the gateway's and coordinator's public
+keys; coordinator: its pair, allowed-engines/ and allowed-gateways/. */}}
+{{- define "switchboard.curveArgs" -}}
+- --curve-keys-dir
+- {{ .Values.curve.mountPath | quote }}
+{{- end }}
+
+{{- define "switchboard.curveMount" -}}
+- name: curve-keys
+  mountPath: {{ .Values.curve.mountPath }}
+  readOnly: true
+{{- end }}
+
+{{- define "switchboard.curveVolume" -}}
+{{- $root := .root }}
+{{- $dp := int $root.Values.dataParallelSize -}}
+- name: curve-keys
+  secret:
+    secretName: {{ required "curve.secretName is required when curve.enabled" $root.Values.curve.secretName }}
+    defaultMode: 0440
+    items:
+      {{- if eq .role "gateway" }}
+      - {key: gateway.key, path: gateway.key}
+      - {key: gateway.key_secret, path: gateway.key_secret}
+      {{- if gt $dp 1 }}
+      - {key: coordinator.key, path: coordinator.key}
+      {{- end }}
+      {{- range $r := until $dp }}
+      - {key: engine-{{ $r }}.key, path: allowed-engines/engine-{{ $r }}.key}
+      {{- end }}
+      {{- else if eq .role "engine" }}
+      - {key: gateway.key, path: gateway.key}
+      {{- if gt $dp 1 }}
+      - {key: coordinator.key, path: coordinator.key}
+      {{- end }}
+      {{- range $r := until $dp }}
+      - {key: engine-{{ $r }}.key_secret, path: engine-{{ $r }}.key_secret}
+      {{- end }}
+      {{- else }}
+      - {key: coordinator.key, path: coordinator.key}
+      - {key: coordinator.key_secret, path: coordinator.key_secret}
+      - {key: gateway.key, path: allowed-gateways/gateway.key}
+      {{- range $r := until $dp }}
+      - {key: engine-{{ $r }}.key, path: allowed-engines/engine-{{ $r }}.key}
+      {{- end }}
+      {{- end }}
+{{- end }}

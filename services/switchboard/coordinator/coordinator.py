@@ -21,12 +21,14 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
-import msgspec
 import zmq
 
 from switchboard.config import CoordinatorConfig
-from switchboard.wire import zmq_channel
+from switchboard.wire import curve, zmq_channel
+from switchboard.wire.codec import ENGINE_LOAD, LOAD_REPORT, DecodeError
+from switchboard.wire.curve import CurveKeys
 from switchboard.wire.engine_msgs import EngineLoad, LoadReport
 
 logger = logging.getLogger(__name__)
@@ -41,10 +43,15 @@ class Coordinator:
         self._sequence = 0
         self._changed = False
         self._last_publish = 0.0
-        self._decoder = msgspec.msgpack.Decoder(EngineLoad)
         self._ctx = zmq.Context()
-        self._pull = zmq_channel.make_socket(self._ctx, zmq.PULL, config.input_address, bind=True)
-        self._pub = zmq_channel.make_socket(self._ctx, zmq.PUB, config.publish_address, bind=True)
+        self._authenticator: Any = None
+        keys = self._security(config)
+        self._pull = zmq_channel.make_socket(
+            self._ctx, zmq.PULL, config.input_address, bind=True, curve=keys
+        )
+        self._pub = zmq_channel.make_socket(
+            self._ctx, zmq.PUB, config.publish_address, bind=True, curve=keys
+        )
         self.input_address = zmq_channel.bound_address(self._pull)
         self.publish_address = zmq_channel.bound_address(self._pub)
         logger.info(
@@ -52,6 +59,22 @@ class Coordinator:
             self.input_address,
             self.publish_address,
         )
+
+    def _security(self, config: CoordinatorConfig) -> CurveKeys | None:
+        """Server keys for both sockets and the ZAP thread admitting engines and gateways
+        (None, and a WARNING on TCP, without a keys directory)."""
+        keys_dir = config.curve_keys_dir
+        if not keys_dir:
+            addresses = (config.input_address, config.publish_address)
+            if any(a.startswith("tcp://") for a in addresses):
+                curve.warn_unauthenticated("coordinator")
+            return None
+        keys = curve.server_keys(keys_dir, curve.COORDINATOR)
+        allowed = [
+            os.path.join(keys_dir, d) for d in (curve.ALLOWED_ENGINES, curve.ALLOWED_GATEWAYS)
+        ]
+        self._authenticator = curve.start_authenticator(self._ctx, allowed)
+        return keys
 
     def run(self, should_stop: Callable[[], bool]) -> None:
         """Receive and publish until ``should_stop()``."""
@@ -73,8 +96,8 @@ class Coordinator:
             except zmq.Again:
                 return
             try:
-                load = self._decoder.decode(data)
-            except msgspec.DecodeError as exc:
+                load = ENGINE_LOAD.decode(data)
+            except DecodeError as exc:
                 logger.warning("Dropped a bad EngineLoad: %s", exc)
                 continue
             previous = self.loads.get(load.engine_index)
@@ -97,13 +120,15 @@ class Coordinator:
         ):
             self._sequence += 1
             report = LoadReport(self._sequence, [self.loads[i] for i in sorted(self.loads)])
-            self._pub.send(zmq_channel.encode(report))
+            self._pub.send(LOAD_REPORT.encode(report))
             self._changed = False
             self._last_publish = now
 
     def close(self) -> None:
         for sock in (self._pull, self._pub):
             sock.close(linger=0)
+        if self._authenticator is not None:
+            self._authenticator.stop()
         self._ctx.term()
         for address in (self.input_address, self.publish_address):
             if address.startswith("ipc://") and os.path.exists(address[len("ipc://") :]):

@@ -11,12 +11,12 @@ import logging
 import queue
 import signal
 import sys
-from typing import Any
 
 import setproctitle
 
 from switchboard.config import EngineConfig, decode_config
 from switchboard.engine.core import EngineCore
+from switchboard.engine.io_threads import InputQueue
 from switchboard.engine.shutdown import ShutdownRequest
 
 logger = logging.getLogger("switchboard.engine")  # not __name__: that is "__main__" under -m
@@ -25,7 +25,7 @@ logger = logging.getLogger("switchboard.engine")  # not __name__: that is "__mai
 def run_engine_core(config: EngineConfig) -> int:
     """Body of the process ``switchboard::EngineCore_DP<rank>``; returns its exit code."""
     setproctitle.setproctitle(f"switchboard::EngineCore_DP{config.data_parallel_rank}")
-    input_queue: queue.Queue[Any] = queue.Queue()
+    input_queue: InputQueue = queue.Queue()
     shutdown = ShutdownRequest(input_queue)
     # Installed before the (long) start-up: a signal meanwhile is kept and acted on after it.
     signal.signal(signal.SIGTERM, shutdown.on_signal)

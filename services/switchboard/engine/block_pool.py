@@ -124,6 +124,8 @@ class BlockPool:
         return True
 
     def _evict(self, block: KVCacheBlock) -> None:
-        del self._cached[block.block_hash]  # type: ignore[arg-type]
+        """A block of ``_free_cached``: registered, so it has a hash."""
+        assert block.block_hash is not None
+        del self._cached[block.block_hash]
         block.block_hash = None
         self.num_evictions += 1

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import queue
 import shutil
 import time
 import uuid
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import zmq
@@ -33,9 +34,14 @@ from switchboard import __version__
 from switchboard.config import EngineConfig, new_run_dir
 from switchboard.engine import clock
 from switchboard.engine.executor import MultiprocExecutor
-from switchboard.engine.io_threads import InputThread, OutputThread, send_engine_dead_directly
+from switchboard.engine.io_threads import (
+    InputQueue,
+    InputThread,
+    OutputThread,
+    send_engine_dead_directly,
+)
 from switchboard.engine.kv_sizing import check_num_blocks, fit_max_model_len
-from switchboard.engine.peers import EnginePeers
+from switchboard.engine.peers import EnginePeers, engine_curve_keys
 from switchboard.engine.request import Request
 from switchboard.engine.scheduler import Scheduler
 from switchboard.engine.shutdown import ShutdownRequest
@@ -59,13 +65,15 @@ from switchboard.wire.step_msgs import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 DEAD_SEND_TIMEOUT_S = 5.0
 IO_THREAD_FAILED = "io-thread-failed"  # input-queue kind: an I/O thread died, the engine follows
 GRAMMAR_READY = "grammar-ready"  # input-queue kind: a structured-output grammar finished compiling
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, shutdown: ShutdownRequest, input_queue: queue.Queue):
+    def __init__(self, config: EngineConfig, shutdown: ShutdownRequest, input_queue: InputQueue):
         self.config = config
         self.engine_index = config.data_parallel_rank
         self.block_size = config.cache.block_size
@@ -76,7 +84,12 @@ class EngineCore:
         self.output_queue: queue.Queue[Any] = queue.Queue()
         self._shutdown = shutdown
         self._own_run_dir = not config.run_dir
+        if config.run_dir:
+            zmq_channel.check_private_dir(config.run_dir)
         self.run_dir = config.run_dir or new_run_dir()
+        # CURVE client keys toward the gateways and the coordinator (None: plain TCP); read
+        # now, so that a broken keys directory fails before the model loads.
+        self._curve_gateway, self._curve_coordinator = engine_curve_keys(config)
         self._ctx = zmq.Context()
         self.executor: MultiprocExecutor | None = None
         self._input_thread: InputThread | None = None
@@ -163,21 +176,31 @@ class EngineCore:
             self.config.heartbeat_interval_s,
             self._on_io_thread_failure,
             engine_id=self._ready.engine_id,
+            curve=self._curve_gateway,
         )
         self._input_thread = InputThread(
             self._ctx,
             list(self.config.gateway_input_addresses),
-            zmq_channel.engine_identity(self.engine_index),
+            zmq_channel.engine_identity(
+                self.engine_index, os.urandom(8) if self._curve_gateway is not None else b""
+            ),
             self._make_ready,
             self._prepare_add,
             self.input_queue,
             self.aborts_queue,
             self._on_io_thread_failure,
+            curve=self._curve_gateway,
         )
         self._output_thread.start()
         self._input_thread.start()
         self._peers = EnginePeers(
-            self._ctx, self.config, self._ready.engine_id, self._input_thread, self.output_queue
+            self._ctx,
+            self.config,
+            self._ready.engine_id,
+            self._input_thread,
+            self.output_queue,
+            curve_gateway=self._curve_gateway,
+            curve_coordinator=self._curve_coordinator,
         )
         self._peers.start()
 
@@ -345,6 +368,7 @@ class EngineCore:
 
     def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_request_ids:
+            assert self.executor is not None  # started before the busy loop
             return self.executor.execute_model(scheduler_output)
         time.sleep(0.001)  # nothing could be scheduled: let the I/O threads run
         return ModelRunnerOutput(step_id=scheduler_output.step_id)
@@ -374,7 +398,9 @@ class EngineCore:
                 if self._peers is not None
                 else list(self.config.gateway_output_addresses)
             )
-            send_engine_dead_directly(self._ctx, addresses, self.engine_index)
+            send_engine_dead_directly(
+                self._ctx, addresses, self.engine_index, curve=self._curve_gateway
+            )
             return
         self.output_queue.put(ENGINE_CORE_DEAD)
         self._output_thread.join(DEAD_SEND_TIMEOUT_S)
@@ -404,8 +430,8 @@ class EngineCore:
         logger.info("EngineCore_DP%d shut down", self.engine_index)
 
 
-def _drain(q: queue.Queue) -> list[Any]:
-    items = []
+def _drain(q: queue.Queue[T]) -> list[T]:
+    items: list[T] = []
     while True:
         try:
             items.append(q.get_nowait())

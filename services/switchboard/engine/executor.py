@@ -36,6 +36,7 @@ import zmq
 
 from switchboard.config import EngineConfig, encode_config, ipc_address
 from switchboard.wire import zmq_channel
+from switchboard.wire.codec import RPC_CALL, RPC_REPLY, WORKER_STARTUP
 from switchboard.wire.shm_ring import ShmRingWriter
 from switchboard.wire.step_msgs import (
     ModelRunnerOutput,
@@ -65,7 +66,9 @@ class ExecutorFailed(RuntimeError):
 class WorkerProcess:
     """The executor's handle on one worker process."""
 
-    def __init__(self, rank: int, tp_rank: int, pp_rank: int, process: subprocess.Popen) -> None:
+    def __init__(
+        self, rank: int, tp_rank: int, pp_rank: int, process: subprocess.Popen[bytes]
+    ) -> None:
         self.rank = rank
         self.tp_rank = tp_rank
         self.pp_rank = pp_rank
@@ -88,8 +91,6 @@ class MultiprocExecutor:
         self._on_failure = on_failure
         self._execute_timeout_s = config.worker.execute_timeout_s
         self._call_ids = itertools.count()
-        self._reply_decoder = msgspec.msgpack.Decoder(RpcReply)
-        self._encoder = msgspec.msgpack.Encoder()
         self._failure: str | None = None
         self._shutting_down = False
         self._stop_monitor = threading.Event()
@@ -101,7 +102,7 @@ class MultiprocExecutor:
         self._ctx = zmq.Context()
         # torch.distributed rendezvous of the workers (only when there are several).
         self._rendezvous_path = os.path.join(run_dir, f"dist-{uuid.uuid4().hex[:8]}")
-        self._reply_socket: zmq.Socket | None = None
+        self._reply_socket: zmq.SyncSocket | None = None
         try:
             self._reply_socket = zmq_channel.make_socket(
                 self._ctx, zmq.PULL, self._reply_address, bind=True
@@ -120,6 +121,7 @@ class MultiprocExecutor:
     # ---- start-up -------------------------------------------------------------------------
 
     def _start_workers(self, run_dir: str) -> None:
+        assert self._ring is not None  # the ring and the reply socket exist once __init__ ran
         parallel = self._config.parallel
         ring_handle = msgspec.to_builtins(self._ring.handle)
         engine_config_json = encode_config(self._config)
@@ -140,7 +142,7 @@ class MultiprocExecutor:
                     distributed_init_method=init_method,
                 )
                 argv = [sys.executable, "-m", WORKER_MODULE, "--startup-json"]
-                argv.append(msgspec.json.encode(startup).decode())
+                argv.append(WORKER_STARTUP.encode(startup))
                 process = subprocess.Popen(argv, close_fds=True)
                 self.workers.append(WorkerProcess(rank, tp_rank, pp_rank, process))
                 logger.info(
@@ -153,6 +155,7 @@ class MultiprocExecutor:
 
     def _wait_for_workers(self) -> None:
         """Until every worker has attached to the ring; fail fast if one exits meanwhile."""
+        assert self._ring is not None
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while True:
             self._raise_if_a_worker_exited()
@@ -178,7 +181,7 @@ class MultiprocExecutor:
     def collective_rpc(
         self,
         method: str,
-        args: tuple | list = (),
+        args: tuple[Any, ...] | list[Any] = (),
         kwargs: dict[str, Any] | None = None,
         output_rank: int = 0,
         timeout: float | None = RPC_TIMEOUT_S,
@@ -187,9 +190,10 @@ class MultiprocExecutor:
         values). Raises ExecutorFailed on a worker error, a dead worker or a timeout."""
         if self._failure is not None:
             raise ExecutorFailed(self._failure)
+        assert self._ring is not None
         call = RpcCall(next(self._call_ids), method, list(args), kwargs or {}, output_rank)
         try:
-            self._ring.enqueue(self._encoder.encode(call), timeout=timeout)
+            self._ring.enqueue(RPC_CALL.encode(call), timeout=timeout)
         except TimeoutError as exc:
             raise ExecutorFailed(f"RPC call to {method} could not be sent: {exc}") from exc
         reply = self._wait_for_reply(call, timeout)
@@ -198,10 +202,11 @@ class MultiprocExecutor:
         return reply.result
 
     def _wait_for_reply(self, call: RpcCall, timeout: float | None) -> RpcReply:
+        assert self._reply_socket is not None
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if self._reply_socket.poll(_REPLY_POLL_MS):
-                reply = self._reply_decoder.decode(self._reply_socket.recv(copy=False).buffer)
+                reply = RPC_REPLY.decode(self._reply_socket.recv(copy=False).buffer)
                 if reply.call_id == call.call_id:
                     return reply
                 logger.warning(
@@ -287,7 +292,7 @@ class MultiprocExecutor:
             return
         try:
             call = RpcCall(next(self._call_ids), "shutdown", output_rank=-1)  # nobody replies
-            self._ring.enqueue(self._encoder.encode(call), timeout=1.0)
+            self._ring.enqueue(RPC_CALL.encode(call), timeout=1.0)
         except Exception as exc:  # a worker may already be gone; the ladder below follows
             logger.warning("Could not send shutdown to the workers: %s", exc)
 

@@ -27,10 +27,11 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import msgspec
 import zmq
 
 from switchboard.wire import zmq_channel
+from switchboard.wire.codec import GATEWAY_ADDRESSES, GATEWAY_HELLO, DecodeError
+from switchboard.wire.curve import CurveKeys
 from switchboard.wire.engine_msgs import GatewayAddresses, GatewayHello
 from switchboard.wire.zmq_channel import tcp_address
 
@@ -89,20 +90,26 @@ def resolve_addresses(name: str) -> list[str]:
     except socket.gaierror as exc:
         logger.warning("Cannot resolve gateway name %r: %s", name, exc)
         return []
-    return sorted({info[4][0] for info in infos})
+    return sorted({str(info[4][0]) for info in infos})
 
 
 def say_hello(
-    ctx: zmq.Context, host: str, port: int, hello: GatewayHello, timeout_s: float
+    ctx: zmq.SyncContext,
+    host: str,
+    port: int,
+    hello: GatewayHello,
+    timeout_s: float,
+    curve: CurveKeys | None = None,
 ) -> GatewayAddresses | None:
     """One handshake with the gateway at ``host:port``; None when it does not answer in time."""
-    sock = zmq_channel.make_socket(ctx, zmq.DEALER, tcp_address(host, port), bind=False)
+    address = tcp_address(host, port)
+    sock = zmq_channel.make_socket(ctx, zmq.DEALER, address, bind=False, curve=curve)
     try:
-        sock.send(zmq_channel.encode(hello))
+        sock.send(GATEWAY_HELLO.encode(hello))
         if not sock.poll(int(timeout_s * 1000)):
             return None
-        return zmq_channel.decode(sock.recv(), GatewayAddresses)
-    except (msgspec.DecodeError, zmq.ZMQError) as exc:
+        return GATEWAY_ADDRESSES.decode(sock.recv())
+    except (DecodeError, zmq.ZMQError) as exc:
         logger.warning("Bad handshake answer from %s:%d: %s", host, port, exc)
         return None
     finally:
@@ -112,16 +119,18 @@ def say_hello(
 class GatewayDiscovery(threading.Thread):
     def __init__(
         self,
-        ctx: zmq.Context,
+        ctx: zmq.SyncContext,
         target: str,
         hello: GatewayHello,
         on_added: Callable[[GatewayEndpoint], None],
         on_removed: Callable[[GatewayEndpoint], None],
         interval_s: float = 5.0,
         hello_timeout_s: float = HELLO_TIMEOUT_S,
+        curve: CurveKeys | None = None,
     ) -> None:
         super().__init__(name="GatewayDiscovery", daemon=True)
         self._ctx = ctx
+        self._curve = curve
         self.name, self.port = split_host_port(target)
         self._hello = hello
         self._on_added = on_added
@@ -161,7 +170,9 @@ class GatewayDiscovery(threading.Thread):
         for host in hosts:
             if self._stop_event.is_set():
                 return
-            answer = say_hello(self._ctx, host, self.port, self._hello, self._hello_timeout_s)
+            answer = say_hello(
+                self._ctx, host, self.port, self._hello, self._hello_timeout_s, self._curve
+            )
             if answer is None:
                 self._missed(host)
             else:

@@ -33,11 +33,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import zmq
 
 from switchboard.engine import clock
 from switchboard.wire import zmq_channel
+from switchboard.wire.codec import ENGINE_CORE_OUTPUTS, ENGINE_READY
+from switchboard.wire.curve import CurveKeys
 from switchboard.wire.engine_msgs import (
     ENGINE_CORE_DEAD,
     EngineCoreOutputs,
@@ -53,6 +54,9 @@ POLL_INTERVAL_MS = 100  # how often an idle input thread checks whether it shoul
 DEAD_LINGER_MS = 4000  # a PUSH keeps unsent frames this long at close, so the last word arrives
 STOP_OUTPUT = None  # output-queue sentinel: flush and exit without declaring death
 
+# The busy loop's input queue: (RequestType, payload) items, see the module docstring (the
+# engine core adds its own failure kinds, strings).
+InputQueue = queue.Queue[tuple[RequestType | str, Any]]
 # Returns the item to queue for the busy loop, or None when the request was rejected.
 PrepareAdd = Callable[[EngineCoreRequest], Any | None]
 
@@ -73,18 +77,20 @@ class _GatewaySocketThread(threading.Thread):
         self,
         name: str,
         role: str,
-        ctx: zmq.Context,
+        ctx: zmq.SyncContext,
         addresses: list[str],
         on_failure: Callable[[str], None],
         close_linger_ms: int | None,
+        curve: CurveKeys | None = None,
     ) -> None:
         super().__init__(name=name, daemon=True)
+        self._curve = curve  # CURVE client keys toward the gateways (None: plain)
         self._role = role
         self._ctx = ctx
         self._addresses = addresses
         self._on_failure = on_failure
         self._close_linger_ms = close_linger_ms  # None: the socket's own LINGER option
-        self._sockets: dict[int, zmq.Socket] = {}
+        self._sockets: dict[int, zmq.SyncSocket] = {}
 
     def run(self) -> None:
         try:
@@ -103,16 +109,17 @@ class _GatewaySocketThread(threading.Thread):
 class InputThread(_GatewaySocketThread):
     def __init__(
         self,
-        ctx: zmq.Context,
+        ctx: zmq.SyncContext,
         addresses: list[str],
         identity: bytes,
         make_ready: Callable[[], EngineReady],
         prepare_add: PrepareAdd,
-        input_queue: queue.Queue,
-        aborts_queue: queue.Queue,
+        input_queue: InputQueue,
+        aborts_queue: queue.Queue[list[str]],
         on_failure: Callable[[str], None],
+        curve: CurveKeys | None = None,
     ) -> None:
-        super().__init__("EngineCoreInput", "input", ctx, addresses, on_failure, 0)
+        super().__init__("EngineCoreInput", "input", ctx, addresses, on_failure, 0, curve)
         self._identity = identity
         self._make_ready = make_ready
         self._prepare_add = prepare_add
@@ -144,9 +151,9 @@ class InputThread(_GatewaySocketThread):
     def _connect(self, client_index: int, address: str) -> None:
         self._disconnect(client_index)
         sock = zmq_channel.make_socket(
-            self._ctx, zmq.DEALER, address, bind=False, identity=self._identity
+            self._ctx, zmq.DEALER, address, bind=False, identity=self._identity, curve=self._curve
         )
-        sock.send(zmq_channel.encode(self._make_ready()))
+        sock.send(ENGINE_READY.encode(self._make_ready()))
         self._sockets[client_index] = sock
         self._poller.register(sock, zmq.POLLIN)
 
@@ -217,16 +224,17 @@ class _BufferPool:
 class OutputThread(_GatewaySocketThread):
     def __init__(
         self,
-        ctx: zmq.Context,
+        ctx: zmq.SyncContext,
         addresses: list[str],
-        output_queue: queue.Queue,
+        output_queue: queue.Queue[Any],
         engine_index: int,
         heartbeat_interval_s: float,
         on_failure: Callable[[str], None],
         engine_id: str = "",
+        curve: CurveKeys | None = None,
     ) -> None:
         # Closing lingers up to DEAD_LINGER_MS (set on each PUSH) so the last frames arrive.
-        super().__init__("EngineCoreOutput", "output", ctx, addresses, on_failure, None)
+        super().__init__("EngineCoreOutput", "output", ctx, addresses, on_failure, None, curve)
         self._output_queue = output_queue
         self._engine_index = engine_index
         self._engine_id = engine_id
@@ -234,7 +242,6 @@ class OutputThread(_GatewaySocketThread):
         self._heartbeat_interval_s = heartbeat_interval_s
         # Set by the busy loop every turn; heartbeats carry it (engine-level metrics stay fresh).
         self.latest_stats: SchedulerStats | None = None
-        self._encoder = msgspec.msgpack.Encoder()
         self._buffers = _BufferPool(capacity=len(addresses) + 1)
 
     def stop(self, timeout_s: float = 5.0) -> None:
@@ -255,7 +262,12 @@ class OutputThread(_GatewaySocketThread):
             old.close(linger=0)  # the gateway is gone: nobody will read what is queued
         if change.address is not None:
             self._sockets[change.client_index] = zmq_channel.make_socket(
-                self._ctx, zmq.PUSH, change.address, bind=False, linger_ms=DEAD_LINGER_MS
+                self._ctx,
+                zmq.PUSH,
+                change.address,
+                bind=False,
+                linger_ms=DEAD_LINGER_MS,
+                curve=self._curve,
             )
             self._last_sent[change.client_index] = time.monotonic()
 
@@ -280,15 +292,15 @@ class OutputThread(_GatewaySocketThread):
                 logger.info("Sent ENGINE_CORE_DEAD to %d gateway(s)", len(self._sockets))
                 return
             client_index, outputs = item
-            sock = self._sockets.get(client_index)
-            if sock is None:
+            target = self._sockets.get(client_index)
+            if target is None:
                 logger.warning(
                     "Dropped outputs for unknown gateway (client_index %s)", client_index
                 )
                 continue
             if outputs.scheduler_stats is not None:
                 outputs.exports_engine_stats = self._exports_engine_stats(client_index)
-            self._send(sock, outputs)
+            self._send(target, outputs)
             self._last_sent[client_index] = time.monotonic()
 
     def _send_heartbeats(self) -> None:
@@ -313,20 +325,26 @@ class OutputThread(_GatewaySocketThread):
         random, whichever is lowest, and the next one within a discovery round if it goes)."""
         return client_index == min(self._sockets)
 
-    def _send(self, sock: zmq.Socket, outputs: EngineCoreOutputs) -> None:
+    def _send(self, sock: zmq.SyncSocket, outputs: EngineCoreOutputs) -> None:
         buffer = self._buffers.take()
-        self._encoder.encode_into(outputs, buffer)
+        ENGINE_CORE_OUTPUTS.encode_into(outputs, buffer)
         tracker = sock.send(buffer, copy=False, track=True)
         self._buffers.give(buffer, tracker)
 
 
 def send_engine_dead_directly(
-    ctx: zmq.Context, addresses: list[str], engine_index: int = 0, engine_id: str = ""
+    ctx: zmq.SyncContext,
+    addresses: list[str],
+    engine_index: int = 0,
+    engine_id: str = "",
+    curve: CurveKeys | None = None,
 ) -> None:
     """ENGINE_CORE_DEAD from a fresh PUSH per gateway, for a death before the output thread runs."""
     frames = zmq_channel.engine_dead_frames(engine_index, engine_id)
     for address in addresses:
-        sock = zmq_channel.make_socket(ctx, zmq.PUSH, address, bind=False, linger_ms=DEAD_LINGER_MS)
+        sock = zmq_channel.make_socket(
+            ctx, zmq.PUSH, address, bind=False, linger_ms=DEAD_LINGER_MS, curve=curve
+        )
         sock.send_multipart(frames)
         sock.close()
     logger.info("Sent ENGINE_CORE_DEAD to %d gateway(s)", len(addresses))

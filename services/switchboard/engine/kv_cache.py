@@ -86,14 +86,15 @@ class KVCacheManager:
         """
         rid = request.request_id
         table = self.block_tables.get(rid)
-        num_hit = len(new_computed_blocks) if new_computed_blocks else 0
+        hits = new_computed_blocks or []
+        num_hit = len(hits)
         num_held = (len(table) if table is not None else 0) + num_hit
         num_tokens = request.num_computed_tokens + num_hit * self.block_size + num_new_tokens
         num_needed = -(-num_tokens // self.block_size) - num_held
         if num_needed <= 0 and not num_hit:
             return []
         num_needed = max(num_needed, 0)
-        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0) if num_hit else 0
+        num_revived = sum(b.ref_cnt == 0 for b in hits) if num_hit else 0
         if num_needed + num_revived > self.pool.num_free_blocks:
             return None
         if table is None:
@@ -104,8 +105,8 @@ class KVCacheManager:
             ids = self._block_ids[rid]
         added: list[KVCacheBlock] = []
         if num_hit:
-            self.pool.touch(new_computed_blocks)  # type: ignore[arg-type]
-            added.extend(new_computed_blocks)  # type: ignore[arg-type]
+            self.pool.touch(hits)
+            added.extend(hits)
             # Hits are registered already: registration resumes after them.
             self._num_registered[rid] += num_hit
         if num_needed:

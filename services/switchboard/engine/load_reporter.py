@@ -14,6 +14,8 @@ import threading
 import zmq
 
 from switchboard.wire import zmq_channel
+from switchboard.wire.codec import ENGINE_LOAD
+from switchboard.wire.curve import CurveKeys
 from switchboard.wire.engine_msgs import EngineLoad
 
 logger = logging.getLogger(__name__)
@@ -24,14 +26,16 @@ SEND_LINGER_MS = 1000
 class LoadReporter(threading.Thread):
     def __init__(
         self,
-        ctx: zmq.Context,
+        ctx: zmq.SyncContext,
         coordinator_address: str,
         engine_index: int,
         engine_id: str,
         interval_s: float = 0.1,
+        curve: CurveKeys | None = None,
     ) -> None:
         super().__init__(name="EngineLoadReporter", daemon=True)
         self._ctx = ctx
+        self._curve = curve
         self._address = coordinator_address
         self._engine_index = engine_index
         self._engine_id = engine_id
@@ -67,7 +71,12 @@ class LoadReporter(threading.Thread):
 
     def run(self) -> None:
         sock = zmq_channel.make_socket(
-            self._ctx, zmq.PUSH, self._address, bind=False, linger_ms=SEND_LINGER_MS
+            self._ctx,
+            zmq.PUSH,
+            self._address,
+            bind=False,
+            linger_ms=SEND_LINGER_MS,
+            curve=self._curve,
         )
         logger.info("Reporting load to the coordinator at %s", self._address)
         try:
@@ -78,8 +87,10 @@ class LoadReporter(threading.Thread):
                 self._changed.clear()
                 with self._lock:
                     load = self._latest
+                if load is None:  # set only after a first update; stop() returned above
+                    continue
                 self.num_sent += 1  # before the send: a receiver never sees a stale count
-                sock.send(zmq_channel.encode(load))
+                sock.send(ENGINE_LOAD.encode(load))
                 # Changes during the pause are merged into the next send.
                 self._stop_event.wait(self._interval_s)
         except Exception:

@@ -12,8 +12,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
+from typing import Any
 
 import zmq
 
@@ -21,21 +23,53 @@ from switchboard.config import EngineConfig
 from switchboard.engine.handshake import GatewayDiscovery, GatewayEndpoint
 from switchboard.engine.io_threads import GatewayChange, InputThread
 from switchboard.engine.load_reporter import LoadReporter
+from switchboard.wire import curve
+from switchboard.wire.curve import CurveKeys
 from switchboard.wire.engine_msgs import GatewayHello
 
 logger = logging.getLogger(__name__)
 
 
+def engine_curve_keys(config: EngineConfig) -> tuple[CurveKeys | None, CurveKeys | None]:
+    """This engine's CURVE client keys toward the gateways and toward the coordinator (None
+    without ``curve_keys_dir``; then one WARNING when the wire is TCP)."""
+    keys_dir = config.curve_keys_dir
+    if not keys_dir:
+        addresses = [
+            *config.gateway_input_addresses,
+            *config.gateway_output_addresses,
+            config.coordinator_address,
+        ]
+        if config.gateway_discovery or any(a.startswith("tcp://") for a in addresses):
+            curve.warn_unauthenticated(f"engine {config.data_parallel_rank}")
+        return None, None
+    name = curve.engine_key_name(keys_dir, config.data_parallel_rank)
+    gateway = curve.client_keys(keys_dir, name, curve.GATEWAY)
+    coordinator = None
+    if config.coordinator_address or config.gateway_discovery:  # may come from a handshake
+        if os.path.exists(os.path.join(keys_dir, f"{curve.COORDINATOR}.key")):
+            coordinator = curve.client_keys(keys_dir, name, curve.COORDINATOR)
+        elif config.coordinator_address:
+            coordinator = curve.client_keys(keys_dir, name, curve.COORDINATOR)  # raises
+    logger.info("CURVE on: this engine is %s (keys in %s)", name, keys_dir)
+    return gateway, coordinator
+
+
 class EnginePeers:
     def __init__(
         self,
-        ctx: zmq.Context,
+        ctx: zmq.SyncContext,
         config: EngineConfig,
         engine_id: str,
         input_thread: InputThread,
-        output_queue: queue.Queue,
+        output_queue: queue.Queue[Any],
+        *,
+        curve_gateway: CurveKeys | None = None,
+        curve_coordinator: CurveKeys | None = None,
     ) -> None:
         self._ctx = ctx
+        self._curve_gateway = curve_gateway
+        self._curve_coordinator = curve_coordinator
         self._config = config
         self._engine_id = engine_id
         self._input_thread = input_thread
@@ -55,6 +89,7 @@ class EnginePeers:
                 self._on_gateway_added,
                 self._on_gateway_removed,
                 interval_s=self._config.discovery_interval_s,
+                curve=self._curve_gateway,
             )
             self._discovery.start()
 
@@ -87,6 +122,7 @@ class EnginePeers:
                 self._config.data_parallel_rank,
                 self._engine_id,
                 self._config.load_report_interval_s,
+                curve=self._curve_coordinator,
             )
             self._reporter.start()
 

@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import Any
 
 from switchboard.config import CacheConfig, SchedulerConfig
 from switchboard.engine import clock
+from switchboard.engine.block_pool import KVCacheBlock
 from switchboard.engine.kv_cache import KVCacheManager
 from switchboard.engine.request import Request, RequestStatus
 from switchboard.engine.request_queue import make_request_queue
@@ -230,7 +232,7 @@ class Scheduler:
             self.waiting.pop()
             self._admit(plan, request, num_hit_tokens, num_tokens)
 
-    def _prefix_cache_hits(self, request: Request) -> tuple[list, int]:
+    def _prefix_cache_hits(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The prefix-cache lookup, skipped for a request that still owes prompt logprobs:
         those need the logits of every prompt position, which a cache hit would not compute.
         Skipped for pooling requests too: mean/max pooling needs every position's hidden state."""
@@ -396,7 +398,7 @@ class Scheduler:
             del self._finished_ids[request.request_id]
         return len(victims)
 
-    def get_stats(self) -> dict:
+    def get_stats(self) -> dict[str, Any]:
         """The ``get_stats`` utility: plain values an operator can read."""
         queries = self.kv.prefix_queries
         return {

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import signal
 import threading
 from typing import Any
 
+from switchboard.engine.io_threads import InputQueue
 from switchboard.wire.engine_msgs import RequestType
 
 logger = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ class ShutdownRequest:
     the WAKEUP item on the queue.
     """
 
-    def __init__(self, input_queue: queue.Queue) -> None:
+    def __init__(self, input_queue: InputQueue) -> None:
         self.requested = False
         self.reason = ""
         self._input_queue = input_queue

@@ -44,7 +44,7 @@ class RequestGrammar:
 
     __slots__ = ("future", "matcher", "error")
 
-    def __init__(self, future: Future) -> None:
+    def __init__(self, future: Future[Any]) -> None:
         self.future = future
         self.matcher: Any = None  # llguidance.LLMatcher once compiled
         self.error: str | None = None
@@ -84,7 +84,7 @@ class StructuredOutputManager:
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="grammar-compile")
         self._lock = threading.Lock()
         self._tokenizers: dict[tuple[int, ...], Any] = {}
-        self._cache: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
+        self._cache: collections.OrderedDict[tuple[Any, ...], Any] = collections.OrderedDict()
         self._executor: Any = None  # llguidance.LLExecutor, made on first use
         self.compiled = 0  # grammars compiled (cache misses), for tests and stats
         self.cache_hits = 0

@@ -1,5 +1,9 @@
 """The gateway's grpc.aio server: the switchboard.v1 services, health, reflection, clean stop.
 
+The OpenAI-compatible HTTP API (``gateway/http/``, ``--http-port``) runs in the same event loop
+and starts and stops with the gRPC server; its /health and /ready say what the two health
+services below say.
+
 Health (grpc.health.v1, Check and Watch):
 * ``""``: SERVING while the process runs (liveness);
 * ``switchboard.v1.GenerationService``: SERVING while at least one engine core (under
@@ -31,10 +35,15 @@ from switchboard.api.v1 import (
     model_service_pb2_grpc,
 )
 from switchboard.config import GatewayRoleConfig
+from switchboard.gateway.admission import Admission
 from switchboard.gateway.chat.template import ChatTemplate, load_chat_template
 from switchboard.gateway.engines.client import EngineClient
+from switchboard.gateway.http.server import HttpServer
 from switchboard.gateway.model_facts import ModelFacts
 from switchboard.gateway.observability.observer import Observability
+from switchboard.gateway.pipeline.generate_call import GenerateCalls
+from switchboard.gateway.pipeline.request_bounds import longest_token_bytes
+from switchboard.gateway.request_guard import MalformedRequestGuard
 from switchboard.gateway.servicers.admin import AdminServicer
 from switchboard.gateway.servicers.generation import GenerationServicer
 from switchboard.gateway.servicers.model_service import ModelServicer
@@ -103,6 +112,7 @@ class GatewayServer:
             on_engines_changed=self._on_engines_changed,
             coordinator_publish_address=config.coordinator_publish_address,
             handshake_address=config.handshake_address,
+            curve_keys_dir=config.curve_keys_dir,
         )
         tokenizer = Tokenizer.from_model_dir(config.model.model)
         self.state = GatewayState(
@@ -115,8 +125,19 @@ class GatewayServer:
             ),
             observability=Observability(config, tokenizer, self._engines),
             chat_template=_load_chat_template(config),
+            longest_token_bytes=longest_token_bytes(tokenizer),
+            admission=Admission(
+                config.gateway.max_inflight_requests, config.gateway.max_queued_prompt_tokens
+            ),
         )
-        self._server = grpc.aio.server(options=_grpc_options(config.gateway.max_message_bytes))
+        self._server = grpc.aio.server(
+            options=_grpc_options(config.gateway.max_message_bytes),
+            interceptors=[MalformedRequestGuard()],
+        )
+        self._calls = GenerateCalls(self.state)  # one call path and registry for gRPC and HTTP
+        self.ready = False  # what the readiness service says (gRPC health and HTTP /ready)
+        self._http = HttpServer(self.state, self._calls, lambda: self.ready)
+        self.http_port: int | None = None
         self._health_tasks: set[asyncio.Task] = set()
         self._stopped = False
 
@@ -131,7 +152,7 @@ class GatewayServer:
         state = self.state
         state.observability.start()
         generation_service_pb2_grpc.add_GenerationServiceServicer_to_server(
-            GenerationServicer(state), self._server
+            GenerationServicer(state, self._calls), self._server
         )
         model_service_pb2_grpc.add_ModelServiceServicer_to_server(
             ModelServicer(state), self._server
@@ -160,6 +181,7 @@ class GatewayServer:
             ", ".join(services),
             "enabled" if gateway.enable_admin else "disabled",
         )
+        self.http_port = await self._http.start(STOP_GRACE_S)
         return self.port
 
     def request_stop(self, exit_code: int = 0) -> None:
@@ -182,8 +204,9 @@ class GatewayServer:
             return
         self._stopped = True
         logger.info("gateway stopping: NOT_SERVING, draining for up to %.0fs", STOP_GRACE_S)
+        self.ready = False
         await self._health.enter_graceful_shutdown()
-        await self._server.stop(STOP_GRACE_S)
+        await asyncio.gather(self._server.stop(STOP_GRACE_S), self._http.stop())
         await self._engines.close()
         await self.state.observability.stop()
         self.state.executor.shutdown(wait=False, cancel_futures=True)
@@ -206,9 +229,10 @@ class GatewayServer:
         # of the server is, so a request pinned to any rank can be served. Elsewhere engines
         # come and go: one is enough.
         needed = max(1, self.config.num_engines) if self.config.exit_when_engines_dead else 1
+        self.ready = len(live) >= needed and not self._stop_requested.is_set()
         status = (
             health_pb2.HealthCheckResponse.SERVING
-            if len(live) >= needed and not self._stop_requested.is_set()
+            if self.ready
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
         task = asyncio.get_running_loop().create_task(self._health.set(GENERATION_SERVICE, status))

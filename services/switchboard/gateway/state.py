@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from switchboard.config import GatewayRoleConfig
+from switchboard.gateway.admission import Admission
 from switchboard.gateway.chat.template import ChatTemplate
 from switchboard.gateway.engines.client import EngineClient
 from switchboard.gateway.model_facts import ModelFacts
@@ -28,6 +29,10 @@ class GatewayState:
     executor: ThreadPoolExecutor  # tokenization runs here, never on the event loop
     observability: Observability  # traces, metrics, the stats log line
     chat_template: ChatTemplate | None = None  # loaded once at start; None: messages refused
+    # The most text bytes one token stands for (request_bounds.longest_token_bytes), once at
+    # start: the prompt byte limit is max_model_len x this. 0: no limit.
+    longest_token_bytes: int = 0
+    admission: Admission = dataclasses.field(default_factory=lambda: Admission(0, 0))
     facts: ModelFacts = dataclasses.field(init=False)  # checkpoint facts + the engine's READY
 
     def __post_init__(self) -> None:
@@ -38,6 +43,11 @@ class GatewayState:
         live = sorted(self.engines.live_engines, key=lambda e: e.ready.data_parallel_rank)
         facts = self.checkpoint_facts
         self.facts = facts.with_engine(live[0].ready) if live else facts
+
+    @property
+    def max_prompt_bytes(self) -> int:
+        """The most bytes of prompt text that can fit max_model_len (0: no limit)."""
+        return self.facts.max_model_len * self.longest_token_bytes
 
     async def in_pool(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
         loop = asyncio.get_running_loop()

@@ -100,13 +100,26 @@ class BertLayer(nn.Module):
             raise ValueError(f"BERT hidden_act {config.hidden_act!r} is not supported")
         self.activation = _ACTIVATIONS[config.hidden_act]
         self.attention = BertAttention(config, eps)
-        self.intermediate = nn.Module()
-        self.intermediate.dense = Linear(config.hidden_size, config.intermediate_size, bias=True)
+        self.intermediate = BertIntermediate(config)
         self.output = BertDenseNorm(config.intermediate_size, config.hidden_size, eps)
 
     def forward(self, hidden: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
         hidden = self.attention(hidden, seq_lens)
         return self.output(self.activation(self.intermediate.dense(hidden)), hidden)
+
+
+class BertIntermediate(nn.Module):
+    """The up-projection of a layer's MLP (a module of its own: the checkpoint names it so)."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.dense = Linear(config.hidden_size, config.intermediate_size, bias=True)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, config: TransformerConfig, eps: float) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(config, eps) for _ in range(config.num_layers))
 
 
 class BertModel(nn.Module):
@@ -121,8 +134,7 @@ class BertModel(nn.Module):
         eps = float(config.raw.get("layer_norm_eps", 1e-12))
         self.config = config
         self.embeddings = BertEmbeddings(config, eps)
-        self.encoder = nn.Module()
-        self.encoder.layer = nn.ModuleList(BertLayer(config, eps) for _ in range(config.num_layers))
+        self.encoder = BertEncoder(config, eps)
 
     def forward(
         self,

@@ -27,7 +27,9 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -114,9 +116,11 @@ int paged_decode_f32(const float *query, const float *kv, const int64_t *block_t
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
 _I64 = ctypes.c_int64
-_ARGTYPES = [ctypes.c_void_p] * 5 + [_I64] * 7 + [ctypes.c_float, _I64]
+_ARGTYPES: list[type[ctypes._SimpleCData[Any]]] = (
+    [ctypes.c_void_p] * 5 + [_I64] * 7 + [ctypes.c_float, _I64]
+)
 
-_kernel: ctypes._CFuncPtr | None = None
+_kernel: Callable[..., int] | None = None  # the library's paged_decode_f32
 _status = "not loaded"
 
 

@@ -23,6 +23,7 @@ oneDNN path off for the whole process; weights packed before that keep using one
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +35,8 @@ ONEDNN_MIN_MACS = 300_000
 # The batch oneDNN lays a packed weight out for; 8, 32 and 128 measured alike from 8 rows up.
 PACK_BATCH_HINT = 32
 
-_onednn_linear = None
-_onednn_reorder = None
+_onednn_linear: Callable[..., torch.Tensor] | None = None
+_onednn_reorder: Callable[..., torch.Tensor] | None = None
 if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
     _onednn_linear = torch.ops.mkldnn._linear_pointwise.default
     _onednn_reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
@@ -77,16 +78,19 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` through oneDNN where that is faster; ``weight`` may be a
     ``pack``-ed one."""
+    onednn = _onednn_linear
     if weight.is_mkldnn:
+        assert onednn is not None  # only oneDNN packs a weight
         rows = x.reshape(-1, x.shape[-1])
-        y = _onednn_linear(rows, weight, bias, "none", [], "")  # type: ignore[misc]
+        y = onednn(rows, weight, bias, "none", [], "")
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
     if (
         _enabled
+        and onednn is not None
         and x.dim() == 2
         and x.dtype == torch.float32
         and x.device.type == "cpu"
         and x.shape[0] * weight.shape[0] * weight.shape[1] >= ONEDNN_MIN_MACS
     ):
-        return _onednn_linear(x, weight, bias, "none", [], "")
+        return onednn(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

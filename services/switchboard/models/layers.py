@@ -97,6 +97,8 @@ class MergedLinear(Linear):
 
     def load_shard(self, shard: str, param_name: str, tensor: torch.Tensor) -> None:
         target = self.weight if param_name == "weight" else self.bias
+        if target is None:
+            raise ValueError(f"shard {shard!r}: {param_name} of a layer without bias")
         start, size = self.shard_offsets[shard], self.shard_sizes[shard]
         if tensor.shape[0] != size:
             raise ValueError(f"shard {shard!r} has {tensor.shape[0]} rows, expected {size}")

@@ -51,9 +51,20 @@ _DTYPES = {
 
 
 class CausalLM(Protocol):
-    """What the model runner needs from a model family."""
+    """What the model runner (``worker/model_runner.py``) needs from a decoder family: calling
+    the model runs ``forward`` (``nn.Module.__call__``), then ``compute_logits`` on the last
+    pipeline stage."""
 
     config: TransformerConfig
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+        intermediate: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
 
     def forward(
         self,
@@ -67,8 +78,10 @@ class CausalLM(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
+# What a model family is (Qwen2 and Mistral are Llamas).
+ModelFamily = LlamaForCausalLM | GPT2LMHeadModel | BertModel
 # Hugging Face architecture name -> our implementation.
-MODEL_FAMILIES: dict[str, type[nn.Module]] = {
+MODEL_FAMILIES: dict[str, type[ModelFamily]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "BertModel": BertModel,  # an encoder: serves embeddings only (model_tasks.py)
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
@@ -84,7 +97,7 @@ _MODEL_TYPES = {
 }
 
 
-def model_family(config: TransformerConfig) -> type[nn.Module]:
+def model_family(config: TransformerConfig) -> type[ModelFamily]:
     name = config.architecture
     if name not in MODEL_FAMILIES:
         name = _MODEL_TYPES.get(config.model_type, name)
@@ -94,6 +107,15 @@ def model_family(config: TransformerConfig) -> type[nn.Module]:
             f"{config.model_type!r}); supported: {', '.join(sorted(MODEL_FAMILIES))}"
         )
     return MODEL_FAMILIES[name]
+
+
+def as_causal_lm(model: nn.Module) -> CausalLM:
+    """``model`` as the model runner drives it: a decoder family (each is a CausalLM). The
+    worker hands encoders (``model_tasks``) to the encoder runner, so this never raises for a
+    family in ``MODEL_FAMILIES``."""
+    if not isinstance(model, (LlamaForCausalLM, GPT2LMHeadModel)):  # Qwen2, Mistral: Llamas
+        raise TypeError(f"{type(model).__name__} is not a causal LM (it has no logits)")
+    return model
 
 
 def resolve_dtype(requested: str, config: TransformerConfig, device: torch.device) -> torch.dtype:

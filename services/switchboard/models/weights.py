@@ -103,6 +103,7 @@ def _collapse_shards(loaded: set[str], modules: dict[str, nn.Module]) -> set[str
         shards_seen.setdefault(param_path, set()).add(shard)
     for param_path, shards in shards_seen.items():
         module = modules[param_path.rpartition(".")[0]]
+        assert isinstance(module, MergedLinear)  # only MergedLinear.load_shard makes shards
         if shards == set(module.shard_sizes):
             result.add(param_path)
     return result

@@ -50,7 +50,7 @@ class WriterSockets:
         self._subscriptions = {self._notify: 0, self._side: 0}
         self._closed = False
 
-    def _xpub(self, address: str, *, linger_ms: int) -> zmq.Socket:
+    def _xpub(self, address: str, *, linger_ms: int) -> zmq.SyncSocket:
         sock = self._ctx.socket(zmq.XPUB)
         sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # pass up every reader's subscription, not just one
         sock.setsockopt(zmq.SNDHWM, 0)
@@ -77,7 +77,7 @@ class WriterSockets:
 
     def send_large(self, data: Buffer) -> None:
         zero_copy = isinstance(data, bytes) and len(data) >= _ZERO_COPY_MIN_BYTES
-        self._side.send(data, copy=not zero_copy)
+        self._side.send(data, 0, copy=not zero_copy)
 
     def close(self) -> None:
         if self._closed:

@@ -50,7 +50,8 @@ class SegmentLayout:
         self.pids = buf[pids_at : pids_at + n_readers * _PID.size]
 
     def pid(self, rank: int) -> int:
-        return _PID.unpack_from(self.pids, rank * _PID.size)[0]
+        pid: int = _PID.unpack_from(self.pids, rank * _PID.size)[0]
+        return pid
 
     def set_pid(self, rank: int, pid: int) -> None:
         _PID.pack_into(self.pids, rank * _PID.size, pid)

@@ -101,7 +101,7 @@ def unlink_orphaned_segments(writer_pid: int, shm_dir: str = "/dev/shm") -> list
     """Unlink the segments of a writer that died without closing its rings (kill -9).
 
     Only for a supervisor that knows ``writer_pid`` is gone; returns the names removed."""
-    removed = []
+    removed: list[str] = []
     prefix = segment_prefix(writer_pid)
     try:
         names = [n for n in os.listdir(shm_dir) if n.startswith(prefix)]
@@ -127,7 +127,10 @@ class RingHandle(msgspec.Struct, frozen=True, array_like=True):
     side_channel_address: str
 
 
-def _layout(handle: RingHandle, buf: memoryview) -> SegmentLayout:
+def _layout(handle: RingHandle, buf: memoryview | None) -> SegmentLayout:
+    """The layout over a segment's buffer (``SharedMemory.buf``: None only once closed)."""
+    if buf is None:
+        raise ValueError(f"shm ring {handle.shm_name} is closed")
     return SegmentLayout(buf, handle.n_readers, handle.max_chunks, handle.max_chunk_bytes)
 
 

@@ -1,4 +1,4 @@
-"""Wire 1 transport: ZeroMQ sockets, frames and the msgpack codec with zero-copy tensor frames.
+"""Wire 1 transport: ZeroMQ sockets and frames (bodies: ``codec``), zero-copy tensor frames.
 
 Frame layouts (see ``engine_msgs`` for the bodies)::
 
@@ -17,34 +17,48 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
+import stat
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
-import msgspec
 import zmq
 
+from switchboard.wire.codec import (
+    ABORT_IDS,
+    DP_WAVE,
+    ENGINE_CORE_OUTPUTS,
+    ENGINE_CORE_REQUEST,
+    ENGINE_DEAD,
+    ENGINE_READY,
+    UTILITY_CALL,
+    Buffer,
+    Codec,
+    DecodeError,
+)
+from switchboard.wire.codec import decode as decode  # re-exported: frame bodies of any type
+from switchboard.wire.codec import encode as encode
+from switchboard.wire.curve import CurveKeys
 from switchboard.wire.engine_msgs import (
     ENGINE_CORE_DEAD,
     EngineCoreOutputs,
-    EngineCoreRequest,
     EngineDead,
     EngineReady,
     RequestType,
-    UtilityCall,
 )
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-Buffer = bytes | bytearray | memoryview
+# A socket of a plain context (zmq.SyncSocket) or of an asyncio one (zmq.asyncio.Socket).
+S = TypeVar("S", bound="zmq.Socket[Any]")
 
 _REQUEST_TYPES = {t.value: t for t in RequestType}
-# The body type of each frame type a gateway may send; ABORT carries a list of request ids.
-_BODY_TYPES: dict[RequestType, Any] = {
-    RequestType.ADD: EngineCoreRequest,
-    RequestType.ABORT: list[str],
-    RequestType.UTILITY: UtilityCall,
-    RequestType.START_DP_WAVE: list[int],
+# The body codec of each frame type a gateway may send; ABORT carries a list of request ids.
+_BODY_CODECS: dict[RequestType, Codec[Any] | None] = {
+    RequestType.ADD: ENGINE_CORE_REQUEST,
+    RequestType.ABORT: ABORT_IDS,
+    RequestType.UTILITY: UTILITY_CALL,
+    RequestType.START_DP_WAVE: DP_WAVE,
     RequestType.WAKEUP: None,
 }
 
@@ -53,45 +67,19 @@ class BadFrame(ValueError):
     """A frame that does not follow the wire-1 contract; it is logged and dropped."""
 
 
-class Codec:
-    """msgpack encoder/decoder pair for one message type, reusable across calls."""
-
-    def __init__(self, kind: Any) -> None:
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(kind)
-
-    def encode(self, msg: Any) -> bytes:
-        return self._encoder.encode(msg)
-
-    def encode_into(self, msg: Any, buffer: bytearray) -> None:
-        self._encoder.encode_into(msg, buffer)
-
-    def decode(self, data: Buffer) -> Any:
-        return self._decoder.decode(data)
-
-
-_encoder = msgspec.msgpack.Encoder()
-
-
-def encode(msg: Any) -> bytes:
-    return _encoder.encode(msg)
-
-
-def decode(data: Buffer, kind: type[T]) -> T:
-    return msgspec.msgpack.decode(data, type=kind)
-
-
 def make_socket(
-    ctx: zmq.Context,
+    ctx: zmq.Context[S],
     socket_type: int,
     address: str,
     *,
     bind: bool,
     identity: bytes | None = None,
     linger_ms: int = 0,
-) -> zmq.Socket:
+    curve: CurveKeys | None = None,
+) -> S:
     """A socket with unbounded queues (HWM 0): dropping a request or output silently is worse
-    than using memory, and both sides drain continuously."""
+    than using memory, and both sides drain continuously. ``curve``: the socket's CURVE keys,
+    applied to a tcp:// address (ipc:// is guarded by its directory's permissions)."""
     sock = ctx.socket(socket_type)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
@@ -100,11 +88,28 @@ def make_socket(
         sock.setsockopt(zmq.IDENTITY, identity)
     if address.startswith("tcp://") and ":[" in address:
         sock.setsockopt(zmq.IPV6, 1)
+    if curve is not None and address.startswith("tcp://"):
+        curve.apply(sock)
     if bind:
         sock.bind(address)
     else:
         sock.connect(address)
     return sock
+
+
+def check_private_dir(path: str) -> None:
+    """ValueError unless ``path`` is a directory of this user that no one else may enter
+    (no group or other permission bits): where ipc:// sockets may be bound."""
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode):
+        raise ValueError(f"run directory {path} is not a directory")
+    if info.st_uid != os.getuid():
+        raise ValueError(f"run directory {path} belongs to uid {info.st_uid}, not to us")
+    if info.st_mode & 0o077:
+        raise ValueError(
+            f"run directory {path} has mode {stat.S_IMODE(info.st_mode):04o}; ipc:// sockets "
+            "need 0700 (no access for group or others)"
+        )
 
 
 def tcp_address(host: str, port: int) -> str:
@@ -117,13 +122,15 @@ def tcp_address(host: str, port: int) -> str:
     return f"tcp://{host}:{port}"
 
 
-def bound_address(sock: zmq.Socket) -> str:
+def bound_address(sock: zmq.Socket[Any]) -> str:
     """The address the kernel really bound (``tcp://host:0`` becomes a real port)."""
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
-def engine_identity(data_parallel_rank: int) -> bytes:
-    return data_parallel_rank.to_bytes(2, "little")
+def engine_identity(data_parallel_rank: int, nonce: bytes = b"") -> bytes:
+    """An engine DEALER's routing id: its rank, and with CURVE a nonce per incarnation (the
+    gateway's ROUTER then refuses a second peer with an id in use instead of handing it over)."""
+    return data_parallel_rank.to_bytes(2, "little") + nonce
 
 
 def request_frames(
@@ -139,19 +146,19 @@ def parse_request_frames(frames: Sequence[Buffer]) -> tuple[RequestType, Any, li
         raise BadFrame(f"expected at least 2 frames (type, body), got {len(frames)}")
     type_byte = bytes(frames[0])
     request_type = _REQUEST_TYPES.get(type_byte)
-    if request_type is None or request_type not in _BODY_TYPES:
+    if request_type is None or request_type not in _BODY_CODECS:
         raise BadFrame(f"unknown request type byte {type_byte!r}")
-    kind = _BODY_TYPES[request_type]
+    body_codec = _BODY_CODECS[request_type]
     try:
-        body = None if kind is None else msgspec.msgpack.decode(frames[1], type=kind)
-    except msgspec.DecodeError as exc:  # ValidationError is a subclass
+        body = None if body_codec is None else body_codec.decode(frames[1])
+    except DecodeError as exc:  # ValidationError is a subclass
         raise BadFrame(f"malformed {request_type.name} body: {exc}") from exc
     return request_type, body, [memoryview(f) for f in frames[2:]]
 
 
 def engine_dead_frames(engine_index: int, engine_id: str = "") -> list[bytes]:
     """An engine's last word: ``ENGINE_CORE_DEAD`` and which engine says it."""
-    return [ENGINE_CORE_DEAD, encode(EngineDead(engine_index, engine_id))]
+    return [ENGINE_CORE_DEAD, ENGINE_DEAD.encode(EngineDead(engine_index, engine_id))]
 
 
 def _is_engine_dead(frames: Sequence[Buffer]) -> bool:
@@ -164,26 +171,28 @@ def parse_engine_dead(frames: Sequence[Buffer]) -> EngineDead | None:
     if not _is_engine_dead(frames) or len(frames) == 1:
         return None
     try:
-        return msgspec.msgpack.decode(frames[1], type=EngineDead)
-    except msgspec.DecodeError:
+        return ENGINE_DEAD.decode(frames[1])
+    except DecodeError:
         logger.warning("ENGINE_CORE_DEAD with an undecodable engine frame")
         return None
 
 
-def parse_output_frames(frames: Sequence[Buffer]) -> tuple[EngineCoreOutputs | None, list]:
+def parse_output_frames(
+    frames: Sequence[Buffer],
+) -> tuple[EngineCoreOutputs | None, list[memoryview]]:
     """Decode frames received on a gateway's PULL. ``None`` means the engine died (see
     ``parse_engine_dead`` for which one)."""
     if _is_engine_dead(frames):
         return None, []
     try:
-        outputs = msgspec.msgpack.decode(frames[0], type=EngineCoreOutputs)
-    except msgspec.DecodeError as exc:
+        outputs = ENGINE_CORE_OUTPUTS.decode(frames[0])
+    except DecodeError as exc:
         raise BadFrame(f"malformed EngineCoreOutputs: {exc}") from exc
     return outputs, [memoryview(f) for f in frames[1:]]
 
 
 def parse_ready(data: Buffer) -> EngineReady:
     try:
-        return msgspec.msgpack.decode(data, type=EngineReady)
-    except msgspec.DecodeError as exc:
+        return ENGINE_READY.decode(data)
+    except DecodeError as exc:
         raise BadFrame(f"malformed READY: {exc}") from exc

@@ -21,6 +21,7 @@ import torch
 import zmq
 
 from switchboard.config import EngineConfig, decode_config
+from switchboard.wire.codec import WORKER_STARTUP
 from switchboard.wire.step_msgs import WorkerStartup
 from switchboard.worker.distributed import leave_parallel_group
 from switchboard.worker.threads import torch_threads
@@ -39,7 +40,7 @@ def parse_startup(argv: list[str] | None) -> WorkerStartup:
     parser = argparse.ArgumentParser(prog="python -m switchboard.worker")
     parser.add_argument("--startup-json", required=True, help="a WorkerStartup, JSON-encoded")
     args = parser.parse_args(argv)
-    return msgspec.json.decode(args.startup_json, type=WorkerStartup)
+    return WORKER_STARTUP.decode(args.startup_json)
 
 
 def configure_logging(name: str) -> None:

@@ -22,6 +22,7 @@ from switchboard.config import ModelConfig
 from switchboard.models import cpu_decode_kernel
 from switchboard.models.attention import new_kv_cache
 from switchboard.models.hf_config import TransformerConfig
+from switchboard.models.loader import CausalLM, as_causal_lm
 from switchboard.models.parallel import SINGLE_PROCESS, ParallelState
 from switchboard.wire.engine_msgs import TokenLogprobs
 from switchboard.wire.step_msgs import ModelRunnerOutput, ModelSummary, SchedulerOutput
@@ -65,7 +66,7 @@ class ModelRunner:
         self.model_config = model_config
         self.device = device
         self.parallel = parallel  # this worker's share of the model (TP rank, PP stage)
-        self.model: torch.nn.Module | None = None
+        self.model: CausalLM | None = None
         self.config: TransformerConfig | None = None
         self.dtype = torch.float32
         self.kv_caches: list[torch.Tensor] = []
@@ -76,9 +77,10 @@ class ModelRunner:
     # -- set-up -----------------------------------------------------------------------------
 
     def load_model(self) -> ModelSummary:
-        self.model, self.config, self.dtype = load_runner_model(
+        model, self.config, self.dtype = load_runner_model(
             self.model_config, self.device, self.parallel
         )
+        self.model = as_causal_lm(model)
         if self.device.type == "cpu":
             cpu_decode_kernel.load()
             logger.info("decode attention: CPU paged kernel %s", cpu_decode_kernel.status())

@@ -22,14 +22,6 @@ from switchboard.wire.step_msgs import RpcCall, RpcReply
 logger = logging.getLogger(__name__)
 
 
-def decode_call(payload: bytes) -> RpcCall:
-    return msgspec.msgpack.decode(payload, type=RpcCall)
-
-
-def encode_reply(reply: RpcReply) -> bytes:
-    return msgspec.msgpack.encode(reply)
-
-
 def dispatch(target: object, allowed: frozenset[str], call: RpcCall, rank: int) -> RpcReply:
     """Run ``call`` on ``target``; an exception becomes ``RpcReply(error=...)``."""
     try:

@@ -113,14 +113,13 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
 def _pick(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.all_greedy:
         return logits.argmax(dim=-1)
-    rows = batch.random_rows
-    every_row = rows is None
+    rows = batch.random_rows  # None: every row
 
     def of_rows(values: torch.Tensor | None) -> torch.Tensor | None:
-        return values if values is None or every_row else values.index_select(0, rows)
+        return values if values is None or rows is None else values.index_select(0, rows)
 
-    tokens = None if every_row else logits.argmax(dim=-1)
-    selected = logits if every_row else logits.index_select(0, rows)
+    tokens = None if rows is None else logits.argmax(dim=-1)
+    selected = logits if rows is None else logits.index_select(0, rows)
     temperature = of_rows(batch.temperature)
     assert temperature is not None
     probs = selected.div_(temperature[:, None]).softmax(dim=-1)
@@ -133,7 +132,7 @@ def _pick(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         sampled = _inverse_cdf(probs, uniforms)
     else:
         sampled = _sample_top_k_top_p(probs, top_k, top_p, uniforms)
-    if tokens is None:
+    if tokens is None or rows is None:  # both or neither
         return sampled
     return tokens.index_copy_(0, rows, sampled)
 

@@ -22,11 +22,12 @@ import torch
 from switchboard.config import EngineConfig
 from switchboard.model_tasks import read_model_tasks
 from switchboard.models.loader import resolve_device
+from switchboard.wire.codec import RPC_CALL, RPC_REPLY
 from switchboard.wire.step_msgs import ModelRunnerOutput, ModelSummary, SchedulerOutput
 from switchboard.worker.distributed import init_parallel_state
 from switchboard.worker.encoder_runner import EncoderRunner
 from switchboard.worker.model_runner import ModelRunner
-from switchboard.worker.rpc import decode_call, dispatch, encode_reply
+from switchboard.worker.rpc import dispatch
 
 logger = logging.getLogger(__name__)
 
@@ -183,11 +184,11 @@ def run_busy_loop(
             if os.getppid() != parent_pid:
                 return f"parent process {parent_pid} is gone"
             continue
-        call = decode_call(payload)
+        call = RPC_CALL.decode(payload)
         reply = dispatch(worker, Worker.RPC_METHODS, call, rank)
         # A failure is always reported, whichever rank it happened on: otherwise the engine
         # would only learn of it from the execute timeout.
         if call.output_rank == rank or reply.error is not None:
-            replies.send(encode_reply(reply))
+            replies.send(RPC_REPLY.encode(reply))
         if worker.shutdown_requested:
             return "shutdown RPC"

@@ -27,7 +27,7 @@ import random
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import zmq
@@ -45,7 +45,8 @@ from switchboard.gateway.engines.types import (
 )
 from switchboard.gateway.engines.utility_calls import PendingUtilityCalls
 from switchboard.gateway.errors import ApiError, unavailable
-from switchboard.wire import zmq_channel
+from switchboard.wire import curve, zmq_channel
+from switchboard.wire.curve import CurveKeys
 from switchboard.wire.engine_msgs import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -70,6 +71,7 @@ class EngineClient:
         on_engines_changed: Callable[[], None] | None = None,
         coordinator_publish_address: str = "",
         handshake_address: str = "",
+        curve_keys_dir: str = "",
     ) -> None:
         self.input_address = input_address
         self.output_address = output_address
@@ -89,18 +91,51 @@ class EngineClient:
         self._utility_calls = PendingUtilityCalls()
         self._any_ready = asyncio.Event()
         self._ipc_paths: list[str] = []
+        self.curve_keys_dir = curve_keys_dir
+        self._authenticator: Any = None  # the ZAP thread when CURVE is on
+        self._key_warnings: set[tuple[str, str]] = set()
 
     # -- lifecycle -----------------------------------------------------------------------------
 
+    def _security(self) -> tuple[CurveKeys | None, CurveKeys | None]:
+        """(the data and handshake sockets' server keys, the coordinator SUB's client keys);
+        both None without a keys directory. Starts the ZAP thread when there is one."""
+        addresses = (self.input_address, self.output_address, self.handshake_address)
+        tcp = any(a.startswith("tcp://") for a in addresses)
+        if not self.curve_keys_dir:
+            if tcp or self.coordinator_publish_address.startswith("tcp://"):
+                curve.warn_unauthenticated("gateway")
+            return None, None
+        keys_dir = self.curve_keys_dir
+        server = curve.server_keys(keys_dir, curve.GATEWAY)
+        subscriber = None
+        if self.coordinator_publish_address:
+            subscriber = curve.client_keys(keys_dir, curve.GATEWAY, curve.COORDINATOR)
+        assert self._ctx is not None
+        allowed = os.path.join(keys_dir, curve.ALLOWED_ENGINES)
+        self._authenticator = curve.start_authenticator(self._ctx, [allowed])
+        return server, subscriber
+
     async def start(self) -> None:
+        for address in (self.input_address, self.output_address):
+            if address.startswith("ipc://"):
+                zmq_channel.check_private_dir(os.path.dirname(address.removeprefix("ipc://")))
         self._ctx = zmq.asyncio.Context()
-        self._router = zmq_channel.make_socket(self._ctx, zmq.ROUTER, self.input_address, bind=True)
+        server, subscriber = self._security()
+        self._router = zmq_channel.make_socket(
+            self._ctx, zmq.ROUTER, self.input_address, bind=True, curve=server
+        )
         # Sending to a peer that is gone raises instead of dropping the message silently.
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # A restarted engine reconnects with the identity of its dead predecessor (its DP rank):
-        # the new connection takes the identity over instead of being refused.
-        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self._pull = zmq_channel.make_socket(self._ctx, zmq.PULL, self.output_address, bind=True)
+        # the new connection takes the identity over instead of being refused. With CURVE an
+        # engine's identity is new at each start, and a second peer claiming one in use (another
+        # admitted key) is refused rather than handed the engine's requests.
+        if server is None:
+            self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self._pull = zmq_channel.make_socket(
+            self._ctx, zmq.PULL, self.output_address, bind=True, curve=server
+        )
         self.input_address = zmq_channel.bound_address(self._router)
         self.output_address = zmq_channel.bound_address(self._pull)
         self._ipc_paths = [
@@ -115,7 +150,7 @@ class EngineClient:
         ]
         if self.coordinator_publish_address:
             loads = LoadSubscriber(
-                self._ctx, self.coordinator_publish_address, lambda: self.engines
+                self._ctx, self.coordinator_publish_address, lambda: self.engines, curve=subscriber
             )
             self._tasks.append(asyncio.create_task(loads.run(), name="engine-load-subscriber"))
         if self.handshake_address:
@@ -125,7 +160,7 @@ class EngineClient:
                 input_port=port_of(self.input_address),
                 output_port=port_of(self.output_address),
             )
-            handshake = HandshakeServer(self._ctx, self.handshake_address, answer)
+            handshake = HandshakeServer(self._ctx, self.handshake_address, answer, curve=server)
             self.handshake_address = handshake.address
             self._tasks.append(asyncio.create_task(handshake.run(), name="engine-handshake"))
         logger.info(
@@ -150,6 +185,9 @@ class EngineClient:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         self._ipc_paths = []
+        if self._authenticator is not None:
+            self._authenticator.stop()
+            self._authenticator = None
         if self._ctx is not None:
             self._ctx.term()
         self._router = self._pull = self._ctx = None
@@ -246,7 +284,8 @@ class EngineClient:
         """Send one request frame; False (and the engine is marked dead) if it cannot go out."""
         assert self._router is not None
         frames = [engine.identity, *zmq_channel.request_frames(request_type, body)]
-        sent = self._router.send_multipart(frames, copy=False)
+        # A Future (pyzmq's stubs say only Awaitable): done at once unless the send is queued.
+        sent = cast("asyncio.Future[Any]", self._router.send_multipart(frames, copy=False))
         if not sent.done():  # queued behind an earlier send (never with HWM 0): check later
             sent.add_done_callback(lambda f: self._check_late_send(f, engine))
             return True
@@ -262,17 +301,42 @@ class EngineClient:
     async def _ready_loop(self) -> None:
         assert self._router is not None
         while True:
-            frames = await self._router.recv_multipart()
+            frames = await self._router.recv_multipart(copy=False)
             if len(frames) != 2:
                 logger.warning("dropped a ROUTER message of %d frames (want 2: READY)", len(frames))
                 continue
-            identity, body = frames
+            identity, body = frames[0].bytes, frames[1]
             try:
-                ready = zmq_channel.parse_ready(body)
+                ready = zmq_channel.parse_ready(body.buffer)
             except zmq_channel.BadFrame as exc:
                 logger.warning("dropped a bad READY from %r: %s", identity, exc)
                 continue
+            if self.curve_keys_dir and not self._key_may_be(
+                body, ready.data_parallel_rank, "READY"
+            ):
+                continue
             self._admit(identity, ready)
+
+    def _key_may_be(self, frame: zmq.Frame, rank: int | None, what: str) -> bool:
+        """CURVE on: a key named for a rank (``engine-<r>``) speaks for that rank only (a
+        message naming no rank, the one-frame ENGINE_CORE_DEAD, needs a key named for none)."""
+        try:
+            user_id = str(frame.get("User-Id"))
+        except zmq.ZMQError:
+            user_id = ""
+        key_rank = curve.rank_of_key(user_id)
+        if key_rank is None or key_rank == rank:
+            return True
+        if (user_id, what) not in self._key_warnings:  # once: outputs come every step
+            self._key_warnings.add((user_id, what))
+            logger.warning(
+                "dropped %s for DP rank %s from the key %s (that key is rank %d's)",
+                what,
+                rank,
+                user_id,
+                key_rank,
+            )
+        return False
 
     def _admit(self, identity: bytes, ready: EngineReady) -> None:
         previous = self.engines.get(ready.data_parallel_rank)
@@ -300,15 +364,26 @@ class EngineClient:
     async def _output_loop(self) -> None:
         assert self._pull is not None
         while True:
-            frames = await self._pull.recv_multipart(copy=False)
+            received = await self._pull.recv_multipart(copy=False)
+            frames = [frame.buffer for frame in received]
             try:
                 outputs, _ = zmq_channel.parse_output_frames(frames)
             except zmq_channel.BadFrame as exc:
                 logger.warning("dropped a bad output frame: %s", exc)
                 continue
             if outputs is None:
-                self._on_engine_dead_message(zmq_channel.parse_engine_dead(frames))
+                dead = zmq_channel.parse_engine_dead(frames)
+                rank = None if dead is None else dead.engine_index
+                if self.curve_keys_dir and not self._key_may_be(
+                    received[0], rank, "ENGINE_CORE_DEAD"
+                ):
+                    continue
+                self._on_engine_dead_message(dead)
             else:
+                if self.curve_keys_dir and not self._key_may_be(
+                    received[0], outputs.engine_index, "outputs"
+                ):
+                    continue
                 self._dispatch(outputs)
 
     def _on_engine_dead_message(self, dead: EngineDead | None) -> None:

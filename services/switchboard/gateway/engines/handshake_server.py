@@ -17,12 +17,13 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import msgspec
 import zmq
 import zmq.asyncio
 
 from switchboard.wire import zmq_channel
-from switchboard.wire.engine_msgs import GatewayAddresses, GatewayHello
+from switchboard.wire.codec import GATEWAY_ADDRESSES, GATEWAY_HELLO, DecodeError
+from switchboard.wire.curve import CurveKeys
+from switchboard.wire.engine_msgs import GatewayAddresses
 
 logger = logging.getLogger(__name__)
 
@@ -33,11 +34,16 @@ def port_of(address: str) -> int:
 
 
 class HandshakeServer:
-    def __init__(self, ctx: zmq.asyncio.Context, address: str, answer: GatewayAddresses) -> None:
-        self._answer = zmq_channel.encode(answer)
-        self._sock = zmq_channel.make_socket(ctx, zmq.ROUTER, address, bind=True)
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        address: str,
+        answer: GatewayAddresses,
+        curve: CurveKeys | None = None,
+    ) -> None:
+        self._answer = GATEWAY_ADDRESSES.encode(answer)
+        self._sock = zmq_channel.make_socket(ctx, zmq.ROUTER, address, bind=True, curve=curve)
         self.address = zmq_channel.bound_address(self._sock)
-        self._decoder = msgspec.msgpack.Decoder(GatewayHello)
         self._engines_seen: dict[int, str] = {}
         logger.info(
             "handshake port %s: engines get ROUTER port %d, PULL port %d (client_index %d)",
@@ -56,8 +62,8 @@ class HandshakeServer:
                     continue
                 identity, body = frames
                 try:
-                    hello = self._decoder.decode(body)
-                except msgspec.DecodeError as exc:
+                    hello = GATEWAY_HELLO.decode(body)
+                except DecodeError as exc:
                     logger.warning("dropped a bad GatewayHello: %s", exc)
                     continue
                 if self._engines_seen.get(hello.engine_index) != hello.engine_id:

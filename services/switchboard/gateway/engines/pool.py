@@ -25,13 +25,14 @@ import logging
 import random
 from collections.abc import Callable
 
-import msgspec
 import zmq
 import zmq.asyncio
 
 from switchboard.gateway.engines.types import EngineHandle
 from switchboard.gateway.errors import unavailable
 from switchboard.wire import zmq_channel
+from switchboard.wire.codec import LOAD_REPORT, DecodeError
+from switchboard.wire.curve import CurveKeys
 from switchboard.wire.engine_msgs import LoadReport
 
 logger = logging.getLogger(__name__)
@@ -86,12 +87,12 @@ class LoadSubscriber:
         publish_address: str,
         engines: Callable[[], dict[int, EngineHandle]],
         stale_after_s: float = REPORTS_STALE_S,
+        curve: CurveKeys | None = None,
     ) -> None:
         self._engines = engines
         self._stale_after_ms = int(stale_after_s * 1000)
-        self._sock = zmq_channel.make_socket(ctx, zmq.SUB, publish_address, bind=False)
+        self._sock = zmq_channel.make_socket(ctx, zmq.SUB, publish_address, bind=False, curve=curve)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self._decoder = msgspec.msgpack.Decoder(LoadReport)
         self.fresh = False  # a report came within stale_after_s
         self.reported_ranks: list[int] = []  # the engines the latest report covered
         logger.info("subscribed to engine load reports at %s", publish_address)
@@ -99,13 +100,13 @@ class LoadSubscriber:
     async def run(self) -> None:
         try:
             while True:
-                if not await self._sock.poll(self._stale_after_ms, zmq.POLLIN):
+                if not await self._sock.poll(self._stale_after_ms):  # POLLIN, the default
                     self._forget_loads()
                     continue
                 data = await self._sock.recv()
                 try:
-                    report = self._decoder.decode(data)
-                except msgspec.DecodeError as exc:
+                    report = LOAD_REPORT.decode(data)
+                except DecodeError as exc:
                     logger.warning("dropped a bad load report: %s", exc)
                     continue
                 self._note(report)

@@ -22,6 +22,8 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable, Iterator
+from typing import NamedTuple
+from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
     CollectorRegistry,
@@ -235,7 +237,7 @@ class EngineStatsCollector(Collector):
         self._engines = engines
 
     def describe(self) -> Iterable[Metric]:
-        return list(self._families().values())
+        return list(self._families())
 
     def collect(self) -> Iterable[Metric]:
         families = self._families()
@@ -244,46 +246,58 @@ class EngineStatsCollector(Collector):
             if not engine.alive or stats is None or not engine.exports_engine_stats:
                 continue  # another gateway exports this engine's series
             labels = [self._model_name, str(engine.ready.data_parallel_rank)]
-            families["running"].add_metric(labels, stats.num_running_reqs)
-            families["waiting"].add_metric(labels, stats.num_waiting_reqs)
-            families["kv"].add_metric(labels, stats.kv_cache_usage)
-            families["queries"].add_metric(labels, stats.prefix_cache_queries)
-            families["hits"].add_metric(labels, stats.prefix_cache_hits)
-            families["preemptions"].add_metric(labels, stats.num_preemptions)
+            families.running.add_metric(labels, stats.num_running_reqs)
+            families.waiting.add_metric(labels, stats.num_waiting_reqs)
+            families.kv.add_metric(labels, stats.kv_cache_usage)
+            families.queries.add_metric(labels, stats.prefix_cache_queries)
+            families.hits.add_metric(labels, stats.prefix_cache_hits)
+            families.preemptions.add_metric(labels, stats.num_preemptions)
             counts = stats.iteration_tokens_counts
             if len(counts) == len(ITERATION_TOKENS_BUCKETS) + 1:
-                families["iteration"].add_metric(
+                families.iteration.add_metric(
                     labels, list(_cumulative_buckets(counts)), stats.iteration_tokens_sum
                 )
-        return list(families.values())
+        return list(families)
 
-    def _families(self) -> dict[str, Metric]:
+    def _families(self) -> _EngineFamilies:
         p, labels = PREFIX, list(LABELS)
-        return {
-            "running": GaugeMetricFamily(
+        return _EngineFamilies(
+            running=GaugeMetricFamily(
                 p + "num_requests_running", "Requests in model execution batches.", labels=labels
             ),
-            "waiting": GaugeMetricFamily(
+            waiting=GaugeMetricFamily(
                 p + "num_requests_waiting", "Requests waiting to be processed.", labels=labels
             ),
-            "kv": GaugeMetricFamily(
+            kv=GaugeMetricFamily(
                 p + "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent.", labels=labels
             ),
-            "queries": CounterMetricFamily(
+            queries=CounterMetricFamily(
                 p + "prefix_cache_queries",
                 "Prefix-cache queries, in tokens.",
                 labels=labels,
             ),
-            "hits": CounterMetricFamily(
+            hits=CounterMetricFamily(
                 p + "prefix_cache_hits", "Prefix-cache hits, in tokens.", labels=labels
             ),
-            "preemptions": CounterMetricFamily(
+            preemptions=CounterMetricFamily(
                 p + "num_preemptions", "Cumulative preemptions by the engine.", labels=labels
             ),
-            "iteration": HistogramMetricFamily(
+            iteration=HistogramMetricFamily(
                 p + "iteration_tokens_total", "Tokens per engine step.", labels=labels
             ),
-        }
+        )
+
+
+class _EngineFamilies(NamedTuple):
+    """One scrape's engine-level metric families, in exposition order."""
+
+    running: GaugeMetricFamily
+    waiting: GaugeMetricFamily
+    kv: GaugeMetricFamily
+    queries: CounterMetricFamily
+    hits: CounterMetricFamily
+    preemptions: CounterMetricFamily
+    iteration: HistogramMetricFamily
 
 
 def _cumulative_buckets(counts: list[int]) -> Iterator[tuple[str, float]]:
@@ -308,7 +322,7 @@ class GatewayMetrics:
             collector(registry=self.registry)
         self.requests = RequestMetrics(self.registry, model_name, max_model_len)
         self.registry.register(EngineStatsCollector(model_name, engines))
-        self._server = None
+        self._server: WSGIServer | None = None
         self.port = 0
 
     def serve(self, host: str, port: int) -> int:

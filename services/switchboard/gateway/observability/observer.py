@@ -304,6 +304,12 @@ class RequestObserver:
                 t.num_prompt_tokens,
                 t.num_output_tokens,
             )
+        elif "abort" in reasons:
+            # Cancelled before an engine had it (during tokenization, or before the first
+            # await): still an aborted request, counted with no engine (engine="").
+            requests = metrics.requests
+            for reason in reasons:
+                requests.request_success.labels(*requests.labels(self._engine_label), reason).inc()
         metrics.requests.gen_ai(
             "" if code == grpc.StatusCode.OK else code.name,
             e2e_s,

@@ -65,8 +65,11 @@ def request_phases(
     if timeline.submitted_ns is None:
         return []
 
+    def at_wall(engine_ns: int) -> int:
+        return _clamp(to_wall_ns(engine_ns), start, end)
+
     def place(engine_ns: int | None) -> int | None:
-        return None if engine_ns is None else _clamp(to_wall_ns(engine_ns), start, end)
+        return None if engine_ns is None else at_wall(engine_ns)
 
     queued = place(timeline.queued_ns)
     marks: list[tuple[str, int | None]] = [
@@ -89,9 +92,8 @@ def request_phases(
         phases.append(Phase(name, begin, finish))
         previous = finish
     for number, (preempted, resumed) in enumerate(timeline.preemptions(), start=1):
-        begin = place(preempted)
-        assert begin is not None
-        finish = place(resumed) if resumed is not None else end
+        begin = at_wall(preempted)
+        finish = at_wall(resumed) if resumed is not None else end
         phases.append(Phase(PREEMPTED, begin, max(begin, finish), {PREEMPTION_NUMBER: number}))
     return phases
 

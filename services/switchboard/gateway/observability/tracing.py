@@ -36,6 +36,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.util.types import AttributeValue
 
 from switchboard import __version__
 from switchboard.gateway.observability.trace_phases import Phase
@@ -194,14 +195,14 @@ class RequestSpans:
         self,
         end_ns: int,
         code: grpc.StatusCode,
-        completion_attributes: Mapping[str, object],
+        completion_attributes: Mapping[str, AttributeValue],
         phases: list[Phase],
         content: tuple[str, str] | None = None,
     ) -> None:
         """End every span of the request at ``end_ns`` (gateway wall clock)."""
         completion = self.completion
         if completion.is_recording():
-            completion.set_attributes(completion_attributes)  # type: ignore[arg-type]
+            completion.set_attributes(completion_attributes)
             if content is not None and self._trace_content:
                 completion.set_attributes(_content_attributes(*content, completion_attributes))
             if code != grpc.StatusCode.OK:
@@ -227,16 +228,16 @@ class RequestSpans:
 
 
 def _content_attributes(
-    prompt: str, output: str, completion_attributes: Mapping[str, object]
+    prompt: str, output: str, completion_attributes: Mapping[str, AttributeValue]
 ) -> dict[str, str]:
     """Opt-in (--trace-content): the GenAI message attributes, as JSON strings."""
-    finish_reasons = completion_attributes.get("gen_ai.response.finish_reasons") or ()
+    finish_reasons = completion_attributes.get("gen_ai.response.finish_reasons")
     output_message: dict[str, object] = {
         "role": "assistant",
         "parts": [{"type": "text", "content": output}],
     }
-    if finish_reasons:
-        output_message["finish_reason"] = list(finish_reasons)[0]  # type: ignore[call-overload]
+    if isinstance(finish_reasons, list | tuple) and finish_reasons:
+        output_message["finish_reason"] = finish_reasons[0]
     return {
         "gen_ai.input.messages": json.dumps(
             [{"role": "user", "parts": [{"type": "text", "content": prompt}]}]

@@ -113,7 +113,7 @@ class GenerateStream:
 
     def _finish(
         self,
-        reason: int,
+        reason: pb.FinishReason,
         new_text: str,
         new_ids: list[int],
         new_logprobs: list[pb.TokenLogprob] | None = None,

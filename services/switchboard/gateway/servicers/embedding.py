@@ -34,6 +34,11 @@ from switchboard.gateway.errors import (
     unavailable,
 )
 from switchboard.gateway.model_facts import ModelFacts
+from switchboard.gateway.pipeline.request_bounds import (
+    check_model_name,
+    check_request_id,
+    check_text_bytes,
+)
 from switchboard.gateway.pipeline.sampling_validation import check_token_ids
 from switchboard.gateway.pipeline.validation import MAX_REQUEST_ID_CHARS, check_model
 from switchboard.gateway.state import GatewayState
@@ -148,6 +153,13 @@ class Embedder:
         sub_ids: list[str] = []
         done = False
         try:
+            check_request_id(request_id)
+            check_model_name(request.model)
+            if state.longest_token_bytes:
+                for i, item in enumerate(request.inputs):
+                    if item.WhichOneof("input") == "text":
+                        size = len(item.text.encode())
+                        check_text_bytes(f"inputs[{i}].text", size, state.max_prompt_bytes)
             plan = plan_embed(request, request_id, state.facts)
             if not state.engines.live_engines:
                 raise unavailable("no engine core is ready")

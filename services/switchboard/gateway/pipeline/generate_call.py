@@ -1,0 +1,255 @@
+"""One Generate call from request to last response, the same for every front (gRPC, HTTP).
+
+Both fronts turn their request into a ``pb.GenerateRequest`` and run it here, so validation,
+tokenization, the engine client, ``n`` > 1 grouping, metrics and spans are one code path::
+
+    async with calls.open(request, request_id, arrival_time, context) as call:  # plan + ADD
+        async for response in call.responses():
+            ...
+
+``open`` raises ``ApiError`` before anything reaches an engine when the request is invalid.
+However the block is left (normally, an ``ApiError``, the client cancelling or disconnecting,
+the front's own error), the call is reported to the observer, and unless it ran to its end its
+sequences are ABORTed in the engine at once. ``GenerateCalls`` also remembers the calls in
+flight by request id, so the Abort RPC reaches a call whichever front took it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Iterable
+from typing import Any, Protocol
+
+import grpc
+
+from switchboard.api.v1 import generation_service_pb2 as pb
+from switchboard.gateway.admission import Ticket
+from switchboard.gateway.chat.prompt import chat_prompt_token_ids
+from switchboard.gateway.errors import ApiError, unavailable
+from switchboard.gateway.observability.observer import RequestObserver
+from switchboard.gateway.pipeline.bad_words import tokenize_bad_words
+from switchboard.gateway.pipeline.generate_stream import GenerateStream
+from switchboard.gateway.pipeline.request_bounds import (
+    check_data_parallel_rank,
+    check_text_bytes,
+    prompt_bytes,
+)
+from switchboard.gateway.pipeline.sequence_group import (
+    SequenceGroup,
+    child_requests,
+    submit_children,
+)
+from switchboard.gateway.pipeline.structured_output import check_structured_output_plan
+from switchboard.gateway.pipeline.validation import (
+    GeneratePlan,
+    build_engine_request,
+    plan_generate,
+    resolve_prompt,
+)
+from switchboard.gateway.state import GatewayState
+
+logger = logging.getLogger(__name__)
+
+_TRACE_HEADERS = ("traceparent", "tracestate")
+
+
+class CallContext(Protocol):
+    """What the call reads of its front: a ``grpc.aio.ServicerContext`` has all of it; the
+    HTTP front supplies the same from the HTTP request (``gateway/http/context.py``)."""
+
+    def invocation_metadata(self) -> Iterable[tuple[str, Any]] | None: ...
+
+    def peer(self) -> str: ...
+
+    def code(self) -> grpc.StatusCode | None: ...
+
+    def time_remaining(self) -> float | None: ...
+
+
+@dataclasses.dataclass
+class _LiveRequest:
+    aborted: bool = False  # by the Abort RPC, possibly before the engine got it
+    engine_request_ids: list[str] = dataclasses.field(default_factory=list)  # its n sequences
+
+
+class GenerateCall:
+    """A submitted call: its sequence group and the responses it makes."""
+
+    def __init__(
+        self,
+        calls: GenerateCalls,
+        group: SequenceGroup,
+        observer: RequestObserver,
+        ticket: Ticket,
+    ) -> None:
+        self._state = calls.state
+        self.group = group
+        self._observer = observer
+        self._ticket = ticket
+        self.finished = False  # ran to its end: nothing left to abort
+
+    async def responses(self) -> AsyncIterator[pb.GenerateResponse]:
+        group = self.group
+        while not group.finished:
+            index, event = await group.next_event()
+            self._ticket.prompt_started()  # the engine answered: the prompt left the queue
+            self._observer.on_event(event)
+            response = group.handle(index, event)
+            stopped = group.take_stopped_request_ids()
+            if stopped:
+                self._state.engines.abort(stopped, "stop string")
+            if response is not None:
+                yield response
+        self.finished = True
+        logger.debug("request %s finished: %s", group.streams[0].plan.request_id, group.usage())
+
+
+class GenerateCalls:
+    """The Generate calls in flight on one gateway, whichever front took them."""
+
+    def __init__(self, state: GatewayState) -> None:
+        self.state = state
+        self._live: dict[str, _LiveRequest] = {}
+
+    def is_in_flight(self, request_id: str) -> bool:
+        return request_id in self._live
+
+    @contextlib.asynccontextmanager
+    async def open(
+        self,
+        request: pb.GenerateRequest,
+        request_id: str,
+        arrival_time: float,
+        context: CallContext,
+    ) -> AsyncIterator[GenerateCall]:
+        """Plan, tokenize and ADD the request; yield the call (see the module docstring)."""
+        if request_id in self._live:
+            raise ApiError(
+                grpc.StatusCode.ALREADY_EXISTS,
+                f"request_id {request_id!r} is already in flight",
+                reason="DUPLICATE_REQUEST_ID",
+                field="request_id",
+            )
+        state = self.state
+        ticket = state.admission.enter()  # this gateway's room for one more, or RESOURCE_EXHAUSTED
+        live = self._live[request_id] = _LiveRequest()
+        group: SequenceGroup | None = None
+        call: GenerateCall | None = None
+        failed = False
+        observer = state.observability.begin(request_id, arrival_time, context)
+        try:
+            if not state.facts.tasks.can_generate:
+                raise ApiError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"model {state.facts.name!r} is an encoder: it serves Embed only",
+                    reason="TASK_NOT_SUPPORTED",
+                )
+            self._check_bounds(request)
+            plan = plan_generate(request, request_id, state.facts, state.chat_template)
+            group = await self._submit(
+                plan, arrival_time, context, observer=observer, ticket=ticket
+            )
+            observer.submitted(group.engine)
+            live.engine_request_ids = group.request_ids
+            if live.aborted:  # the Abort RPC came while the prompt was being tokenized
+                state.engines.abort(group.request_ids, "Abort RPC")
+            call = GenerateCall(self, group, observer, ticket)
+            yield call
+        except ApiError:
+            failed = True  # the engine client already forgot a failed request
+            if group is not None:  # ... but not its sibling sequences (n > 1)
+                state.engines.abort(group.request_ids, "a sibling sequence failed")
+            raise
+        finally:
+            observer.end(group)
+            ticket.release()
+            del self._live[request_id]
+            if group is not None:
+                group.close()
+            if group is not None and not failed and not (call is not None and call.finished):
+                # Cancelled, disconnected or past its deadline: free the engine's slot now.
+                state.engines.abort(group.request_ids, "client cancelled or deadline")
+                logger.info("request %s: client went away; sent ABORT", request_id)
+
+    def _check_bounds(self, request: pb.GenerateRequest) -> None:
+        """What bounds the work before any of it: the prompt's bytes, the pinned rank."""
+        state = self.state
+        if state.longest_token_bytes:
+            check_text_bytes(
+                "messages" if request.messages else "text",
+                prompt_bytes(request),
+                state.max_prompt_bytes,
+            )
+        if request.HasField("data_parallel_rank"):
+            check_data_parallel_rank(
+                request.data_parallel_rank, state.config.num_engines, state.engines.engines
+            )
+
+    def abort(self, request_ids: Iterable[str], reason: str) -> tuple[list[str], list[str]]:
+        """The Abort RPC: (aborted, unknown) request ids."""
+        aborted, unknown = [], []
+        for request_id in request_ids:
+            live = self._live.get(request_id)
+            if live is None:
+                unknown.append(request_id)
+                continue
+            live.aborted = True
+            self.state.engines.abort(live.engine_request_ids or [request_id], reason)
+            aborted.append(request_id)
+        return aborted, unknown
+
+    async def _submit(
+        self,
+        plan: GeneratePlan,
+        arrival_time: float,
+        context: CallContext,
+        *,
+        observer: RequestObserver,
+        ticket: Ticket,
+    ) -> SequenceGroup:
+        """Tokenize and check; ADD the request's n sequences to the engines."""
+        state = self.state
+        if not state.engines.live_engines:
+            raise unavailable("no engine core is ready")
+        if plan.chat is not None and state.chat_template is not None:
+            token_ids = await state.in_pool(
+                chat_prompt_token_ids, state.chat_template, state.tokenizer, plan.chat
+            )
+        elif plan.prompt_text is not None:
+            token_ids = await state.in_pool(state.tokenizer.encode, plan.prompt_text)
+        else:
+            token_ids = plan.prompt_token_ids or []
+        facts = state.facts
+        prompt_token_ids = resolve_prompt(plan, token_ids, facts)
+        if plan.structured_output is not None:  # a bad grammar is refused before ADD
+            await state.in_pool(check_structured_output_plan, plan.structured_output)
+        ticket.queue_prompt(len(prompt_token_ids) * plan.n)  # admission: waits for prefill now
+        bad_words_token_ids = None
+        if plan.bad_words:
+            bad_words_token_ids = await state.in_pool(
+                tokenize_bad_words, state.tokenizer, plan.bad_words, facts.vocab_size
+            )
+        metadata = dict(context.invocation_metadata() or ())
+        trace_context = {k: metadata[k] for k in _TRACE_HEADERS if k in metadata} or None
+        engine_request = build_engine_request(
+            plan,
+            prompt_token_ids,
+            facts,
+            client_index=state.config.client_index,
+            arrival_time=arrival_time,
+            trace_context=trace_context,
+            bad_words_token_ids=bad_words_token_ids,
+        )
+        observer.submitting(plan, engine_request)  # with tracing: the engine's trace context
+        channels = submit_children(
+            state.engines.add_request,
+            state.engines.abort,
+            child_requests(engine_request, plan.n),
+        )
+        streams = [
+            GenerateStream(plan, prompt_token_ids, state.tokenizer, index)
+            for index in range(len(channels))
+        ]
+        return SequenceGroup(streams, channels, observer.timeline)

@@ -1,0 +1,104 @@
+"""The OpenAI-compatible HTTP API of a real `switchboard serve` (tiny Llama with a chat
+template), driven by the official ``openai`` package: the same tokens as gRPC (one request
+path), chat rendered by the template, streaming, and a dropped connection freeing the engine."""
+
+from __future__ import annotations
+
+import socket
+import time
+import urllib.request
+from collections.abc import Iterator
+from urllib.parse import urlparse
+
+import openai
+import pytest
+
+from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
+from tests.e2e import client_calls
+from tests.e2e.server import RunningServer, served
+from tests.e2e.test_serve import wait_until_idle
+from tests.tiny_checkpoint import TINY_CHAT_TEMPLATE, tiny_llama_dir
+
+pytestmark = pytest.mark.slow
+
+PROMPT_IDS = [0, 5, 6, 7, 8, 9, 10]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    model = tiny_llama_dir(chat_template=TINY_CHAT_TEMPLATE)
+    workdir = tmp_path_factory.mktemp("http")
+    yield from served(model, workdir, "--enable-admin", "--max-model-len", "256")
+
+
+@pytest.fixture(scope="module")
+def client(server: RunningServer) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="none", max_retries=0) as c:
+        yield c
+
+
+def test_health_ready_and_the_log_line(server: RunningServer) -> None:
+    for path in ("/health", "/ready"):
+        with urllib.request.urlopen(f"{server.http_url}{path}", timeout=10) as response:
+            assert response.status == 200
+    assert f"HTTP (OpenAI-compatible) on {server.http_url}" in server.log()
+
+
+def test_completion_is_the_grpc_generation(server: RunningServer, client: openai.OpenAI) -> None:
+    (model,) = client.models.list().data
+    completion = client.completions.create(
+        model=model.id, prompt=PROMPT_IDS, max_tokens=12, temperature=0
+    )
+    with server.channel() as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        request = client_calls.greedy_request(PROMPT_IDS, 12)
+        text = "".join(o.text for m in stub.Generate(request, timeout=60) for o in m.outputs)
+    assert completion.choices[0].text == text
+    assert completion.usage.completion_tokens == 12
+    assert completion.usage.prompt_tokens == len(PROMPT_IDS)
+
+
+def test_chat_stream_and_not(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Hello there"}]
+    chat = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+    )
+    stream = client.chat.completions.create(
+        model=chat.model,
+        messages=messages,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == chat.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens == 8
+
+
+def test_bad_parameter_is_a_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="", prompt="Hi", temperature=-1)
+    assert caught.value.body["param"] == "temperature"
+
+
+def test_dropped_connection_frees_the_engine(server: RunningServer) -> None:
+    url = urlparse(server.http_url)
+    body = b'{"prompt": [0, 1, 2, 3], "max_tokens": 240, "stream": true, "ignore_eos": true}'
+    request = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    with socket.create_connection((url.hostname, url.port), timeout=30) as sock:
+        sock.sendall(request)
+        received = b""
+        while received.count(b"data: ") < 3:  # a few tokens streamed
+            received += sock.recv(4096)
+    time.sleep(0.2)
+    stats = wait_until_idle(server)
+    assert stats.get("running", stats.get("num_running")) == 0, stats
+    assert "client went away; sent ABORT" in server.log()

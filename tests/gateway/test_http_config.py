@@ -1,0 +1,39 @@
+"""`--http-port` on serve and gateway, and the port each gateway of a machine binds."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from switchboard import cli
+from switchboard.config import GatewayConfig, GatewayRoleConfig, ModelConfig
+from switchboard.gateway.http.server import http_port
+
+
+def _gateway_config(*flags: str) -> GatewayConfig:
+    parser = cli.make_parser()
+    args = parser.parse_args(["serve", "--model", "/m", *flags])
+    cli._validate_serve_args(parser, args)
+    gateway, _ = cli.build_configs(args, "/m")
+    return gateway.gateway
+
+
+def test_http_port_flag() -> None:
+    assert _gateway_config().http_port == 8000  # as vLLM
+    assert _gateway_config("--http-port", "0").http_port == 0
+    assert _gateway_config("--http-port", "-1").http_port is None
+    with pytest.raises(SystemExit):
+        _gateway_config("--http-port", "-2")
+    assert GatewayConfig().http_port is None  # a config built in code serves no HTTP
+
+
+def test_gateways_of_one_machine_offset_the_port_like_metrics() -> None:
+    config = GatewayRoleConfig(model=ModelConfig(model="/m"), gateway=GatewayConfig(http_port=8000))
+    second = msgspec.structs.replace(config, client_index=1)
+    assert (http_port(config), http_port(second)) == (8000, 8001)
+    alone = msgspec.structs.replace(config, client_index=7, handshake_address="tcp://h:1")
+    assert http_port(alone) == 8000  # `switchboard gateway`: its pod has the port to itself
+    free = msgspec.structs.replace(second, gateway=GatewayConfig(http_port=0))
+    assert http_port(free) == 0
+    off = msgspec.structs.replace(config, gateway=GatewayConfig())
+    assert http_port(off) is None
