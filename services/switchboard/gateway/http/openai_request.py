@@ -294,7 +294,7 @@ def _tools(body: _Body, request: pb.GenerateRequest, options: OpenAIOptions) -> 
     functions = _functions(body.array("tools") or [])
     choice, only = _tool_choice(body.body.get("tool_choice"), functions)
     parallel = body.boolean("parallel_tool_calls")
-    if choice == "none":
+    if choice == "none" or not functions:  # "auto" without tools: nothing to call
         return options
     for name, function in functions.items():
         tool = request.tools.add(type="function")
