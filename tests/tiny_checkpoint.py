@@ -9,6 +9,7 @@ and does not flip on rounding differences between implementations.
 
 ``make_tiny_llama(path, chat_template=TINY_CHAT_TEMPLATE)`` also gives the checkpoint a chat
 template (in ``tokenizer_config.json``, as Hub checkpoints have it); by default it has none.
+``TINY_TOOLS_CHAT_TEMPLATE`` is one that renders ``tools`` (Hermes style).
 
 ``tiny_llama_dir(**kwargs)`` builds one checkpoint per distinct set of arguments per process
 and reuses it (the directories are removed when the process exits); ``tiny_llama`` is the
@@ -47,6 +48,43 @@ TINY_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )
+
+# TINY_CHAT_TEMPLATE with tools, in the Hermes / Qwen 2.5 style: the tools (as JSON) go into the
+# system turn with how to call one, an assistant's calls are written as
+# <tool_call>{"name": ..., "arguments": ...}</tool_call> blocks (the convention the gateway's
+# parser reads back), and a "tool" turn carries the result in <tool_response>.
+TINY_TOOLS_CHAT_TEMPLATE = """{{ bos_token }}
+{%- if tools %}
+{{- '<|system|>\n' }}
+{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] | trim + '\n\n' }}{%- endif %}
+{{- 'You may call one or more functions. Their signatures:\n<tools>' }}
+{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}
+{{- '\n</tools>\nTo call one, answer <tool_call>{"name": <name>, "arguments": <object>}</tool_call>'
+    + eos_token + '\n' }}
+{%- elif messages[0]['role'] == 'system' %}
+{{- '<|system|>\n' + messages[0]['content'] | trim + eos_token + '\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message['role'] == 'system' and loop.first %}
+{%- elif message['role'] == 'assistant' and message.tool_calls is defined %}
+{{- '<|assistant|>\n' }}
+{%- if message.content %}{{- message.content | trim + '\n' }}{%- endif %}
+{%- for call in message.tool_calls %}
+{{- '<tool_call>\n{"name": "' + call.function.name + '", "arguments": '
+    + (call.function.arguments | tojson) + '}\n</tool_call>' }}
+{%- endfor %}
+{{- eos_token + '\n' }}
+{%- elif message['role'] == 'tool' %}
+{{- '<|tool|>\n<tool_response id="' + message.tool_call_id | default('') + '">\n'
+    + message['content'] + '\n</tool_response>' + eos_token + '\n' }}
+{%- elif message['role'] in ['system', 'user', 'assistant'] %}
+{{- '<|' + message['role'] + '|>\n' + message['content'] | trim + eos_token + '\n' }}
+{%- else %}
+{{- raise_exception('unknown role ' + message['role'] + ': use system, user, assistant or tool') }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|assistant|>\n' }}{%- endif %}
+"""
 
 # A few stdlib sources (~250 KB of English-ish Python): enough text for a few hundred merges.
 _CORPUS_MODULES = ["textwrap.py", "string.py", "shlex.py", "fnmatch.py", "glob.py", "bisect.py"]

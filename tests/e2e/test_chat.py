@@ -3,6 +3,7 @@ chat template, and the ``switchboard chat`` command, against one live server."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -62,3 +63,51 @@ def test_openai_chat_completion_over_http(chat_server: RunningServer) -> None:
     answer = reply.choices[0].message.content or ""
     assert "Paris" in answer, answer
     assert reply.usage is not None and reply.usage.completion_tokens > 0
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_openai_response_format_and_forced_tool_call(chat_server: RunningServer) -> None:
+    """response_format json_schema, then a forced call of a named function, through the
+    ``openai`` package: constrained decoding on the real model, the answers validate."""
+    import jsonschema
+    import openai
+
+    client = openai.OpenAI(base_url=f"{chat_server.http_url}/v1", api_key="unused", timeout=120)
+    (model,) = client.models.list().data
+    reply = client.chat.completions.create(
+        model=model.id,
+        messages=[{"role": "user", "content": "Invent a person; answer as JSON."}],
+        temperature=0.0,
+        max_tokens=60,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": PERSON, "strict": True},
+        },
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop", choice
+    jsonschema.validate(json.loads(choice.message.content or ""), PERSON)
+    tool = {"type": "function", "function": {"name": "add_person", "parameters": PERSON}}
+    reply = client.chat.completions.create(
+        model=model.id,
+        messages=[{"role": "user", "content": "Add Ada, who is 36."}],
+        temperature=0.0,
+        max_tokens=60,
+        tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "add_person"}},
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls or []
+    assert call.function.name == "add_person" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), PERSON)

@@ -63,6 +63,7 @@ class ScriptedEngine:
         self.rank = rank
         self.engine_id = f"scripted-{rank}"
         self.mode = "normal"  # normal | hang (accept, never answer) | error (finish ERROR)
+        self.stop_at_script_end = False  # finish STOP after the script's last token (no cycle)
         self.silent = False  # stop all outputs and heartbeats (a silent death)
         # Per engine request id: seconds between QUEUED and SCHEDULED, and the step at which
         # it is preempted (PREEMPTED, one step away, SCHEDULED again with the next token).
@@ -186,6 +187,8 @@ class ScriptedEngine:
                     ]
             if self.mode == "error":
                 output.finish_reason = FinishReason.ERROR
+            elif self.stop_at_script_end and step == len(self.script) - 1:
+                output.finish_reason = FinishReason.STOP
             elif step == max_tokens - 1:
                 output.finish_reason = FinishReason.LENGTH
             await self._push_outputs(

@@ -24,6 +24,8 @@ from switchboard.gateway.server import GatewayServer
 from tests.gateway.conftest import build_byte_level_tokenizer, write_checkpoint_dir
 
 SCRIPT_TEXT = " one two three four five six seven eight nine ten"
+BAD_SCHEMA = {"type": "object", "properties": {"a": {"type": "no-such-type"}}}
+TOOL = {"type": "function", "function": {"name": "f"}}
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -193,7 +195,15 @@ async def test_raw_sse_framing_ends_with_done(start_http: StartHttp) -> None:
         ({"max_tokens": 500}, "max_tokens"),
         ({"stop": [""]}, "stop"),
         ({"echo": True}, "echo"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": []}}, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": BAD_SCHEMA}}},
+            "response_format",
+        ),
+        ({"guided_regex": "(unclosed"}, "guided_regex"),
+        ({"guided_choice": "a"}, "guided_choice"),
+        ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex"),
     ],
 )
 async def test_bad_parameter_is_a_400_naming_it(
@@ -348,7 +358,33 @@ async def test_chat_without_a_template_is_a_400(start_http: StartHttp) -> None:
     [
         ({"messages": []}, "messages"),
         ({"top_logprobs": 2}, "top_logprobs"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools"),
+        ({"tools": [{"type": "retrieval"}]}, "tools"),
+        ({"tools": [TOOL, TOOL]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+            "tool_choice",
+        ),
+        ({"tools": [TOOL], "tool_choice": "always"}, "tool_choice"),
+        (
+            {
+                "tools": [TOOL],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "tool_choice",
+        ),
+        (
+            {
+                "tools": [
+                    {"type": "function", "function": {"name": "f", "parameters": BAD_SCHEMA}}
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
+        ({"messages": [{"role": "assistant", "tool_calls": [{"id": "x"}]}]}, "messages"),
         ({"frequency_penalty": 3}, "frequency_penalty"),
     ],
 )

@@ -11,6 +11,7 @@ template writes BOS and the turn markers itself, a second BOS would change the p
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 import grpc
@@ -35,6 +36,7 @@ class ChatPrompt:
     add_generation_prompt: bool
     continue_final_message: bool
     chat_template_kwargs: dict[str, Any]
+    tools: list[dict[str, Any]] | None = None  # the template's ``tools`` (None: no tools)
 
 
 def no_chat_template(model_name: str) -> ApiError:
@@ -55,11 +57,22 @@ def _check_chat_options_unused(request: pb.GenerateRequest) -> None:
             ("add_generation_prompt", request.HasField("add_generation_prompt")),
             ("continue_final_message", request.continue_final_message),
             ("chat_template_kwargs", request.HasField("chat_template_kwargs")),
+            ("tools", bool(request.tools)),
         )
         if is_set
     ]
     if used:
         raise invalid_argument(used[0], f"{used[0]} applies to messages only: set messages")
+
+
+def _json_or_text(text: str) -> Any:
+    """A tool call's arguments for the template: a JSON object parsed (templates write it with
+    ``tojson``, as transformers' and vLLM's callers pass dicts), anything else as sent."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 def _message_dict(i: int, message: pb.ChatMessage) -> dict[str, Any]:
@@ -68,7 +81,58 @@ def _message_dict(i: int, message: pb.ChatMessage) -> dict[str, Any]:
     entry: dict[str, Any] = {"role": message.role, "content": message.content}
     if message.HasField("name"):
         entry["name"] = message.name
+    if message.tool_calls:
+        if not message.content:  # OpenAI's content: null beside calls; transformers drops it
+            del entry["content"]
+        calls = []
+        for j, call in enumerate(message.tool_calls):
+            if not call.function.name:
+                field = f"messages[{i}].tool_calls[{j}].function.name"
+                raise invalid_argument(field, f"{field} must not be empty")
+            calls.append(
+                {
+                    "id": call.id,
+                    "type": call.type or "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _json_or_text(call.function.arguments),
+                    },
+                }
+            )
+        entry["tool_calls"] = calls
+    if message.HasField("tool_call_id"):
+        entry["tool_call_id"] = message.tool_call_id
     return entry
+
+
+def _tool_dicts(tools: Any) -> list[dict[str, Any]]:
+    """``GenerateRequest.tools`` -> the OpenAI shape templates read; the parameters parsed."""
+    result = []
+    for i, tool in enumerate(tools):
+        if tool.type not in ("", "function"):
+            raise invalid_argument(f"tools[{i}].type", f'tools[{i}].type must be "function"')
+        function = tool.function
+        if not function.name:
+            raise invalid_argument(
+                f"tools[{i}].function.name", f"tools[{i}].function.name must not be empty"
+            )
+        entry: dict[str, Any] = {"name": function.name}
+        if function.HasField("description"):
+            entry["description"] = function.description
+        if function.parameters:
+            try:
+                parameters = json.loads(function.parameters)
+            except ValueError as error:
+                field = f"tools[{i}].function.parameters"
+                raise invalid_argument(field, f"{field}: not valid JSON ({error})") from None
+            if not isinstance(parameters, dict):
+                field = f"tools[{i}].function.parameters"
+                raise invalid_argument(field, f"{field}: a JSON Schema object")
+            entry["parameters"] = parameters
+        if function.HasField("strict"):
+            entry["strict"] = function.strict
+        result.append({"type": "function", "function": entry})
+    return result
 
 
 def plan_chat(
@@ -109,6 +173,7 @@ def plan_chat(
         ),
         continue_final_message=request.continue_final_message,
         chat_template_kwargs=kwargs,
+        tools=_tool_dicts(request.tools) if request.tools else None,
     )
 
 
@@ -119,6 +184,7 @@ def render_chat(template: ChatTemplate, chat: ChatPrompt) -> str:
             chat.messages,
             add_generation_prompt=chat.add_generation_prompt,
             continue_final_message=chat.continue_final_message,
+            tools=chat.tools,
             chat_template_kwargs=chat.chat_template_kwargs,
         )
     except ChatTemplateError as error:

@@ -11,6 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 from switchboard.api.v1 import generation_service_pb2 as pb
+from switchboard.gateway.chat.tools import (
+    AutoToolStream,
+    ToolPlan,
+    parse_forced_call,
+    parse_tool_calls,
+)
 
 FINISH_REASONS = {
     pb.FINISH_REASON_STOP: "stop",
@@ -127,8 +133,19 @@ class CompletionShaper(Shaper):
 
 
 class ChatShaper(Shaper):
+    """With a ``ToolPlan`` the answer's tool calls become ``message.tool_calls`` (finish_reason
+    ``tool_calls`` when the model stopped by itself). Streamed, a forced call is held back and
+    sent whole in the choice's last chunk; under ``auto`` the content streams until a
+    ``<tool_call>`` begins, and the calls (with any content after them) come in the last chunk."""
+
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
+
+    def __init__(self, *args: Any, tools: ToolPlan | None = None) -> None:
+        super().__init__(*args)
+        self.tools = tools
+        self._forced_text: dict[int, str] = {}  # per choice, a forced call's text so far
+        self._auto: dict[int, AutoToolStream] = {}
 
     def opening_chunks(self) -> list[dict[str, Any]]:
         """The role of every choice first, as OpenAI and vLLM stream it."""
@@ -147,18 +164,92 @@ class ChatShaper(Shaper):
             for index in range(self.n)
         ]
 
+    def chunks(self, response: pb.GenerateResponse) -> list[dict[str, Any]]:
+        if self.tools is None:
+            return super().chunks(response)
+        if response.HasField("usage"):
+            self.usage = response.usage
+        choices = [self._tool_delta(sequence) for sequence in response.outputs]
+        return [
+            self._envelope(self.chunk_object_name, [choice])
+            for choice in choices
+            if choice is not None
+        ]
+
+    def _logprobs(self, sequence: pb.SequenceOutput) -> dict[str, Any] | None:
+        if self.logprobs is None:
+            return None
+        return {"content": [_chat_logprob(entry) for entry in sequence.logprobs]}
+
+    def _tool_delta(self, sequence: pb.SequenceOutput) -> dict[str, Any] | None:
+        """One streamed choice's chunk under a ToolPlan; None when there is nothing to send."""
+        assert self.tools is not None
+        finish_reason, stop_reason = _finish(sequence)
+        index = sequence.index
+        delta: dict[str, Any] = {}
+        calls: list[dict[str, Any]] = []
+        if self.tools.mode == "forced":
+            text = self._forced_text.get(index, "") + sequence.text
+            self._forced_text[index] = text
+            if finish_reason is not None:
+                call = parse_forced_call(text) if finish_reason == "stop" else None
+                if call is not None:
+                    calls = [call]
+                elif text:
+                    delta["content"] = text  # cut short: what there is, as text
+        else:
+            stream = self._auto.setdefault(index, AutoToolStream(self.tools))
+            content = stream.feed(sequence.text)
+            if finish_reason is not None:
+                rest, calls = stream.finish()
+                content += rest
+            if content:
+                delta["content"] = content
+        if calls:
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+            if finish_reason == "stop":
+                finish_reason = "tool_calls"
+        logprobs = self._logprobs(sequence)
+        if not delta and finish_reason is None and not sequence.logprobs:
+            return None
+        return {
+            "index": index,
+            "delta": delta,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
+        }
+
     def _choice(self, sequence: pb.SequenceOutput, *, chunk: bool) -> dict[str, Any]:
         finish_reason, stop_reason = _finish(sequence)
-        logprobs = None
-        if self.logprobs is not None:
-            logprobs = {"content": [_chat_logprob(entry) for entry in sequence.logprobs]}
+        logprobs = self._logprobs(sequence)
         choice: dict[str, Any] = {"index": sequence.index}
         if chunk:
             choice["delta"] = {"content": sequence.text} if sequence.text else {}
         else:
-            choice["message"] = {"role": "assistant", "content": sequence.text}
+            message: dict[str, Any] = {"role": "assistant", "content": sequence.text}
+            calls = self._final_tool_calls(sequence, finish_reason, message)
+            if calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+            choice["message"] = message
         choice.update(logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason)
         return choice
+
+    def _final_tool_calls(
+        self, sequence: pb.SequenceOutput, finish_reason: str | None, message: dict[str, Any]
+    ) -> list[dict[str, Any]]:
+        """The calls of a whole answer, written into ``message`` (content: what is left)."""
+        if self.tools is None:
+            return []
+        if self.tools.mode == "forced":
+            call = parse_forced_call(sequence.text) if finish_reason == "stop" else None
+            content, calls = (None, [call]) if call is not None else (sequence.text, [])
+        else:
+            content, calls = parse_tool_calls(sequence.text, self.tools.names, self.tools.parallel)
+        if calls:
+            message["content"] = content
+            message["tool_calls"] = calls
+        return calls
 
 
 def _chat_logprob(entry: pb.TokenLogprob) -> dict[str, Any]:

@@ -35,8 +35,29 @@ from switchboard.gateway.state import GatewayState
 
 REQUEST_ID_HEADER = "X-Request-Id"
 # GenerateRequest field -> OpenAI parameter, where the names differ (errors/openai_param).
-_COMPLETION_PARAMS = {"text": "prompt", "token_ids.ids": "prompt"}
-_CHAT_PARAMS = {"text": "messages", "token_ids.ids": "messages", "logprobs": "top_logprobs"}
+_RESPONSE_FORMAT_PARAMS = dict.fromkeys(
+    ("response_format.type", "response_format.json_schema", "response_format.json_schema.schema"),
+    "response_format",
+)
+_COMPLETION_PARAMS = {"text": "prompt", "token_ids.ids": "prompt", **_RESPONSE_FORMAT_PARAMS}
+_CHAT_PARAMS = {
+    "text": "messages",
+    "token_ids.ids": "messages",
+    "logprobs": "top_logprobs",
+    **_RESPONSE_FORMAT_PARAMS,
+}
+_STRUCTURED_OUTPUT_FIELDS = tuple(
+    f"structured_output.{kind}"
+    for kind in ("json_schema", "regex", "grammar", "choice", "choice.values", "json_object")
+)
+
+
+def _params(base: dict[str, str], options: OpenAIOptions) -> dict[str, str]:
+    """The route's renames, plus structured_output.* -> the body field its constraint came from
+    (``response_format``, a ``guided_*`` field, or ``tools`` for a forced tool call)."""
+    if options.constraint_param is None:
+        return base
+    return {**base, **dict.fromkeys(_STRUCTURED_OUTPUT_FIELDS, options.constraint_param)}
 
 
 class OpenAIRoutes:
@@ -66,7 +87,8 @@ class OpenAIRoutes:
         except ApiError as error:
             return error_response(error, _COMPLETION_PARAMS)
         shaper = CompletionShaper(*self._shaper_args(generate, options, request_id, arrival_time))
-        return await self._run(request, generate, options, shaper, arrival_time, _COMPLETION_PARAMS)
+        params = _params(_COMPLETION_PARAMS, options)
+        return await self._run(request, generate, options, shaper, arrival_time, params)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         arrival_time = time.time()
@@ -76,8 +98,11 @@ class OpenAIRoutes:
             generate, options = chat_request(raw, request_id)
         except ApiError as error:
             return error_response(error, _CHAT_PARAMS)
-        shaper = ChatShaper(*self._shaper_args(generate, options, request_id, arrival_time))
-        return await self._run(request, generate, options, shaper, arrival_time, _CHAT_PARAMS)
+        shaper = ChatShaper(
+            *self._shaper_args(generate, options, request_id, arrival_time), tools=options.tools
+        )
+        params = _params(_CHAT_PARAMS, options)
+        return await self._run(request, generate, options, shaper, arrival_time, params)
 
     def _shaper_args(
         self, generate: pb.GenerateRequest, options: OpenAIOptions, request_id: str, arrival: float

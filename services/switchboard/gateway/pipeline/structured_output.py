@@ -6,7 +6,8 @@ the gateway's thread pool, before ADD) has llguidance validate the grammar it co
 bad schema, regex or grammar is INVALID_ARGUMENT naming the problem and nothing is queued. The
 engine compiles it against the tokenizer (``engine/structured_output.py``).
 
-``from_openai_response_format`` is the seam for the OpenAI HTTP front: ``response_format``
+``from_openai_response_format`` serves the OpenAI HTTP front (``gateway/http/openai_request.py``
+sets the request's ``structured_output`` from it): ``response_format``
 (``{"type": "json_schema", "json_schema": {"schema": ...}}``, ``{"type": "json_object"}``,
 ``{"type": "text"}``) -> the same plan.
 """
