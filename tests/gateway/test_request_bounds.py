@@ -279,3 +279,14 @@ def test_flags_reach_the_gateway_config() -> None:
     assert gateway.gateway.max_queued_prompt_tokens == 0
     defaults = cli.build_configs(cli.make_parser().parse_args(["serve"]), "/models/x")[0]
     assert defaults.gateway.max_inflight_requests == 1024
+
+
+def test_prompt_bytes_count_what_the_template_renders() -> None:
+    from switchboard.gateway.pipeline.request_bounds import prompt_bytes
+
+    request = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="hi")])
+    bare = prompt_bytes(request)
+    tool = request.tools.add(type="function")
+    tool.function.name = "lookup"
+    tool.function.parameters = '{"type": "object"}' * 100
+    assert prompt_bytes(request) >= bare + len(tool.function.parameters)

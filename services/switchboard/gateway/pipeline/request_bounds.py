@@ -88,11 +88,16 @@ def _message_bytes(messages: Iterable[object]) -> int:
 
 
 def prompt_bytes(request: pb.GenerateRequest) -> int:
-    """The bytes of text the request asks to tokenize: its text, or its chat messages."""
+    """The bytes of text the request asks to tokenize: its text, or its chat messages and the
+    tools the chat template renders with them."""
     size = len(request.text.encode()) if request.WhichOneof("prompt") == "text" else 0
     messages = getattr(request, "messages", None)
     if messages:
         size += _message_bytes(messages)
+    for tool in request.tools:
+        function = tool.function
+        size += len(function.name.encode()) + len(function.parameters.encode())
+        size += len(function.description.encode())
     return size
 
 
