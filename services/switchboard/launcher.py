@@ -44,6 +44,7 @@ from switchboard.config import (
     new_run_dir,
 )
 from switchboard.start_method import require_main_process
+from switchboard.tls import probe_channel_credentials, tls_enabled
 from switchboard.wire.shm_ring import unlink_orphaned_segments
 
 logger = logging.getLogger("switchboard.launcher")
@@ -120,7 +121,8 @@ def server_addresses(gateways: list[GatewayRoleConfig]) -> list[tuple[str, str]]
     if first.http_port:  # gateway i serves the OpenAI-compatible API on --http-port + i
         for cfg in gateways:
             port = first.http_port + cfg.client_index
-            addresses.append(("HTTP", f"http://{_host_port(first.host, port)}/v1"))
+            scheme = "https" if tls_enabled(first) else "http"
+            addresses.append(("HTTP", f"{scheme}://{_host_port(first.host, port)}/v1"))
     if first.metrics_port:  # (0: ephemeral ports, which the gateways log themselves)
         for cfg in gateways:  # gateway i serves /metrics on --metrics-port + i
             port = first.metrics_port + cfg.client_index
@@ -146,6 +148,24 @@ def _probe_target(gateway: GatewayRoleConfig) -> str:
         gateway.gateway.host, gateway.gateway.host
     )
     return _host_port(host, gateway.gateway.port)
+
+
+def probe_channel(gateway: GatewayRoleConfig) -> grpc.Channel:
+    """The supervisor's channel to its own gateway: over TLS when the gateway serves TLS
+    (trusting ``--ssl-ca-certs``, else the certificate itself; under mTLS showing the server's
+    certificate as its own, ``tls.probe_channel_credentials``)."""
+    target = _probe_target(gateway)
+    if not tls_enabled(gateway.gateway):
+        return grpc.insecure_channel(target)
+    return grpc.secure_channel(target, probe_channel_credentials(gateway.gateway))
+
+
+def tls_handshake_failed(error: grpc.RpcError) -> bool:
+    """A probe that reached the gateway but could not complete TLS (as opposed to a gateway
+    not listening yet): retrying will not help."""
+    details = (error.details() if hasattr(error, "details") else "") or ""
+    words = ("handshake", "certificate", "ssl", "verification")
+    return any(word in details.lower() for word in words)
 
 
 S = TypeVar("S", bound=msgspec.Struct)
@@ -223,12 +243,19 @@ class Supervisor:
         if not self._gateways or self._gateways[0].gateway.port == 0:
             return  # an ephemeral port: nothing to probe, nothing useful to print
         request = health_pb2.HealthCheckRequest(service=READINESS_SERVICE)
-        with grpc.insecure_channel(_probe_target(self._gateways[0])) as channel:
+        with probe_channel(self._gateways[0]) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while not self._stop_requested.is_set():
                 try:
                     status = stub.Check(request, timeout=1.0).status
-                except grpc.RpcError:
+                except grpc.RpcError as error:
+                    if tls_handshake_failed(error):
+                        logger.warning(
+                            "the readiness probe cannot verify the gateway's TLS certificate "
+                            "(%s): no ready line; the server serves regardless",
+                            error.details(),
+                        )
+                        return
                     status = None
                 if status == health_pb2.HealthCheckResponse.SERVING:
                     if not self._stop_requested.is_set():
