@@ -44,7 +44,8 @@ from switchboard.config import (
     new_run_dir,
 )
 from switchboard.start_method import require_main_process
-from switchboard.tls import probe_channel_credentials, tls_enabled
+from switchboard.tls import probe_channel as tls_probe_channel
+from switchboard.tls import tls_enabled, tls_handshake_failed
 from switchboard.wire.shm_ring import unlink_orphaned_segments
 
 logger = logging.getLogger("switchboard.launcher")
@@ -52,6 +53,7 @@ logger = logging.getLogger("switchboard.launcher")
 STOP_GRACE_S = 15.0
 READINESS_SERVICE = "switchboard.v1.GenerationService"  # the gateway's readiness health name
 READY_POLL_S = 0.25
+PROBE_TLS_FAILURES = 8  # failed TLS handshakes in a row before the ready probe gives up
 
 
 @dataclass
@@ -151,21 +153,8 @@ def _probe_target(gateway: GatewayRoleConfig) -> str:
 
 
 def probe_channel(gateway: GatewayRoleConfig) -> grpc.Channel:
-    """The supervisor's channel to its own gateway: over TLS when the gateway serves TLS
-    (trusting ``--ssl-ca-certs``, else the certificate itself; under mTLS showing the server's
-    certificate as its own, ``tls.probe_channel_credentials``)."""
-    target = _probe_target(gateway)
-    if not tls_enabled(gateway.gateway):
-        return grpc.insecure_channel(target)
-    return grpc.secure_channel(target, probe_channel_credentials(gateway.gateway))
-
-
-def tls_handshake_failed(error: grpc.RpcError) -> bool:
-    """A probe that reached the gateway but could not complete TLS (as opposed to a gateway
-    not listening yet): retrying will not help."""
-    details = (error.details() if hasattr(error, "details") else "") or ""
-    words = ("handshake", "certificate", "ssl", "verification")
-    return any(word in details.lower() for word in words)
+    """The supervisor's channel to its own gateway (TLS when it serves TLS: ``tls.py``)."""
+    return tls_probe_channel(gateway.gateway, _probe_target(gateway))
 
 
 S = TypeVar("S", bound=msgspec.Struct)
@@ -243,20 +232,27 @@ class Supervisor:
         if not self._gateways or self._gateways[0].gateway.port == 0:
             return  # an ephemeral port: nothing to probe, nothing useful to print
         request = health_pb2.HealthCheckRequest(service=READINESS_SERVICE)
+        tls_failures = 0  # in a row, TLS on: the probe's certificate or trust is wrong
         with probe_channel(self._gateways[0]) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while not self._stop_requested.is_set():
                 try:
                     status = stub.Check(request, timeout=1.0).status
                 except grpc.RpcError as error:
-                    if tls_handshake_failed(error):
+                    status = None
+                    failed_tls = tls_enabled(self._gateways[0].gateway) and tls_handshake_failed(
+                        error
+                    )
+                    tls_failures = tls_failures + 1 if failed_tls else 0
+                    if tls_failures >= PROBE_TLS_FAILURES:
                         logger.warning(
-                            "the readiness probe cannot verify the gateway's TLS certificate "
-                            "(%s): no ready line; the server serves regardless",
+                            "the readiness probe cannot complete a TLS handshake with its "
+                            "gateway (%s): no ready line; the server serves regardless. It "
+                            "trusts --ssl-ca-certs (else the certificate itself) and, under "
+                            "mTLS, shows the server's certificate, which must allow client use",
                             error.details(),
                         )
                         return
-                    status = None
                 if status == health_pb2.HealthCheckResponse.SERVING:
                     if not self._stop_requested.is_set():
                         took = time.monotonic() - self._started

@@ -53,18 +53,58 @@ def server_ssl_context(gateway: GatewayConfig) -> ssl.SSLContext:
     return context
 
 
-def probe_channel_credentials(gateway: GatewayConfig) -> grpc.ChannelCredentials:
-    """What the launcher's readiness probe presents to its own gateway: trusts the CA bundle
-    (else the server's own certificate file, right for a self-signed one) and, under mTLS,
-    shows the server's certificate as its client certificate. Where that certificate does not
-    verify (another CA, no name for the probed address, no clientAuth use) the probe fails
-    its handshake and the launcher says so (``launcher.Supervisor._announce_ready``)."""
+def probe_channel(gateway: GatewayConfig, target: str) -> grpc.Channel:
+    """A channel from this host to a gateway's gRPC port, as its own probes use it (the
+    launcher's ready line, ``python -m switchboard.probe`` in the chart's pods): plaintext,
+    or TLS trusting ``--ssl-ca-certs`` (else the server's own certificate file: a leaf is
+    accepted as its own anchor) and, under mTLS, showing the server's certificate as the
+    client's. The name checked is the certificate's own (its first DNS name when it does not
+    name the probed address), so a certificate for a Service name passes on 127.0.0.1. Where
+    the handshake still fails (under mTLS a certificate not made for client use) the caller
+    says so: ``tls_handshake_failed``."""
+    if not tls_enabled(gateway):
+        return grpc.insecure_channel(target)
     trusted = gateway.ssl_ca_certs or gateway.ssl_certfile
     root = Path(trusted).read_bytes()
     if gateway.ssl_ca_certs:
-        return grpc.ssl_channel_credentials(
+        credentials = grpc.ssl_channel_credentials(
             root_certificates=root,
             private_key=Path(gateway.ssl_keyfile).read_bytes(),
             certificate_chain=Path(gateway.ssl_certfile).read_bytes(),
         )
-    return grpc.ssl_channel_credentials(root_certificates=root)
+    else:
+        credentials = grpc.ssl_channel_credentials(root_certificates=root)
+    options = []
+    name = _name_for(gateway.ssl_certfile, target)
+    if name:
+        options.append(("grpc.ssl_target_name_override", name))
+    return grpc.secure_channel(target, credentials, options=options)
+
+
+def _name_for(certfile: str, target: str) -> str:
+    """The name to check the certificate against when it does not name ``target``'s host."""
+    host = target.rsplit(":", 1)[0].strip("[]")
+    try:
+        decoded = ssl._ssl._test_decode_cert(certfile)  # type: ignore[attr-defined]
+    except (ssl.SSLError, OSError):
+        return ""
+    names = decoded.get("subjectAltName", ())
+    if any(value == host for _, value in names):
+        return ""
+    dns = [value for kind, value in names if kind == "DNS" and "*" not in value]
+    if dns:
+        return str(dns[0])
+    for rdn in decoded.get("subject", ()):
+        for key, value in rdn:
+            if key == "commonName":
+                return str(value)
+    return ""
+
+
+def tls_handshake_failed(error: grpc.RpcError) -> bool:
+    """A TLS probe that reached the gateway but could not complete the handshake (as opposed
+    to a gateway not listening yet: "Connection refused"). The client's own check names it; a
+    server refusing the client's certificate just closes the socket."""
+    details = (error.details() if hasattr(error, "details") else "") or ""
+    words = ("handshake", "certificate", "ssl", "verification", "socket closed")
+    return any(word in details.lower() for word in words)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -20,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tls_certs import Certs, make_certs
 
-from switchboard import cli, launcher
+from switchboard import cli, launcher, probe
 from switchboard.api.v1 import admin_service_pb2 as admin_pb
 from switchboard.api.v1 import admin_service_pb2_grpc as admin_grpc
 from switchboard.api.v1 import generation_service_pb2 as pb
@@ -193,12 +194,32 @@ async def test_launcher_probe_speaks_tls(start: StartGateway, certs: Certs, mtls
     assert status == health_pb2.HealthCheckResponse.SERVING
 
 
-async def test_launcher_probe_gives_up_on_an_unverifiable_certificate(
-    start: StartGateway, certs: Certs
-) -> None:
-    """The server's certificate does not name the probed address: the probe cannot verify
-    it, and says so (no ready line) instead of retrying for ever."""
+async def test_probe_checks_the_certificates_own_name(start: StartGateway, certs: Certs) -> None:
+    """A certificate for a Service name (not 127.0.0.1) still passes the probe from the pod,
+    also as ``python -m switchboard.probe`` (the chart's exec probe)."""
     fields = {"ssl_certfile": str(certs.elsewhere_cert), "ssl_keyfile": str(certs.elsewhere_key)}
+    gw = await start(**fields)
+    config = gw.server.config
+    config = type(config)(
+        model=config.model,
+        gateway=GatewayConfig(host="127.0.0.1", port=gw.server.port, **fields),
+    )
+    assert await asyncio.to_thread(_probe, config) == health_pb2.HealthCheckResponse.SERVING
+    port = ["--port", str(gw.server.port)]
+    tls = ["--ssl-certfile", fields["ssl_certfile"], "--ssl-keyfile", fields["ssl_keyfile"]]
+    ready = ["--service", GENERATION_SERVICE]
+    assert await asyncio.to_thread(probe.main, [*port, *ready, *tls]) == 0
+    assert await asyncio.to_thread(probe.main, [*port, *tls]) == 0  # "" = the process
+    assert await asyncio.to_thread(probe.main, [*port, *ready]) == 1  # plaintext to TLS
+
+
+async def test_launcher_probe_gives_up_on_a_failed_handshake(
+    start: StartGateway, certs: Certs, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under mTLS the probe shows the server's certificate as its own; one made for server use
+    only is refused, and the probe says so (no ready line) instead of retrying for ever."""
+    fields = {"ssl_certfile": str(certs.elsewhere_cert), "ssl_keyfile": str(certs.elsewhere_key),
+              "ssl_ca_certs": str(certs.ca)}  # fmt: skip
     gw = await start(**fields)
     config = gw.server.config
     config = type(config)(
@@ -207,7 +228,12 @@ async def test_launcher_probe_gives_up_on_an_unverifiable_certificate(
     )
     with pytest.raises(grpc.RpcError) as failed:
         await asyncio.to_thread(_probe, config)
-    assert launcher.tls_handshake_failed(failed.value)
+    assert launcher.tls_handshake_failed(failed.value), failed.value.details()
+    # The supervisor gives up on it and logs why, instead of polling until the server stops.
+    supervisor = launcher.Supervisor([config], [], run_dir="")
+    with caplog.at_level(logging.WARNING, logger="switchboard.launcher"):
+        await asyncio.wait_for(asyncio.to_thread(supervisor._announce_ready), WAIT_S)
+    assert "cannot verify" in caplog.text or "TLS handshake" in caplog.text
 
 
 def _probe(config: Any) -> int:

@@ -23,7 +23,7 @@ class Certs:
     client_key: Path
     stranger_cert: Path  # signed by another CA
     stranger_key: Path
-    elsewhere_cert: Path  # signed by the CA, but for another name only
+    elsewhere_cert: Path  # signed by the CA for another name, server use only
     elsewhere_key: Path
 
 
@@ -63,7 +63,8 @@ def make_certs(folder: Path) -> Certs:
     _leaf(folder, "ca", "server", server)
     _leaf(folder, "ca", "client", client)
     _leaf(folder, "other-ca", "stranger", client)
-    _leaf(folder, "ca", "elsewhere", "subjectAltName=DNS:elsewhere.invalid\n")
+    elsewhere = "subjectAltName=DNS:elsewhere.invalid\nextendedKeyUsage=serverAuth\n"
+    _leaf(folder, "ca", "elsewhere", elsewhere)
     return Certs(
         ca=folder / "ca.pem",
         server_cert=folder / "server.pem",
