@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import os
 import contextlib
+import os
 import random
 from collections.abc import AsyncIterator
 from pathlib import Path

@@ -364,12 +364,10 @@ def test_cli_checks_security_flags(
     tmp_path: Path, certs: Certs, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     parser = cli.make_parser()
-    monkeypatch.delenv(API_KEYS_ENV, raising=False)
-    monkeypatch.delenv("SWITCHBOARD_ADMIN_TOKEN", raising=False)
 
     def error_of(*flags: str) -> str:
-        monkeypatch.delenv(API_KEYS_ENV, raising=False)
-        monkeypatch.delenv("SWITCHBOARD_ADMIN_TOKEN", raising=False)
+        monkeypatch.setenv(API_KEYS_ENV, "")  # recorded, so undone after the test
+        monkeypatch.setenv("SWITCHBOARD_ADMIN_TOKEN", "")
         args = parser.parse_args(["gateway", *flags])
         with pytest.raises(SystemExit):
             cli._apply_security_args(parser, args)
@@ -383,8 +381,8 @@ def test_cli_checks_security_flags(
     empty = tmp_path / "empty"
     empty.write_text("")
     assert "no key" in error_of("--api-key-file", str(empty))
-    monkeypatch.delenv(API_KEYS_ENV, raising=False)
-    monkeypatch.delenv("SWITCHBOARD_ADMIN_TOKEN", raising=False)
+    monkeypatch.setenv(API_KEYS_ENV, "")
+    monkeypatch.setenv("SWITCHBOARD_ADMIN_TOKEN", "")
     args = parser.parse_args(["gateway", "--api-key", "k1", "--api-key", "k2"])
     cli._apply_security_args(parser, args)
     import os
