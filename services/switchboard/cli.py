@@ -276,6 +276,92 @@ def _add_chat_template_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_security_args(p: argparse.ArgumentParser) -> None:
+    """serve and gateway only: TLS and keys of the gateway's fronts (docs/operations.md
+    "Security")."""
+    t = p.add_argument_group("security (gRPC and HTTP fronts)")
+    t.add_argument(
+        "--ssl-certfile",
+        metavar="FILE",
+        default="",
+        help="serve gRPC and HTTP over TLS with this PEM certificate chain (read once at start) "
+        "(default: plaintext)",
+    )
+    t.add_argument(
+        "--ssl-keyfile",
+        metavar="FILE",
+        default="",
+        help="the certificate's PEM private key (default: none; needed with --ssl-certfile)",
+    )
+    t.add_argument(
+        "--ssl-ca-certs",
+        metavar="FILE",
+        default="",
+        help="PEM CA bundle: clients must present a certificate it signed (mTLS) "
+        "(default: no client certificates asked for)",
+    )
+    t.add_argument(
+        "--api-key",
+        metavar="KEY",
+        action="append",
+        default=[],
+        help="a key clients send as 'authorization: Bearer KEY' (gRPC metadata, HTTP header); "
+        "repeat for more (default: no key needed; also $SWITCHBOARD_API_KEYS, one per line)",
+    )
+    t.add_argument(
+        "--api-key-file",
+        metavar="FILE",
+        default="",
+        help="API keys, one per line (with --api-key: both count) (default: none)",
+    )
+    t.add_argument(
+        "--admin-token",
+        metavar="TOKEN",
+        default="",
+        help="the bearer token AdminService asks for, instead of the API keys (default: "
+        "$SWITCHBOARD_ADMIN_TOKEN; unset: AdminService is as open as the data plane)",
+    )
+
+
+def _apply_security_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Check the TLS files and keys now; hand the keys given on the command line to the
+    gateway through the environment (configs travel on children's command lines)."""
+    if not hasattr(args, "api_key"):
+        return  # engine: no front
+    from switchboard.config import ADMIN_TOKEN_ENV, API_KEYS_ENV, GatewayConfig
+    from switchboard.gateway.auth import Credentials, parse_keys
+    from switchboard.tls import check_tls_files
+
+    for flag in ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs", "api_key_file"):
+        path = getattr(args, flag)
+        if path and not os.path.isfile(path):
+            parser.error(f"--{flag.replace('_', '-')} {path}: no such file")
+        setattr(args, flag, os.path.abspath(path) if path else "")
+    gateway = GatewayConfig(
+        ssl_certfile=args.ssl_certfile,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_ca_certs=args.ssl_ca_certs,
+        api_key_file=args.api_key_file,
+    )
+    try:
+        check_tls_files(gateway)
+    except (ValueError, OSError) as error:  # ssl.SSLError is an OSError
+        parser.error(f"TLS: {error}")
+    keys = [key.strip() for key in args.api_key if key.strip()]
+    if len(keys) != len(args.api_key):
+        parser.error("--api-key must not be empty")
+    if keys:
+        os.environ[API_KEYS_ENV] = "\n".join([*parse_keys(os.environ.get(API_KEYS_ENV, "")), *keys])
+    if args.admin_token:
+        os.environ[ADMIN_TOKEN_ENV] = args.admin_token.strip()
+    try:
+        credentials = Credentials.load(gateway)
+    except (ValueError, OSError) as error:
+        parser.error(str(error))
+    if credentials.admin_token and credentials.admin_token in credentials.api_keys:
+        parser.error("--admin-token must differ from every API key")
+
+
 def build_configs(
     args: argparse.Namespace, model_dir: str
 ) -> tuple[GatewayRoleConfig, EngineConfig]:
@@ -336,6 +422,10 @@ def build_configs(
             log_stats_interval_s=0.0 if args.disable_log_stats else 10.0,
             max_inflight_requests=args.max_inflight_requests,
             max_queued_prompt_tokens=args.max_queued_prompt_tokens,
+            ssl_certfile=getattr(args, "ssl_certfile", ""),
+            ssl_keyfile=getattr(args, "ssl_keyfile", ""),
+            ssl_ca_certs=getattr(args, "ssl_ca_certs", ""),
+            api_key_file=getattr(args, "api_key_file", ""),
         ),
         num_engines=parallel.data_parallel_size,
     )
@@ -417,6 +507,7 @@ def cmd_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     _validate_serve_args(parser, args)
     model_dir = _resolve_model_arg(parser, args)
     _check_chat_template(parser, args, model_dir)
+    _apply_security_args(parser, args)
     gateway, engine = build_configs(args, model_dir)
     return serve(gateway, engine)
 
@@ -428,6 +519,7 @@ def cmd_role(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     _validate_serve_args(parser, args)
     model_dir = _resolve_model_arg(parser, args)
     _check_chat_template(parser, args, model_dir)
+    _apply_security_args(parser, args)
     gateway, engine = build_configs(args, model_dir)
     if args.command == "gateway":
         return cli_roles.cmd_gateway(args, gateway)
@@ -506,9 +598,11 @@ def make_parser() -> argparse.ArgumentParser:
         )
         _add_serve_args(serve)
         _add_chat_template_arg(serve)
+        _add_security_args(serve)
         gateway = command("gateway", SERVER_COMMANDS["gateway"])
         _add_serve_args(gateway)
         _add_chat_template_arg(gateway)
+        _add_security_args(gateway)
         cli_roles.add_gateway_args(gateway)
         engine = command("engine", SERVER_COMMANDS["engine"])
         _add_serve_args(engine)

@@ -105,6 +105,15 @@ class GatewayConfig(_Config, frozen=True):
     # Admission control (gateway/admission.py), per gateway process; 0 = no cap.
     max_inflight_requests: int = 1024
     max_queued_prompt_tokens: int = 1 << 22
+    # TLS on both fronts (tls.py): certificate chain and key; with a CA bundle, client
+    # certificates are required and verified (mTLS). "" = plaintext.
+    ssl_certfile: str = ""
+    ssl_keyfile: str = ""
+    ssl_ca_certs: str = ""
+    # API keys (gateway/auth.py), one per line; the keys themselves never travel in a config
+    # (configs are on children's command lines): given on the command line they reach the
+    # gateway in $SWITCHBOARD_API_KEYS, the admin token in $SWITCHBOARD_ADMIN_TOKEN.
+    api_key_file: str = ""
 
 
 class EngineConfig(_Config, frozen=True):
@@ -168,6 +177,11 @@ class CoordinatorConfig(_Config, frozen=True):
     # CURVE on every tcp:// socket: the keys directory (wire/curve.py); "" = plain TCP.
     curve_keys_dir: str = ""
 
+
+# The gateway's secrets, from the environment (never in a config): API keys one per line, and
+# the AdminService token.
+API_KEYS_ENV = "SWITCHBOARD_API_KEYS"
+ADMIN_TOKEN_ENV = "SWITCHBOARD_ADMIN_TOKEN"
 
 C = TypeVar("C", bound=_Config)
 

@@ -44,6 +44,8 @@ from switchboard.config import (
     new_run_dir,
 )
 from switchboard.start_method import require_main_process
+from switchboard.tls import probe_channel as tls_probe_channel
+from switchboard.tls import tls_enabled, tls_handshake_failed
 from switchboard.wire.shm_ring import unlink_orphaned_segments
 
 logger = logging.getLogger("switchboard.launcher")
@@ -51,6 +53,7 @@ logger = logging.getLogger("switchboard.launcher")
 STOP_GRACE_S = 15.0
 READINESS_SERVICE = "switchboard.v1.GenerationService"  # the gateway's readiness health name
 READY_POLL_S = 0.25
+PROBE_TLS_FAILURES = 8  # failed TLS handshakes in a row before the ready probe gives up
 
 
 @dataclass
@@ -120,7 +123,8 @@ def server_addresses(gateways: list[GatewayRoleConfig]) -> list[tuple[str, str]]
     if first.http_port:  # gateway i serves the OpenAI-compatible API on --http-port + i
         for cfg in gateways:
             port = first.http_port + cfg.client_index
-            addresses.append(("HTTP", f"http://{_host_port(first.host, port)}/v1"))
+            scheme = "https" if tls_enabled(first) else "http"
+            addresses.append(("HTTP", f"{scheme}://{_host_port(first.host, port)}/v1"))
     if first.metrics_port:  # (0: ephemeral ports, which the gateways log themselves)
         for cfg in gateways:  # gateway i serves /metrics on --metrics-port + i
             port = first.metrics_port + cfg.client_index
@@ -146,6 +150,11 @@ def _probe_target(gateway: GatewayRoleConfig) -> str:
         gateway.gateway.host, gateway.gateway.host
     )
     return _host_port(host, gateway.gateway.port)
+
+
+def probe_channel(gateway: GatewayRoleConfig) -> grpc.Channel:
+    """The supervisor's channel to its own gateway (TLS when it serves TLS: ``tls.py``)."""
+    return tls_probe_channel(gateway.gateway, _probe_target(gateway))
 
 
 S = TypeVar("S", bound=msgspec.Struct)
@@ -223,13 +232,27 @@ class Supervisor:
         if not self._gateways or self._gateways[0].gateway.port == 0:
             return  # an ephemeral port: nothing to probe, nothing useful to print
         request = health_pb2.HealthCheckRequest(service=READINESS_SERVICE)
-        with grpc.insecure_channel(_probe_target(self._gateways[0])) as channel:
+        tls_failures = 0  # in a row, TLS on: the probe's certificate or trust is wrong
+        with probe_channel(self._gateways[0]) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while not self._stop_requested.is_set():
                 try:
                     status = stub.Check(request, timeout=1.0).status
-                except grpc.RpcError:
+                except grpc.RpcError as error:
                     status = None
+                    failed_tls = tls_enabled(self._gateways[0].gateway) and tls_handshake_failed(
+                        error
+                    )
+                    tls_failures = tls_failures + 1 if failed_tls else 0
+                    if tls_failures >= PROBE_TLS_FAILURES:
+                        logger.warning(
+                            "the readiness probe cannot complete a TLS handshake with its "
+                            "gateway (%s): no ready line; the server serves regardless. It "
+                            "trusts --ssl-ca-certs (else the certificate itself) and, under "
+                            "mTLS, shows the server's certificate, which must allow client use",
+                            error.details(),
+                        )
+                        return
                 if status == health_pb2.HealthCheckResponse.SERVING:
                     if not self._stop_requested.is_set():
                         took = time.monotonic() - self._started

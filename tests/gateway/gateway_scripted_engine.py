@@ -154,6 +154,14 @@ class ScriptedEngine:
         queued = EngineCoreEvent(EventType.QUEUED, time.monotonic_ns())
         if self.mode == "hang":
             return
+        if request.pooling_params is not None:  # Embed: a made-up vector, at once
+            await asyncio.sleep(self.step_s)
+            pooled = EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.STOP)
+            pooled.pooled_output = [0.6, 0.8, 0.0, 0.0]
+            await self._push_outputs(
+                EngineCoreOutputs(self.rank, time.monotonic_ns(), outputs=[pooled])
+            )
+            return
         assert request.sampling_params is not None
         max_tokens = request.sampling_params.max_tokens
         tokens = itertools.cycle(self.script)

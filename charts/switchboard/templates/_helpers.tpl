@@ -155,3 +155,28 @@ keys; coordinator: its pair, allowed-engines/ and allowed-gateways/. */}}
       {{- end }}
       {{- end }}
 {{- end }}
+
+{{/* TLS and keys of the gateways' fronts (docs/operations.md "Security"). */}}
+{{- define "switchboard.tlsArgs" -}}
+{{- $tls := .Values.tls -}}
+- --ssl-certfile
+- {{ printf "%s/tls.crt" $tls.mountPath | quote }}
+- --ssl-keyfile
+- {{ printf "%s/tls.key" $tls.mountPath | quote }}
+{{- if $tls.clientAuth }}
+- --ssl-ca-certs
+- {{ printf "%s/ca.crt" $tls.mountPath | quote }}
+{{- end }}
+{{- end }}
+
+{{/* The gateway's exec probe over TLS (the kubelet's gRPC probe has no TLS); ctx: dict "root"
+. "service" NAME. */}}
+{{- define "switchboard.gatewayTlsProbe" -}}
+{{- $root := .root -}}
+{{- $cmd := list "python" "-m" "switchboard.probe" "--port" (toString $root.Values.gateway.port) "--service" .service -}}
+{{- $cmd = concat $cmd (list "--ssl-certfile" (printf "%s/tls.crt" $root.Values.tls.mountPath) "--ssl-keyfile" (printf "%s/tls.key" $root.Values.tls.mountPath)) -}}
+{{- if $root.Values.tls.clientAuth }}
+{{- $cmd = concat $cmd (list "--ssl-ca-certs" (printf "%s/ca.crt" $root.Values.tls.mountPath)) -}}
+{{- end }}
+{{- $cmd | toJson }}
+{{- end }}

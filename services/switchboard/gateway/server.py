@@ -34,8 +34,9 @@ from switchboard.api.v1 import (
     model_service_pb2,
     model_service_pb2_grpc,
 )
-from switchboard.config import GatewayRoleConfig
+from switchboard.config import GatewayConfig, GatewayRoleConfig
 from switchboard.gateway.admission import Admission
+from switchboard.gateway.auth import AuthInterceptor, Credentials
 from switchboard.gateway.chat.template import ChatTemplate, load_chat_template
 from switchboard.gateway.engines.client import EngineClient
 from switchboard.gateway.http.server import HttpServer
@@ -49,6 +50,7 @@ from switchboard.gateway.servicers.generation import GenerationServicer
 from switchboard.gateway.servicers.model_service import ModelServicer
 from switchboard.gateway.state import GatewayState
 from switchboard.gateway.text import Tokenizer
+from switchboard.tls import grpc_server_credentials, tls_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +86,18 @@ def _grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
+def _tls_words(gateway: GatewayConfig) -> str:
+    if not tls_enabled(gateway):
+        return "plaintext"
+    return "TLS, client certificates required" if gateway.ssl_ca_certs else "TLS"
+
+
+def _auth_words(credentials: Credentials) -> str:
+    keys = len(credentials.api_keys)
+    words = f"{keys} API key{'s' if keys != 1 else ''}" if keys else "no API keys"
+    return words + (", admin token" if credentials.admin_token else "")
+
+
 def _load_chat_template(config: GatewayRoleConfig) -> ChatTemplate | None:
     model = config.model
     template = load_chat_template(model.model, model.chat_template or None)
@@ -98,8 +112,13 @@ def _load_chat_template(config: GatewayRoleConfig) -> ChatTemplate | None:
 
 
 class GatewayServer:
-    def __init__(self, config: GatewayRoleConfig) -> None:
+    def __init__(self, config: GatewayRoleConfig, credentials: Credentials | None = None) -> None:
+        """``credentials``: the keys to check (default: from the config and environment,
+        ``Credentials.load``)."""
         self.config = config
+        self.credentials = (
+            credentials if credentials is not None else Credentials.load(config.gateway)
+        )
         self.port = 0
         self._exit_code: int | None = None
         self._stop_requested = asyncio.Event()
@@ -132,11 +151,13 @@ class GatewayServer:
         )
         self._server = grpc.aio.server(
             options=_grpc_options(config.gateway.max_message_bytes),
-            interceptors=[MalformedRequestGuard()],
+            # The key check first: an unauthenticated request is never parsed.
+            interceptors=[AuthInterceptor(self.credentials), MalformedRequestGuard()],
         )
-        self._calls = GenerateCalls(self.state)  # one call path and registry for gRPC and HTTP
+        # One call path and registry for gRPC and HTTP.
+        self._calls = GenerateCalls(self.state, self.credentials)
         self.ready = False  # what the readiness service says (gRPC health and HTTP /ready)
-        self._http = HttpServer(self.state, self._calls, lambda: self.ready)
+        self._http = HttpServer(self.state, self._calls, lambda: self.ready, self.credentials)
         self.http_port: int | None = None
         self._health_tasks: set[asyncio.Task] = set()
         self._stopped = False
@@ -171,16 +192,26 @@ class GatewayServer:
         address = f"{gateway.host}:{gateway.port}"
         if ":" in gateway.host:
             address = f"[{gateway.host}]:{gateway.port}"
-        self.port = self._server.add_insecure_port(address)
+        if tls_enabled(gateway):
+            self.port = self._server.add_secure_port(address, grpc_server_credentials(gateway))
+        else:
+            self.port = self._server.add_insecure_port(address)
         await self._server.start()
         logger.info(
-            "Gateway_%d listening on %s:%d (gRPC: %s; admin %s)",
+            "Gateway_%d listening on %s:%d (gRPC: %s; admin %s; %s; %s)",
             self.config.client_index,
             gateway.host,
             self.port,
             ", ".join(services),
             "enabled" if gateway.enable_admin else "disabled",
+            _tls_words(gateway),
+            _auth_words(self.credentials),
         )
+        if gateway.enable_admin and not self.credentials.admin_token:
+            logger.warning(
+                "AdminService has no --admin-token: it is as open as the data plane%s",
+                " (any API key opens it)" if self.credentials.keys_required else "",
+            )
         self.http_port = await self._http.start(STOP_GRACE_S)
         return self.port
 

@@ -31,6 +31,8 @@ _HTTP_STATUS = {
 }
 _ERROR_TYPES = {
     400: "invalid_request_error",
+    401: "invalid_request_error",
+    403: "invalid_request_error",
     404: "invalid_request_error",
     409: "invalid_request_error",
     429: "rate_limit_error",

@@ -4,6 +4,9 @@ Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completion
 shapes, ``routes.py``), ``GET /health`` (200 while the process serves) and ``GET /ready`` (200
 while the gRPC readiness service is SERVING: an engine core READY and not stopping).
 Handlers are cancelled when their client disconnects, so a dropped request is ABORTed at once.
+With API keys (``gateway/auth.py``) every route but /health and /ready needs ``Authorization:
+Bearer <key>`` (else 401 with an OpenAI error body); with ``--ssl-certfile`` it serves HTTPS
+(``tls.py``; mTLS under ``--ssl-ca-certs``).
 """
 
 from __future__ import annotations
@@ -12,13 +15,16 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from switchboard.config import GatewayRoleConfig
+from switchboard.gateway.auth import Credentials
 from switchboard.gateway.errors import ApiError
 from switchboard.gateway.http.errors import error_response, json_response
 from switchboard.gateway.http.routes import OpenAIRoutes, internal_error
 from switchboard.gateway.pipeline.generate_call import GenerateCalls
 from switchboard.gateway.state import GatewayState
+from switchboard.tls import server_ssl_context, tls_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -59,16 +65,40 @@ async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamRe
         return internal_error("internal error (the gateway's log has the traceback)")
 
 
+_OPEN_PATHS = frozenset({"/health", "/ready"})  # probes carry no key
+
+
+def _api_keys(credentials: Credentials) -> Middleware:
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path not in _OPEN_PATHS:
+            error = credentials.check_data_plane(request.headers.items())
+            if error is not None:
+                response = error_response(error)
+                response.headers["WWW-Authenticate"] = "Bearer"
+                return response
+        return await handler(request)
+
+    return check
+
+
 class HttpServer:
     def __init__(
-        self, state: GatewayState, calls: GenerateCalls, is_ready: Callable[[], bool]
+        self,
+        state: GatewayState,
+        calls: GenerateCalls,
+        is_ready: Callable[[], bool],
+        credentials: Credentials | None = None,
     ) -> None:
         self._state = state
         self._is_ready = is_ready
         self._stopping = False
         routes = OpenAIRoutes(state, calls)
+        middlewares: list[Middleware] = [_openai_errors]
+        if credentials is not None and credentials.keys_required:
+            middlewares.append(_api_keys(credentials))
         app = web.Application(
-            middlewares=[_openai_errors], client_max_size=state.config.gateway.max_message_bytes
+            middlewares=middlewares, client_max_size=state.config.gateway.max_message_bytes
         )
         app.router.add_get("/health", self._health)
         app.router.add_get("/ready", self._ready)
@@ -92,12 +122,15 @@ class HttpServer:
             shutdown_timeout=shutdown_timeout_s,
         )
         await runner.setup()
-        site = web.TCPSite(runner, host, port)
+        gateway = self._state.config.gateway
+        ssl_context = server_ssl_context(gateway) if tls_enabled(gateway) else None
+        site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
         await site.start()
         self._runner = runner
         self.port = int(runner.addresses[0][1])
         shown = f"[{host}]" if ":" in host else host
-        logger.info("HTTP (OpenAI-compatible) on http://%s:%d", shown, self.port)
+        scheme = "https" if ssl_context is not None else "http"
+        logger.info("HTTP (OpenAI-compatible) on %s://%s:%d", scheme, shown, self.port)
         return self.port
 
     async def stop(self) -> None:

@@ -26,6 +26,7 @@ import grpc
 
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.gateway.admission import Ticket
+from switchboard.gateway.auth import Credentials
 from switchboard.gateway.chat.prompt import chat_prompt_token_ids
 from switchboard.gateway.errors import ApiError, unavailable
 from switchboard.gateway.observability.observer import RequestObserver
@@ -70,6 +71,7 @@ class CallContext(Protocol):
 
 @dataclasses.dataclass
 class _LiveRequest:
+    owner: str | None = None  # the identity of its API key (auth.identity_of); None: keys off
     aborted: bool = False  # by the Abort RPC, possibly before the engine got it
     engine_request_ids: list[str] = dataclasses.field(default_factory=list)  # its n sequences
 
@@ -109,8 +111,9 @@ class GenerateCall:
 class GenerateCalls:
     """The Generate calls in flight on one gateway, whichever front took them."""
 
-    def __init__(self, state: GatewayState) -> None:
+    def __init__(self, state: GatewayState, credentials: Credentials | None = None) -> None:
         self.state = state
+        self._credentials = credentials or Credentials()
         self._live: dict[str, _LiveRequest] = {}
 
     def is_in_flight(self, request_id: str) -> bool:
@@ -134,7 +137,8 @@ class GenerateCalls:
             )
         state = self.state
         ticket = state.admission.enter()  # this gateway's room for one more, or RESOURCE_EXHAUSTED
-        live = self._live[request_id] = _LiveRequest()
+        owner = self._credentials.identity(context.invocation_metadata())
+        live = self._live[request_id] = _LiveRequest(owner=owner)
         group: SequenceGroup | None = None
         call: GenerateCall | None = None
         failed = False
@@ -187,12 +191,18 @@ class GenerateCalls:
                 request.data_parallel_rank, state.config.num_engines, state.engines.engines
             )
 
-    def abort(self, request_ids: Iterable[str], reason: str) -> tuple[list[str], list[str]]:
-        """The Abort RPC: (aborted, unknown) request ids."""
+    def abort(
+        self, request_ids: Iterable[str], reason: str, context: CallContext | None = None
+    ) -> tuple[list[str], list[str]]:
+        """The Abort RPC: (aborted, unknown) request ids. With API keys a call reaches only
+        the requests made with its own key; another key's are unknown to it."""
+        owner = (
+            None if context is None else self._credentials.identity(context.invocation_metadata())
+        )
         aborted, unknown = [], []
         for request_id in request_ids:
             live = self._live.get(request_id)
-            if live is None:
+            if live is None or live.owner != owner:
                 unknown.append(request_id)
                 continue
             live.aborted = True

@@ -18,6 +18,7 @@ from switchboard.gateway.chat.prompt import ChatPrompt, plan_chat
 from switchboard.gateway.chat.template import ChatTemplate
 from switchboard.gateway.errors import invalid_argument, model_not_found, not_supported
 from switchboard.gateway.model_facts import ModelFacts
+from switchboard.gateway.pipeline.request_bounds import check_model_name
 from switchboard.gateway.pipeline.sampling_validation import (
     check_logprobs,
     check_repetition_detection,
@@ -88,6 +89,10 @@ class GeneratePlan:
 
 
 def check_model(model: str, facts: ModelFacts) -> None:
+    """The request names the served model (or none). Its size and characters first: the
+    NOT_FOUND error echoes the name, and a long one would overflow the client's trailer limit
+    (8 KiB in grpc: the call would end RESOURCE_EXHAUSTED)."""
+    check_model_name(model)
     if model and model != facts.name:
         raise model_not_found(model, facts.name)
 

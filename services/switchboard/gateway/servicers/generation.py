@@ -53,7 +53,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
     ) -> pb.AbortResponse:
-        aborted, unknown = self._calls.abort(request.request_ids, request.reason or "Abort RPC")
+        aborted, unknown = self._calls.abort(
+            request.request_ids, request.reason or "Abort RPC", context
+        )
         response = pb.AbortResponse(aborted_request_ids=aborted, unknown_request_ids=unknown)
         if aborted:
             logger.info("Abort RPC (%s): aborted %s", request.reason or "no reason given", aborted)

@@ -1,0 +1,254 @@
+"""A fuzz of every method of GenerationService and ModelService against an in-process gateway
+with the scripted engine: messages built from the descriptors with random and boundary field
+values, plus random bytes sent raw (identity serializers). No call may end UNKNOWN or INTERNAL
+or hang past its deadline; the gateway keeps serving and answers a valid request afterwards as
+it did before. The count of cases per status code is printed (``-s`` shows it)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import os
+import random
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from gateway_harness import WAIT_S, gateway_config, until
+from gateway_scripted_engine import ScriptedEngine
+from google.protobuf import descriptor, message
+
+from switchboard.api.v1 import generation_service_pb2, model_service_pb2
+from switchboard.api.v1 import generation_service_pb2 as pb
+from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
+from switchboard.config import GatewayConfig
+from switchboard.gateway.server import GatewayServer
+
+F = descriptor.FieldDescriptor
+SEED = int(os.environ.get("SWITCHBOARD_FUZZ_SEED", "20261201"))  # another seed: another run
+CASES_PER_METHOD = 300  # structured messages per method
+RAW_CASES_PER_METHOD = 120  # random and mutated bytes per method
+CONCURRENCY = 32
+DEADLINE_S = 5.0
+# UNKNOWN/INTERNAL: an unhandled error; DEADLINE_EXCEEDED: a hang; RESOURCE_EXHAUSTED: none of
+# these calls may hit admission (32 at once) or a size limit (e.g. an oversized trailer).
+FORBIDDEN_NAMES = {"UNKNOWN", "INTERNAL", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"}
+
+_INTS = {
+    F.TYPE_INT32: (-(2**31), 2**31 - 1), F.TYPE_SINT32: (-(2**31), 2**31 - 1),
+    F.TYPE_SFIXED32: (-(2**31), 2**31 - 1), F.TYPE_INT64: (-(2**63), 2**63 - 1),
+    F.TYPE_SINT64: (-(2**63), 2**63 - 1), F.TYPE_SFIXED64: (-(2**63), 2**63 - 1),
+    F.TYPE_UINT32: (0, 2**32 - 1), F.TYPE_FIXED32: (0, 2**32 - 1),
+    F.TYPE_UINT64: (0, 2**64 - 1), F.TYPE_FIXED64: (0, 2**64 - 1),
+}  # fmt: skip
+_FLOATS = [0.0, -0.0, 1.0, -1.0, 0.5, 2.0, 1e-45, 1e30, -1e30, float("inf"), float("-inf"),
+           float("nan"), 3.4e38, 100.0]  # fmt: skip
+_STRINGS = ["", "tiny", "Hello", " ", "\x00", "a" * 300, "é€😀", "\n\t", "<|endoftext|>", "{",
+            "null", "-1", "x" * 5000, "tiny\x00", "../../etc/passwd", "%s%n"]  # fmt: skip
+
+
+def _scalar(field: descriptor.FieldDescriptor, rng: random.Random) -> Any:
+    kind = field.type
+    if kind in _INTS:
+        low, high = _INTS[kind]
+        return rng.choice([0, 1, -1 if low < 0 else 2, low, high, rng.randint(0, 300),
+                           rng.randint(low, high), 16, 64, 65, 299, 300])  # fmt: skip
+    if kind in (F.TYPE_FLOAT, F.TYPE_DOUBLE):
+        value = rng.choice([*_FLOATS, rng.uniform(-10, 10)])
+        return value if kind == F.TYPE_DOUBLE or abs(value) <= 3.4e38 else float("inf")
+    if kind == F.TYPE_BOOL:
+        return rng.random() < 0.5
+    if kind == F.TYPE_STRING:
+        if rng.random() < 0.2:
+            return "".join(chr(rng.randint(1, 0xD7FF)) for _ in range(rng.randint(1, 40)))
+        return rng.choice(_STRINGS)
+    if kind == F.TYPE_BYTES:
+        return rng.randbytes(rng.choice([0, 1, 7, 64]))
+    if kind == F.TYPE_ENUM:
+        values = [v.number for v in field.enum_type.values]
+        return rng.choice([*values, *values, -1, 99, 2**31 - 1])
+    raise AssertionError(field.type)
+
+
+def fill(msg: message.Message, rng: random.Random, depth: int = 0) -> message.Message:
+    """Set a random subset of ``msg``'s fields, nested messages to depth 4."""
+    for field in msg.DESCRIPTOR.fields:
+        if rng.random() < 0.45:
+            continue
+        is_message = field.type == F.TYPE_MESSAGE
+        if is_message and depth >= 4:
+            continue
+        if field.is_repeated:
+            count = rng.choice([0, 1, 2, 3, 8, 64, 600]) if depth < 2 else rng.choice([0, 1, 2])
+            container = getattr(msg, field.name)
+            if is_message and field.message_type.GetOptions().map_entry:
+                key_field, value_field = field.message_type.fields
+                for _ in range(min(count, 40)):
+                    key = _scalar(key_field, rng)
+                    if value_field.type == F.TYPE_MESSAGE:
+                        fill(container[key], rng, depth + 1)
+                    else:
+                        container[key] = _scalar(value_field, rng)
+            elif is_message:
+                for _ in range(min(count, 16)):
+                    fill(container.add(), rng, depth + 1)
+            else:
+                container.extend(_scalar(field, rng) for _ in range(count))
+        elif is_message:
+            sub = getattr(msg, field.name)
+            sub.SetInParent()
+            fill(sub, rng, depth + 1)
+        else:
+            setattr(msg, field.name, _scalar(field, rng))
+    return msg
+
+
+def _valid_generate(rng: random.Random) -> pb.GenerateRequest:
+    """A mostly well-formed request with one or two fields fuzzed: reaches deeper code."""
+    request = pb.GenerateRequest(text=rng.choice(["Hello", "Hi there", "a b c"]))
+    request.stopping.max_tokens = rng.choice([1, 2, 3])
+    fuzzed = fill(pb.GenerateRequest(), rng)
+    for field in rng.sample(list(pb.GenerateRequest.DESCRIPTOR.fields), 2):
+        if field.is_repeated:
+            request.ClearField(field.name)
+            getattr(request, field.name).MergeFrom(getattr(fuzzed, field.name))
+        elif field.type == F.TYPE_MESSAGE:
+            if fuzzed.HasField(field.name):
+                getattr(request, field.name).CopyFrom(getattr(fuzzed, field.name))
+        else:
+            setattr(request, field.name, getattr(fuzzed, field.name))
+    nested = [f for f in pb.GenerateRequest.DESCRIPTOR.fields
+              if f.type == F.TYPE_MESSAGE and not f.is_repeated]  # fmt: skip
+    if rng.random() < 0.6:  # a few knobs of one nested message (sampling, stopping, output...)
+        fill(getattr(request, rng.choice(nested).name), rng, depth=3)
+    if request.stopping.max_tokens > 8:
+        request.stopping.max_tokens = 3  # keep the calls short
+    return request
+
+
+def _methods() -> list[tuple[str, descriptor.MethodDescriptor]]:
+    out = []
+    for module, name in ((generation_service_pb2, "GenerationService"),
+                         (model_service_pb2, "ModelService")):  # fmt: skip
+        service = module.DESCRIPTOR.services_by_name[name]
+        out += [(f"/{service.full_name}/{m.name}", m) for m in service.methods]
+    return out
+
+
+def _mutate(raw: bytes, rng: random.Random) -> bytes:
+    data = bytearray(raw)
+    for _ in range(rng.randint(1, 6)):
+        choice = rng.random()
+        if data and choice < 0.4:
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        elif data and choice < 0.6:
+            del data[rng.randrange(len(data)) :]
+        elif choice < 0.8:
+            data[rng.randrange(len(data) + 1) : 0] = rng.randbytes(rng.randint(1, 12))
+        else:  # a field with a huge length prefix or an unknown wire type
+            data += bytes([rng.randrange(256), 0xFF, 0xFF, 0xFF, 0xFF, 0x0F])
+    return bytes(data)
+
+
+async def _call(channel: grpc.aio.Channel, path: str, streaming: bool, raw: bytes) -> str:
+    identity = lambda b: b  # noqa: E731
+    try:
+        if streaming:
+            call = channel.unary_stream(path, request_serializer=identity,
+                                        response_deserializer=identity)  # fmt: skip
+            async for _ in call(raw, timeout=DEADLINE_S):
+                pass
+        else:
+            unary = channel.unary_unary(path, request_serializer=identity,
+                                        response_deserializer=identity)  # fmt: skip
+            await unary(raw, timeout=DEADLINE_S)
+    except grpc.aio.AioRpcError as error:
+        return error.code().name
+    return "OK"
+
+
+class _Harness:
+    def __init__(self, server: GatewayServer, engine: ScriptedEngine) -> None:
+        self.server, self.engine = server, engine
+
+
+@pytest.fixture
+async def gateway(checkpoint_dir: Path, run_dir: str) -> AsyncIterator[_Harness]:
+    config = gateway_config(
+        checkpoint_dir, run_dir, gateway=GatewayConfig(host="127.0.0.1", port=0)
+    )
+    server = GatewayServer(config)
+    await server.start()
+    engine = ScriptedEngine(config.input_address, config.output_address, [5, 6, 7])
+    await engine.start()
+    assert await server.engines.wait_until_ready(WAIT_S)
+    await until(lambda: server.ready, "ready")
+    try:
+        yield _Harness(server, engine)
+    finally:
+        with contextlib.suppress(Exception):
+            await engine.close()
+        await server.stop()
+
+
+async def _reference(channel: grpc.aio.Channel) -> list[Any]:
+    stub = pb_grpc.GenerationServiceStub(channel)
+    request = pb.GenerateRequest(text="Hello", request_id="reference")
+    request.stopping.max_tokens = 3
+    answers: list[Any] = []
+    for response in [r async for r in stub.Generate(request, timeout=WAIT_S)]:
+        response.ClearField("metrics")  # times differ from run to run
+        answers.append(response)
+    tokenized = await stub.Tokenize(pb.TokenizeRequest(text="Hello"), timeout=WAIT_S)
+    return [*answers, tokenized]
+
+
+async def test_grpc_fuzz(gateway: _Harness) -> None:
+    rng = random.Random(SEED)
+    cases: list[tuple[str, bool, bytes]] = []
+    for path, method in _methods():
+        input_type = method.input_type
+        module = generation_service_pb2 if "Generation" in path else model_service_pb2
+        request_class = getattr(module, input_type.name)
+        streaming = method.server_streaming
+        samples = []
+        for i in range(CASES_PER_METHOD):
+            if method.name == "Generate" and i % 2:
+                msg = _valid_generate(rng)
+            else:
+                msg = fill(request_class(), rng)
+            samples.append(msg.SerializeToString())
+        cases += [(path, streaming, raw) for raw in samples]
+        for i in range(RAW_CASES_PER_METHOD):
+            raw = rng.randbytes(rng.choice([0, 1, 2, 5, 17, 100, 1000]))
+            if i % 2:
+                raw = _mutate(rng.choice(samples), rng)
+            cases.append((path, streaming, raw))
+    rng.shuffle(cases)
+    counts: collections.Counter[str] = collections.Counter()
+    per_method: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    bad: list[tuple[str, str, bytes]] = []
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.server.port}") as channel:
+        before = await _reference(channel)
+        limit = asyncio.Semaphore(CONCURRENCY)
+
+        async def run(path: str, streaming: bool, raw: bytes) -> None:
+            async with limit:
+                code = await _call(channel, path, streaming, raw)
+            counts[code] += 1
+            per_method[path.rsplit("/", 1)[1]][code] += 1
+            if code in FORBIDDEN_NAMES:
+                bad.append((path, code, raw))
+
+        await asyncio.wait_for(asyncio.gather(*(run(*case) for case in cases)), timeout=90)
+        print(f"\ngRPC fuzz: {len(cases)} cases; per status code: {dict(counts.most_common())}")
+        for name, method_counts in sorted(per_method.items()):
+            print(f"  {name}: {dict(method_counts.most_common())}")
+        assert not bad, [(p, c, r[:200]) for p, c, r in bad[:5]]
+        # Still serving, and a valid request is answered as before.
+        await until(lambda: not gateway.server._calls._live, "every fuzz call finished")
+        after = await _reference(channel)
+    assert after == before
