@@ -193,6 +193,11 @@ class SchedulerStats(_Wire):
     # their sum.
     iteration_tokens_counts: list[int] = []
     iteration_tokens_sum: int = 0
+    # Appended: a worker that has not answered the current step within the step timeout
+    # (rank -1: none), its pid, and for how long it had not answered when this was sent.
+    stalled_worker_rank: int = -1
+    stalled_worker_pid: int = 0
+    stalled_for_s: float = 0.0
 
 
 class EngineCoreOutputs(_Wire):

@@ -205,6 +205,15 @@ class EngineClient:
     def live_engines(self) -> list[EngineHandle]:
         return [e for e in self.engines.values() if e.alive]
 
+    @property
+    def routable_engines(self) -> list[EngineHandle]:
+        """Live engines that take new requests (none of their workers stalled)."""
+        return [e for e in self.engines.values() if e.routable]
+
+    def check_routable(self) -> None:
+        """Raise UNAVAILABLE (saying why) unless some engine takes new requests."""
+        choose_engine(self.engines, None, self._rng)
+
     # -- requests ------------------------------------------------------------------------------
 
     def is_live(self, request_id: str) -> bool:
@@ -417,8 +426,11 @@ class EngineClient:
             return
         engine.last_seen = time.monotonic()
         if outputs.scheduler_stats is not None:
+            was_stalled = engine.stalled
             engine.scheduler_stats = outputs.scheduler_stats
             engine.exports_engine_stats = outputs.exports_engine_stats
+            if engine.stalled != was_stalled:
+                self._on_stall_changed(engine)
         if outputs.utility_output is not None:
             self._utility_calls.resolve(outputs.utility_output)
         for output in outputs.outputs:
@@ -428,6 +440,26 @@ class EngineClient:
             channel.put(StepOutput(output, outputs.timestamp_ns))
             if output.finish_reason is not None:
                 self._forget(output.request_id)
+
+    def _on_stall_changed(self, engine: EngineHandle) -> None:
+        stats = engine.scheduler_stats
+        assert stats is not None
+        rank = engine.ready.data_parallel_rank
+        if engine.stalled:
+            logger.error(
+                "engine %s (DP rank %d): worker rank %d (pid %d) has not answered a step for "
+                "%.1fs; no new requests go to it until it answers",
+                engine.engine_id,
+                rank,
+                stats.stalled_worker_rank,
+                stats.stalled_worker_pid,
+                stats.stalled_for_s,
+            )
+        else:
+            logger.warning(
+                "engine %s (DP rank %d): stall over, routable again", engine.engine_id, rank
+            )
+        self._on_engines_changed()
 
     async def _heartbeat_watchdog(self) -> None:
         period = max(0.05, min(1.0, self._heartbeat_timeout_s / 4))

@@ -51,6 +51,17 @@ class EngineHandle:
     def alive(self) -> bool:
         return self.state is EngineState.READY
 
+    @property
+    def stalled(self) -> bool:
+        """A worker of it has not answered a step within the step timeout (its latest stats)."""
+        stats = self.scheduler_stats
+        return stats is not None and stats.stalled_worker_rank >= 0
+
+    @property
+    def routable(self) -> bool:
+        """New requests may go to it: READY and not stalled."""
+        return self.alive and not self.stalled
+
     @functools.cached_property
     def clock(self) -> EngineClock:
         """This engine's clock placed on the gateway's wall clock: READY's anchor, kept within

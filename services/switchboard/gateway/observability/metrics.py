@@ -252,6 +252,7 @@ class EngineStatsCollector(Collector):
             families.queries.add_metric(labels, stats.prefix_cache_queries)
             families.hits.add_metric(labels, stats.prefix_cache_hits)
             families.preemptions.add_metric(labels, stats.num_preemptions)
+            families.stalled.add_metric(labels, 1.0 if stats.stalled_worker_rank >= 0 else 0.0)
             counts = stats.iteration_tokens_counts
             if len(counts) == len(ITERATION_TOKENS_BUCKETS) + 1:
                 families.iteration.add_metric(
@@ -285,6 +286,12 @@ class EngineStatsCollector(Collector):
             iteration=HistogramMetricFamily(
                 p + "iteration_tokens_total", "Tokens per engine step.", labels=labels
             ),
+            stalled=GaugeMetricFamily(
+                p + "engine_worker_stalled",
+                "1 while a worker of the engine has not answered a step within --step-timeout-s "
+                "(the engine takes no new requests meanwhile).",
+                labels=labels,
+            ),
         )
 
 
@@ -298,6 +305,7 @@ class _EngineFamilies(NamedTuple):
     hits: CounterMetricFamily
     preemptions: CounterMetricFamily
     iteration: HistogramMetricFamily
+    stalled: GaugeMetricFamily
 
 
 def _cumulative_buckets(counts: list[int]) -> Iterator[tuple[str, float]]:
