@@ -113,6 +113,7 @@ class GatewayServer:
             coordinator_publish_address=config.coordinator_publish_address,
             handshake_address=config.handshake_address,
             curve_keys_dir=config.curve_keys_dir,
+            resume_timeout_s=config.resume_timeout_s,
         )
         tokenizer = Tokenizer.from_model_dir(config.model.model)
         self.state = GatewayState(
@@ -134,6 +135,7 @@ class GatewayServer:
             options=_grpc_options(config.gateway.max_message_bytes),
             interceptors=[MalformedRequestGuard()],
         )
+        self._engines.on_resumed = self.state.observability.request_resumed
         self._calls = GenerateCalls(self.state)  # one call path and registry for gRPC and HTTP
         self.ready = False  # what the readiness service says (gRPC health and HTTP /ready)
         self._http = HttpServer(self.state, self._calls, lambda: self.ready)

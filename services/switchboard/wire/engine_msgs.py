@@ -135,6 +135,11 @@ class EngineCoreRequest(_Wire):
     client_index: int = 0
     priority: int = 0
     trace_context: dict[str, str] | None = None  # W3C traceparent / tracestate
+    # Appended for resumed streams (gateway/engines/resume.py): output tokens another engine
+    # already generated (and the client received) before it died. The engine continues after
+    # them exactly as after a preemption: they count as output (max_tokens, min_tokens,
+    # penalties, a seed's draw position), never as prompt, and are not sent again.
+    output_token_ids: list[int] = []
 
 
 class TensorRef(_Wire):

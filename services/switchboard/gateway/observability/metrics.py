@@ -109,6 +109,10 @@ class RequestMetrics:
             "prompt_tokens_cached", "Prompt tokens served from the prefix cache."
         )
         self.generation_tokens = counter("generation_tokens", "Generation tokens processed.")
+        self.resumed = counter(
+            "requests_resumed",
+            "Streams cut off by an engine's death and resumed, by the engine that took them.",
+        )
         self.request_success = counter(
             "request_success", "Finished requests, by finish reason.", ("finished_reason",)
         )
