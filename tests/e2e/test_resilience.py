@@ -12,6 +12,8 @@ import os
 import signal
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -255,3 +257,47 @@ def test_no_resume_fails_the_stream_saying_what_it_delivered(
         print(f"\n--no-resume kill -9 engine: UNAVAILABLE {failed_s:.2f}s after the kill")
     finally:
         assert server.stop() == 0, server.log()
+
+
+def http_ready(server: RunningServer) -> int | None:
+    try:
+        with urllib.request.urlopen(f"{server.http_url}/ready", timeout=5) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
+    except OSError:
+        return None  # refused: not ready either
+
+
+def test_sigterm_drains_the_streams_in_flight(tiny_model: str, tmp_path: Path) -> None:
+    """SIGTERM: not ready at once (gRPC health refuses or says NOT_SERVING, HTTP /ready 503),
+    the stream in flight (held up by a stopped worker for 2 s, so it is surely in flight)
+    completes whole, and the server then exits 0 well within --shutdown-grace."""
+    server = start_server(tiny_model, tmp_path, "--shutdown-grace", "20")
+    worker = server.titled_processes()["switchboard::Worker_DP0_PP0_TP0"]
+    stream = Stream(server, PROMPTS[0], 200)
+    wait_for_tokens([stream], 3)
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        server.process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        wait_until(lambda: health(server) != SERVING, "not ready after SIGTERM", 5)
+        not_ready_s = time.monotonic() - signalled
+        assert http_ready(server) != 200
+        time.sleep(2.0)
+        assert stream.code is None, "the stream is still in flight"
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    stream.join()
+    assert stream.code == grpc.StatusCode.OK, (stream.details, server.log())
+    assert len(stream.tokens) == 200
+    code = server.process.wait(40)
+    exited_s = time.monotonic() - signalled
+    assert code == 0, server.log()
+    assert exited_s < 20, exited_s
+    assert server.stop() == 0
+    assert server.leftovers == []
+    print(
+        f"\nSIGTERM: not ready {not_ready_s * 1000:.0f} ms after it, the stream in flight "
+        f"completed, exit 0 {exited_s:.1f}s after it (grace 20 s, 2 s of it held up)"
+    )
