@@ -129,6 +129,10 @@ class EngineConfig(_Config, frozen=True):
     gateway_output_addresses: list[str] = []  # the gateways' PULLs (engine connects a PUSH)
     run_dir: str = ""  # where this engine may create ipc:// sockets
     heartbeat_interval_s: float = 1.0
+    # One machine with restarts: an engine stopped (SIGSTOP) longer than this, the gateways'
+    # heartbeat timeout, has been declared dead by them; it exits on waking (and is restarted).
+    # 0 = never.
+    exit_after_frozen_s: float = 0.0
     # Topologies beyond one engine on one machine: DP > 1 (coordinator), engines on other hosts.
     coordinator_address: str = ""  # the coordinator's PULL for EngineLoad ("" = no coordinator)
     # Engines on other hosts: "name:port" of the gateways' handshake port. The name is resolved

@@ -395,6 +395,7 @@ def serve(
     restart = restart or RestartPolicy()
     if restart.restarts:  # the gateways wait for a restarted engine instead of exiting
         gateway = _replace(gateway, engines_restart=True)
+        engine = _replace(engine, exit_after_frozen_s=gateway.heartbeat_timeout_s)
     gateways, engines = plan_server(gateway, engine, run_dir)
     coordinator = plan_coordinator(engine, run_dir)
     return Supervisor(gateways, engines, run_dir, coordinator, restart).run()

@@ -301,3 +301,35 @@ def test_sigterm_drains_the_streams_in_flight(tiny_model: str, tmp_path: Path) -
         f"\nSIGTERM: not ready {not_ready_s * 1000:.0f} ms after it, the stream in flight "
         f"completed, exit 0 {exited_s:.1f}s after it (grace 20 s, 2 s of it held up)"
     )
+
+
+def test_a_frozen_engine_is_declared_dead_and_restarted(tiny_model: str, tmp_path: Path) -> None:
+    """SIGSTOP the engine core past the gateway's heartbeat timeout (10 s): the gateway declares
+    it dead (NOT_SERVING; the stream waits to resume), the woken engine sees it was frozen and
+    exits, the supervisor restarts it and the stream resumes with the undisturbed tokens."""
+    max_tokens = 300
+    server = start_server(tiny_model, tmp_path)
+    try:
+        expected = generate_tokens(server, PROMPTS[0], max_tokens)
+        engine = server.titled_processes()["switchboard::EngineCore_DP0"]
+        stream = Stream(server, PROMPTS[0], max_tokens)
+        wait_for_tokens([stream], 3)
+        os.kill(engine, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            wait_until(lambda: health(server) == NOT_SERVING, "declared dead", 30)
+            dead_s = time.monotonic() - stopped
+        finally:
+            os.kill(engine, signal.SIGCONT)
+        stream.join()
+        done_s = time.monotonic() - stopped
+        assert stream.code == grpc.StatusCode.OK, (stream.details, server.log())
+        assert stream.tokens == expected
+        assert "frozen for" in server.log()
+        wait_until(lambda: health(server) == SERVING, "SERVING again", 60)
+        print(
+            f"\nSIGSTOP engine: declared dead {dead_s:.1f}s after it (heartbeat timeout 10 s), "
+            f"the stream resumed and complete {done_s:.1f}s after it"
+        )
+    finally:
+        assert server.stop() == 0, server.log()

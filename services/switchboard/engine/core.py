@@ -179,6 +179,7 @@ class EngineCore:
             self._on_io_thread_failure,
             engine_id=self._ready.engine_id,
             curve=self._curve_gateway,
+            exit_after_frozen_s=self.config.exit_after_frozen_s,
         )
         self._input_thread = InputThread(
             self._ctx,
