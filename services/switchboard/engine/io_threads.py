@@ -281,11 +281,10 @@ class OutputThread(_GatewaySocketThread):
             try:
                 item = self._output_queue.get(timeout=wait_s)
             except queue.Empty:
-                item = None
-            tick = self._check_not_frozen(tick)
-            if item is None:
+                tick = self._check_not_frozen(tick)
                 self._send_heartbeats()
                 continue
+            tick = self._check_not_frozen(tick)
             if item is STOP_OUTPUT:
                 return
             if isinstance(item, GatewayChange):
