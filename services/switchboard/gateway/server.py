@@ -6,14 +6,15 @@ services below say.
 
 Health (grpc.health.v1, Check and Watch):
 * ``""``: SERVING while the process runs (liveness);
-* ``switchboard.v1.GenerationService``: SERVING while at least one engine core (under
-  ``switchboard serve``: every engine core of the server) is READY and the
-  gateway is not stopping (readiness). On a stop it turns NOT_SERVING first, then the server
-  drains: in-flight calls get ``shutdown_grace_s`` (``--shutdown-grace``) to finish, new ones
-  are refused.
+* ``switchboard.v1.GenerationService``: SERVING while at least one engine core is READY and
+  routable (no stalled worker) and the gateway is not stopping (readiness); under
+  ``switchboard serve`` only once every engine core of the server has been READY. On a stop it
+  turns NOT_SERVING first, then the server drains: in-flight calls get ``shutdown_grace_s``
+  (``--shutdown-grace``) to finish, new ones are refused.
 
 With ``exit_when_engines_dead`` (one machine) the gateway stops with a non-zero exit code when its
-last engine dies, or when no engine is READY within ``startup_timeout_s``.
+last engine dies (unless ``engines_restart``: the supervisor restarts engines), or when no
+engine is READY within ``startup_timeout_s``.
 """
 
 from __future__ import annotations
