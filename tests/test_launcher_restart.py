@@ -37,3 +37,25 @@ def test_never_and_other_roles_stop_the_server(tmp_path: Path) -> None:
     always = Supervisor([], [], str(tmp_path), restart=RestartPolicy("always"))
     assert not always._schedule_restart(dead_child("Gateway_0"))
     assert not always._schedule_restart(dead_child("Coordinator"))
+
+
+def test_a_restart_waits_for_the_dead_engines_workers_then_kills_them(tmp_path: Path) -> None:
+    """A killed engine's worker still holds its device memory: no restart while it lives; past
+    the deadline it is killed (by pid), then the restart may go."""
+    from switchboard.launcher import _start_time
+
+    supervisor = Supervisor([], [], str(tmp_path), restart=RestartPolicy("always"))
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = _start_time(worker.pid)
+        assert start
+        supervisor._orphans["EngineCore_DP0"] = (100.0, {worker.pid: start})
+        assert not supervisor._workers_gone("EngineCore_DP0", now=50.0)  # waits
+        assert worker.poll() is None
+        assert not supervisor._workers_gone("EngineCore_DP0", now=101.0)  # killed now
+        worker.wait(10)
+        assert supervisor._workers_gone("EngineCore_DP0", now=101.5)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()

@@ -25,6 +25,7 @@ supervisor logs one line with every address the server serves (``server_addresse
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -50,6 +51,7 @@ from switchboard.config import (
     ipc_address,
     new_run_dir,
 )
+from switchboard.processes import descendants
 from switchboard.start_method import require_main_process
 from switchboard.wire import zmq_channel
 from switchboard.wire.shm_ring import unlink_orphaned_segments
@@ -60,6 +62,8 @@ STOP_GRACE_S = 15.0  # engines and the coordinator, after the gateways stopped
 GATEWAY_STOP_MARGIN_S = 10.0  # on top of the gateways' own --shutdown-grace
 RESTART_BACKOFF_S = 1.0  # first restart; doubles with each restart in the window
 RESTART_BACKOFF_MAX_S = 30.0
+WORKERS_GONE_WAIT_S = 10.0  # a dead engine's workers get this long to exit (then SIGKILL)
+_DESCENDANTS_EVERY_S = 2.0  # how often the engines' worker pids are noted
 READINESS_SERVICE = "switchboard.v1.GenerationService"  # the gateway's readiness health name
 READY_POLL_S = 0.25
 
@@ -181,6 +185,16 @@ def _replace(config: S, **changes: Any) -> S:
     return msgspec.structs.replace(config, **changes)
 
 
+def _start_time(pid: int) -> str:
+    """The process's start time (/proc/<pid>/stat field 22), "" if it is gone: tells a pid
+    from a later process that reused it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
 def _start(role: str, module: str, config_json: str) -> Child:
     cmd = [sys.executable, "-m", module, "--config-json", config_json]
     process = subprocess.Popen(cmd, start_new_session=True)
@@ -201,6 +215,11 @@ class Supervisor:
         self._restart_times: dict[str, list[float]] = {}  # role -> restarts in the window
         self._due: dict[str, tuple[float, Child]] = {}  # role -> (restart at, the dead child)
         self._dead_pids: list[tuple[str, int]] = []  # engines that died (their rings)
+        # Each engine's workers as last seen (pid -> start time): a killed engine's workers
+        # outlive it for a moment, holding its device memory; its restart waits for them.
+        self._engine_workers: dict[str, dict[int, str]] = {}
+        self._orphans: dict[str, tuple[float, dict[int, str]]] = {}  # role -> (deadline, pids)
+        self._noted_at = 0.0
         self._gateways = gateways
         self._engines = engines
         self._coordinator = coordinator
@@ -289,9 +308,22 @@ class Supervisor:
                         return None
                     if not self._schedule_restart(child):
                         return child
+            self._note_engine_workers()
             self._restart_due()
             self._stop_requested.wait(0.1)
         return None
+
+    def _note_engine_workers(self) -> None:
+        now = time.monotonic()
+        if not self._restart.restarts or now - self._noted_at < _DESCENDANTS_EVERY_S:
+            return
+        self._noted_at = now
+        for child in self._children:
+            if child.role.startswith("EngineCore") and child.process.poll() is None:
+                pids = descendants(child.process.pid)
+                self._engine_workers[child.role] = {
+                    pid: start for pid in pids if (start := _start_time(pid))
+                }
 
     def _schedule_restart(self, child: Child) -> bool:
         """An engine core exited: tell the gateways, and restart it after a backoff if the
@@ -318,6 +350,8 @@ class Supervisor:
         window.append(now)
         self._restart_times[child.role] = window
         self._due[child.role] = (now + backoff, child)
+        workers = self._engine_workers.pop(child.role, {})
+        self._orphans[child.role] = (now + backoff + WORKERS_GONE_WAIT_S, workers)
         logger.error(
             "%s (pid %d) exited with code %s: restarting it in %.1fs (restart %d of %d "
             "within %.0fs)",
@@ -334,9 +368,25 @@ class Supervisor:
     def _restart_due(self) -> None:
         now = time.monotonic()
         for role, (at, dead) in list(self._due.items()):
-            if now >= at:
+            if now >= at and self._workers_gone(role, now):
                 del self._due[role]
                 self._children.append(_start(role, dead.module, dead.config_json))
+
+    def _workers_gone(self, role: str, now: float) -> bool:
+        """The dead engine's workers have exited (they notice their parent is gone within a
+        second or a step); past the deadline they are killed, by pid."""
+        deadline, workers = self._orphans.get(role, (0.0, {}))
+        alive = {pid for pid, start in workers.items() if _start_time(pid) == start}
+        if not alive:
+            self._orphans.pop(role, None)
+            return True
+        if now < deadline:
+            return False
+        for pid in alive:
+            logger.warning("worker pid %d of the dead %s did not exit: killing it", pid, role)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return False
 
     def _tell_gateways_engine_dead(self, child: Child) -> None:
         """ENGINE_CORE_DEAD on the dead engine's behalf (one killed with -9 says nothing): the
