@@ -239,15 +239,17 @@ class EngineClient:
                 reason="DUPLICATE_REQUEST_ID",
                 field="request_id",
             )
-        engine = choose_engine(self.engines, request.data_parallel_rank, self._rng)
-        channel = RequestChannel(request.request_id, engine, request)
-        self._requests[request.request_id] = channel
-        engine.num_requests += 1
-        engine.added_since_load += 1
-        if not self._send(engine, RequestType.ADD, request):
-            self._forget(request.request_id)
-            raise unavailable(f"engine {engine.engine_id} is unreachable")
-        return channel
+        while True:  # a failed send marks that engine dead: the next choice is another one
+            engine = choose_engine(self.engines, request.data_parallel_rank, self._rng)
+            if not self._send(engine, RequestType.ADD, request):
+                if request.data_parallel_rank is not None:
+                    raise unavailable(f"engine {engine.engine_id} is unreachable")
+                continue
+            channel = RequestChannel(request.request_id, engine, request)
+            self._requests[request.request_id] = channel
+            engine.num_requests += 1
+            engine.added_since_load += 1
+            return channel
 
     def abort(self, request_ids: list[str], reason: str = "aborted") -> list[str]:
         """Abort in-flight requests: ABORT to their engines, RequestAborted to their channels.
