@@ -22,8 +22,8 @@ from grpc_health.v1 import health_pb2
 
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
-from tests.e2e.client_calls import greedy_request
-from tests.e2e.server import RunningServer, start_server, wait_until
+from tests.e2e.client_calls import greedy_request, metric_sum, scrape
+from tests.e2e.server import RunningServer, free_port, start_server, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -99,8 +99,16 @@ def test_a_stalled_worker_is_seen_and_recovers(tiny_model: str, tmp_path: Path) 
     """SIGSTOP a worker mid-stream: readiness NOT_SERVING within the step timeout (+ one
     heartbeat), new requests UNAVAILABLE at once, the log names the worker; SIGCONT: SERVING
     again and the stream completes."""
+    metrics_port = free_port()
     server = start_server(
-        tiny_model, tmp_path, "--step-timeout-s", "1", "--step-timeout-per-token-s", "0"
+        tiny_model,
+        tmp_path,
+        "--step-timeout-s",
+        "1",
+        "--step-timeout-per-token-s",
+        "0",
+        "--metrics-port",
+        str(metrics_port),
     )
     try:
         worker = server.titled_processes()["switchboard::Worker_DP0_PP0_TP0"]
@@ -122,6 +130,8 @@ def test_a_stalled_worker_is_seen_and_recovers(tiny_model: str, tmp_path: Path) 
                 refused_s = time.monotonic() - t0
             assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "has not answered" in (refused.value.details() or "")
+            stalled = metric_sum(scrape(metrics_port), "switchboard:engine_worker_stalled")
+            assert stalled == 1.0
         finally:
             os.kill(worker, signal.SIGCONT)
         continued = time.monotonic()
@@ -131,6 +141,7 @@ def test_a_stalled_worker_is_seen_and_recovers(tiny_model: str, tmp_path: Path) 
         assert stream.code == grpc.StatusCode.OK, stream.details
         assert len(stream.tokens) == 300
         assert len(generate_tokens(server, PROMPTS[1], 4)) == 4
+        assert metric_sum(scrape(metrics_port), "switchboard:engine_worker_stalled") == 0.0
         log = server.log()
         assert f"rank 0 (pid {worker}) has not answered" in log
         assert "stall over" in log
@@ -204,7 +215,8 @@ def test_dp1_a_dead_worker_restarts_its_engine_and_the_stream_resumes(
     NOT_SERVING while the supervisor restarts it, and the stream resumes on the restarted
     engine with exactly the greedy tokens of an undisturbed run; a seeded sampled stream too."""
     max_tokens = 300
-    server = start_server(tiny_model, tmp_path)
+    metrics_port = free_port()
+    server = start_server(tiny_model, tmp_path, "--metrics-port", str(metrics_port))
     try:
         expected = generate_tokens(server, PROMPTS[0], max_tokens)
         seeded = greedy_request(PROMPTS[1], max_tokens, return_token_ids=True)
@@ -228,6 +240,7 @@ def test_dp1_a_dead_worker_restarts_its_engine_and_the_stream_resumes(
         assert seeded_stream.tokens == seeded_expected
         wait_until(lambda: health(server) == SERVING, "SERVING again", 60)
         assert server.log().count("resumed on engine") == 2
+        assert metric_sum(scrape(metrics_port), "switchboard:requests_resumed_total") == 2
         print(
             f"\ndp1 kill -9 worker: NOT_SERVING {down_s:.2f}s after the kill, both streams "
             f"resumed and complete (identical) {resumed_s:.1f}s after it"
