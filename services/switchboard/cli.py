@@ -87,7 +87,13 @@ def _server_import_error() -> ImportError | None:
 
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
-    from switchboard.config import CacheConfig, GatewayConfig, SchedulerConfig, WorkerConfig
+    from switchboard.config import (
+        DEFAULT_SHUTDOWN_GRACE_S,
+        CacheConfig,
+        GatewayConfig,
+        SchedulerConfig,
+        WorkerConfig,
+    )
 
     m = p.add_argument_group("model")
     m.add_argument(
@@ -230,6 +236,59 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         default=WorkerConfig().torch_threads,
         help="torch intra-op threads per worker (default 0: the usable CPUs shared equally "
         "among the workers on this host)",
+    )
+
+    r = p.add_argument_group("failures and stopping (docs/operations.md, Failure)")
+    r.add_argument(
+        "--step-timeout-s",
+        type=float,
+        default=WorkerConfig().step_timeout_s,
+        help="a worker that has not answered a step within this (plus "
+        "--step-timeout-per-token-s per scheduled token) is stalled: logged by rank and pid, "
+        "its engine takes no new requests until it answers",
+    )
+    r.add_argument(
+        "--step-timeout-per-token-s",
+        type=float,
+        default=WorkerConfig().step_timeout_per_token_s,
+        help="added to both step timeouts per token of the step (a long prefill is no stall)",
+    )
+    r.add_argument(
+        "--execute-timeout-s",
+        type=float,
+        default=WorkerConfig().execute_timeout_s,
+        help="the hard step timeout (plus the per-token term): past it the worker is treated "
+        "as dead and its engine fails",
+    )
+    r.add_argument(
+        "--restart-policy",
+        choices=["always", "never"],
+        default="always",
+        help="serve: restart an engine core that dies (backoff; at most "
+        "--max-restarts within --restart-window-s, then the whole server stops); never: a "
+        "dead engine stops the whole server",
+    )
+    r.add_argument("--max-restarts", type=int, default=5, help="engine restarts per window")
+    r.add_argument("--restart-window-s", type=float, default=300.0, help="the restart window")
+    r.add_argument(
+        "--resume",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="re-submit a stream cut off by an engine's death (prompt + the tokens sent) to a "
+        "live or restarted engine (--no-resume: UNAVAILABLE at once)",
+    )
+    r.add_argument(
+        "--resume-timeout-s",
+        type=float,
+        default=60.0,
+        help="how long a cut-off stream waits for an engine to resume on",
+    )
+    r.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=DEFAULT_SHUTDOWN_GRACE_S,
+        help="SIGTERM: readiness NOT_SERVING at once, in-flight streams get this many seconds "
+        "to finish, then everything stops",
     )
 
     o = p.add_argument_group("observability (docs/observability.md)")
@@ -406,7 +465,13 @@ def build_configs(
             scheduling_policy=args.scheduling_policy,
         ),
         parallel=parallel,
-        worker=WorkerConfig(device=args.device, torch_threads=args.torch_threads),
+        worker=WorkerConfig(
+            device=args.device,
+            torch_threads=args.torch_threads,
+            step_timeout_s=args.step_timeout_s,
+            step_timeout_per_token_s=args.step_timeout_per_token_s,
+            execute_timeout_s=args.execute_timeout_s,
+        ),
     )
     gateway = GatewayRoleConfig(
         model=model,
@@ -428,6 +493,8 @@ def build_configs(
             api_key_file=getattr(args, "api_key_file", ""),
         ),
         num_engines=parallel.data_parallel_size,
+        resume_timeout_s=args.resume_timeout_s if args.resume else 0.0,
+        shutdown_grace_s=args.shutdown_grace,
     )
     return gateway, engine
 
@@ -471,6 +538,12 @@ def _validate_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespa
     for name in ("max_inflight_requests", "max_queued_prompt_tokens"):
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must be at least 0 (0: no cap)")
+    for name in ("step_timeout_s", "execute_timeout_s", "restart_window_s"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be positive")
+    for name in ("step_timeout_per_token_s", "resume_timeout_s", "shutdown_grace", "max_restarts"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be at least 0")
     if args.torch_threads < 0:
         parser.error("--torch-threads must be at least 0 (0: an equal share of the CPUs)")
     if args.long_prefill_token_threshold < 0:
@@ -502,14 +575,15 @@ def _resolve_model_arg(parser: argparse.ArgumentParser, args: argparse.Namespace
 
 
 def cmd_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from switchboard.launcher import serve
+    from switchboard.launcher import RestartPolicy, serve
 
     _validate_serve_args(parser, args)
     model_dir = _resolve_model_arg(parser, args)
     _check_chat_template(parser, args, model_dir)
     _apply_security_args(parser, args)
     gateway, engine = build_configs(args, model_dir)
-    return serve(gateway, engine)
+    restarts = RestartPolicy(args.restart_policy, args.max_restarts, args.restart_window_s)
+    return serve(gateway, engine, restart=restarts)
 
 
 def cmd_role(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

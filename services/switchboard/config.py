@@ -18,6 +18,7 @@ from switchboard.defaults import DEFAULT_GRPC_PORT
 
 # sun_path in struct sockaddr_un holds 108 bytes including the terminating NUL.
 _MAX_IPC_PATH_BYTES = 107
+DEFAULT_SHUTDOWN_GRACE_S = 30.0  # SIGTERM: how long in-flight streams get (the chart matches it)
 
 
 def cache_root() -> Path:
@@ -80,7 +81,14 @@ class WorkerConfig(_Config, frozen=True):
     # Torch intra-op threads per worker; 0 = an equal share of the usable CPUs among the
     # workers on this host (worker/threads.py says why).
     torch_threads: int = 0
-    execute_timeout_s: float = 300.0
+    # A step the workers have not answered within step_timeout_s + step_timeout_per_token_s x
+    # its scheduled tokens is a stall: the worker is named in the log, the engine's stats say so
+    # (its gateways stop routing to it, readiness goes NOT_SERVING with no other engine) until it
+    # answers. Past execute_timeout_s + the same per-token term the engine fails (its workers are
+    # treated as dead).
+    step_timeout_s: float = 10.0
+    step_timeout_per_token_s: float = 0.01
+    execute_timeout_s: float = 60.0
     # Workers that share this host's CPUs; 0 = this engine's own (TP x PP). `serve -dp N`
     # sets N x TP x PP: its engines all run here.
     workers_on_host: int = 0
@@ -130,6 +138,10 @@ class EngineConfig(_Config, frozen=True):
     gateway_output_addresses: list[str] = []  # the gateways' PULLs (engine connects a PUSH)
     run_dir: str = ""  # where this engine may create ipc:// sockets
     heartbeat_interval_s: float = 1.0
+    # One machine with restarts: an engine stopped (SIGSTOP) longer than this, the gateways'
+    # heartbeat timeout, has been declared dead by them; it exits on waking (and is restarted).
+    # 0 = never.
+    exit_after_frozen_s: float = 0.0
     # Topologies beyond one engine on one machine: DP > 1 (coordinator), engines on other hosts.
     coordinator_address: str = ""  # the coordinator's PULL for EngineLoad ("" = no coordinator)
     # Engines on other hosts: "name:port" of the gateways' handshake port. The name is resolved
@@ -156,6 +168,14 @@ class GatewayRoleConfig(_Config, frozen=True):
     output_address: str = ""  # PULL bind address
     num_engines: int = 1
     exit_when_engines_dead: bool = True  # one machine: the gateway exits with its engine
+    # One machine with --restart-policy always: the supervisor restarts a dead engine, so the
+    # gateway waits for its READY instead of exiting when its last engine dies.
+    engines_restart: bool = False
+    # A stream cut off by an engine's death is re-submitted (prompt + the tokens already sent)
+    # to a live or restarted engine within resume_timeout_s; 0 = never (UNAVAILABLE at once).
+    resume_timeout_s: float = 0.0
+    # SIGTERM: NOT_SERVING at once, in-flight streams get this long to finish.
+    shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
     heartbeat_timeout_s: float = 10.0
     # Topologies beyond one engine on one machine: DP > 1 (coordinator), engines on other hosts.
     coordinator_publish_address: str = ""  # the coordinator's PUB of LoadReport ("" = none)

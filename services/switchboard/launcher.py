@@ -3,8 +3,14 @@
 `switchboard serve` is a supervisor, not a server: it resolves the model, creates a private run
 directory for the ipc:// sockets, starts the gateways (which bind) and the engine cores (which
 connect and start their own workers), and then waits. The fate rule (docs/architecture.md) for
-one machine: a child that exits on its own brings the whole server down with a non-zero exit code;
-SIGINT/SIGTERM stops everything cleanly with exit code 0. The run directory is removed at exit.
+one machine: an engine core that exits on its own is restarted (``RestartPolicy`` "always", the
+default): the supervisor tells the gateways at once (ENGINE_CORE_DEAD on its behalf, so they
+route around it and resume its streams elsewhere), removes its ring and starts it again after a
+backoff; the gateways re-admit it on READY. More than ``max_restarts`` within ``window_s``, or
+any other child (gateway, coordinator) exiting, or policy "never": the whole server goes down
+with a non-zero exit code. SIGINT/SIGTERM stops everything cleanly with exit code 0, the
+gateways first (they drain their streams for ``--shutdown-grace``). The run directory is
+removed at exit.
 
 Children are started as fresh interpreters (``python -m switchboard.<role>``), which is what the
 ``spawn`` start method means: nothing of the supervisor's state is inherited, and no role imports
@@ -19,6 +25,7 @@ supervisor logs one line with every address the server serves (``server_addresse
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -33,6 +40,7 @@ from typing import Any, TypeVar
 
 import grpc
 import msgspec
+import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from switchboard.config import (
@@ -43,14 +51,21 @@ from switchboard.config import (
     ipc_address,
     new_run_dir,
 )
+from switchboard.processes import descendants
 from switchboard.start_method import require_main_process
 from switchboard.tls import probe_channel as tls_probe_channel
 from switchboard.tls import tls_enabled, tls_handshake_failed
+from switchboard.wire import zmq_channel
 from switchboard.wire.shm_ring import unlink_orphaned_segments
 
 logger = logging.getLogger("switchboard.launcher")
 
-STOP_GRACE_S = 15.0
+STOP_GRACE_S = 15.0  # engines and the coordinator, after the gateways stopped
+GATEWAY_STOP_MARGIN_S = 10.0  # on top of the gateways' own --shutdown-grace
+RESTART_BACKOFF_S = 1.0  # first restart; doubles with each restart in the window
+RESTART_BACKOFF_MAX_S = 30.0
+WORKERS_GONE_WAIT_S = 10.0  # a dead engine's workers get this long to exit (then SIGKILL)
+_DESCENDANTS_EVERY_S = 2.0  # how often the engines' worker pids are noted
 READINESS_SERVICE = "switchboard.v1.GenerationService"  # the gateway's readiness health name
 READY_POLL_S = 0.25
 PROBE_TLS_FAILURES = 8  # failed TLS handshakes in a row before the ready probe gives up
@@ -60,6 +75,21 @@ PROBE_TLS_FAILURES = 8  # failed TLS handshakes in a row before the ready probe 
 class Child:
     role: str  # e.g. "Gateway_0", "EngineCore_DP0"
     process: subprocess.Popen[bytes]
+    module: str = ""
+    config_json: str = ""
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """What the supervisor does when an engine core exits on its own."""
+
+    mode: str = "never"  # always | never
+    max_restarts: int = 5  # per engine within window_s; one more stops the server
+    window_s: float = 300.0
+
+    @property
+    def restarts(self) -> bool:
+        return self.mode == "always"
 
 
 def plan_coordinator(engine: EngineConfig, run_dir: str) -> CoordinatorConfig | None:
@@ -164,11 +194,21 @@ def _replace(config: S, **changes: Any) -> S:
     return msgspec.structs.replace(config, **changes)
 
 
+def _start_time(pid: int) -> str:
+    """The process's start time (/proc/<pid>/stat field 22), "" if it is gone: tells a pid
+    from a later process that reused it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
 def _start(role: str, module: str, config_json: str) -> Child:
     cmd = [sys.executable, "-m", module, "--config-json", config_json]
     process = subprocess.Popen(cmd, start_new_session=True)
     logger.info("started %s (pid %d)", role, process.pid)
-    return Child(role, process)
+    return Child(role, process, module, config_json)
 
 
 class Supervisor:
@@ -178,7 +218,17 @@ class Supervisor:
         engines: list[EngineConfig],
         run_dir: str,
         coordinator: CoordinatorConfig | None = None,
+        restart: RestartPolicy | None = None,
     ):
+        self._restart = restart or RestartPolicy()
+        self._restart_times: dict[str, list[float]] = {}  # role -> restarts in the window
+        self._due: dict[str, tuple[float, Child]] = {}  # role -> (restart at, the dead child)
+        self._dead_pids: list[tuple[str, int]] = []  # engines that died (their rings)
+        # Each engine's workers as last seen (pid -> start time): a killed engine's workers
+        # outlive it for a moment, holding its device memory; its restart waits for them.
+        self._engine_workers: dict[str, dict[int, str]] = {}
+        self._orphans: dict[str, tuple[float, dict[int, str]]] = {}  # role -> (deadline, pids)
+        self._noted_at = 0.0
         self._gateways = gateways
         self._engines = engines
         self._coordinator = coordinator
@@ -262,33 +312,129 @@ class Supervisor:
 
     def _remove_orphaned_rings(self) -> None:
         """An engine killed with -9 cannot unlink its shared-memory ring: do it for it."""
-        for child in self._children:
-            if child.role.startswith("EngineCore"):
-                for name in unlink_orphaned_segments(child.process.pid):
-                    logger.warning("removed shared-memory ring %s left by %s", name, child.role)
+        engines = [(c.role, c.process.pid) for c in self._children if c.role.startswith("Engine")]
+        for role, pid in engines + self._dead_pids:
+            for name in unlink_orphaned_segments(pid):
+                logger.warning("removed shared-memory ring %s left by %s", name, role)
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         logger.info("received %s: stopping", signal.Signals(signum).name)
         self._stop_requested.set()
 
     def _wait_for_first_exit(self) -> Child | None:
-        """Block until a stop is requested (None) or a child exits on its own (that child)."""
+        """Block until a stop is requested (None) or a child exits on its own and is not
+        restarted (that child)."""
         while not self._stop_requested.is_set():
-            for child in self._children:
+            for child in list(self._children):
                 if child.process.poll() is not None:
                     if self._stop_requested.is_set():
                         return None
-                    return child
-            self._stop_requested.wait(0.2)
+                    if not self._schedule_restart(child):
+                        return child
+            self._note_engine_workers()
+            self._restart_due()
+            self._stop_requested.wait(0.1)
         return None
+
+    def _note_engine_workers(self) -> None:
+        now = time.monotonic()
+        if not self._restart.restarts or now - self._noted_at < _DESCENDANTS_EVERY_S:
+            return
+        self._noted_at = now
+        for child in self._children:
+            if child.role.startswith("EngineCore") and child.process.poll() is None:
+                pids = descendants(child.process.pid)
+                self._engine_workers[child.role] = {
+                    pid: start for pid in pids if (start := _start_time(pid))
+                }
+
+    def _schedule_restart(self, child: Child) -> bool:
+        """An engine core exited: tell the gateways, and restart it after a backoff if the
+        policy and its restart budget allow (True); False: the server stops."""
+        if not (self._restart.restarts and child.role.startswith("EngineCore")):
+            return False
+        now = time.monotonic()
+        window = [
+            t for t in self._restart_times.get(child.role, []) if now - t < self._restart.window_s
+        ]
+        if len(window) >= self._restart.max_restarts:
+            logger.error(
+                "%s exited again: %d restarts within %.0fs already; stopping the server",
+                child.role,
+                len(window),
+                self._restart.window_s,
+            )
+            return False
+        self._children.remove(child)
+        self._dead_pids.append((child.role, child.process.pid))
+        self._tell_gateways_engine_dead(child)
+        self._remove_orphaned_rings()
+        backoff = min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** len(window))
+        window.append(now)
+        self._restart_times[child.role] = window
+        self._due[child.role] = (now + backoff, child)
+        workers = self._engine_workers.pop(child.role, {})
+        self._orphans[child.role] = (now + backoff + WORKERS_GONE_WAIT_S, workers)
+        logger.error(
+            "%s (pid %d) exited with code %s: restarting it in %.1fs (restart %d of %d "
+            "within %.0fs)",
+            child.role,
+            child.process.pid,
+            child.process.returncode,
+            backoff,
+            len(window),
+            self._restart.max_restarts,
+            self._restart.window_s,
+        )
+        return True
+
+    def _restart_due(self) -> None:
+        now = time.monotonic()
+        for role, (at, dead) in list(self._due.items()):
+            if now >= at and self._workers_gone(role, now):
+                del self._due[role]
+                self._children.append(_start(role, dead.module, dead.config_json))
+
+    def _workers_gone(self, role: str, now: float) -> bool:
+        """The dead engine's workers have exited (they notice their parent is gone within a
+        second or a step); past the deadline they are killed, by pid."""
+        deadline, workers = self._orphans.get(role, (0.0, {}))
+        alive = {pid for pid, start in workers.items() if _start_time(pid) == start}
+        if not alive:
+            self._orphans.pop(role, None)
+            return True
+        if now < deadline:
+            return False
+        for pid in alive:
+            logger.warning("worker pid %d of the dead %s did not exit: killing it", pid, role)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return False
+
+    def _tell_gateways_engine_dead(self, child: Child) -> None:
+        """ENGINE_CORE_DEAD on the dead engine's behalf (one killed with -9 says nothing): the
+        gateways fail over its requests now rather than after the heartbeat timeout."""
+        rank = int(child.role.removeprefix("EngineCore_DP"))
+        frames = zmq_channel.engine_dead_frames(rank)
+        ctx = zmq.Context()
+        try:
+            for cfg in self._gateways:
+                sock = zmq_channel.make_socket(
+                    ctx, zmq.PUSH, cfg.output_address, bind=False, linger_ms=1000
+                )
+                sock.send_multipart(frames)
+                sock.close()
+        finally:
+            ctx.term()
 
     def _stop_all(self) -> None:
         # Gateways first, and wait for them: they report NOT_SERVING and drain their streams
         # while the engines are still there to finish them.
         gateways = [c for c in self._children if c.role.startswith("Gateway")]
         others = [c for c in self._children if not c.role.startswith("Gateway")]
-        deadline = time.monotonic() + STOP_GRACE_S
-        for group in (gateways, others):
+        grace = max((g.shutdown_grace_s for g in self._gateways), default=0.0)
+        for group, wait_s in ((gateways, grace + GATEWAY_STOP_MARGIN_S), (others, STOP_GRACE_S)):
+            deadline = time.monotonic() + wait_s
             for child in group:
                 if child.process.poll() is None:
                     child.process.send_signal(signal.SIGTERM)
@@ -305,14 +451,24 @@ class Supervisor:
             child.process.wait()
 
 
-def serve(gateway: GatewayRoleConfig, engine: EngineConfig, run_dir_base: str | None = None) -> int:
-    """Run a whole server on this machine until SIGINT/SIGTERM (0) or a child's death (1).
+def serve(
+    gateway: GatewayRoleConfig,
+    engine: EngineConfig,
+    run_dir_base: str | None = None,
+    restart: RestartPolicy | None = None,
+) -> int:
+    """Run a whole server on this machine until SIGINT/SIGTERM (0) or a child's death that is
+    not restarted (1).
 
     Library use: call it under ``if __name__ == "__main__":`` (see ``start_method``); it
     raises ``MissingMainGuard`` when called from a multiprocessing child instead."""
     require_main_process()
     run_dir = new_run_dir(run_dir_base)
     logger.info("run directory %s (pid %d)", run_dir, os.getpid())
+    restart = restart or RestartPolicy()
+    if restart.restarts:  # the gateways wait for a restarted engine instead of exiting
+        gateway = _replace(gateway, engines_restart=True)
+        engine = _replace(engine, exit_after_frozen_s=gateway.heartbeat_timeout_s)
     gateways, engines = plan_server(gateway, engine, run_dir)
     coordinator = plan_coordinator(engine, run_dir)
-    return Supervisor(gateways, engines, run_dir, coordinator).run()
+    return Supervisor(gateways, engines, run_dir, coordinator, restart).run()

@@ -119,7 +119,9 @@ def test_gateway_pods_probe_grpc_health_and_drain() -> None:
     assert gateway["startupProbe"]["grpc"] == {"port": port, "service": ""}
     sleep_s = gateway["lifecycle"]["preStop"]["sleep"]["seconds"]
     pod = find(manifests(), "Deployment", "gateway")["spec"]["template"]["spec"]
-    assert pod["terminationGracePeriodSeconds"] >= sleep_s + 5  # + the 5 s stream drain
+    args = gateway["args"]
+    grace_s = float(args[args.index("--shutdown-grace") + 1])
+    assert pod["terminationGracePeriodSeconds"] >= sleep_s + grace_s  # preStop, then the drain
     assert gateway["securityContext"]["readOnlyRootFilesystem"] is True
     assert pod["securityContext"]["runAsNonRoot"] is True
 
@@ -225,3 +227,13 @@ def test_notes_tell_how_to_reach_the_gateway() -> None:
     notes = render()["switchboard/templates/NOTES.txt"]
     assert "port-forward service/demo-switchboard-gateway 50051" in notes
     assert "loadBalancer" in render(BIG_VALUES)["switchboard/templates/NOTES.txt"]
+
+
+def test_the_gateway_grace_period_must_cover_the_drain() -> None:
+    """terminationGracePeriodSeconds < preStop sleep + --shutdown-grace: the kubelet would
+    SIGKILL streams the gateway is still draining; the chart refuses it."""
+    with pytest.raises(Exception, match="must cover preStopSleepSeconds"):
+        manifests({"gateway": {"terminationGracePeriodSeconds": 20, "shutdownGraceSeconds": 30}})
+    pod = find(manifests({"gateway": {"shutdownGraceSeconds": 5}}), "Deployment", "gateway")
+    args = pod["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--shutdown-grace") + 1] == "5"

@@ -89,8 +89,9 @@ def test_a_dead_process_takes_the_server_down(tiny_model: str, tmp_path: Path, v
     """A worker death is reported by the engine (ENGINE_CORE_DEAD); an engine killed with -9 is
     found by the gateway's heartbeat watch; a gateway killed with -9 drops its clients' connections
     and the supervisor sees it go. Either way the pending stream fails UNAVAILABLE and the whole
-    server exits non-zero, leaving nothing behind."""
-    server = start_server(tiny_model, tmp_path)
+    server exits non-zero, leaving nothing behind. This is --restart-policy never (the default,
+    always, restarts a dead engine: tests/e2e/test_resilience.py)."""
+    server = start_server(tiny_model, tmp_path, "--restart-policy", "never", "--no-resume")
     titled = server.titled_processes()
     engine_pid = titled["switchboard::EngineCore_DP0"]
     thread, outcome = start_long_stream(server)

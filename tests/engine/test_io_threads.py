@@ -191,3 +191,22 @@ def test_exactly_one_gateway_is_named_exporter_of_the_engine_stats(gateways: Gat
 def test_engine_core_dead_without_an_output_thread(gateways: Gateways) -> None:
     send_engine_dead_directly(gateways.ctx, gateways.output_addresses())
     assert [gateways.recv_output(i) for i in (0, 1)] == [None, None]
+
+
+def test_output_thread_fails_the_engine_after_a_freeze(gateways: Gateways) -> None:
+    """A gap between its wake-ups far over the gateways' heartbeat timeout (here: a timeout
+    below the heartbeat interval) means the process was stopped: the engine must fail."""
+    failures: list[str] = []
+    thread = OutputThread(
+        gateways.ctx,
+        gateways.output_addresses(),
+        queue.Queue(),
+        0,
+        0.2,
+        failures.append,
+        exit_after_frozen_s=0.05,
+    )
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert failures and "frozen for" in failures[0]

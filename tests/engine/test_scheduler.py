@@ -692,3 +692,23 @@ def test_invalid_requests_and_configs_are_rejected():
         make_scheduler(num_blocks=3, max_model_len=16)
     with pytest.raises(ValueError):
         make_scheduler(policy="lottery")
+
+
+# ---------------------------------------------------------------- resumed streams
+
+
+def test_a_resumed_request_continues_after_its_delivered_output():
+    """EngineCoreRequest.output_token_ids (a stream cut off by another engine's death): they
+    count as output (max_tokens) and are not sent again; the rest equals an undisturbed run."""
+    full = expected_tokens(prompt(6), 7)
+    sched = make_scheduler()
+    d = driver(sched)
+    resumed = EngineCoreRequest(
+        "a", prompt(6), sampling_params=SamplingParams(max_tokens=7), output_token_ids=full[:3]
+    )
+    request = Request.from_engine_core_request(resumed, BS, next(_arrival))
+    assert request.num_output_tokens == 3
+    sched.add_request(request)
+    d.run()
+    assert d.tokens("a") == full[3:]
+    assert d.finish("a").finish_reason == FinishReason.LENGTH

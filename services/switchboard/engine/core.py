@@ -33,7 +33,7 @@ import zmq
 from switchboard import __version__
 from switchboard.config import EngineConfig, new_run_dir
 from switchboard.engine import clock
-from switchboard.engine.executor import MultiprocExecutor
+from switchboard.engine.executor import MultiprocExecutor, Stall
 from switchboard.engine.io_threads import (
     InputQueue,
     InputThread,
@@ -107,7 +107,9 @@ class EngineCore:
         logger.info(
             "Loading model %s on %d worker(s)", config.model.model, config.parallel.world_size
         )
-        self.executor = MultiprocExecutor(config, self.run_dir, self._on_executor_failure)
+        self.executor = MultiprocExecutor(
+            config, self.run_dir, self._on_executor_failure, self._on_worker_stall
+        )
         logger.info("Workers ready: pids %s", [w.pid for w in self.executor.workers])
         summary = self.executor.load_model()
         self.embed_only = read_model_tasks(config.model.model).encoder_only  # an encoder
@@ -177,6 +179,7 @@ class EngineCore:
             self._on_io_thread_failure,
             engine_id=self._ready.engine_id,
             curve=self._curve_gateway,
+            exit_after_frozen_s=self.config.exit_after_frozen_s,
         )
         self._input_thread = InputThread(
             self._ctx,
@@ -247,6 +250,24 @@ class EngineCore:
     def _on_executor_failure(self, reason: str) -> None:
         """Monitor thread: hand the failure to the busy loop, which raises."""
         self.input_queue.put((RequestType.EXECUTOR_FAILED, reason))
+
+    def _on_worker_stall(self, stall: Stall | None) -> None:
+        """Busy loop, inside a step: a worker has not answered within the step timeout (or
+        answered after all). The heartbeats the output thread sends meanwhile carry it, so the
+        gateways stop routing here; the step's own outputs clear it."""
+        if self._output_thread is None:
+            return
+        stats = self._output_thread.latest_stats or SchedulerStats()
+        if stall is None:
+            stats = msgspec.structs.replace(stats, stalled_worker_rank=-1, stalled_worker_pid=0)
+        else:
+            stats = msgspec.structs.replace(
+                stats,
+                stalled_worker_rank=stall.rank,
+                stalled_worker_pid=stall.pid,
+                stalled_for_s=stall.waited_s,
+            )
+        self._output_thread.latest_stats = stats
 
     def _on_grammar_ready(self) -> None:
         """Compile pool: wake the busy loop (it may be blocked on an empty input queue)."""

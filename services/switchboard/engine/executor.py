@@ -8,6 +8,13 @@ shared-memory ring, and reads the one reply it asked for on a ZeroMQ PULL::
         ^                                        │
         └──────────── PULL <──RpcReply── worker output_rank (only that one answers)
 
+A step (``execute_model``) has two deadlines, both base + per-token x its scheduled tokens (a
+long prefill is not a stall): past ``step_timeout_s`` the waiting worker is named (rank, pid:
+the stopped one if the kernel says a worker is stopped, else the output rank) in an ERROR line
+and ``on_stall`` tells the engine core, which puts it in its stats (the gateways stop routing
+to it); when the reply comes ``on_stall(None)`` clears it. Past ``execute_timeout_s`` the call
+raises ExecutorFailed: the engine fails as if the worker had died.
+
 A monitor thread watches the worker processes. When one dies unexpectedly it marks the
 executor failed (a call waiting for a reply then raises) and calls ``on_failure``; the engine
 core turns that into EXECUTOR_FAILED on its input queue and dies. Shutdown asks the workers to
@@ -52,7 +59,7 @@ logger = logging.getLogger(__name__)
 WORKER_MODULE = "switchboard.worker"
 STARTUP_TIMEOUT_S = 600.0  # workers import torch and attach to the ring
 LOAD_MODEL_TIMEOUT_S = 3600.0  # a large checkpoint on a slow disk
-RPC_TIMEOUT_S = 300.0
+RPC_TIMEOUT_S = 300.0  # calls other than execute_model (those have the step timeouts)
 WORKER_EXIT_GRACE_S = 5.0  # after the shutdown call, before SIGTERM
 WORKER_TERM_GRACE_S = 4.0  # after SIGTERM, before SIGKILL
 _MONITOR_INTERVAL_S = 0.2
@@ -61,6 +68,23 @@ _REPLY_POLL_MS = 100  # a waiting call checks this often whether a worker died
 
 class ExecutorFailed(RuntimeError):
     """A worker died, failed a call, or did not answer in time: fatal to the engine core."""
+
+
+class Stall(msgspec.Struct, frozen=True):
+    """A worker that has not answered a step within the step timeout."""
+
+    rank: int
+    pid: int
+    waited_s: float
+
+
+def _process_stopped(pid: int) -> bool:
+    """The kernel says the process is stopped (SIGSTOP, a debugger): state T or t."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 class WorkerProcess:
@@ -81,7 +105,11 @@ class WorkerProcess:
 
 class MultiprocExecutor:
     def __init__(
-        self, config: EngineConfig, run_dir: str, on_failure: Callable[[str], None]
+        self,
+        config: EngineConfig,
+        run_dir: str,
+        on_failure: Callable[[str], None],
+        on_stall: Callable[[Stall | None], None] | None = None,
     ) -> None:
         parallel = config.parallel
         self.world_size = parallel.world_size
@@ -90,6 +118,10 @@ class MultiprocExecutor:
         self._config = config
         self._on_failure = on_failure
         self._execute_timeout_s = config.worker.execute_timeout_s
+        self._step_timeout_s = config.worker.step_timeout_s
+        self._per_token_s = config.worker.step_timeout_per_token_s
+        self._on_stall = on_stall or (lambda _stall: None)
+        self.stall: Stall | None = None  # the current stall, if any
         self._call_ids = itertools.count()
         self._failure: str | None = None
         self._shutting_down = False
@@ -185,6 +217,7 @@ class MultiprocExecutor:
         kwargs: dict[str, Any] | None = None,
         output_rank: int = 0,
         timeout: float | None = RPC_TIMEOUT_S,
+        stall_after: float | None = None,
     ) -> Any:
         """Run ``method`` on every worker; return ``output_rank``'s result (plain msgpack
         values). Raises ExecutorFailed on a worker error, a dead worker or a timeout."""
@@ -196,18 +229,24 @@ class MultiprocExecutor:
             self._ring.enqueue(RPC_CALL.encode(call), timeout=timeout)
         except TimeoutError as exc:
             raise ExecutorFailed(f"RPC call to {method} could not be sent: {exc}") from exc
-        reply = self._wait_for_reply(call, timeout)
+        reply = self._wait_for_reply(call, timeout, stall_after)
         if reply.error is not None:
             raise ExecutorFailed(f"worker rank {reply.rank} failed in {method}: {reply.error}")
         return reply.result
 
-    def _wait_for_reply(self, call: RpcCall, timeout: float | None) -> RpcReply:
+    def _wait_for_reply(
+        self, call: RpcCall, timeout: float | None, stall_after: float | None = None
+    ) -> RpcReply:
         assert self._reply_socket is not None
-        deadline = None if timeout is None else time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
+        stall_at = None if stall_after is None else start + stall_after
         while True:
             if self._reply_socket.poll(_REPLY_POLL_MS):
                 reply = RPC_REPLY.decode(self._reply_socket.recv(copy=False).buffer)
                 if reply.call_id == call.call_id:
+                    if self.stall is not None:
+                        self._end_stall(call, time.monotonic() - start)
                     return reply
                 logger.warning(
                     "Discarded a stale reply to call %d from rank %d", reply.call_id, reply.rank
@@ -215,8 +254,51 @@ class MultiprocExecutor:
                 continue
             if self._failure is not None:
                 raise ExecutorFailed(f"{call.method}: {self._failure}")
-            if deadline is not None and time.monotonic() > deadline:
-                raise ExecutorFailed(f"RPC call to {call.method} timed out after {timeout:.0f}s")
+            now = time.monotonic()
+            if stall_at is not None and now > stall_at and self.stall is None:
+                self._begin_stall(call, now - start)
+            if deadline is not None and now > deadline:
+                worker = self._waited_worker(call)
+                raise ExecutorFailed(
+                    f"RPC call to {call.method} timed out after {timeout:.1f}s: worker rank "
+                    f"{worker.rank} (pid {worker.pid}) is treated as dead"
+                )
+
+    def _waited_worker(self, call: RpcCall) -> WorkerProcess:
+        """The worker a late reply is blamed on: a stopped one, else the one that answers."""
+        for worker in self.workers:
+            if _process_stopped(worker.pid):
+                return worker
+        rank = call.output_rank if 0 <= call.output_rank < len(self.workers) else 0
+        return self.workers[rank]
+
+    def _begin_stall(self, call: RpcCall, waited_s: float) -> None:
+        worker = self._waited_worker(call)
+        self.stall = Stall(worker.rank, worker.pid, waited_s)
+        logger.error(
+            "Worker stalled: rank %d (pid %d) has not answered %s (call %d) within %.1fs; "
+            "the engine is not routable until it answers (it fails after the hard timeout)",
+            worker.rank,
+            worker.pid,
+            call.method,
+            call.call_id,
+            waited_s,
+        )
+        self._on_stall(self.stall)
+
+    def _end_stall(self, call: RpcCall, waited_s: float) -> None:
+        stall = self.stall
+        assert stall is not None
+        self.stall = None
+        logger.warning(
+            "Worker rank %d (pid %d) answered %s (call %d) after %.1fs: stall over",
+            stall.rank,
+            stall.pid,
+            call.method,
+            call.call_id,
+            waited_s,
+        )
+        self._on_stall(None)
 
     def load_model(self) -> ModelSummary:
         result = self.collective_rpc("load_model", timeout=LOAD_MODEL_TIMEOUT_S)
@@ -242,12 +324,19 @@ class MultiprocExecutor:
         # Level 2 reloads the weights from the checkpoint: as long as loading them at start.
         self.collective_rpc("wake_up", timeout=LOAD_MODEL_TIMEOUT_S)
 
+    def step_timeouts(self, num_tokens: int) -> tuple[float, float]:
+        """(stall, hard) timeouts of a step of ``num_tokens`` scheduled tokens."""
+        per_token = self._per_token_s * num_tokens
+        return self._step_timeout_s + per_token, self._execute_timeout_s + per_token
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        stall_after, timeout = self.step_timeouts(scheduler_output.total_num_scheduled_tokens)
         result = self.collective_rpc(
             "execute_model",
             (scheduler_output,),
             output_rank=self.output_rank,
-            timeout=self._execute_timeout_s,
+            timeout=timeout,
+            stall_after=stall_after,
         )
         return msgspec.convert(result, ModelRunnerOutput)
 

@@ -232,9 +232,11 @@ class OutputThread(_GatewaySocketThread):
         on_failure: Callable[[str], None],
         engine_id: str = "",
         curve: CurveKeys | None = None,
+        exit_after_frozen_s: float = 0.0,
     ) -> None:
         # Closing lingers up to DEAD_LINGER_MS (set on each PUSH) so the last frames arrive.
         super().__init__("EngineCoreOutput", "output", ctx, addresses, on_failure, None, curve)
+        self._exit_after_frozen_s = exit_after_frozen_s
         self._output_queue = output_queue
         self._engine_index = engine_index
         self._engine_id = engine_id
@@ -272,14 +274,17 @@ class OutputThread(_GatewaySocketThread):
             self._last_sent[change.client_index] = time.monotonic()
 
     def _serve(self) -> None:
+        tick = time.monotonic()
         while True:
             oldest = min(self._last_sent.values(), default=time.monotonic())
             wait_s = max(0.0, oldest + self._heartbeat_interval_s - time.monotonic())
             try:
                 item = self._output_queue.get(timeout=wait_s)
             except queue.Empty:
+                tick = self._check_not_frozen(tick)
                 self._send_heartbeats()
                 continue
+            tick = self._check_not_frozen(tick)
             if item is STOP_OUTPUT:
                 return
             if isinstance(item, GatewayChange):
@@ -302,6 +307,21 @@ class OutputThread(_GatewaySocketThread):
                 outputs.exports_engine_stats = self._exports_engine_stats(client_index)
             self._send(target, outputs)
             self._last_sent[client_index] = time.monotonic()
+
+    def _check_not_frozen(self, last_tick: float) -> float:
+        """This thread wakes at least every heartbeat interval; a far longer gap means the
+        whole process was stopped (SIGSTOP) past the gateways' heartbeat timeout: they have
+        declared this engine dead and failed its requests over, so it must not carry on as if
+        nothing happened. Raising fails the engine (IO_THREAD_FAILED); the supervisor restarts
+        it."""
+        now = time.monotonic()
+        gap = now - last_tick
+        if self._exit_after_frozen_s and gap > self._exit_after_frozen_s:
+            raise RuntimeError(
+                f"the engine was frozen for {gap:.1f}s, past the gateways' heartbeat timeout "
+                f"({self._exit_after_frozen_s:g}s): they declared it dead; exiting to be restarted"
+            )
+        return now
 
     def _send_heartbeats(self) -> None:
         now = time.monotonic()

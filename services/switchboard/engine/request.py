@@ -121,7 +121,7 @@ class Request:
         ``hash_blocks=False`` (prefix caching off) skips the hashing. Raises ValueError for a
         token id outside uint32.
         """
-        return cls(
+        request = cls(
             req.request_id,
             req.prompt_token_ids,
             req.sampling_params if req.sampling_params is not None else SamplingParams(),
@@ -133,6 +133,11 @@ class Request:
             hash_blocks=hash_blocks,
             pooling_params=req.pooling_params,
         )
+        if req.output_token_ids:  # a resumed stream: continue as after a preemption
+            request.output_token_ids = list(req.output_token_ids)
+            request.all_token_ids += req.output_token_ids
+            request.update_block_hashes()
+        return request
 
     @property
     def num_tokens(self) -> int:

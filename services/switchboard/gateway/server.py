@@ -6,13 +6,15 @@ services below say.
 
 Health (grpc.health.v1, Check and Watch):
 * ``""``: SERVING while the process runs (liveness);
-* ``switchboard.v1.GenerationService``: SERVING while at least one engine core (under
-  ``switchboard serve``: every engine core of the server) is READY and the
-  gateway is not stopping (readiness). On a stop it turns NOT_SERVING first, then the server
-  drains for ``STOP_GRACE_S``.
+* ``switchboard.v1.GenerationService``: SERVING while at least one engine core is READY and
+  routable (no stalled worker) and the gateway is not stopping (readiness); under
+  ``switchboard serve`` only once every engine core of the server has been READY. On a stop it
+  turns NOT_SERVING first, then the server drains: in-flight calls get ``shutdown_grace_s``
+  (``--shutdown-grace``) to finish, new ones are refused.
 
 With ``exit_when_engines_dead`` (one machine) the gateway stops with a non-zero exit code when its
-last engine dies, or when no engine is READY within ``startup_timeout_s``.
+last engine dies (unless ``engines_restart``: the supervisor restarts engines), or when no
+engine is READY within ``startup_timeout_s``.
 """
 
 from __future__ import annotations
@@ -57,7 +59,6 @@ logger = logging.getLogger(__name__)
 GENERATION_SERVICE = generation_service_pb2.DESCRIPTOR.services_by_name[
     "GenerationService"
 ].full_name
-STOP_GRACE_S = 5.0
 EXIT_ENGINES_DEAD = 1
 
 
@@ -132,6 +133,7 @@ class GatewayServer:
             coordinator_publish_address=config.coordinator_publish_address,
             handshake_address=config.handshake_address,
             curve_keys_dir=config.curve_keys_dir,
+            resume_timeout_s=config.resume_timeout_s,
         )
         tokenizer = Tokenizer.from_model_dir(config.model.model)
         self.state = GatewayState(
@@ -154,6 +156,7 @@ class GatewayServer:
             # The key check first: an unauthenticated request is never parsed.
             interceptors=[AuthInterceptor(self.credentials), MalformedRequestGuard()],
         )
+        self._engines.on_resumed = self.state.observability.request_resumed
         # One call path and registry for gRPC and HTTP.
         self._calls = GenerateCalls(self.state, self.credentials)
         self.ready = False  # what the readiness service says (gRPC health and HTTP /ready)
@@ -212,7 +215,7 @@ class GatewayServer:
                 "AdminService has no --admin-token: it is as open as the data plane%s",
                 " (any API key opens it)" if self.credentials.keys_required else "",
             )
-        self.http_port = await self._http.start(STOP_GRACE_S)
+        self.http_port = await self._http.start(self.config.shutdown_grace_s)
         return self.port
 
     def request_stop(self, exit_code: int = 0) -> None:
@@ -234,10 +237,11 @@ class GatewayServer:
         if self._stopped:
             return
         self._stopped = True
-        logger.info("gateway stopping: NOT_SERVING, draining for up to %.0fs", STOP_GRACE_S)
+        grace = self.config.shutdown_grace_s
+        logger.info("gateway stopping: NOT_SERVING, draining for up to %.0fs", grace)
         self.ready = False
         await self._health.enter_graceful_shutdown()
-        await asyncio.gather(self._server.stop(STOP_GRACE_S), self._http.stop())
+        await asyncio.gather(self._server.stop(grace), self._http.stop())
         await self._engines.close()
         await self.state.observability.stop()
         self.state.executor.shutdown(wait=False, cancel_futures=True)
@@ -256,11 +260,17 @@ class GatewayServer:
     def _on_engines_changed(self) -> None:
         self.state.refresh_facts()
         live = self._engines.live_engines
-        # One machine (the gateway lives and dies with its engines): ready once every engine
-        # of the server is, so a request pinned to any rank can be served. Elsewhere engines
-        # come and go: one is enough.
+        # One machine: ready once every engine of the server has been READY (a request pinned
+        # to any rank can be served from the start); from then on, and elsewhere (engines come
+        # and go), while any engine takes requests: one dead, restarting or stalled engine
+        # leaves the others serving.
         needed = max(1, self.config.num_engines) if self.config.exit_when_engines_dead else 1
-        self.ready = len(live) >= needed and not self._stop_requested.is_set()
+        routable = self._engines.routable_engines
+        self.ready = (
+            len(self._engines.engines) >= needed
+            and bool(routable)
+            and not self._stop_requested.is_set()
+        )
         status = (
             health_pb2.HealthCheckResponse.SERVING
             if self.ready
@@ -269,7 +279,12 @@ class GatewayServer:
         task = asyncio.get_running_loop().create_task(self._health.set(GENERATION_SERVICE, status))
         self._health_tasks.add(task)
         task.add_done_callback(self._health_tasks.discard)
-        if not live and self._engines.engines and self.config.exit_when_engines_dead:
+        if (
+            not live
+            and self._engines.engines
+            and self.config.exit_when_engines_dead
+            and not self.config.engines_restart
+        ):
             logger.error("every engine core is dead; the gateway exits")
             self.request_stop(EXIT_ENGINES_DEAD)
 

@@ -135,6 +135,11 @@ class EngineCoreRequest(_Wire):
     client_index: int = 0
     priority: int = 0
     trace_context: dict[str, str] | None = None  # W3C traceparent / tracestate
+    # Appended for resumed streams (gateway/engines/resume.py): output tokens another engine
+    # already generated (and the client received) before it died. The engine continues after
+    # them exactly as after a preemption: they count as output (max_tokens, min_tokens,
+    # penalties, a seed's draw position), never as prompt, and are not sent again.
+    output_token_ids: list[int] = []
 
 
 class TensorRef(_Wire):
@@ -193,6 +198,11 @@ class SchedulerStats(_Wire):
     # their sum.
     iteration_tokens_counts: list[int] = []
     iteration_tokens_sum: int = 0
+    # Appended: a worker that has not answered the current step within the step timeout
+    # (rank -1: none), its pid, and for how long it had not answered when this was sent.
+    stalled_worker_rank: int = -1
+    stalled_worker_pid: int = 0
+    stalled_for_s: float = 0.0
 
 
 class EngineCoreOutputs(_Wire):

@@ -53,6 +53,15 @@ def check_engine_request(request: EngineCoreRequest, vocab_size: int, max_model_
             f"{len(prompt)} tokens do not fit max_model_len {max_model_len} (or none given)",
         )
     check_token_ids("prompt_token_ids", prompt, vocab_size)
+    output = request.output_token_ids
+    if output:
+        if request.sampling_params is None:
+            raise RequestRuleError("output_token_ids", "only a sampling request has output")
+        if len(prompt) + len(output) > max_model_len:
+            raise RequestRuleError(
+                "output_token_ids", f"prompt and output do not fit max_model_len {max_model_len}"
+            )
+        check_token_ids("output_token_ids", output, vocab_size)
     if not PRIORITY_RANGE[0] <= request.priority <= PRIORITY_RANGE[1]:
         raise RequestRuleError("priority", f"must fit a 32-bit integer, got {request.priority}")
     for unsupported in ("mm_features", "lora_request", "prompt_embeds"):

@@ -6,8 +6,11 @@ and from then on the gateway addresses it as ``[identity, type byte, body]``. Ou
 engines arrive on the PULL; one asyncio task reads them and hands each request's outputs to
 that request's queue. An engine is dead when it says ``ENGINE_CORE_DEAD``, when a send to it
 fails, or when it has been silent (no output, no heartbeat) for ``heartbeat_timeout_s``; its
-pending requests then fail with UNAVAILABLE. A restarted engine is re-admitted by its READY
-(the ROUTER hands the engine's identity over to the new connection).
+pending requests are then resumed on another (or the restarted) engine within
+``resume_timeout_s`` (``resume.py``), or fail with UNAVAILABLE saying how many tokens they had
+delivered. A restarted engine is re-admitted by its READY (the ROUTER hands the engine's
+identity over to the new connection). An engine whose stats name a stalled worker takes no new
+requests until they stop naming it.
 
 Several engines (DP > 1): ``engine_pool`` picks one per request (power of two choices, on the
 coordinator's load reports when ``coordinator_publish_address`` is set). Engines on other hosts:
@@ -30,11 +33,13 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import grpc
+import msgspec
 import zmq
 import zmq.asyncio
 
 from switchboard.gateway.engines.handshake_server import HandshakeServer, port_of
 from switchboard.gateway.engines.pool import LoadSubscriber, choose_engine
+from switchboard.gateway.engines.resume import resume_plan
 from switchboard.gateway.engines.types import (
     EngineHandle,
     EngineState,
@@ -72,8 +77,13 @@ class EngineClient:
         coordinator_publish_address: str = "",
         handshake_address: str = "",
         curve_keys_dir: str = "",
+        resume_timeout_s: float = 0.0,
     ) -> None:
         self.input_address = input_address
+        self.resume_timeout_s = resume_timeout_s
+        self.on_resumed: Callable[[EngineHandle], None] = lambda _engine: None
+        self.resumed_requests = 0  # streams resumed on another engine (a metric counts them)
+        self._resumes: set[asyncio.Task] = set()
         self.output_address = output_address
         self.client_index = client_index
         self.coordinator_publish_address = coordinator_publish_address
@@ -170,9 +180,9 @@ class EngineClient:
         )
 
     async def close(self) -> None:
-        for task in self._tasks:
+        for task in [*self._tasks, *self._resumes]:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._resumes, return_exceptions=True)
         self._tasks = []
         for channel in list(self._requests.values()):
             channel.put(RequestFailed(unavailable("the gateway is shutting down")))
@@ -205,6 +215,15 @@ class EngineClient:
     def live_engines(self) -> list[EngineHandle]:
         return [e for e in self.engines.values() if e.alive]
 
+    @property
+    def routable_engines(self) -> list[EngineHandle]:
+        """Live engines that take new requests (none of their workers stalled)."""
+        return [e for e in self.engines.values() if e.routable]
+
+    def check_routable(self) -> None:
+        """Raise UNAVAILABLE (saying why) unless some engine takes new requests."""
+        choose_engine(self.engines, None, self._rng)
+
     # -- requests ------------------------------------------------------------------------------
 
     def is_live(self, request_id: str) -> bool:
@@ -220,15 +239,17 @@ class EngineClient:
                 reason="DUPLICATE_REQUEST_ID",
                 field="request_id",
             )
-        engine = choose_engine(self.engines, request.data_parallel_rank, self._rng)
-        channel = RequestChannel(request.request_id, engine)
-        self._requests[request.request_id] = channel
-        engine.num_requests += 1
-        engine.added_since_load += 1
-        if not self._send(engine, RequestType.ADD, request):
-            self._forget(request.request_id)
-            raise unavailable(f"engine {engine.engine_id} is unreachable")
-        return channel
+        while True:  # a failed send marks that engine dead: the next choice is another one
+            engine = choose_engine(self.engines, request.data_parallel_rank, self._rng)
+            if not self._send(engine, RequestType.ADD, request):
+                if request.data_parallel_rank is not None:
+                    raise unavailable(f"engine {engine.engine_id} is unreachable")
+                continue
+            channel = RequestChannel(request.request_id, engine, request)
+            self._requests[request.request_id] = channel
+            engine.num_requests += 1
+            engine.added_since_load += 1
+            return channel
 
     def abort(self, request_ids: list[str], reason: str = "aborted") -> list[str]:
         """Abort in-flight requests: ABORT to their engines, RequestAborted to their channels.
@@ -252,8 +273,9 @@ class EngineClient:
 
     def _forget(self, request_id: str) -> RequestChannel | None:
         channel = self._requests.pop(request_id, None)
-        if channel is not None:
+        if channel is not None and channel.counted:
             channel.engine.num_requests -= 1
+            channel.counted = False
         return channel
 
     # -- utility calls -------------------------------------------------------------------------
@@ -417,17 +439,100 @@ class EngineClient:
             return
         engine.last_seen = time.monotonic()
         if outputs.scheduler_stats is not None:
+            was_stalled = engine.stalled
             engine.scheduler_stats = outputs.scheduler_stats
             engine.exports_engine_stats = outputs.exports_engine_stats
+            if engine.stalled != was_stalled:
+                self._on_stall_changed(engine)
         if outputs.utility_output is not None:
             self._utility_calls.resolve(outputs.utility_output)
         for output in outputs.outputs:
             channel = self._requests.get(output.request_id)
-            if channel is None:
-                continue  # finished, aborted or failed here already
+            if channel is None or channel.engine is not engine:
+                continue  # finished, aborted or failed here already, or resumed elsewhere
+            if channel.resumes and output.num_cached_tokens:  # a hit on its own output
+                output = msgspec.structs.replace(output, num_cached_tokens=0)
+            channel.delivered += output.new_token_ids
             channel.put(StepOutput(output, outputs.timestamp_ns))
             if output.finish_reason is not None:
                 self._forget(output.request_id)
+
+    # -- resume --------------------------------------------------------------------------------
+
+    def _fail_over(self, channel: RequestChannel, why: str) -> None:
+        """The engine of ``channel`` died: resume the request elsewhere, or fail it."""
+        resumed, not_resumable = resume_plan(channel.request, channel.delivered)
+        if self.resume_timeout_s <= 0:
+            not_resumable = "resume is off (--no-resume)"
+        if resumed is None or not_resumable:
+            self._fail(channel, f"{why}; not resumed: {not_resumable}")
+            return
+        if channel.counted:  # it waits on no engine
+            channel.engine.num_requests -= 1
+            channel.counted = False
+        task = asyncio.get_running_loop().create_task(self._resume(channel, resumed, why))
+        self._resumes.add(task)
+        task.add_done_callback(self._resumes.discard)
+
+    def _fail(self, channel: RequestChannel, why: str) -> None:
+        self._forget(channel.request_id)
+        delivered = len(channel.delivered)
+        channel.put(RequestFailed(unavailable(f"{why} ({delivered} tokens were delivered)")))
+
+    async def _resume(self, channel: RequestChannel, request: EngineCoreRequest, why: str) -> None:
+        """Send ``request`` (the cut-off one, continued) to the first engine that takes it
+        within ``resume_timeout_s``; fail the stream if none does."""
+        deadline = time.monotonic() + self.resume_timeout_s
+        while self._requests.get(channel.request_id) is channel:  # not aborted meanwhile
+            try:
+                engine = choose_engine(self.engines, request.data_parallel_rank, self._rng)
+            except ApiError:
+                if time.monotonic() >= deadline:
+                    self._fail(
+                        channel,
+                        f"{why}; not resumed: no engine core was ready within "
+                        f"{self.resume_timeout_s:g}s",
+                    )
+                    return
+                await asyncio.sleep(0.05)
+                continue
+            channel.engine = engine
+            channel.counted = True
+            channel.resumes += 1
+            engine.num_requests += 1
+            engine.added_since_load += 1
+            self.resumed_requests += 1
+            logger.warning(
+                "request %s resumed on engine %s (DP rank %d) after %d tokens (%s)",
+                channel.request_id,
+                engine.engine_id,
+                engine.ready.data_parallel_rank,
+                len(channel.delivered),
+                why,
+            )
+            self.on_resumed(engine)
+            self._send(engine, RequestType.ADD, request)  # a failed send fails it over again
+            return
+
+    def _on_stall_changed(self, engine: EngineHandle) -> None:
+        stats = engine.scheduler_stats
+        assert stats is not None
+        rank = engine.ready.data_parallel_rank
+        if engine.stalled:
+            logger.error(
+                "engine %s (DP rank %d): worker rank %d (pid %d) has not answered a step for "
+                "%.1fs; no new requests go to it until it answers",
+                engine.engine_id,
+                rank,
+                stats.stalled_worker_rank,
+                stats.stalled_worker_pid,
+                stats.stalled_for_s,
+            )
+        else:
+            logger.warning(
+                "engine %s (DP rank %d): stall over, routable again", engine.engine_id, rank
+            )
+        self._on_engines_changed()
 
     async def _heartbeat_watchdog(self) -> None:
         period = max(0.05, min(1.0, self._heartbeat_timeout_s / 4))
@@ -452,7 +557,6 @@ class EngineClient:
             len(failed),
         )
         for channel in failed:
-            self._forget(channel.request_id)
-            channel.put(RequestFailed(unavailable(f"engine {engine.engine_id} died: {why}")))
+            self._fail_over(channel, f"engine {engine.engine_id} died: {why}")
         self._utility_calls.fail(unavailable(f"engine {engine.engine_id} died: {why}"), engine)
         self._on_engines_changed()

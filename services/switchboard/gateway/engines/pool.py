@@ -15,7 +15,8 @@ given one), or while its reports have stopped (``REPORTS_STALE_S``: it died or i
 the first term alone decides.
 
 A request may pin a data-parallel rank (``EngineCoreRequest.data_parallel_rank``): it goes to
-that engine if it is ready, and fails with UNAVAILABLE otherwise.
+that engine if it is ready, and fails with UNAVAILABLE otherwise. An engine whose worker is
+stalled (``EngineHandle.routable``) gets no new request.
 """
 
 from __future__ import annotations
@@ -61,20 +62,35 @@ def choose_engine(
     """The engine for one request (see the module docstring); raises UNAVAILABLE if none."""
     if pinned_rank is not None:
         engine = engines.get(pinned_rank)
-        if engine is None or not engine.alive:
-            ready = sorted(r for r, e in engines.items() if e.alive)
+        if engine is None or not engine.routable:
+            ready = sorted(r for r, e in engines.items() if e.routable)
             raise unavailable(
                 f"data_parallel_rank {pinned_rank}: that engine core is not ready "
                 f"(ready ranks: {ready})"
             )
         return engine
-    live = [e for e in engines.values() if e.alive]
+    live = [e for e in engines.values() if e.routable]
     if not live:
+        stalled = [e for e in engines.values() if e.alive and e.stalled]
+        if stalled:
+            raise unavailable(
+                "no engine core is ready: "
+                + "; ".join(
+                    f"engine {e.engine_id}: worker rank {_stall(e)} has not answered a step"
+                    for e in stalled
+                )
+            )
         raise unavailable("no engine core is ready")
     if len(live) == 1:
         return live[0]
     first, second = rng.sample(live, 2)
     return second if engine_score(second) < engine_score(first) else first
+
+
+def _stall(engine: EngineHandle) -> str:
+    stats = engine.scheduler_stats
+    assert stats is not None
+    return f"{stats.stalled_worker_rank} (pid {stats.stalled_worker_pid})"
 
 
 class LoadSubscriber:

@@ -16,6 +16,7 @@ from switchboard.gateway.engines.clock import EngineClock
 from switchboard.gateway.errors import ApiError
 from switchboard.wire.engine_msgs import (
     EngineCoreOutput,
+    EngineCoreRequest,
     EngineLoad,
     EngineReady,
     SchedulerStats,
@@ -51,6 +52,17 @@ class EngineHandle:
     def alive(self) -> bool:
         return self.state is EngineState.READY
 
+    @property
+    def stalled(self) -> bool:
+        """A worker of it has not answered a step within the step timeout (its latest stats)."""
+        stats = self.scheduler_stats
+        return stats is not None and stats.stalled_worker_rank >= 0
+
+    @property
+    def routable(self) -> bool:
+        """New requests may go to it: READY and not stalled."""
+        return self.alive and not self.stalled
+
     @functools.cached_property
     def clock(self) -> EngineClock:
         """This engine's clock placed on the gateway's wall clock: READY's anchor, kept within
@@ -83,11 +95,20 @@ RequestEvent = StepOutput | RequestFailed | RequestAborted
 
 
 class RequestChannel:
-    """The outputs of one request, in order, ending with a finish, a failure or an abort."""
+    """The outputs of one request, in order, ending with a finish, a failure or an abort.
 
-    def __init__(self, request_id: str, engine: EngineHandle) -> None:
+    It outlives its engine when the request is resumed (``engines/resume.py``): ``engine`` is
+    then the engine it runs on now, and its outputs keep coming on the same channel."""
+
+    def __init__(
+        self, request_id: str, engine: EngineHandle, request: EngineCoreRequest | None = None
+    ) -> None:
         self.request_id = request_id
         self.engine = engine
+        self.request = request  # as first sent (a resume re-sends it, extended)
+        self.delivered: list[int] = []  # output token ids handed out so far
+        self.counted = True  # in engine.num_requests (not while it waits to resume)
+        self.resumes = 0
         self._queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
 
     def put(self, event: RequestEvent) -> None:

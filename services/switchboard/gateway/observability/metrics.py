@@ -109,6 +109,10 @@ class RequestMetrics:
             "prompt_tokens_cached", "Prompt tokens served from the prefix cache."
         )
         self.generation_tokens = counter("generation_tokens", "Generation tokens processed.")
+        self.resumed = counter(
+            "requests_resumed",
+            "Streams cut off by an engine's death and resumed, by the engine that took them.",
+        )
         self.request_success = counter(
             "request_success", "Finished requests, by finish reason.", ("finished_reason",)
         )
@@ -252,6 +256,7 @@ class EngineStatsCollector(Collector):
             families.queries.add_metric(labels, stats.prefix_cache_queries)
             families.hits.add_metric(labels, stats.prefix_cache_hits)
             families.preemptions.add_metric(labels, stats.num_preemptions)
+            families.stalled.add_metric(labels, 1.0 if stats.stalled_worker_rank >= 0 else 0.0)
             counts = stats.iteration_tokens_counts
             if len(counts) == len(ITERATION_TOKENS_BUCKETS) + 1:
                 families.iteration.add_metric(
@@ -285,6 +290,12 @@ class EngineStatsCollector(Collector):
             iteration=HistogramMetricFamily(
                 p + "iteration_tokens_total", "Tokens per engine step.", labels=labels
             ),
+            stalled=GaugeMetricFamily(
+                p + "engine_worker_stalled",
+                "1 while a worker of the engine has not answered a step within --step-timeout-s "
+                "(the engine takes no new requests meanwhile).",
+                labels=labels,
+            ),
         )
 
 
@@ -298,6 +309,7 @@ class _EngineFamilies(NamedTuple):
     hits: CounterMetricFamily
     preemptions: CounterMetricFamily
     iteration: HistogramMetricFamily
+    stalled: GaugeMetricFamily
 
 
 def _cumulative_buckets(counts: list[int]) -> Iterator[tuple[str, float]]:

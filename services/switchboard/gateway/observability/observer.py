@@ -102,6 +102,13 @@ class Observability:
             )
         self._stats_task: asyncio.Task | None = None
 
+    def request_resumed(self, engine: EngineHandle) -> None:
+        """A stream cut off by an engine's death was re-submitted to ``engine``."""
+        if self.metrics is not None:
+            requests = self.metrics.requests
+            labels = requests.labels(str(engine.ready.data_parallel_rank))
+            requests.resumed.labels(*labels).inc()
+
     def start(self) -> None:
         """Serve /metrics and start the stats log line (inside the event loop)."""
         port = metrics_port(self.config)

@@ -28,7 +28,7 @@ from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.gateway.admission import Ticket
 from switchboard.gateway.auth import Credentials
 from switchboard.gateway.chat.prompt import chat_prompt_token_ids
-from switchboard.gateway.errors import ApiError, unavailable
+from switchboard.gateway.errors import ApiError
 from switchboard.gateway.observability.observer import RequestObserver
 from switchboard.gateway.pipeline.bad_words import tokenize_bad_words
 from switchboard.gateway.pipeline.generate_stream import GenerateStream
@@ -221,8 +221,8 @@ class GenerateCalls:
     ) -> SequenceGroup:
         """Tokenize and check; ADD the request's n sequences to the engines."""
         state = self.state
-        if not state.engines.live_engines:
-            raise unavailable("no engine core is ready")
+        if not state.engines.routable_engines:
+            state.engines.check_routable()  # UNAVAILABLE, saying why (e.g. a stalled worker)
         if plan.chat is not None and state.chat_template is not None:
             token_ids = await state.in_pool(
                 chat_prompt_token_ids, state.chat_template, state.tokenizer, plan.chat

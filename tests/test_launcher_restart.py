@@ -1,0 +1,61 @@
+"""The supervisor's restart budget: backoff doubling, then fail-stop past the cap."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from switchboard.launcher import Child, RestartPolicy, Supervisor
+
+
+def dead_child(role: str) -> Child:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return Child(role, process, "switchboard.engine", "{}")
+
+
+def test_an_engine_is_restarted_with_backoff_until_the_cap(tmp_path: Path) -> None:
+    supervisor = Supervisor([], [], str(tmp_path), restart=RestartPolicy("always", 2, 60.0))
+    delays = []
+    for _ in range(2):
+        child = dead_child("EngineCore_DP1")
+        supervisor._children.append(child)
+        assert supervisor._schedule_restart(child)
+        assert child not in supervisor._children
+        at, _ = supervisor._due.pop("EngineCore_DP1")
+        delays.append(at)
+    assert delays[1] > delays[0]  # 1 s, then 2 s
+    child = dead_child("EngineCore_DP1")
+    supervisor._children.append(child)
+    assert not supervisor._schedule_restart(child), "the third death within the window stops"
+
+
+def test_never_and_other_roles_stop_the_server(tmp_path: Path) -> None:
+    never = Supervisor([], [], str(tmp_path), restart=RestartPolicy("never"))
+    assert not never._schedule_restart(dead_child("EngineCore_DP0"))
+    always = Supervisor([], [], str(tmp_path), restart=RestartPolicy("always"))
+    assert not always._schedule_restart(dead_child("Gateway_0"))
+    assert not always._schedule_restart(dead_child("Coordinator"))
+
+
+def test_a_restart_waits_for_the_dead_engines_workers_then_kills_them(tmp_path: Path) -> None:
+    """A killed engine's worker still holds its device memory: no restart while it lives; past
+    the deadline it is killed (by pid), then the restart may go."""
+    from switchboard.launcher import _start_time
+
+    supervisor = Supervisor([], [], str(tmp_path), restart=RestartPolicy("always"))
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = _start_time(worker.pid)
+        assert start
+        supervisor._orphans["EngineCore_DP0"] = (100.0, {worker.pid: start})
+        assert not supervisor._workers_gone("EngineCore_DP0", now=50.0)  # waits
+        assert worker.poll() is None
+        assert not supervisor._workers_gone("EngineCore_DP0", now=101.0)  # killed now
+        worker.wait(10)
+        assert supervisor._workers_gone("EngineCore_DP0", now=101.5)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
