@@ -20,7 +20,8 @@ import torch
 
 from switchboard.config import ModelConfig
 from switchboard.models import cpu_decode_kernel
-from switchboard.models.attention import new_kv_cache
+from switchboard.models.attention import REFERENCE, AttentionBackend, new_kv_cache
+from switchboard.models.attention_backends import select_backend
 from switchboard.models.hf_config import TransformerConfig
 from switchboard.models.loader import CausalLM, as_causal_lm
 from switchboard.models.parallel import SINGLE_PROCESS, ParallelState
@@ -73,6 +74,7 @@ class ModelRunner:
         self.block_size = 0
         self.requests = RequestStates()
         self.pooling = PoolingRequests()  # embedding requests: pooled, never sampled
+        self.attention_backend: AttentionBackend = REFERENCE  # chosen by load_model
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -81,6 +83,8 @@ class ModelRunner:
             self.model_config, self.device, self.parallel
         )
         self.model = as_causal_lm(model)
+        self.attention_backend = select_backend(self.device)
+        logger.info("attention backend: %s", self.attention_backend.name)
         if self.device.type == "cpu":
             cpu_decode_kernel.load()
             logger.info("decode attention: CPU paged kernel %s", cpu_decode_kernel.status())
@@ -150,6 +154,7 @@ class ModelRunner:
             return ModelRunnerOutput(step_id=step.step_id)
         inputs = build_step_inputs(step, self.requests, self.block_size, self.device)
         inputs = self.pooling.without_pooling(inputs)
+        self.attention_backend.prepare(inputs.metadata)
         hidden = self._forward_stage(inputs)
         logits, pooled = None, None
         if self.parallel.is_last_stage:  # the others' hidden states are not final ones
