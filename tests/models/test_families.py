@@ -154,7 +154,8 @@ def test_auto_dtype_follows_the_checkpoint_on_an_accelerator(tmp_path):
     assert resolve_dtype("auto", config, CPU) == torch.float32
     assert resolve_dtype("auto", config, torch.device("cuda", 0)) == torch.bfloat16
     assert resolve_dtype("auto", qwen2(dtype="float16"), torch.device("cuda", 0)) == torch.float16
-    assert resolve_dtype("auto", qwen2(), torch.device("cuda", 0)) == torch.float32  # unnamed
+    # a checkpoint that names no dtype (or float32): bfloat16 on CUDA (tests/worker/test_gpu_paths)
+    assert resolve_dtype("auto", qwen2(), torch.device("cuda", 0)) == torch.bfloat16
 
 
 # -- sliding-window attention against dense attention ------------------------------------------

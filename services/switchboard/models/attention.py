@@ -18,11 +18,19 @@ a cached prefix gathers its blocks and uses a causal mask shifted by the tokens 
 A sliding-window layer (Mistral, some Qwen2 layers) masks keys more than ``sliding_window - 1``
 positions behind each query, as transformers does (``kv_pos > q_pos - window``). The blocks
 behind the window stay allocated: the mask is exact, only the memory saving is not taken.
+
+Backends. The model files call :func:`paged_attention` only; it writes the new K/V and hands
+the rest to the step's backend (``metadata.backend``), which prepared its own view of the
+metadata once per step (``prepare``; e.g. int32 block tables for a GPU kernel). The code in this
+file is the reference backend (``ReferenceBackend``: torch, plus the CPU C decode kernel);
+``models/triton_attention.py`` is the Triton one, and ``models/attention_backends.py`` picks one
+for a device (``SWITCHBOARD_ATTENTION_BACKEND``). Metadata with no backend runs the reference.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -100,6 +108,64 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long
     decode: DecodeBatch | None = None
     prefills: list[PrefillSpan] = field(default_factory=list)
+    # Set by AttentionBackend.prepare (once per step); None = the reference backend.
+    backend: AttentionBackend | None = None
+    prepared: Any = None  # the backend's own per-step metadata
+
+
+class AttentionBackend:
+    """How a step's attention runs over the paged cache: ``prepare`` once per step (after the
+    input batch is built), then ``forward`` for every layer. The K/V of the step's tokens are
+    already in the cache when ``forward`` runs."""
+
+    name = "base"
+
+    def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
+        metadata.backend = self
+        return metadata
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """``[num_tokens, heads, head_dim]`` attention output (not flattened)."""
+        raise NotImplementedError
+
+
+class ReferenceBackend(AttentionBackend):
+    """Plain torch on any device; decode on CPU in float32 by the C kernel when it is loaded."""
+
+    name = "reference"
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        output = torch.empty_like(query)
+        if metadata.decode is not None:
+            decode = metadata.decode
+            output[: decode.size] = _decode_attention(
+                query[: decode.size], kv_cache, decode, scale, sliding_window
+            )
+        reference_prefill_attention(
+            output, query, key, value, kv_cache, metadata, scale, sliding_window
+        )
+        return output
+
+
+REFERENCE = ReferenceBackend()
 
 
 def new_kv_cache(
@@ -141,12 +207,22 @@ def paged_attention(
     ``sliding_window`` = how many positions (the query's own included) a query sees.
     """
     write_kv(kv_cache, key, value, metadata.slot_mapping)
-    output = torch.empty_like(query)
-    if metadata.decode is not None:
-        decode = metadata.decode
-        output[: decode.size] = _decode_attention(
-            query[: decode.size], kv_cache, decode, scale, sliding_window
-        )
+    backend = metadata.backend or REFERENCE
+    output = backend.forward(query, key, value, kv_cache, metadata, scale, sliding_window)
+    return output.flatten(1)
+
+
+def reference_prefill_attention(
+    output: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+) -> None:
+    """The prefill spans' rows of ``output``, one span at a time in torch."""
     for span in metadata.prefills:
         rows = slice(span.token_start, span.token_start + span.num_tokens)
         if span.num_tokens == span.context_len:  # nothing cached before: this step's k/v
@@ -154,7 +230,6 @@ def paged_attention(
         else:
             keys, values = _cached_context(kv_cache, span)
         output[rows] = _prefill_attention(query[rows], keys, values, span, scale, sliding_window)
-    return output.flatten(1)
 
 
 def _decode_attention(

@@ -119,9 +119,10 @@ def as_causal_lm(model: nn.Module) -> CausalLM:
 
 
 def resolve_dtype(requested: str, config: TransformerConfig, device: torch.device) -> torch.dtype:
-    """``auto`` = the checkpoint's dtype (``dtype``/``torch_dtype`` in config.json) on an
-    accelerator, float32 on CPU: half-precision matmuls are slow there and float32 is exact.
-    A checkpoint that names no dtype runs in float32; bfloat16 on a GPU without it, in float16.
+    """``auto`` = float32 on CPU (half-precision matmuls are slow there and float32 is exact);
+    on CUDA bfloat16, unless the checkpoint is float16 (kept) or the GPU lacks bfloat16
+    (float16); on another accelerator the checkpoint's dtype (``dtype``/``torch_dtype`` in
+    config.json), float32 if it names none.
     Logs the reason whenever the choice is not simply the one asked for."""
     if requested != "auto":
         if requested not in _DTYPES:
@@ -137,6 +138,18 @@ def resolve_dtype(requested: str, config: TransformerConfig, device: torch.devic
                 config.checkpoint_dtype,
             )
         return torch.float32
+    if device.type == "cuda" and checkpoint != torch.float16:
+        # bfloat16 on CUDA for float32 checkpoints and those that name no dtype too: tensor
+        # cores, half the memory traffic, and the range float32 weights were trained in.
+        if not _cuda_bf16(device):
+            logger.warning("dtype auto: float16, since %s has no bfloat16 support", device)
+            return torch.float16
+        if checkpoint != torch.bfloat16:
+            logger.info(
+                "dtype auto: bfloat16 on CUDA (the checkpoint's dtype is %r)",
+                config.checkpoint_dtype,
+            )
+        return torch.bfloat16
     if checkpoint is None:
         logger.info(
             "dtype auto: float32 (the checkpoint's dtype %r is not float32/float16/bfloat16)",

@@ -22,6 +22,16 @@ from switchboard.wire.step_msgs import SchedulerOutput
 from switchboard.worker.sampler import new_request_generator
 
 
+def upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``. To CUDA: staged in pinned memory (torch's caching host
+    allocator keeps the pinned blocks and does not reuse one until its copy is done) and
+    copied without blocking the host, so the step's inputs overlap with the previous kernels.
+    Elsewhere (CPU) a plain ``.to``: the tensor itself."""
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 class TokenHistory:
     """A request's output token ids as a growing CPU tensor (amortised O(1) appends), so the
     sampler builds the batch's penalty counts from views without copying Python lists."""
@@ -183,7 +193,7 @@ def build_step_inputs(
                 block_table[token_positions // block_size] * block_size
                 + token_positions % block_size
             )
-            spans.append(PrefillSpan(row, n, end, block_table.to(device)))
+            spans.append(PrefillSpan(row, n, end, upload(block_table, device)))
         request_ids.append(state.request_id)
         first_rows.append(row)
         if end == len(state.token_ids):
@@ -191,21 +201,22 @@ def build_step_inputs(
             logits_rows.append(row + n - 1)
 
     metadata = AttentionMetadata(
-        slot_mapping=torch.cat([torch.tensor(decode_slots, dtype=torch.long), *prefill_slots]).to(
-            device
+        slot_mapping=upload(
+            torch.cat([torch.tensor(decode_slots, dtype=torch.long), *prefill_slots]), device
         ),
         decode=_decode_batch([state for state, _ in decodes], block_size, device),
         prefills=spans,
     )
     return StepInputs(
-        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-        positions=torch.cat(
-            [torch.tensor(decode_positions, dtype=torch.long), *prefill_positions]
-        ).to(device),
+        input_ids=upload(torch.tensor(input_ids, dtype=torch.long), device),
+        positions=upload(
+            torch.cat([torch.tensor(decode_positions, dtype=torch.long), *prefill_positions]),
+            device,
+        ),
         metadata=metadata,
         request_ids=request_ids,
         sampled_request_ids=sampled_ids,
-        logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=device),
+        logits_rows=upload(torch.tensor(logits_rows, dtype=torch.long), device),
         first_rows=first_rows,
     )
 
@@ -222,8 +233,8 @@ def _decode_batch(
         for state in states
     ]
     return DecodeBatch(
-        block_table=torch.tensor(table, dtype=torch.long, device=device),
-        context_lens=torch.tensor(context_lens, dtype=torch.long, device=device),
+        block_table=upload(torch.tensor(table, dtype=torch.long), device),
+        context_lens=upload(torch.tensor(context_lens, dtype=torch.long), device),
         max_context_len=max(context_lens),
         all_full_length=min(context_lens) == max(context_lens),
     )

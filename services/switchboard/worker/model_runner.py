@@ -20,12 +20,14 @@ import torch
 
 from switchboard.config import ModelConfig
 from switchboard.models import cpu_decode_kernel
-from switchboard.models.attention import new_kv_cache
+from switchboard.models.attention import REFERENCE, AttentionBackend, new_kv_cache
+from switchboard.models.attention_backends import select_backend
 from switchboard.models.hf_config import TransformerConfig
 from switchboard.models.loader import CausalLM, as_causal_lm
 from switchboard.models.parallel import SINGLE_PROCESS, ParallelState
 from switchboard.wire.engine_msgs import TokenLogprobs
 from switchboard.wire.step_msgs import ModelRunnerOutput, ModelSummary, SchedulerOutput
+from switchboard.worker import cuda_graphs
 from switchboard.worker.grammar_mask import apply_grammar_bitmask
 from switchboard.worker.input_batch import (
     RequestState,
@@ -73,6 +75,8 @@ class ModelRunner:
         self.block_size = 0
         self.requests = RequestStates()
         self.pooling = PoolingRequests()  # embedding requests: pooled, never sampled
+        self.attention_backend: AttentionBackend = REFERENCE  # chosen by load_model
+        self.decode_graphs: cuda_graphs.DecodeGraphs | None = None  # CUDA only, see there
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -81,6 +85,8 @@ class ModelRunner:
             self.model_config, self.device, self.parallel
         )
         self.model = as_causal_lm(model)
+        self.attention_backend = select_backend(self.device)
+        logger.info("attention backend: %s", self.attention_backend.name)
         if self.device.type == "cpu":
             cpu_decode_kernel.load()
             logger.info("decode attention: CPU paged kernel %s", cpu_decode_kernel.status())
@@ -107,9 +113,10 @@ class ModelRunner:
         started = time.monotonic()
         self.block_size = block_size
         num_layers, num_kv_heads = self._kv_cache_share(config)
+        graphs = self._graphs_wanted(block_size)
         self.kv_caches = [
             new_kv_cache(
-                num_blocks,
+                num_blocks + (1 if graphs else 0),  # + the graphs' scratch block (never lent)
                 block_size,
                 num_kv_heads,
                 config.head_dim,
@@ -125,8 +132,43 @@ class ModelRunner:
             num_blocks * block_size * self.kv_cache_bytes_per_token() / 2**20,
             time.monotonic() - started,
         )
+        if graphs:
+            self._capture_decode_graphs(num_blocks, block_size)
+
+    def _graphs_wanted(self, block_size: int) -> bool:
+        from switchboard.models.triton_attention import decode_supported
+
+        return cuda_graphs.enabled(
+            self.device, self.attention_backend, self.parallel.world_size
+        ) and decode_supported(block_size)
+
+    def _capture_decode_graphs(self, num_blocks: int, block_size: int) -> None:
+        """One CUDA graph per decode batch-size bucket (``worker/cuda_graphs.py``)."""
+        config = self._require_config()
+        model = self.model
+        assert model is not None
+        max_len = min(
+            self.model_config.max_model_len or config.max_position_embeddings,
+            num_blocks * block_size,
+        )
+        graphs = cuda_graphs.DecodeGraphs(
+            lambda ids, positions, metadata: model(ids, positions, self.kv_caches, metadata),
+            self.attention_backend,
+            cuda_graphs.decode_buckets(cuda_graphs.max_batch_from_env()),
+            width=-(-max_len // block_size),
+            scratch_block=num_blocks,
+            block_size=block_size,
+            device=self.device,
+        )
+        with torch.inference_mode():
+            seconds = graphs.capture(cuda_graphs.cuda_graph_recorder())
+        self.decode_graphs = graphs
+        logger.info(
+            "CUDA graphs: decode captured for batch sizes %s in %.1f s", graphs.buckets, seconds
+        )
 
     def free_kv_cache(self) -> None:
+        self.decode_graphs = None
         self.kv_caches = []
         self.requests.clear()
         self.pooling.clear()
@@ -150,6 +192,7 @@ class ModelRunner:
             return ModelRunnerOutput(step_id=step.step_id)
         inputs = build_step_inputs(step, self.requests, self.block_size, self.device)
         inputs = self.pooling.without_pooling(inputs)
+        self.attention_backend.prepare(inputs.metadata)
         hidden = self._forward_stage(inputs)
         logits, pooled = None, None
         if self.parallel.is_last_stage:  # the others' hidden states are not final ones
@@ -173,6 +216,12 @@ class ModelRunner:
         first), out to the next (unless last)."""
         assert self.model is not None
         if self.parallel.pp_size == 1:
+            if self.decode_graphs is not None:
+                replayed = self.decode_graphs.run(
+                    inputs.input_ids, inputs.positions, inputs.metadata
+                )
+                if replayed is not None:
+                    return replayed
             return self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
         received = None
         if not self.parallel.is_first_stage:

@@ -1,0 +1,433 @@
+"""Paged attention in Triton: kernels that read the KV blocks in place, through the block
+tables (no gather into a padded copy, unlike the reference backend's torch path off CPU).
+
+- Decode (one query token per request): one program per (request, KV head) loads the query
+  heads of its group, walks the request's blocks (``block_table[r, p // block_size]``) one
+  block at a time and keeps an online softmax in float32 (running max, running sum, rescaled
+  accumulator). Sliding windows skip the blocks behind the window and mask inside it.
+- Prefill chunks (several query tokens, with or without a cached prefix): one program per
+  (tile of ``BLOCK_M`` query rows of a span, query head); every key, the chunk's own included,
+  is read from the cache (``paged_attention`` wrote this step's K/V first), with the causal
+  mask shifted by the tokens already cached, and the same online softmax (``tl.dot`` per block).
+
+Both need a power-of-two block size (``tl.arange``); prefill also needs block size >= 16 (the
+``tl.dot`` minimum). Otherwise that part falls back to the reference backend, logged once.
+``TRITON_INTERPRET=1`` runs the kernels on CPU tensors (slowly), which the tests use.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from switchboard.models.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    gathered_decode_attention,
+    reference_prefill_attention,
+)
+from switchboard.models.attention_backends import triton_interpreted
+
+logger = logging.getLogger(__name__)
+
+PREFILL_BLOCK_M = 16
+
+
+@triton.jit
+def _decode_kernel(
+    Q,
+    KV,
+    BlockTable,
+    ContextLens,
+    Out,
+    values_offset,
+    stride_q_tok,
+    stride_q_head,
+    stride_bt,
+    stride_kv_block,
+    stride_kv_slot,
+    stride_kv_head,
+    stride_o_tok,
+    stride_o_head,
+    scale,
+    window,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    context_len = tl.load(ContextLens + seq)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, DIM_PAD)
+    n = tl.arange(0, BLOCK_SIZE)
+    g_mask = g < GROUP
+    d_mask = d < HEAD_DIM
+    heads = kv_head * GROUP + g
+    q_mask = g_mask[:, None] & d_mask[None, :]
+    q = tl.load(
+        Q + seq * stride_q_tok + heads[:, None] * stride_q_head + d[None, :],
+        mask=q_mask,
+        other=0.0,
+    ).to(tl.float32)
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    total = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    first_pos = 0
+    if HAS_WINDOW:
+        first_pos = tl.maximum(context_len - window, 0)
+    for b in range(first_pos // BLOCK_SIZE, tl.cdiv(context_len, BLOCK_SIZE)):
+        block = tl.load(BlockTable + seq * stride_bt + b).to(tl.int64)
+        pos = b * BLOCK_SIZE + n
+        valid = (pos < context_len) & (pos >= first_pos)
+        offsets = (
+            block * stride_kv_block
+            + n[:, None] * stride_kv_slot
+            + kv_head * stride_kv_head
+            + d[None, :]
+        )
+        kv_mask = valid[:, None] & d_mask[None, :]
+        k = tl.load(KV + offsets, mask=kv_mask, other=0.0).to(tl.float32)  # [BLOCK_SIZE, DIM]
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_PAD, BLOCK]
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(scores - m_use[:, None])
+        alpha = tl.exp(m - m_use)
+        total = total * alpha + tl.sum(p, axis=1)
+        v = tl.load(KV + values_offset + offsets, mask=kv_mask, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m = m_new
+    out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
+    tl.store(
+        Out + seq * stride_o_tok + heads[:, None] * stride_o_head + d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=q_mask,
+    )
+
+
+@triton.jit
+def _prefill_kernel(
+    Q,
+    KV,
+    BlockTables,
+    TileSpan,
+    TileRow,
+    SpanStart,
+    SpanTokens,
+    SpanContext,
+    Out,
+    values_offset,
+    stride_q_tok,
+    stride_q_head,
+    stride_bt,
+    stride_kv_block,
+    stride_kv_slot,
+    stride_kv_head,
+    stride_o_tok,
+    stride_o_head,
+    scale,
+    window,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    IEEE: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    span = tl.load(TileSpan + tile)
+    row0 = tl.load(TileRow + tile)
+    token_start = tl.load(SpanStart + span)
+    num_tokens = tl.load(SpanTokens + span)
+    context_len = tl.load(SpanContext + span)
+    cached = context_len - num_tokens
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_mask = rows < num_tokens
+    query_pos = cached + rows
+    d = tl.arange(0, DIM_PAD)
+    n = tl.arange(0, BLOCK_SIZE)
+    d_mask = d < HEAD_DIM
+    q_mask = row_mask[:, None] & d_mask[None, :]
+    q = tl.load(
+        Q + (token_start + rows)[:, None] * stride_q_tok + head * stride_q_head + d[None, :],
+        mask=q_mask,
+        other=0.0,
+    )
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+    last_pos = tl.minimum(context_len - 1, cached + row0 + BLOCK_M - 1)
+    first_pos = 0
+    if HAS_WINDOW:
+        first_pos = tl.maximum(cached + row0 - window + 1, 0)
+    for b in range(first_pos // BLOCK_SIZE, last_pos // BLOCK_SIZE + 1):
+        block = tl.load(BlockTables + span * stride_bt + b).to(tl.int64)
+        key_pos = b * BLOCK_SIZE + n
+        offsets = (
+            block * stride_kv_block
+            + n[:, None] * stride_kv_slot
+            + kv_head * stride_kv_head
+            + d[None, :]
+        )
+        kv_mask = (key_pos < context_len)[:, None] & d_mask[None, :]
+        k = tl.load(KV + offsets, mask=kv_mask, other=0.0).to(q.dtype)
+        if DOT_F32:
+            scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        elif IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = scores * scale
+        valid = key_pos[None, :] <= query_pos[:, None]
+        if HAS_WINDOW:
+            valid &= key_pos[None, :] > query_pos[:, None] - window
+        scores = tl.where(valid, scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(scores - m_use[:, None])
+        alpha = tl.exp(m - m_use)
+        total = total * alpha + tl.sum(p, axis=1)
+        v = tl.load(KV + values_offset + offsets, mask=kv_mask, other=0.0).to(q.dtype)
+        if DOT_F32:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        elif IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+    out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
+    tl.store(
+        Out + (token_start + rows)[:, None] * stride_o_tok + head * stride_o_head + d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=q_mask,
+    )
+
+
+def _is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def decode_supported(block_size: int) -> bool:
+    return _is_power_of_two(block_size)
+
+
+def prefill_supported(block_size: int) -> bool:
+    return _is_power_of_two(block_size) and block_size >= 16
+
+
+@dataclass
+class TritonPrepared:
+    """One step's metadata in the kernels' form, built once by ``TritonBackend.prepare``."""
+
+    decode_block_table: torch.Tensor | None = None  # [size, max_blocks] int32
+    decode_context_lens: torch.Tensor | None = None  # [size] int32
+    prefill_block_tables: torch.Tensor | None = None  # [spans, max_blocks] int32
+    tile_span: torch.Tensor | None = None  # [tiles] int32: the span of each query tile
+    tile_row: torch.Tensor | None = None  # [tiles] int32: its first row within the span
+    span_start: torch.Tensor | None = None  # [spans] int32: first row in the batch
+    span_tokens: torch.Tensor | None = None  # [spans] int32
+    span_context: torch.Tensor | None = None  # [spans] int32
+
+
+def prefill_tiles(num_tokens: list[int], block_m: int) -> tuple[list[int], list[int]]:
+    """(span index, first row within the span) of every ``block_m``-row query tile."""
+    spans: list[int] = []
+    rows: list[int] = []
+    for index, n in enumerate(num_tokens):
+        for row in range(0, n, block_m):
+            spans.append(index)
+            rows.append(row)
+    return spans, rows
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+
+    def __init__(self) -> None:
+        self._warned: set[str] = set()
+
+    def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
+        prepared = TritonPrepared()
+        decode = metadata.decode
+        if decode is not None:
+            prepared.decode_block_table = decode.block_table.to(torch.int32)
+            prepared.decode_context_lens = decode.context_lens.to(torch.int32)
+        spans = metadata.prefills
+        if spans:
+            device = spans[0].block_ids.device
+            max_blocks = max(span.block_ids.shape[0] for span in spans)
+            tables = torch.zeros((len(spans), max_blocks), dtype=torch.int32, device=device)
+            for index, span in enumerate(spans):
+                tables[index, : span.block_ids.shape[0]] = span.block_ids
+            tile_span, tile_row = prefill_tiles([s.num_tokens for s in spans], PREFILL_BLOCK_M)
+            host = torch.tensor(
+                [
+                    [s.token_start for s in spans],
+                    [s.num_tokens for s in spans],
+                    [s.context_len for s in spans],
+                ],
+                dtype=torch.int32,
+            ).to(device, non_blocking=True)
+            prepared.prefill_block_tables = tables
+            tiles = torch.tensor([tile_span, tile_row], dtype=torch.int32)
+            tiles = tiles.to(device, non_blocking=True)
+            prepared.tile_span, prepared.tile_row = tiles[0], tiles[1]
+            prepared.span_start, prepared.span_tokens, prepared.span_context = host
+        metadata.prepared = prepared
+        metadata.backend = self
+        return metadata
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        prepared = metadata.prepared
+        if not isinstance(prepared, TritonPrepared):  # not prepared by us: do it now
+            prepared = self.prepare(metadata).prepared
+        if query.stride(-1) != 1:
+            query = query.contiguous()
+        output = torch.empty_like(query)
+        block_size = kv_cache.shape[2]
+        decode = metadata.decode
+        if decode is not None:
+            if decode_supported(block_size) and kv_cache.is_contiguous():
+                assert prepared.decode_block_table is not None
+                assert prepared.decode_context_lens is not None
+                decode_attention(
+                    query,
+                    kv_cache,
+                    prepared.decode_block_table,
+                    prepared.decode_context_lens,
+                    output,
+                    scale,
+                    sliding_window,
+                )
+            else:
+                self._fall_back("decode", block_size)
+                output[: decode.size] = gathered_decode_attention(
+                    query[: decode.size], kv_cache, decode, scale, sliding_window
+                )
+        if metadata.prefills:
+            if prefill_supported(block_size) and kv_cache.is_contiguous():
+                _prefill_attention(query, kv_cache, prepared, output, scale, sliding_window)
+            else:
+                self._fall_back("prefill", block_size)
+                reference_prefill_attention(
+                    output, query, key, value, kv_cache, metadata, scale, sliding_window
+                )
+        return output
+
+    def _fall_back(self, part: str, block_size: int) -> None:
+        if part not in self._warned:
+            self._warned.add(part)
+            logger.warning(
+                "Triton %s attention needs a power-of-two block size%s (have %d): "
+                "using the reference path for it",
+                part,
+                " >= 16" if part == "prefill" else "",
+                block_size,
+            )
+
+
+def decode_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    output: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> None:
+    """Rows ``0..len(context_lens)-1`` of ``output`` (``[tokens, heads, head_dim]``): one query
+    token per row over its blocks. Graph-safe: no host reads of the tensors."""
+    size = block_table.shape[0]
+    heads, head_dim = query.shape[1:]
+    kv_heads = kv_cache.shape[3]
+    group = heads // kv_heads
+    _decode_kernel[(size, kv_heads)](
+        query,
+        kv_cache,
+        block_table,
+        context_lens,
+        output,
+        kv_cache.stride(0),
+        query.stride(0),
+        query.stride(1),
+        block_table.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        output.stride(0),
+        output.stride(1),
+        scale,
+        sliding_window or 0,
+        GROUP=group,
+        GROUP_PAD=triton.next_power_of_2(group),
+        HEAD_DIM=head_dim,
+        DIM_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=kv_cache.shape[2],
+        HAS_WINDOW=sliding_window is not None,
+    )
+
+
+def _prefill_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    prepared: TritonPrepared,
+    output: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> None:
+    assert prepared.tile_span is not None and prepared.prefill_block_tables is not None
+    heads, head_dim = query.shape[1:]
+    kv_heads = kv_cache.shape[3]
+    _prefill_kernel[(prepared.tile_span.shape[0], heads)](
+        query,
+        kv_cache,
+        prepared.prefill_block_tables,
+        prepared.tile_span,
+        prepared.tile_row,
+        prepared.span_start,
+        prepared.span_tokens,
+        prepared.span_context,
+        output,
+        kv_cache.stride(0),
+        query.stride(0),
+        query.stride(1),
+        prepared.prefill_block_tables.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        output.stride(0),
+        output.stride(1),
+        scale,
+        sliding_window or 0,
+        GROUP=heads // kv_heads,
+        HEAD_DIM=head_dim,
+        DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_M=PREFILL_BLOCK_M,
+        BLOCK_SIZE=kv_cache.shape[2],
+        HAS_WINDOW=sliding_window is not None,
+        IEEE=query.dtype == torch.float32,
+        # Triton's interpreter gets half-precision tl.dot wrong (numpy has no bfloat16).
+        DOT_F32=triton_interpreted(),
+    )
