@@ -24,7 +24,7 @@ import grpc
 
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
-from switchboard.client import EXIT_INTERRUPTED, EXIT_OK, EXIT_RPC_ERROR, summary_line
+from switchboard.client import EXIT_INTERRUPTED, EXIT_OK, finish_answer, report_rpc_error
 
 USER_PROMPT = ">>> "
 
@@ -132,14 +132,8 @@ def _one_shot(
         err.write("\n[interrupted: request cancelled]\n")
         return EXIT_INTERRUPTED
     except grpc.RpcError as error:
-        out.write("\n")
-        err.write(f"error: {error.code().name}: {error.details()}\n")
-        return EXIT_RPC_ERROR
-    out.write("\n")
-    out.flush()
-    if last is not None:
-        err.write(summary_line(last) + "\n")
-    return EXIT_OK
+        return report_rpc_error(error, out, err)
+    return finish_answer(last, out, err)
 
 
 def _interactive(

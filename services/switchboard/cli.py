@@ -643,6 +643,22 @@ def cmd_ps(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_client_args(
+    parser: argparse.ArgumentParser, *, max_tokens: int, max_tokens_help: str
+) -> None:
+    """What the client commands (generate, chat) share: where the server is, how much to say."""
+    parser.add_argument(
+        "--target", default=f"127.0.0.1:{DEFAULT_GRPC_PORT}", help="the gateway's HOST:PORT"
+    )
+    parser.add_argument("--max-tokens", type=int, default=max_tokens, help=max_tokens_help)
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="0 = greedy (default: the model's generation_config.json, else 1.0)",
+    )
+
+
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="switchboard", description=__doc__, formatter_class=HelpFormatter
@@ -695,16 +711,7 @@ def make_parser() -> argparse.ArgumentParser:
         "to talk to an instruct model, use `switchboard chat`)",
     )
     gen.add_argument("prompt", help="the text to complete, sent as is")
-    gen.add_argument(
-        "--target", default=f"127.0.0.1:{DEFAULT_GRPC_PORT}", help="the gateway's HOST:PORT"
-    )
-    gen.add_argument("--max-tokens", type=int, default=64, help="output tokens at most")
-    gen.add_argument(
-        "--temperature",
-        type=float,
-        default=None,
-        help="0 = greedy (default: the model's generation_config.json, else 1.0)",
-    )
+    _add_client_args(gen, max_tokens=64, max_tokens_help="output tokens at most")
 
     chat = command(
         "chat",
@@ -717,16 +724,7 @@ def make_parser() -> argparse.ArgumentParser:
         default=None,
         help="ask this, print the answer and exit (default: an interactive chat)",
     )
-    chat.add_argument(
-        "--target", default=f"127.0.0.1:{DEFAULT_GRPC_PORT}", help="the gateway's HOST:PORT"
-    )
-    chat.add_argument("--max-tokens", type=int, default=512, help="tokens per answer at most")
-    chat.add_argument(
-        "--temperature",
-        type=float,
-        default=None,
-        help="0 = greedy (default: the model's generation_config.json, else 1.0)",
-    )
+    _add_client_args(chat, max_tokens=512, max_tokens_help="tokens per answer at most")
     chat.add_argument(
         "--system",
         default=None,

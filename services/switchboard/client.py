@@ -98,9 +98,19 @@ def run_generate(
             err.write("\n[interrupted: request cancelled]\n")
             return EXIT_INTERRUPTED
         except grpc.RpcError as error:
-            out.write("\n")
-            err.write(f"error: {error.code().name}: {error.details()}\n")
-            return EXIT_RPC_ERROR
+            return report_rpc_error(error, out, err)
+    return finish_answer(last, out, err)
+
+
+def report_rpc_error(error: grpc.RpcError, out: TextIO, err: TextIO) -> int:
+    """A failed call: end the answer's line, say the status on ``err``; the exit code."""
+    out.write("\n")
+    err.write(f"error: {error.code().name}: {error.details()}\n")
+    return EXIT_RPC_ERROR
+
+
+def finish_answer(last: pb.GenerateResponse | None, out: TextIO, err: TextIO) -> int:
+    """A streamed answer ended: end its line, the summary of its last message on ``err``."""
     out.write("\n")
     out.flush()
     if last is not None:

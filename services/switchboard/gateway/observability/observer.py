@@ -332,8 +332,7 @@ class RequestObserver:
         t = self.timeline
         assert t.end_ns is not None
         ended_normally = code == grpc.StatusCode.OK and not {"abort", "error"} & set(reasons)
-        to_wall = t.to_wall_ns if t.wall_offset_ns is not None else (lambda ns: ns)
-        phases = request_phases(t, to_wall, ended_normally)
+        phases = request_phases(t, t.to_wall_ns, ended_normally)
         attributes: dict[str, Any] = {
             "gen_ai.response.model": self._obs.model_name,
             "gen_ai.response.finish_reasons": reasons,

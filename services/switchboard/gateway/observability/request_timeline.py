@@ -74,41 +74,29 @@ class RequestTimeline:
     sequence_preemptions: dict[str, int] = dataclasses.field(default_factory=dict)
     finish_reasons: dict[str, FinishReason] = dataclasses.field(default_factory=dict)
     output_token_ids: list[int] | None = None  # kept only when traces carry content
-    # gateway wall ns = engine ns + this; fixed when the call closes (``use_clock_offset``)
+    # gateway wall ns = engine ns + this; fixed by ``close`` (None: no engine clock known)
     wall_offset_ns: int | None = None
     times: RequestTimes | None = None  # set by ``close``
 
-    def use_clock_offset(self, offset_ns: int) -> int:
-        """The engine-to-wall offset this timeline converts with: the first one offered."""
-        if self.wall_offset_ns is None:
-            self.wall_offset_ns = offset_ns
-        return self.wall_offset_ns
-
     def to_wall_ns(self, engine_ns: int) -> int:
-        """An engine instant on the gateway's wall clock (after ``use_clock_offset``)."""
-        if self.wall_offset_ns is None:
-            raise RuntimeError("the timeline has no clock offset yet")
-        return engine_ns + self.wall_offset_ns
-
-    def ttft_ns(self) -> int | None:
-        """Arrival -> first token, once both and a clock offset are known."""
-        if self.first_token_ns is None or self.wall_offset_ns is None:
-            return None
-        return max(0, self.to_wall_ns(self.first_token_ns) - self.arrival_ns)
+        """An engine instant on the gateway's wall clock (as placed when the call closed; the
+        engine's own clock when the call never learnt its engine's)."""
+        return engine_ns + (self.wall_offset_ns or 0)
 
     def close(self, clock_offset_ns: int | None, end_ns: int) -> RequestTimes:
         """Derive the call's ``RequestTimes`` (once: later calls return the same). ``end_ns``:
         gateway wall clock, when the gateway was done with the call."""
         if self.times is not None:
             return self.times
-        if clock_offset_ns is not None:
-            self.use_clock_offset(clock_offset_ns)
+        self.wall_offset_ns = clock_offset_ns
         self.end_ns = max(end_ns, self.arrival_ns)
         queued, scheduled = self.queued_ns, self.scheduled_ns
         first, last = self.first_token_ns, self.last_token_ns
         self.times = RequestTimes(
             e2e_ns=self.end_ns - self.arrival_ns,
-            ttft_ns=self.ttft_ns(),
+            ttft_ns=None
+            if first is None or clock_offset_ns is None
+            else max(0, first + clock_offset_ns - self.arrival_ns),
             queue_ns=_between(queued, scheduled),
             prefill_ns=_between(scheduled, first),
             decode_ns=_between(first, last),
