@@ -10,6 +10,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from switchboard.gateway.engines.client import EngineClient
 from switchboard.gateway.engines.pool import (
     LoadSubscriber,
     apply_load_report,
@@ -19,7 +20,7 @@ from switchboard.gateway.engines.pool import (
 from switchboard.gateway.engines.types import EngineHandle, EngineState
 from switchboard.gateway.errors import ApiError
 from switchboard.wire import zmq_channel
-from switchboard.wire.engine_msgs import EngineLoad, EngineReady, LoadReport
+from switchboard.wire.engine_msgs import EngineLoad, EngineReady, LoadReport, SchedulerStats
 
 WAIT_S = 30.0
 
@@ -113,3 +114,46 @@ async def test_loads_are_forgotten_when_the_coordinator_goes_quiet() -> None:
         await asyncio.gather(task, return_exceptions=True)
         pub.close(linger=0)
         ctx.term()
+
+
+def client_with(engines: dict[int, EngineHandle], resume_timeout_s: float) -> EngineClient:
+    client = EngineClient(
+        "ipc:///unused-in", "ipc:///unused-out", resume_timeout_s=resume_timeout_s
+    )
+    client.engines = engines
+    return client
+
+
+async def test_a_new_request_waits_for_a_dead_engine_to_come_back() -> None:
+    engines = {0: handle(0, state=EngineState.DEAD)}
+    client = client_with(engines, resume_timeout_s=WAIT_S)
+    assert client.restart_expected
+    waiting = asyncio.ensure_future(client.wait_until_routable(WAIT_S))
+    await asyncio.sleep(0.3)
+    assert not waiting.done()  # nothing is routable yet: it waits, it does not refuse
+    engines[0].state = EngineState.READY  # the restarted engine's READY re-admits it
+    await asyncio.wait_for(waiting, WAIT_S)
+    assert not client.restart_expected
+
+
+async def test_the_wait_for_a_restart_is_bounded_and_says_so() -> None:
+    client = client_with({0: handle(0, state=EngineState.DEAD)}, resume_timeout_s=WAIT_S)
+    with pytest.raises(ApiError) as error:
+        await client.wait_until_routable(0.2)  # the call's deadline is the shorter bound
+    assert error.value.code == grpc.StatusCode.UNAVAILABLE
+    assert "no engine core is ready" in error.value.message
+    assert "waited 0.2s for an engine to restart" in error.value.message
+
+
+async def test_no_wait_without_resume_or_for_a_stalled_engine() -> None:
+    off = client_with({0: handle(0, state=EngineState.DEAD)}, resume_timeout_s=0.0)
+    assert not off.restart_expected
+    with pytest.raises(ApiError) as error:
+        await asyncio.wait_for(off.wait_until_routable(WAIT_S), 1.0)
+    assert "waited" not in error.value.message
+    stats = SchedulerStats(stalled_worker_rank=0, stalled_worker_pid=4321, stalled_for_s=9.0)
+    stalled = client_with({0: handle(0, scheduler_stats=stats)}, resume_timeout_s=WAIT_S)
+    assert not stalled.restart_expected  # alive but stalled: it may never answer
+    with pytest.raises(ApiError) as error:
+        await asyncio.wait_for(stalled.wait_until_routable(WAIT_S), 1.0)
+    assert "worker rank 0 (pid 4321) has not answered a step" in error.value.message

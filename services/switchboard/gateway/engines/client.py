@@ -224,6 +224,35 @@ class EngineClient:
         """Raise UNAVAILABLE (saying why) unless some engine takes new requests."""
         choose_engine(self.engines, None, self._rng)
 
+    @property
+    def restart_expected(self) -> bool:
+        """No engine takes new requests, but one that did has died and may be restarted (its
+        supervisor restarts it and its READY re-admits it); with resume off, nothing waits."""
+        return (
+            self.resume_timeout_s > 0
+            and not self.routable_engines
+            and any(not e.alive for e in self.engines.values())
+        )
+
+    async def wait_until_routable(self, timeout_s: float) -> None:
+        """Return once some engine takes new requests. While none does because an engine died
+        (``restart_expected``), wait up to ``timeout_s`` for it to come back; otherwise, and
+        after that, raise UNAVAILABLE saying why. A stalled worker is refused at once: its
+        engine is alive and may stay stalled for good."""
+        started = time.monotonic()
+        deadline = started + min(timeout_s, self.resume_timeout_s)
+        while self.restart_expected and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        try:
+            self.check_routable()
+        except ApiError as exc:
+            waited = time.monotonic() - started
+            if waited < 0.05:
+                raise
+            raise unavailable(
+                f"{exc.message} (waited {waited:.1f}s for an engine to restart)"
+            ) from None
+
     # -- requests ------------------------------------------------------------------------------
 
     def is_live(self, request_id: str) -> bool:

@@ -221,7 +221,7 @@ class GenerateCalls:
     ) -> SequenceGroup:
         """Tokenize and check; ADD the request's n sequences to the engines."""
         state = self.state
-        if not state.engines.routable_engines:
+        if not state.engines.routable_engines and not state.engines.restart_expected:
             state.engines.check_routable()  # UNAVAILABLE, saying why (e.g. a stalled worker)
         if plan.chat is not None and state.chat_template is not None:
             token_ids = await state.in_pool(
@@ -252,6 +252,8 @@ class GenerateCalls:
             trace_context=trace_context,
             bad_words_token_ids=bad_words_token_ids,
         )
+        # an engine that died is being restarted: wait for it (bounded by the call's deadline)
+        await state.engines.wait_until_routable(_time_left(context))
         observer.submitting(plan, engine_request)  # with tracing: the engine's trace context
         channels = submit_children(
             state.engines.add_request,
@@ -263,3 +265,8 @@ class GenerateCalls:
             for index in range(len(channels))
         ]
         return SequenceGroup(streams, channels, observer.timeline)
+
+
+def _time_left(context: CallContext) -> float:
+    remaining = context.time_remaining()
+    return float("inf") if remaining is None else max(0.0, remaining)

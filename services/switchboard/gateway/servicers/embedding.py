@@ -161,10 +161,14 @@ class Embedder:
                         size = len(item.text.encode())
                         check_text_bytes(f"inputs[{i}].text", size, state.max_prompt_bytes)
             plan = plan_embed(request, request_id, state.facts)
-            if not state.engines.live_engines:
+            if not state.engines.live_engines and not state.engines.restart_expected:
                 raise unavailable("no engine core is ready")
             token_ids = await state.in_pool(tokenize_inputs, state.tokenizer, plan.inputs)
             prompts = resolve_inputs(plan, token_ids, state.facts)
+            remaining = context.time_remaining()
+            await state.engines.wait_until_routable(
+                float("inf") if remaining is None else max(0.0, remaining)
+            )
             channels = []
             for index, prompt in enumerate(prompts):
                 sub_ids.append(f"{request_id}-{index}")
