@@ -8,32 +8,23 @@ lies: one task per request (per request and KV head when requests are fewer than
 computes the scores of its query heads, a float32 softmax (max subtracted) and the weighted sum
 of the values.
 
-It is C, built with the machine's C compiler (``cc -O3 -march=native -fopenmp``) on first use
-and cached under ``<cache>/kernels/`` keyed by the source, the compiler and the CPU model and
-flags, then loaded with ``ctypes`` (the call releases the GIL). ``-fopenmp`` links
-``libgomp.so.1``, the runtime torch has already loaded, so the kernel's threads are torch's
-(``torch.set_num_threads``). Without a compiler, or with ``SWITCHBOARD_CPU_ATTENTION=torch``, the
-torch path is used; ``load()`` says which and why.
+It is C, built with the machine's C compiler on first use and cached (``native_build``), then
+loaded with ``ctypes`` (the call releases the GIL); its threads are torch's. Without a
+compiler, or with ``SWITCHBOARD_CPU_ATTENTION=torch``, the torch path is used; ``load()`` says
+which and why.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from switchboard.config import cache_root
+from switchboard.models.native_build import NativeBuildError, build_and_load
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +105,6 @@ int paged_decode_f32(const float *query, const float *kv, const int64_t *block_t
 }
 """
 
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
 _I64 = ctypes.c_int64
 _ARGTYPES: list[type[ctypes._SimpleCData[Any]]] = (
     [ctypes.c_void_p] * 5 + [_I64] * 7 + [ctypes.c_float, _I64]
@@ -122,46 +112,6 @@ _ARGTYPES: list[type[ctypes._SimpleCData[Any]]] = (
 
 _kernel: Callable[..., int] | None = None  # the library's paged_decode_f32
 _status = "not loaded"
-
-
-def _cpu_identity() -> str:
-    """The CPU model and feature flags: ``-march=native`` code is only valid on their like."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags"))]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        return platform.processor() or platform.machine()
-
-
-def _build(compiler: str) -> Path:
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, check=True, timeout=30
-    ).stdout
-    key = hashlib.sha256(
-        "\0".join([SOURCE, " ".join(FLAGS), version, _cpu_identity()]).encode()
-    ).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"paged_decode_{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        source = Path(tmp) / "paged_decode.c"
-        source.write_text(SOURCE)
-        built = Path(tmp) / target.name
-        subprocess.run(
-            [compiler, *FLAGS, str(source), "-o", str(built), "-lm"],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=120,
-        )
-        os.replace(built, target)  # atomic: a concurrent worker sees all of it or nothing
-    logger.info(
-        "CPU decode-attention kernel built in %.1f s: %s", time.monotonic() - started, target
-    )
-    return target
 
 
 def load() -> bool:
@@ -172,16 +122,10 @@ def load() -> bool:
     if os.environ.get("SWITCHBOARD_CPU_ATTENTION", "auto") == "torch":
         _status = "off (SWITCHBOARD_CPU_ATTENTION=torch)"
         return False
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        _status = "unavailable: no C compiler (cc/gcc) on PATH; using torch's attention"
-        logger.info("CPU decode-attention kernel %s", _status)
-        return False
     try:
-        library = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", "") or str(exc)
-        _status = f"unavailable: {detail.strip()[:500]}; using torch's attention"
+        library = build_and_load("paged_decode", SOURCE, "CPU decode-attention kernel")
+    except NativeBuildError as exc:
+        _status = f"unavailable: {exc}; using torch's attention"
         logger.warning("CPU decode-attention kernel %s", _status)
         return False
     function = library.paged_decode_f32

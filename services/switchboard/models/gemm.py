@@ -15,7 +15,11 @@ weight streams through the cache in the order the kernel reads it. Measured one 
 use it, so ``linear`` sends every product on one to oneDNN whatever its size (measured faster
 than MKL on tiny-llama's small products too).
 
-Both kernels compute the same float32 products in a different order: results agree to
+A packed weight may also carry the small-batch kernel's panels (``attach_small_batch``): a
+product of at most ``small_batch_gemm.MAX_ROWS`` rows (decode at low concurrency) then goes to
+that kernel, which reads the weight at the memory's speed (``models/small_batch_gemm.py``).
+
+The kernels compute the same float32 products in a different order: results agree to
 rounding, not bit for bit. ``use_onednn(False)`` (or ``SWITCHBOARD_GEMM=torch``) turns the
 oneDNN path off for the whole process; weights packed before that keep using oneDNN.
 """
@@ -27,6 +31,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from switchboard.models import small_batch_gemm
 
 # Products of at least this many multiply-adds (rows x in x out) go to oneDNN: below it, the
 # per-call lookup costs more than the faster kernel saves (measured 1x256x512: MKL 12 us,
@@ -75,6 +81,18 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
         return _onednn_reorder(weight.detach().contiguous(), PACK_BATCH_HINT)
 
 
+_SMALL_BATCH = "switchboard_small_batch"  # attribute of a packed weight: (panels, out_features)
+
+
+def attach_small_batch(packed: torch.Tensor, dense: torch.Tensor) -> bool:
+    """Give ``packed`` (``pack(dense)``, or the parameter holding it) the small-batch kernel's
+    panels of ``dense``; False when that kernel is not in use."""
+    if not small_batch_gemm.packable(dense):
+        return False
+    setattr(packed, _SMALL_BATCH, (small_batch_gemm.pack(dense), dense.shape[0]))
+    return True
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` through oneDNN where that is faster; ``weight`` may be a
     ``pack``-ed one."""
@@ -82,7 +100,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if weight.is_mkldnn:
         assert onednn is not None  # only oneDNN packs a weight
         rows = x.reshape(-1, x.shape[-1])
-        y = onednn(rows, weight, bias, "none", [], "")
+        small_batch = getattr(weight, _SMALL_BATCH, None)
+        if (
+            small_batch is not None
+            and rows.shape[0] <= small_batch_gemm.MAX_ROWS
+            and rows.dtype == torch.float32
+        ):
+            panels, out_features = small_batch
+            y = small_batch_gemm.linear(rows, panels, out_features, bias)
+        else:
+            y = onednn(rows, weight, bias, "none", [], "")
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
     if (
         _enabled

@@ -4,7 +4,9 @@ Every linear layer's weight is replaced by its ``gemm.pack``-ed copy, so no dens
 behind; the LM head's matrix is packed in place too when it is its own, and packed beside the
 dense one when it is tied to the token embedding (the embedding lookup needs the dense rows).
 Packing runs after the checkpoint is loaded: a packed weight cannot be loaded into, sliced or
-read back, and every step after it multiplies through oneDNN (``models/gemm.py``).
+read back, and every step after it multiplies through oneDNN (``models/gemm.py``). Each packed
+weight also gets the small-batch kernel's panels when that kernel is in use
+(``models/small_batch_gemm.py``: products of up to four rows).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import time
 
 from torch import nn
 
-from switchboard.models import gemm
+from switchboard.models import gemm, small_batch_gemm
 from switchboard.models.layers import Linear
 from switchboard.models.parallel_layers import (
     ParallelLMHead,
@@ -26,12 +28,17 @@ _PACKED_IN_PLACE = (Linear, RowParallelLinear, ParallelLMHead)
 
 def prepack_weights(model: nn.Module) -> tuple[int, float]:
     """Pack ``model``'s matmul weights where oneDNN can take them. Returns (matrices packed,
-    seconds taken); (0, 0.0) when oneDNN is off or the weights are not float32 on CPU."""
+    seconds taken); (0, 0.0) when oneDNN is off or the weights are not float32 on CPU.
+    Packing loads the small-batch kernel (built on first use)."""
     started = time.monotonic()
     packed = 0
+    small_batch = small_batch_gemm.load()
     for module in model.modules():
         if isinstance(module, _PACKED_IN_PLACE) and gemm.packable(module.weight):
-            module.weight = nn.Parameter(gemm.pack(module.weight), requires_grad=False)
+            dense = module.weight
+            module.weight = nn.Parameter(gemm.pack(dense), requires_grad=False)
+            if small_batch:
+                gemm.attach_small_batch(module.weight, dense)
             packed += 1
     head = _logits_head(model)
     if (
@@ -41,6 +48,8 @@ def prepack_weights(model: nn.Module) -> tuple[int, float]:
         and gemm.packable(head.weight)
     ):
         head.packed_logits_weight = gemm.pack(head.weight)
+        if small_batch:
+            gemm.attach_small_batch(head.packed_logits_weight, head.weight)
         packed += 1
     return packed, time.monotonic() - started
 

@@ -7,6 +7,7 @@ import logging
 import torch
 
 from switchboard.config import ModelConfig
+from switchboard.models import small_batch_gemm
 from switchboard.models.hf_config import TransformerConfig, load_transformer_config
 from switchboard.models.loader import load_model, resolve_dtype
 from switchboard.models.parallel import SINGLE_PROCESS, ParallelState
@@ -37,7 +38,13 @@ def load_runner_model(
     model, config = load_model(model_config.model, device, dtype, parallel)
     packed, seconds = prepack_weights(model)
     if packed:
-        logger.info("%spacked %d weight matrices for oneDNN in %.2f s", log_prefix, packed, seconds)
+        logger.info(
+            "%spacked %d weight matrices for oneDNN in %.2f s; small-batch matmul kernel %s",
+            log_prefix,
+            packed,
+            seconds,
+            small_batch_gemm.status(),
+        )
     return model, config, dtype
 
 

@@ -1,0 +1,85 @@
+"""Build a small C kernel with the machine's compiler once, cache it, and load it.
+
+``cc -O3 -march=native -fopenmp``: the code is valid only on CPUs like this one, so the cached
+library is keyed by the source, the flags, the compiler's version and the CPU model and
+feature flags (under ``<cache>/kernels/``). ``-fopenmp`` links ``libgomp.so.1``, the runtime
+torch has already loaded, so a kernel's threads are torch's (``torch.set_num_threads``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from switchboard.config import cache_root
+
+logger = logging.getLogger(__name__)
+
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
+
+
+class NativeBuildError(Exception):
+    """No compiler, or the source did not compile or load; the message says which."""
+
+
+def cpu_identity() -> str:
+    """The CPU model and feature flags: ``-march=native`` code is only valid on their like."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def build_and_load(name: str, source: str, what: str) -> ctypes.CDLL:
+    """The library built from ``source`` (cached as ``<name>_<key>.so``); ``what`` names it in
+    the log. Raises :class:`NativeBuildError`."""
+    cc = compiler()
+    if cc is None:
+        raise NativeBuildError("no C compiler (cc/gcc) on PATH")
+    try:
+        return ctypes.CDLL(str(_build(cc, name, source, what)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or str(exc)
+        raise NativeBuildError(detail.strip()[:500]) from exc
+
+
+def _build(cc: str, name: str, source: str, what: str) -> Path:
+    version = subprocess.run(
+        [cc, "--version"], capture_output=True, text=True, check=True, timeout=30
+    ).stdout
+    key = hashlib.sha256(
+        "\0".join([source, " ".join(FLAGS), version, cpu_identity()]).encode()
+    ).hexdigest()[:16]
+    target = cache_root() / "kernels" / f"{name}_{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        source_path = Path(tmp) / f"{name}.c"
+        source_path.write_text(source)
+        built = Path(tmp) / target.name
+        subprocess.run(
+            [cc, *FLAGS, str(source_path), "-o", str(built), "-lm"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        )
+        os.replace(built, target)  # atomic: a concurrent worker sees all of it or nothing
+    logger.info("%s built in %.1f s: %s", what, time.monotonic() - started, target)
+    return target

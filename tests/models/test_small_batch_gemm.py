@@ -1,0 +1,110 @@
+"""The small-batch matmul kernel: what F.linear computes (to rounding) for one to four rows,
+any shape, with or without a bias; each row's result independent of the rows beside it;
+``gemm.linear`` sends packed products of at most four rows to it; it can be turned off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from switchboard.models import gemm, small_batch_gemm
+from switchboard.models.layers import Linear
+from switchboard.models.loader import load_model
+from switchboard.models.parallel_layers import RowParallelLinear
+from switchboard.models.prepack import prepack_weights
+from tests.tiny_checkpoint import tiny_llama_dir
+
+
+@pytest.fixture
+def kernel():
+    small_batch_gemm.unload()
+    assert small_batch_gemm.load(), small_batch_gemm.status()  # this machine has AVX2 and cc
+    yield
+    small_batch_gemm.unload()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize(("out_features", "in_features"), [(1, 1), (15, 7), (17, 64), (96, 33)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_f_linear(kernel, rows, out_features, in_features, with_bias):
+    torch.manual_seed(rows * 1000 + out_features + in_features)
+    weight = torch.randn(out_features, in_features)
+    bias = torch.randn(out_features) if with_bias else None
+    x = torch.randn(rows, in_features)
+    panels = small_batch_gemm.pack(weight)
+    assert panels.numel() == -(-out_features // 16) * 16 * in_features
+    got = small_batch_gemm.linear(x, panels, out_features, bias)
+    torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_does_not_depend_on_its_neighbours(kernel):
+    torch.manual_seed(0)
+    weight, x = torch.randn(200, 300), torch.randn(4, 300)
+    panels = small_batch_gemm.pack(weight)
+    together = small_batch_gemm.linear(x, panels, 200)
+    for row in range(4):
+        alone = small_batch_gemm.linear(x[row : row + 1], panels, 200)
+        assert torch.equal(alone[0], together[row])  # bit for bit
+
+
+def test_strided_rows_and_too_many_rows(kernel):
+    torch.manual_seed(1)
+    weight = torch.randn(40, 24)
+    panels = small_batch_gemm.pack(weight)
+    wide = torch.randn(3, 48)
+    x = wide[:, ::2]  # a column stride of 2: copied
+    torch.testing.assert_close(small_batch_gemm.linear(x, panels, 40), F.linear(x, weight))
+    x = wide[:, :24]  # a row stride of 48: read in place
+    torch.testing.assert_close(small_batch_gemm.linear(x, panels, 40), F.linear(x, weight))
+    assert small_batch_gemm.linear(torch.randn(0, 24), panels, 40).shape == (0, 40)
+    with pytest.raises(ValueError, match="at most 4"):
+        small_batch_gemm.linear(torch.randn(5, 24), panels, 40)
+
+
+@pytest.mark.skipif(gemm._onednn_reorder is None, reason="this torch build cannot pack weights")
+def test_gemm_linear_takes_it_up_to_four_rows(kernel):
+    torch.manual_seed(2)
+    weight, bias = torch.randn(64, 32), torch.randn(64)
+    packed = gemm.pack(weight)
+    assert gemm.attach_small_batch(packed, weight)
+    panels = small_batch_gemm.pack(weight)
+    for rows in (1, 4, 5, 9):
+        x = torch.randn(rows, 32)
+        got = gemm.linear(x, packed, bias)
+        torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+        if rows <= small_batch_gemm.MAX_ROWS:
+            assert torch.equal(got, small_batch_gemm.linear(x, panels, 64, bias))
+    x3 = torch.randn(1, 2, 32)  # leading dims are flattened and restored
+    assert gemm.linear(x3, packed).shape == (1, 2, 64)
+
+
+@pytest.mark.skipif(gemm._onednn_reorder is None, reason="this torch build cannot pack weights")
+@pytest.mark.parametrize("tied", [True, False])
+def test_prepack_gives_every_packed_weight_panels(kernel, tied):
+    model, config = load_model(
+        tiny_llama_dir(tie_word_embeddings=tied), torch.device("cpu"), torch.float32
+    )
+    torch.manual_seed(3)
+    hidden = torch.randn(2, config.hidden_size)
+    with torch.inference_mode():
+        before = model.compute_logits(hidden)
+    prepack_weights(model)
+    linears = [m for m in model.modules() if isinstance(m, Linear | RowParallelLinear)]
+    assert linears and all(hasattr(m.weight, gemm._SMALL_BATCH) for m in linears)
+    head = model.model.embed_tokens if tied else model.lm_head
+    logits_weight = head.logits_weight()
+    assert logits_weight.is_mkldnn and hasattr(logits_weight, gemm._SMALL_BATCH)
+    with torch.inference_mode():
+        torch.testing.assert_close(model.compute_logits(hidden), before, rtol=1e-5, atol=1e-4)
+
+
+def test_can_be_turned_off(monkeypatch):
+    small_batch_gemm.unload()
+    monkeypatch.setenv("SWITCHBOARD_SMALL_BATCH_GEMM", "off")
+    assert not small_batch_gemm.load()
+    assert "off" in small_batch_gemm.status()
+    weight = torch.randn(8, 8)
+    assert not small_batch_gemm.packable(weight)
+    if gemm._onednn_reorder is not None:
+        assert not gemm.attach_small_batch(gemm.pack(weight), weight)
