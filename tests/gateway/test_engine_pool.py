@@ -17,10 +17,16 @@ from switchboard.gateway.engines.pool import (
     choose_engine,
     engine_score,
 )
-from switchboard.gateway.engines.types import EngineHandle, EngineState
+from switchboard.gateway.engines.types import EngineHandle, EngineState, RequestFailed
 from switchboard.gateway.errors import ApiError
 from switchboard.wire import zmq_channel
-from switchboard.wire.engine_msgs import EngineLoad, EngineReady, LoadReport, SchedulerStats
+from switchboard.wire.engine_msgs import (
+    EngineCoreRequest,
+    EngineLoad,
+    EngineReady,
+    LoadReport,
+    SchedulerStats,
+)
 
 WAIT_S = 30.0
 
@@ -157,3 +163,31 @@ async def test_no_wait_without_resume_or_for_a_stalled_engine() -> None:
     with pytest.raises(ApiError) as error:
         await asyncio.wait_for(stalled.wait_until_routable(WAIT_S), 1.0)
     assert "worker rank 0 (pid 4321) has not answered a step" in error.value.message
+
+
+async def test_an_add_that_cannot_be_sent_fails_over_like_a_cut_off_stream(tmp_path) -> None:
+    """The chosen engine's connection is gone (its process died a moment ago): the send fails,
+    the engine is marked dead, and the request waits to be resumed, or with resume off ends
+    UNAVAILABLE saying it delivered nothing; add_request itself never raises for it."""
+    for resume_timeout_s in (WAIT_S, 0.0):
+        client = EngineClient(
+            f"ipc://{tmp_path}/in-{resume_timeout_s}",
+            f"ipc://{tmp_path}/out-{resume_timeout_s}",
+            resume_timeout_s=resume_timeout_s,
+        )
+        await client.start()
+        try:
+            client.engines = {0: handle(0)}  # READY once, no longer connected
+            request = EngineCoreRequest(request_id="r1", prompt_token_ids=[1, 2, 3])
+            channel = client.add_request(request)
+            assert not client.engines[0].alive
+            if resume_timeout_s:
+                assert client.is_live("r1") and client.restart_expected  # waits to resume
+                client.abort(["r1"])
+            else:
+                event = await asyncio.wait_for(channel.get(), WAIT_S)
+                assert isinstance(event, RequestFailed)
+                assert event.error.code == grpc.StatusCode.UNAVAILABLE
+                assert "0 tokens were delivered" in event.error.message
+        finally:
+            await client.close()

@@ -108,3 +108,12 @@ def test_can_be_turned_off(monkeypatch):
     assert not small_batch_gemm.packable(weight)
     if gemm._onednn_reorder is not None:
         assert not gemm.attach_small_batch(gemm.pack(weight), weight)
+
+
+def test_without_a_compiler_onednn_keeps_every_size(tmp_path, monkeypatch):
+    monkeypatch.setenv("SWITCHBOARD_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    small_batch_gemm.unload()
+    assert not small_batch_gemm.load()
+    assert small_batch_gemm.status().startswith("unavailable")
+    small_batch_gemm.unload()

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from switchboard.models.native_build import NativeBuildError, build_and_load
+from switchboard.models.native_build import NativeBuildError, NoCompiler, build_and_load
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,8 @@ def load() -> bool:
         library = build_and_load("paged_decode", SOURCE, "CPU decode-attention kernel")
     except NativeBuildError as exc:
         _status = f"unavailable: {exc}; using torch's attention"
-        logger.warning("CPU decode-attention kernel %s", _status)
+        log = logger.info if isinstance(exc, NoCompiler) else logger.warning
+        log("CPU decode-attention kernel %s", _status)
         return False
     function = library.paged_decode_f32
     function.argtypes = _ARGTYPES

@@ -30,6 +30,10 @@ class NativeBuildError(Exception):
     """No compiler, or the source did not compile or load; the message says which."""
 
 
+class NoCompiler(NativeBuildError):
+    """No C compiler on this host (a slim image): expected, not a fault."""
+
+
 def cpu_identity() -> str:
     """The CPU model and feature flags: ``-march=native`` code is only valid on their like."""
     try:
@@ -49,7 +53,7 @@ def build_and_load(name: str, source: str, what: str) -> ctypes.CDLL:
     the log. Raises :class:`NativeBuildError`."""
     cc = compiler()
     if cc is None:
-        raise NativeBuildError("no C compiler (cc/gcc) on PATH")
+        raise NoCompiler("no C compiler (cc/gcc) on PATH")
     try:
         return ctypes.CDLL(str(_build(cc, name, source, what)))
     except (OSError, subprocess.SubprocessError) as exc:

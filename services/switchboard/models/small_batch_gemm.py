@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from switchboard.models.native_build import NativeBuildError, build_and_load
+from switchboard.models.native_build import NativeBuildError, NoCompiler, build_and_load
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,8 @@ def load() -> bool:
         library = build_and_load("small_batch_gemm", SOURCE, "small-batch matmul kernel")
     except NativeBuildError as exc:
         _status = f"unavailable: {exc}"
-        logger.warning("small-batch matmul kernel %s", _status)
+        log = logger.info if isinstance(exc, NoCompiler) else logger.warning
+        log("small-batch matmul kernel %s", _status)
         return False
     library.small_batch_pack.argtypes = [_VOID, _VOID, _I64, _I64]
     library.small_batch_pack.restype = None

@@ -268,17 +268,15 @@ class EngineClient:
                 reason="DUPLICATE_REQUEST_ID",
                 field="request_id",
             )
-        while True:  # a failed send marks that engine dead: the next choice is another one
-            engine = choose_engine(self.engines, request.data_parallel_rank, self._rng)
-            if not self._send(engine, RequestType.ADD, request):
-                if request.data_parallel_rank is not None:
-                    raise unavailable(f"engine {engine.engine_id} is unreachable")
-                continue
-            channel = RequestChannel(request.request_id, engine, request)
-            self._requests[request.request_id] = channel
-            engine.num_requests += 1
-            engine.added_since_load += 1
-            return channel
+        engine = choose_engine(self.engines, request.data_parallel_rank, self._rng)
+        channel = RequestChannel(request.request_id, engine, request)
+        self._requests[request.request_id] = channel
+        engine.num_requests += 1
+        engine.added_since_load += 1
+        # A failed send marks the engine dead, which fails its requests over, this one too:
+        # it is then sent to the next engine that takes it, as a stream cut off is (resume).
+        self._send(engine, RequestType.ADD, request)
+        return channel
 
     def abort(self, request_ids: list[str], reason: str = "aborted") -> list[str]:
         """Abort in-flight requests: ABORT to their engines, RequestAborted to their channels.
