@@ -73,7 +73,7 @@ def test_gemm_linear_takes_it_up_to_four_rows(kernel):
         x = torch.randn(rows, 32)
         got = gemm.linear(x, packed, bias)
         torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
-        if rows <= small_batch_gemm.MAX_ROWS:
+        if rows <= small_batch_gemm.max_rows:
             assert torch.equal(got, small_batch_gemm.linear(x, panels, 64, bias))
     x3 = torch.randn(1, 2, 32)  # leading dims are flattened and restored
     assert gemm.linear(x3, packed).shape == (1, 2, 64)

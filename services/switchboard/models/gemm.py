@@ -16,7 +16,7 @@ use it, so ``linear`` sends every product on one to oneDNN whatever its size (me
 than MKL on tiny-llama's small products too).
 
 A packed weight may also carry the small-batch kernel's panels (``attach_small_batch``): a
-product of at most ``small_batch_gemm.MAX_ROWS`` rows (decode at low concurrency) then goes to
+product of at most ``small_batch_gemm.max_rows`` rows (decode at low concurrency) then goes to
 that kernel, which reads the weight at the memory's speed (``models/small_batch_gemm.py``).
 
 The kernels compute the same float32 products in a different order: results agree to
@@ -103,7 +103,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         small_batch = getattr(weight, _SMALL_BATCH, None)
         if (
             small_batch is not None
-            and rows.shape[0] <= small_batch_gemm.MAX_ROWS
+            and rows.shape[0] <= small_batch_gemm.max_rows
             and rows.dtype == torch.float32
         ):
             panels, out_features = small_batch

@@ -12,7 +12,7 @@ two threads, a SmolLM2-135M-shaped stack (30 layers and the LM head, cold weight
     this kernel     16.3   17.3   19.0   20.7  ms
 
 and 2.4x / 1.9x / 1.8x / 1.4x faster on tiny-llama's small matrices. From about eight rows
-oneDNN is as fast or faster, so ``gemm.linear`` uses this only up to ``MAX_ROWS``.
+oneDNN is as fast or faster, so ``gemm.linear`` uses this only up to ``max_rows``.
 
 Every output is one fused multiply-add chain over the inputs in order, so a row's result does
 not depend on which rows share the call (batch-invariant). The panels are a second copy of
@@ -34,14 +34,25 @@ from switchboard.models.native_build import NativeBuildError, NoCompiler, build_
 
 logger = logging.getLogger(__name__)
 
-MAX_ROWS = 4
 PANEL = 16
+# Rows one call takes, read from the library at load (8 with AVX-512's registers, else 4);
+# 0 while the kernel is not loaded.
+max_rows = 0
 
 SOURCE = r"""
 #include <immintrin.h>
 #include <stdint.h>
 
 #define PW 16 /* output columns per panel: two AVX2 vectors */
+/* Rows per call: the sums take two vector registers per row; AVX-512's 32 registers hold eight
+   rows' worth with room to spare, AVX2's 16 only four. */
+#ifdef __AVX512VL__
+#define MAX_ROWS 8
+#else
+#define MAX_ROWS 4
+#endif
+
+int small_batch_max_rows(void) { return MAX_ROWS; }
 
 /* weight [N, K] row-major -> panels [ceil(N / 16), K, 16], zero-padded past N */
 void small_batch_pack(const float *w, float *p, int64_t N, int64_t K) {
@@ -55,34 +66,39 @@ void small_batch_pack(const float *w, float *p, int64_t N, int64_t K) {
             }
 }
 
-/* R rows times one panel; R is a constant where it is inlined, so the sums stay in registers */
+/* R rows times one panel, R a constant where it is inlined. The sums are named variables:
+   GCC kept an array of them on the stack, storing eight vectors on every step of k. */
+#define ROW_FMA(r)                                                                       \
+    if (R > r) {                                                                         \
+        const __m256 b = _mm256_broadcast_ss(x + r * ldx + k);                           \
+        lo##r = _mm256_fmadd_ps(b, w0, lo##r);                                           \
+        hi##r = _mm256_fmadd_ps(b, w1, hi##r);                                           \
+    }
+#define ROW_STORE(r)                                                                     \
+    if (R > r) {                                                                         \
+        _mm256_storeu_ps(t, lo##r);                                                      \
+        _mm256_storeu_ps(t + 8, hi##r);                                                  \
+        for (int64_t j = 0; j < ncols; j++) y[r * ldy + j] = bias ? t[j] + bias[j] : t[j]; \
+    }
 static inline __attribute__((always_inline)) void panel_rows(
     const int R, const float *x, int64_t ldx, const float *p, int64_t K, float *y, int64_t ldy,
     int64_t ncols, const float *bias) {
-    __m256 lo[4], hi[4];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_ps();
+    __m256 lo0 = _mm256_setzero_ps(), hi0 = lo0, lo1 = lo0, hi1 = lo0, lo2 = lo0, hi2 = lo0,
+           lo3 = lo0, hi3 = lo0, lo4 = lo0, hi4 = lo0, lo5 = lo0, hi5 = lo0, lo6 = lo0,
+           hi6 = lo0, lo7 = lo0, hi7 = lo0;
     for (int64_t k = 0; k < K; k++) {
         const __m256 w0 = _mm256_loadu_ps(p + k * PW), w1 = _mm256_loadu_ps(p + k * PW + 8);
-#pragma GCC unroll 4
-        for (int r = 0; r < R; r++) {
-            const __m256 b = _mm256_broadcast_ss(x + r * ldx + k);
-            lo[r] = _mm256_fmadd_ps(b, w0, lo[r]);
-            hi[r] = _mm256_fmadd_ps(b, w1, hi[r]);
-        }
+        ROW_FMA(0) ROW_FMA(1) ROW_FMA(2) ROW_FMA(3) ROW_FMA(4) ROW_FMA(5) ROW_FMA(6) ROW_FMA(7)
     }
     float t[PW];
-    for (int r = 0; r < R; r++) {
-        _mm256_storeu_ps(t, lo[r]);
-        _mm256_storeu_ps(t + 8, hi[r]);
-        for (int64_t j = 0; j < ncols; j++) y[r * ldy + j] = bias ? t[j] + bias[j] : t[j];
-    }
+    ROW_STORE(0) ROW_STORE(1) ROW_STORE(2) ROW_STORE(3)
+    ROW_STORE(4) ROW_STORE(5) ROW_STORE(6) ROW_STORE(7)
 }
 
 /* y [M, N] = x [M, K] (row stride ldx) @ weight^T (+ bias); 1 <= M <= 4, else -1 */
 int small_batch_linear(const float *x, int64_t ldx, const float *p, const float *bias, float *y,
                        int64_t M, int64_t K, int64_t N) {
-    if (M < 1 || M > 4) return -1;
+    if (M < 1 || M > small_batch_max_rows()) return -1;
     const int64_t panels = (N + PW - 1) / PW;
 #pragma omp parallel for schedule(static)
     for (int64_t q = 0; q < panels; q++) {
@@ -93,7 +109,13 @@ int small_batch_linear(const float *x, int64_t ldx, const float *p, const float 
             case 1: panel_rows(1, x, ldx, pq, K, yq, N, ncols, bq); break;
             case 2: panel_rows(2, x, ldx, pq, K, yq, N, ncols, bq); break;
             case 3: panel_rows(3, x, ldx, pq, K, yq, N, ncols, bq); break;
-            default: panel_rows(4, x, ldx, pq, K, yq, N, ncols, bq); break;
+            case 4: panel_rows(4, x, ldx, pq, K, yq, N, ncols, bq); break;
+#if MAX_ROWS > 4
+            case 5: panel_rows(5, x, ldx, pq, K, yq, N, ncols, bq); break;
+            case 6: panel_rows(6, x, ldx, pq, K, yq, N, ncols, bq); break;
+            case 7: panel_rows(7, x, ldx, pq, K, yq, N, ncols, bq); break;
+            default: panel_rows(8, x, ldx, pq, K, yq, N, ncols, bq); break;
+#endif
         }
     }
     return 0;
@@ -109,7 +131,7 @@ _status = "not loaded"
 
 def load() -> bool:
     """Build (once per machine) and load the kernel; True when it is in use. Idempotent."""
-    global _pack, _linear, _status
+    global _pack, _linear, _status, max_rows
     if _linear is not None:
         return True
     if os.environ.get("SWITCHBOARD_SMALL_BATCH_GEMM", "auto") == "off":
@@ -129,8 +151,11 @@ def load() -> bool:
     library.small_batch_pack.restype = None
     library.small_batch_linear.argtypes = [_VOID, _I64, _VOID, _VOID, _VOID, _I64, _I64, _I64]
     library.small_batch_linear.restype = ctypes.c_int
+    library.small_batch_max_rows.argtypes = []
+    library.small_batch_max_rows.restype = ctypes.c_int
     _pack, _linear = library.small_batch_pack, library.small_batch_linear
-    _status = "in use"
+    max_rows = library.small_batch_max_rows()
+    _status = f"in use (up to {max_rows} rows)"
     return True
 
 
@@ -140,8 +165,9 @@ def status() -> str:
 
 def unload() -> None:
     """Back to oneDNN alone (tests compare the two)."""
-    global _pack, _linear, _status
+    global _pack, _linear, _status, max_rows
     _pack = _linear = None
+    max_rows = 0
     _status = "not loaded"
 
 
@@ -180,7 +206,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def linear(
     x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``x @ W^T + b`` for ``x`` ``[0 <= rows <= MAX_ROWS, in]`` float32 on CPU."""
+    """``x @ W^T + b`` for ``x`` ``[0 <= rows <= max_rows, in]`` float32 on CPU."""
     assert _linear is not None, "small_batch_gemm.linear before load()"
     rows, in_features = x.shape
     if x.stride(1) != 1:
@@ -201,5 +227,5 @@ def linear(
         out_features,
     )
     if code != 0:
-        raise ValueError(f"small-batch matmul: {rows} rows (at most {MAX_ROWS})")
+        raise ValueError(f"small-batch matmul: {rows} rows (at most {max_rows})")
     return y
