@@ -1,6 +1,7 @@
-"""The small-batch matmul kernel: what F.linear computes (to rounding) for one to four rows,
+"""The small-batch matmul kernel: what F.linear computes (to rounding) for one to eight rows,
 any shape, with or without a bias; each row's result independent of the rows beside it;
-``gemm.linear`` sends packed products of at most four rows to it; it can be turned off."""
+``gemm.linear`` sends packed products of at most ``max_rows`` rows to it (8 with AVX-512's
+registers, else 4); it can be turned off."""
 
 from __future__ import annotations
 
@@ -24,10 +25,12 @@ def kernel():
     small_batch_gemm.unload()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize(("out_features", "in_features"), [(1, 1), (15, 7), (17, 64), (96, 33)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_f_linear(kernel, rows, out_features, in_features, with_bias):
+    if rows > small_batch_gemm.max_rows:
+        pytest.skip(f"this CPU's kernel takes at most {small_batch_gemm.max_rows} rows")
     torch.manual_seed(rows * 1000 + out_features + in_features)
     weight = torch.randn(out_features, in_features)
     bias = torch.randn(out_features) if with_bias else None
@@ -40,10 +43,11 @@ def test_matches_f_linear(kernel, rows, out_features, in_features, with_bias):
 
 def test_a_row_does_not_depend_on_its_neighbours(kernel):
     torch.manual_seed(0)
-    weight, x = torch.randn(200, 300), torch.randn(4, 300)
+    rows = small_batch_gemm.max_rows
+    weight, x = torch.randn(200, 300), torch.randn(rows, 300)
     panels = small_batch_gemm.pack(weight)
     together = small_batch_gemm.linear(x, panels, 200)
-    for row in range(4):
+    for row in range(rows):
         alone = small_batch_gemm.linear(x[row : row + 1], panels, 200)
         assert torch.equal(alone[0], together[row])  # bit for bit
 
@@ -58,18 +62,20 @@ def test_strided_rows_and_too_many_rows(kernel):
     x = wide[:, :24]  # a row stride of 48: read in place
     torch.testing.assert_close(small_batch_gemm.linear(x, panels, 40), F.linear(x, weight))
     assert small_batch_gemm.linear(torch.randn(0, 24), panels, 40).shape == (0, 40)
-    with pytest.raises(ValueError, match="at most 4"):
-        small_batch_gemm.linear(torch.randn(5, 24), panels, 40)
+    too_many = small_batch_gemm.max_rows + 1  # 8 with AVX-512, else 4
+    assert small_batch_gemm.max_rows in (4, 8)
+    with pytest.raises(ValueError, match=f"at most {too_many - 1}"):
+        small_batch_gemm.linear(torch.randn(too_many, 24), panels, 40)
 
 
 @pytest.mark.skipif(gemm._onednn_reorder is None, reason="this torch build cannot pack weights")
-def test_gemm_linear_takes_it_up_to_four_rows(kernel):
+def test_gemm_linear_takes_it_up_to_its_rows(kernel):
     torch.manual_seed(2)
     weight, bias = torch.randn(64, 32), torch.randn(64)
     packed = gemm.pack(weight)
     assert gemm.attach_small_batch(packed, weight)
     panels = small_batch_gemm.pack(weight)
-    for rows in (1, 4, 5, 9):
+    for rows in (1, 4, 5, 8, 9, 17):
         x = torch.randn(rows, 32)
         got = gemm.linear(x, packed, bias)
         torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)

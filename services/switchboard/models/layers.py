@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from switchboard.models import fused_ops
 from switchboard.models.gemm import linear
 from switchboard.models.hf_config import RopeConfig
 
@@ -27,9 +28,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = fused_ops.rms_norm(x, self.weight, self.eps)  # float32 on CPU: one C call
+        if fused is not None:
+            return fused
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # the same arithmetic as below in one fused op (measured 7 us less per call on
-            # CPU, bit-identical results); other dtypes keep the reference's float32 detour
+            # the same arithmetic as below in one op (measured 7 us less per call on CPU,
+            # bit-identical results); other dtypes keep the reference's float32 detour
             return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
         input_dtype = x.dtype
         x32 = x.to(torch.float32)
@@ -197,7 +201,10 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` of shape ``[num_tokens, heads, head_dim]`` by half-dimension ``cos``/``sin``
     (``RotaryEmbedding.cos_sin``): the same products and sums as HF's
-    ``x * cos + rotate_half(x) * sin`` on duplicated angles, so the same floats."""
+    ``x * cos + rotate_half(x) * sin`` on duplicated angles, so the same floats. Float32 on
+    CPU rotates ``x`` in place, in one C call (``fused_ops``), and returns it."""
+    if fused_ops.rotary_(x, cos, sin):
+        return x
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     cos, sin = cos[:, None, :], sin[:, None, :]

@@ -1,18 +1,19 @@
-"""Matmuls of one to four rows (decode at low concurrency) at the memory's speed: a C kernel.
+"""Matmuls of a few rows (decode at low concurrency) at the memory's speed: a C kernel.
 
 A decode step of one request multiplies one row by every weight matrix: the work is reading
 the weights, and oneDNN's kernels (``models/gemm.py``) read them at about half the memory's
-speed on a 2-core AVX2 EPYC. This kernel streams each weight once, in panels of 16 output
-columns laid out for it (``[ceil(out / 16), in, 16]``, made at load by ``pack``), and keeps the
-rows' sums in registers: two AVX2 vectors per row, up to four rows. Measured on that machine,
-two threads, a SmolLM2-135M-shaped stack (30 layers and the LM head, cold weights):
+speed on a 2-core EPYC. This kernel streams each weight once, in panels of 16 output columns
+laid out for it (``[ceil(out / 16), in, 16]``, made at load by ``pack``), and keeps the rows'
+sums in registers: two AVX2 vectors per row, up to ``max_rows`` rows (8 where AVX-512's 32
+vector registers hold them, else 4). Measured on that machine (it has AVX-512), two threads, a
+SmolLM2-135M-shaped stack (30 layers and the LM head, cold weights), ms:
 
-    rows            1      2      3      4
-    oneDNN packed   24.7   28.1   23.7   22.8  ms
-    this kernel     16.3   17.3   19.0   20.7  ms
+    rows            1      2      4      6      8
+    oneDNN packed   25.7   29.7   23.6   22.9   27.7
+    this kernel     17.1   17.8   20.0   22.0   24.3
 
-and 2.4x / 1.9x / 1.8x / 1.4x faster on tiny-llama's small matrices. From about eight rows
-oneDNN is as fast or faster, so ``gemm.linear`` uses this only up to ``max_rows``.
+and 2.5x / 2.3x / 1.6x / 1.5x / 1.6x faster on tiny-llama's small matrices. From about eight
+rows oneDNN is as fast or faster, so ``gemm.linear`` uses this only up to ``max_rows``.
 
 Every output is one fused multiply-add chain over the inputs in order, so a row's result does
 not depend on which rows share the call (batch-invariant). The panels are a second copy of

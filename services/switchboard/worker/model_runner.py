@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from switchboard.config import ModelConfig
-from switchboard.models import cpu_decode_kernel
+from switchboard.models import cpu_decode_kernel, fused_ops
 from switchboard.models.attention import REFERENCE, AttentionBackend, new_kv_cache
 from switchboard.models.attention_backends import select_backend
 from switchboard.models.hf_config import TransformerConfig
@@ -90,6 +90,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             cpu_decode_kernel.load()
             logger.info("decode attention: CPU paged kernel %s", cpu_decode_kernel.status())
+            fused_ops.load()
+            logger.info("norms, rotary and SiLU: fused CPU kernels %s", fused_ops.status())
         return self.summary()
 
     def summary(self) -> ModelSummary:

@@ -1,0 +1,88 @@
+"""The fused CPU layer operations: RMSNorm to float32 rounding of torch's, the rotary
+embedding bit for bit (in place, on a view into the fused QKV output), small and large inputs
+(the large ones on torch's threads), other inputs left to torch, and an off switch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from switchboard.models import fused_ops
+from switchboard.models.layers import RMSNorm, apply_rotary
+
+
+@pytest.fixture
+def kernels():
+    fused_ops.unload()
+    assert fused_ops.load(), fused_ops.status()  # this machine has a C compiler
+    yield
+    fused_ops.unload()
+
+
+def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(variance + eps))
+
+
+def _torch_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+@pytest.mark.parametrize(("rows", "hidden"), [(1, 8), (3, 576), (8, 1000), (300, 576)])
+def test_rms_norm_matches_torch(kernels, rows, hidden):
+    torch.manual_seed(rows + hidden)
+    x, weight = torch.randn(rows, hidden) * 3, torch.randn(hidden)
+    got = fused_ops.rms_norm(x, weight, 1e-6)
+    assert got is not None
+    torch.testing.assert_close(got, _torch_rms_norm(x, weight, 1e-6), rtol=2e-6, atol=2e-6)
+    wide = torch.randn(rows, hidden + 5)[:, :hidden]  # rows at a stride: read in place
+    got = fused_ops.rms_norm(wide, weight, 1e-6)
+    assert got is not None
+    torch.testing.assert_close(got, _torch_rms_norm(wide, weight, 1e-6), rtol=2e-6, atol=2e-6)
+
+
+def test_rms_norm_module_uses_it_and_matches(kernels):
+    norm = RMSNorm(64, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64))
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(norm(x), _torch_rms_norm(x, norm.weight, 1e-5))
+
+
+@pytest.mark.parametrize(("tokens", "heads"), [(1, 2), (7, 9), (600, 8)])
+def test_rotary_in_place_on_a_qkv_view_is_bit_identical(kernels, tokens, heads):
+    torch.manual_seed(tokens * heads)
+    head_dim, kv_heads = 64, 3
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
+    cos, sin = torch.randn(tokens, head_dim // 2), torch.randn(tokens, head_dim // 2)
+    query = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    key = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, -1)
+    value_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
+    expected_q, expected_k = _torch_rotary(query, cos, sin), _torch_rotary(key, cos, sin)
+    assert apply_rotary(query, cos, sin) is query  # in place
+    assert apply_rotary(key, cos, sin) is key
+    assert torch.equal(query, expected_q) and torch.equal(key, expected_k)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], value_before)  # untouched
+
+
+def test_other_inputs_are_left_to_torch(kernels):
+    x = torch.randn(4, 16, dtype=torch.float64)
+    assert fused_ops.rms_norm(x, torch.randn(16, dtype=torch.float64), 1e-6) is None
+    assert fused_ops.rms_norm(torch.randn(4, 16).t(), torch.randn(4), 1e-6) is None
+    assert not fused_ops.rotary_(torch.randn(2, 3, 8).transpose(0, 1), *torch.randn(2, 3, 4))
+    bf16 = torch.randn(2, 3, 8, dtype=torch.bfloat16)
+    cos, sin = torch.randn(2, 4, dtype=torch.bfloat16), torch.randn(2, 4, dtype=torch.bfloat16)
+    expected = _torch_rotary(bf16, cos, sin)
+    assert torch.equal(apply_rotary(bf16, cos, sin), expected)  # torch's path, a new tensor
+
+
+def test_can_be_turned_off(monkeypatch):
+    fused_ops.unload()
+    monkeypatch.setenv("SWITCHBOARD_FUSED_OPS", "off")
+    assert not fused_ops.load()
+    assert "off" in fused_ops.status()
+    assert fused_ops.rms_norm(torch.randn(2, 8), torch.randn(8), 1e-6) is None
+    assert not fused_ops.rotary_(torch.randn(2, 3, 8), torch.randn(2, 4), torch.randn(2, 4))
