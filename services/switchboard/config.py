@@ -59,7 +59,7 @@ class CacheConfig(_Config, frozen=True):
 
 
 class SchedulerConfig(_Config, frozen=True):
-    max_num_seqs: int = 64
+    max_num_seqs: int = 256  # as vLLM's server default: 64 queued half of 128 clients
     max_num_batched_tokens: int = 2048
     long_prefill_token_threshold: int = 0  # 0 = no cap on one request's chunk
     scheduling_policy: str = "fcfs"  # fcfs | priority
