@@ -234,13 +234,17 @@ class EngineClient:
             and any(not e.alive for e in self.engines.values())
         )
 
-    async def wait_until_routable(self, timeout_s: float) -> None:
+    async def wait_until_routable(self, time_remaining: float | None) -> None:
         """Return once some engine takes new requests. While none does because an engine died
-        (``restart_expected``), wait up to ``timeout_s`` for it to come back; otherwise, and
-        after that, raise UNAVAILABLE saying why. A stalled worker is refused at once: its
-        engine is alive and may stay stalled for good."""
+        (``restart_expected``), wait for it to come back — at most ``resume_timeout_s`` and the
+        call's ``time_remaining`` (None: no deadline); otherwise, and after that, raise
+        UNAVAILABLE saying why. A stalled worker is refused at once: its engine is alive and
+        may stay stalled for good."""
         started = time.monotonic()
-        deadline = started + min(timeout_s, self.resume_timeout_s)
+        bound = self.resume_timeout_s
+        if time_remaining is not None:
+            bound = min(bound, max(0.0, time_remaining))
+        deadline = started + bound
         while self.restart_expected and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         try:

@@ -253,7 +253,7 @@ class GenerateCalls:
             bad_words_token_ids=bad_words_token_ids,
         )
         # an engine that died is being restarted: wait for it (bounded by the call's deadline)
-        await state.engines.wait_until_routable(_time_left(context))
+        await state.engines.wait_until_routable(context.time_remaining())
         observer.submitting(plan, engine_request)  # with tracing: the engine's trace context
         channels = submit_children(
             state.engines.add_request,
@@ -265,8 +265,3 @@ class GenerateCalls:
             for index in range(len(channels))
         ]
         return SequenceGroup(streams, channels, observer.timeline)
-
-
-def _time_left(context: CallContext) -> float:
-    remaining = context.time_remaining()
-    return float("inf") if remaining is None else max(0.0, remaining)

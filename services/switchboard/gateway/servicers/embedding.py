@@ -165,10 +165,7 @@ class Embedder:
                 raise unavailable("no engine core is ready")
             token_ids = await state.in_pool(tokenize_inputs, state.tokenizer, plan.inputs)
             prompts = resolve_inputs(plan, token_ids, state.facts)
-            remaining = context.time_remaining()
-            await state.engines.wait_until_routable(
-                float("inf") if remaining is None else max(0.0, remaining)
-            )
+            await state.engines.wait_until_routable(context.time_remaining())
             channels = []
             for index, prompt in enumerate(prompts):
                 sub_ids.append(f"{request_id}-{index}")
