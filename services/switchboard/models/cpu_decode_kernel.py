@@ -17,16 +17,12 @@ which and why.
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from switchboard.models.native_build import NativeBuildError, NoCompiler, build_and_load
-
-logger = logging.getLogger(__name__)
+from switchboard.models.native_build import load_library
 
 SOURCE = r"""
 #include <math.h>
@@ -119,21 +115,18 @@ def load() -> bool:
     global _kernel, _status
     if _kernel is not None:
         return True
-    if os.environ.get("SWITCHBOARD_CPU_ATTENTION", "auto") == "torch":
-        _status = "off (SWITCHBOARD_CPU_ATTENTION=torch)"
-        return False
-    try:
-        library = build_and_load("paged_decode", SOURCE, "CPU decode-attention kernel")
-    except NativeBuildError as exc:
-        _status = f"unavailable: {exc}; using torch's attention"
-        log = logger.info if isinstance(exc, NoCompiler) else logger.warning
-        log("CPU decode-attention kernel %s", _status)
+    library, _status = load_library(
+        "paged_decode",
+        SOURCE,
+        "CPU decode-attention kernel",
+        ("SWITCHBOARD_CPU_ATTENTION", "torch"),
+    )
+    if library is None:
         return False
     function = library.paged_decode_f32
     function.argtypes = _ARGTYPES
     function.restype = ctypes.c_int
     _kernel = function
-    _status = "in use"
     return True
 
 

@@ -17,16 +17,12 @@ float32 rounding. Built like the other kernels (``native_build``); without a com
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from switchboard.models.native_build import NativeBuildError, NoCompiler, build_and_load
-
-logger = logging.getLogger(__name__)
+from switchboard.models.native_build import load_library
 
 SOURCE = r"""
 #pragma GCC optimize("fp-contract=off")
@@ -85,22 +81,16 @@ def load() -> bool:
     global _rms_norm, _rotary, _status
     if _rms_norm is not None:
         return True
-    if os.environ.get("SWITCHBOARD_FUSED_OPS", "auto") == "off":
-        _status = "off (SWITCHBOARD_FUSED_OPS=off)"
-        return False
-    try:
-        library = build_and_load("fused_ops", SOURCE, "fused CPU layer operations")
-    except NativeBuildError as exc:
-        _status = f"unavailable: {exc}"
-        log = logger.info if isinstance(exc, NoCompiler) else logger.warning
-        log("fused CPU layer operations %s", _status)
+    library, _status = load_library(
+        "fused_ops", SOURCE, "fused CPU layer operations", ("SWITCHBOARD_FUSED_OPS", "off")
+    )
+    if library is None:
         return False
     library.rms_norm_f32.argtypes = [_VOID, _I64, _VOID, _VOID, _I64, _I64, _F32]
     library.rotary_f32.argtypes = [_VOID, _I64, _I64, _I64, _I64, _VOID, _VOID]
     for function in (library.rms_norm_f32, library.rotary_f32):
         function.restype = None
     _rms_norm, _rotary = library.rms_norm_f32, library.rotary_f32
-    _status = "in use"
     return True
 
 

@@ -34,14 +34,42 @@ class NoCompiler(NativeBuildError):
     """No C compiler on this host (a slim image): expected, not a fault."""
 
 
-def cpu_identity() -> str:
-    """The CPU model and feature flags: ``-march=native`` code is only valid on their like."""
+def _cpuinfo_lines() -> list[str]:
+    """The CPU model and feature-flag lines of /proc/cpuinfo, once each ([] where unreadable)."""
     try:
         with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags"))]
-        return "".join(sorted(set(lines)))
+            return sorted({ln for ln in f if ln.startswith(("model name", "flags"))})
     except OSError:
-        return platform.processor() or platform.machine()
+        return []
+
+
+def cpu_identity() -> str:
+    """The CPU model and feature flags: ``-march=native`` code is only valid on their like."""
+    return "".join(_cpuinfo_lines()) or platform.processor() or platform.machine()
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (``avx2``, ``fma``, ...); empty where /proc/cpuinfo is unreadable."""
+    return {flag for ln in _cpuinfo_lines() if ln.startswith("flags") for flag in ln.split()[2:]}
+
+
+def load_library(
+    name: str, source: str, what: str, switch: tuple[str, str]
+) -> tuple[ctypes.CDLL | None, str]:
+    """What every kernel module's ``load()`` does first: (the library, "in use"), or (None, why
+    not) — switched off by the environment (``switch``: the variable and its "off" value),
+    no compiler (logged at info: a slim image is expected to have none), or a failed build
+    (logged as a warning)."""
+    variable, off = switch
+    if os.environ.get(variable, "auto") == off:
+        return None, f"off ({variable}={off})"
+    try:
+        return build_and_load(name, source, what), "in use"
+    except NativeBuildError as exc:
+        status = f"unavailable: {exc}"
+        log = logger.info if isinstance(exc, NoCompiler) else logger.warning
+        log("%s %s", what, status)
+        return None, status
 
 
 def compiler() -> str | None:

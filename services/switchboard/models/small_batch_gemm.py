@@ -24,16 +24,12 @@ each weight beside oneDNN's (the memory the weights take doubles); ``SWITCHBOARD
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from switchboard.models.native_build import NativeBuildError, NoCompiler, build_and_load
-
-logger = logging.getLogger(__name__)
+from switchboard.models.native_build import cpu_flags, load_library
 
 PANEL = 16
 # Rows one call takes, read from the library at load (8 with AVX-512's registers, else 4);
@@ -135,18 +131,16 @@ def load() -> bool:
     global _pack, _linear, _status, max_rows
     if _linear is not None:
         return True
-    if os.environ.get("SWITCHBOARD_SMALL_BATCH_GEMM", "auto") == "off":
-        _status = "off (SWITCHBOARD_SMALL_BATCH_GEMM=off)"
-        return False
-    if "avx2" not in _cpu_flags() or "fma" not in _cpu_flags():
+    if not {"avx2", "fma"} <= cpu_flags():
         _status = "unavailable: the CPU has no AVX2 and FMA"
         return False
-    try:
-        library = build_and_load("small_batch_gemm", SOURCE, "small-batch matmul kernel")
-    except NativeBuildError as exc:
-        _status = f"unavailable: {exc}"
-        log = logger.info if isinstance(exc, NoCompiler) else logger.warning
-        log("small-batch matmul kernel %s", _status)
+    library, _status = load_library(
+        "small_batch_gemm",
+        SOURCE,
+        "small-batch matmul kernel",
+        ("SWITCHBOARD_SMALL_BATCH_GEMM", "off"),
+    )
+    if library is None:
         return False
     library.small_batch_pack.argtypes = [_VOID, _VOID, _I64, _I64]
     library.small_batch_pack.restype = None
@@ -170,17 +164,6 @@ def unload() -> None:
     _pack = _linear = None
     max_rows = 0
     _status = "not loaded"
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def packable(weight: torch.Tensor) -> bool:
