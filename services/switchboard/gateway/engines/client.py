@@ -240,6 +240,8 @@ class EngineClient:
         call's ``time_remaining`` (None: no deadline); otherwise, and after that, raise
         UNAVAILABLE saying why. A stalled worker is refused at once: its engine is alive and
         may stay stalled for good."""
+        if self.routable_engines:  # the usual case: add_request makes the one choice
+            return
         started = time.monotonic()
         bound = self.resume_timeout_s
         if time_remaining is not None:
