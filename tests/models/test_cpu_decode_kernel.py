@@ -46,7 +46,9 @@ def decode_batch(context_lens: list[int], num_blocks: int, block_size: int, seed
     )
 
 
-@pytest.mark.parametrize(("kv_heads", "heads", "head_dim"), [(4, 8, 32), (3, 9, 64), (2, 2, 16)])
+@pytest.mark.parametrize(
+    ("kv_heads", "heads", "head_dim"), [(4, 8, 32), (3, 9, 64), (2, 2, 16), (2, 4, 128)]
+)
 @pytest.mark.parametrize(
     ("context_lens", "window"),
     [([37], None), ([5, 16, 17, 90], None), ([50, 3, 64], 8), ([1, 2], None), ([40, 40], 40)],

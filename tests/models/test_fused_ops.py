@@ -1,6 +1,7 @@
-"""The fused CPU layer operations: RMSNorm to float32 rounding of torch's, the rotary
-embedding bit for bit (in place, on a view into the fused QKV output), small and large inputs
-(the large ones on torch's threads), other inputs left to torch, and an off switch."""
+"""The fused CPU layer operations: RMSNorm and SiLU-and-mul to float32 rounding of torch's, the
+rotary embedding bit for bit (in place, on a view into the fused QKV output), the KV-cache write
+slot for slot (bounds-checked), small and large inputs (the large ones on torch's threads),
+other inputs left to torch, and an off switch."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 import torch
 
 from switchboard.models import fused_ops
-from switchboard.models.layers import RMSNorm, apply_rotary
+from switchboard.models.attention import new_kv_cache, write_kv
+from switchboard.models.layers import RMSNorm, apply_rotary, silu_and_mul
 
 
 @pytest.fixture
@@ -68,6 +70,38 @@ def test_rotary_in_place_on_a_qkv_view_is_bit_identical(kernels, tokens, heads):
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], value_before)  # untouched
 
 
+@pytest.mark.parametrize(("rows", "intermediate"), [(1, 8), (8, 1536), (40, 2048)])
+def test_silu_and_mul_matches_torch(kernels, rows, intermediate):
+    torch.manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * intermediate) * 6  # exp's range, both tails
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # e^x clamped: still exact
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    got = fused_ops.silu_and_mul(gate_up)
+    assert got is not None
+    torch.testing.assert_close(got, expected, rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(silu_and_mul(gate_up), expected, rtol=2e-6, atol=1e-6)
+
+
+def test_write_kv_fills_the_same_slots_as_index_copy(kernels):
+    torch.manual_seed(0)
+    tokens, kv_heads, head_dim, heads = 5, 3, 16, 6
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)  # key/value: views at a stride
+    key = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, -1)
+    value = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    slots = torch.tensor([17, 3, 40, 41, 0])
+    cache = new_kv_cache(4, 16, kv_heads, head_dim, torch.float32, "cpu")
+    expected = cache.clone()
+    expected[0].view(-1, kv_heads, head_dim).index_copy_(0, slots, key)
+    expected[1].view(-1, kv_heads, head_dim).index_copy_(0, slots, value)
+    write_kv(cache, key, value, slots)
+    assert torch.equal(cache, expected)
+    before = cache.clone()
+    with pytest.raises(IndexError, match="outside the KV cache"):
+        fused_ops.write_kv(cache, key, value, torch.tensor([1, 2, 64, 3, 4]))  # 64 slots
+    assert torch.equal(cache, before)  # nothing written
+
+
 def test_other_inputs_are_left_to_torch(kernels):
     x = torch.randn(4, 16, dtype=torch.float64)
     assert fused_ops.rms_norm(x, torch.randn(16, dtype=torch.float64), 1e-6) is None
@@ -86,3 +120,4 @@ def test_can_be_turned_off(monkeypatch):
     assert "off" in fused_ops.status()
     assert fused_ops.rms_norm(torch.randn(2, 8), torch.randn(8), 1e-6) is None
     assert not fused_ops.rotary_(torch.randn(2, 3, 8), torch.randn(2, 4), torch.randn(2, 4))
+    assert fused_ops.silu_and_mul(torch.randn(2, 8)) is None

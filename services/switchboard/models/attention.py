@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from switchboard.models import cpu_decode_kernel
+from switchboard.models import cpu_decode_kernel, fused_ops
 
 
 @dataclass
@@ -186,6 +186,8 @@ def write_kv(
     kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """Store ``key``/``value`` (``[num_tokens, kv_heads, head_dim]``) in their slots."""
+    if fused_ops.write_kv(kv_cache, key, value, slot_mapping):  # float32 on CPU: one C call
+        return
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
     kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)

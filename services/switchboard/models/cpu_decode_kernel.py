@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from switchboard.models.native_build import load_library
+from switchboard.models.native_build import VECTOR_EXP_C, load_library
 
 SOURCE = r"""
 #include <math.h>
@@ -30,10 +30,70 @@ SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 
+/* One task: request b's query heads of KV heads h0 .. h0 + nkv - 1 (query head j = h * G + g
+   reads KV head h). scores [nq, L] and acc [nq, D] are the task's scratch. Inlined with D a
+   constant for the common head sizes, so the dot products and sums unroll into registers.
+   Blocks are walked one at a time: the block table is read and divided once per block, then
+   the block's slots follow each other in memory. */
+static inline __attribute__((always_inline)) void attend(
+    const float *q, const float *keys, const float *values, const int64_t *table, float *o,
+    float *scores, float *acc, int64_t start, int64_t len, int64_t nkv, int64_t G,
+    int64_t KVH, int64_t BS, int64_t h0, const int64_t D, float scale) {
+    const int64_t L = len - start, nq = nkv * G, slot_stride = KVH * D;
+    for (int64_t t = start; t < len;) {
+        const int64_t block_end = t - t % BS + BS, stop = block_end < len ? block_end : len;
+        const float *slot = keys + ((table[t / BS] * BS + t % BS) * KVH + h0) * D;
+        for (; t < stop; t++, slot += slot_stride) {
+            for (int64_t h = 0; h < nkv; h++) {
+                const float *kh = slot + h * D;
+                for (int64_t g = 0; g < G; g++) {
+                    const int64_t j = h * G + g;
+                    const float *qj = q + j * D;
+                    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                    for (int64_t d = 0; d < D; d++) dot += qj[d] * kh[d];
+                    scores[j * L + (t - start)] = dot * scale;
+                }
+            }
+        }
+    }
+    for (int64_t j = 0; j < nq; j++) {
+        float *s = scores + j * L;
+        float max = -INFINITY, sum = 0.0f;
+#pragma omp simd reduction(max : max)
+        for (int64_t i = 0; i < L; i++) max = s[i] > max ? s[i] : max;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < L; i++) {
+            s[i] = exp_f32(s[i] - max);
+            sum += s[i];
+        }
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+#pragma omp simd
+        for (int64_t i = 0; i < L; i++) s[i] *= inv;
+    }
+    for (int64_t i = 0; i < nq * D; i++) acc[i] = 0.0f;
+    for (int64_t t = start; t < len;) {
+        const int64_t block_end = t - t % BS + BS, stop = block_end < len ? block_end : len;
+        const float *slot = values + ((table[t / BS] * BS + t % BS) * KVH + h0) * D;
+        for (; t < stop; t++, slot += slot_stride) {
+            for (int64_t h = 0; h < nkv; h++) {
+                const float *vh = slot + h * D;
+                for (int64_t g = 0; g < G; g++) {
+                    const int64_t j = h * G + g;
+                    const float p = scores[j * L + (t - start)];
+                    float *a = acc + j * D;
+#pragma omp simd
+                    for (int64_t d = 0; d < D; d++) a[d] += p * vh[d];
+                }
+            }
+        }
+    }
+    for (int64_t i = 0; i < nq * D; i++) o[i] = acc[i];
+}
+
 /* query [B, H, D]; kv [2, NB, BS, KVH, D] (keys, then values); block_table [B, MB];
-   context_lens [B]; out [B, H, D]. Query head j reads KV head j / (H / KVH). window > 0:
-   a query at position len - 1 sees keys at positions > len - 1 - window. Returns 0, or -1 when
-   scratch memory could not be allocated.
+   context_lens [B]; out [B, H, D]. window > 0: a query at position len - 1 sees keys at
+   positions > len - 1 - window. Returns 0, or -1 when scratch memory could not be allocated.
    A task is one request and a run of its KV heads: all of them when there are requests enough
    to keep every thread busy (each key/value slot is then read as one contiguous run, which the
    prefetcher streams), one head each otherwise. */
@@ -42,7 +102,7 @@ int paged_decode_f32(const float *query, const float *kv, const int64_t *block_t
                      int64_t D, int64_t NB, int64_t BS, int64_t MB, float scale,
                      int64_t window) {
     const int64_t G = H / KVH;
-    const int64_t values_at = NB * BS * KVH * D;
+    const float *values = kv + NB * BS * KVH * D;
     const int64_t heads_per_task = B >= omp_get_max_threads() ? KVH : 1;
     const int64_t tasks_per_row = KVH / heads_per_task;
     int failed = 0;
@@ -61,40 +121,17 @@ int paged_decode_f32(const float *query, const float *kv, const int64_t *block_t
         }
         float *acc = scores + nq * L;
         const float *q = query + (b * H + h0 * G) * D; /* this task's nq query heads */
-        const int64_t *table = block_table + b * MB;
-        for (int64_t t = start; t < len; t++) {
-            const float *k = kv + ((table[t / BS] * BS + t % BS) * KVH + h0) * D;
-            for (int64_t j = 0; j < nq; j++) {
-                const float *qj = q + j * D, *kj = k + (j / G) * D;
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t d = 0; d < D; d++) dot += qj[d] * kj[d];
-                scores[j * L + (t - start)] = dot * scale;
-            }
-        }
-        for (int64_t j = 0; j < nq; j++) {
-            float *s = scores + j * L;
-            float max = -INFINITY, sum = 0.0f;
-            for (int64_t i = 0; i < L; i++) max = s[i] > max ? s[i] : max;
-            for (int64_t i = 0; i < L; i++) {
-                s[i] = expf(s[i] - max);
-                sum += s[i];
-            }
-            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-            for (int64_t i = 0; i < L; i++) s[i] *= inv;
-            for (int64_t d = 0; d < D; d++) acc[j * D + d] = 0.0f;
-        }
-        for (int64_t t = start; t < len; t++) {
-            const float *v = kv + values_at + ((table[t / BS] * BS + t % BS) * KVH + h0) * D;
-            for (int64_t j = 0; j < nq; j++) {
-                const float p = scores[j * L + (t - start)], *vj = v + (j / G) * D;
-                float *a = acc + j * D;
-#pragma omp simd
-                for (int64_t d = 0; d < D; d++) a[d] += p * vj[d];
-            }
-        }
         float *o = out + (b * H + h0 * G) * D;
-        for (int64_t i = 0; i < nq * D; i++) o[i] = acc[i];
+        const int64_t *table = block_table + b * MB;
+        if (D == 64)
+            attend(q, kv, values, table, o, scores, acc, start, len, heads_per_task, G, KVH, BS,
+                   h0, 64, scale);
+        else if (D == 128)
+            attend(q, kv, values, table, o, scores, acc, start, len, heads_per_task, G, KVH, BS,
+                   h0, 128, scale);
+        else
+            attend(q, kv, values, table, o, scores, acc, start, len, heads_per_task, G, KVH, BS,
+                   h0, D, scale);
         free(scores);
     }
     return failed ? -1 : 0;
@@ -117,7 +154,7 @@ def load() -> bool:
         return True
     library, _status = load_library(
         "paged_decode",
-        SOURCE,
+        VECTOR_EXP_C + SOURCE,
         "CPU decode-attention kernel",
         ("SWITCHBOARD_CPU_ATTENTION", "torch"),
     )

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from switchboard.models.native_build import load_library
+from switchboard.models.native_build import VECTOR_EXP_C, load_library
 
 SOURCE = r"""
 #pragma GCC optimize("fp-contract=off")
@@ -68,29 +68,66 @@ void rotary_f32(float *x, int64_t ldx, int64_t tokens, int64_t heads, int64_t D,
     }
 }
 
+/* out [rows, I] = silu(gate) * up, torch's silu(x) = x / (1 + e^-x); gate = x[:, :I] and
+   up = x[:, I:2I], rows of x at stride ldx */
+void silu_and_mul_f32(const float *x, int64_t ldx, float *out, int64_t rows, int64_t I) {
+#pragma omp parallel for schedule(static) if (rows * I >= PARALLEL_FLOATS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = x + r * ldx, *up = gate + I;
+        float *o = out + r * I;
+#pragma omp simd
+        for (int64_t i = 0; i < I; i++) o[i] = gate[i] / (1.0f + exp_f32(-gate[i])) * up[i];
+    }
+}
+
+/* cache_k/v [slots, row] <- key/value [tokens, row] (token strides ldk/ldv): what
+   index_copy_ does, bounds-checked. Returns 0, or -1 (nothing written) for a slot outside
+   the cache. */
+int write_kv_f32(const float *key, int64_t ldk, const float *value, int64_t ldv,
+                 const int64_t *slots, int64_t tokens, int64_t row, float *cache_k,
+                 float *cache_v, int64_t num_slots) {
+    for (int64_t t = 0; t < tokens; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots) return -1;
+    for (int64_t t = 0; t < tokens; t++) {
+        memcpy(cache_k + slots[t] * row, key + t * ldk, sizeof(float) * (size_t)row);
+        memcpy(cache_v + slots[t] * row, value + t * ldv, sizeof(float) * (size_t)row);
+    }
+    return 0;
+}
+
 """
 
 _I64, _VOID, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _rms_norm: Callable[..., Any] | None = None
 _rotary: Callable[..., Any] | None = None
+_silu_and_mul: Callable[..., Any] | None = None
+_write_kv: Callable[..., Any] | None = None
 _status = "not loaded"
 
 
 def load() -> bool:
     """Build (once per machine) and load the kernels; True when they are in use. Idempotent."""
-    global _rms_norm, _rotary, _status
+    global _rms_norm, _rotary, _silu_and_mul, _write_kv, _status
     if _rms_norm is not None:
         return True
     library, _status = load_library(
-        "fused_ops", SOURCE, "fused CPU layer operations", ("SWITCHBOARD_FUSED_OPS", "off")
+        "fused_ops",
+        VECTOR_EXP_C + SOURCE,
+        "fused CPU layer operations",
+        ("SWITCHBOARD_FUSED_OPS", "off"),
     )
     if library is None:
         return False
     library.rms_norm_f32.argtypes = [_VOID, _I64, _VOID, _VOID, _I64, _I64, _F32]
     library.rotary_f32.argtypes = [_VOID, _I64, _I64, _I64, _I64, _VOID, _VOID]
-    for function in (library.rms_norm_f32, library.rotary_f32):
+    library.silu_and_mul_f32.argtypes = [_VOID, _I64, _VOID, _I64, _I64]
+    library.write_kv_f32.argtypes = [_VOID, _I64, _VOID, _I64, _VOID, _I64, _I64, _VOID, _VOID]
+    library.write_kv_f32.argtypes += [_I64]
+    library.write_kv_f32.restype = ctypes.c_int
+    for function in (library.rms_norm_f32, library.rotary_f32, library.silu_and_mul_f32):
         function.restype = None
     _rms_norm, _rotary = library.rms_norm_f32, library.rotary_f32
+    _silu_and_mul, _write_kv = library.silu_and_mul_f32, library.write_kv_f32
     return True
 
 
@@ -100,8 +137,8 @@ def status() -> str:
 
 def unload() -> None:
     """Back to torch's operators (tests compare the two)."""
-    global _rms_norm, _rotary, _status
-    _rms_norm = _rotary = None
+    global _rms_norm, _rotary, _silu_and_mul, _write_kv, _status
+    _rms_norm = _rotary = _silu_and_mul = _write_kv = None
     _status = "not loaded"
 
 
@@ -136,4 +173,61 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     cos, sin = cos.contiguous(), sin.contiguous()
     tokens, heads, head_dim = x.shape
     _rotary(x.data_ptr(), x.stride(0), tokens, heads, head_dim, cos.data_ptr(), sin.data_ptr())
+    return True
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """``silu(gate) * up`` of ``gate_up`` ``[rows, 2 * I]`` (last dim contiguous); None where
+    the kernel does not apply."""
+    if (
+        gate_up.dim() != 2
+        or gate_up.stride(1) != 1
+        or gate_up.shape[1] % 2
+        or not _usable(gate_up)
+        or _silu_and_mul is None
+    ):
+        return None
+    rows, width = gate_up.shape
+    out = torch.empty(rows, width // 2, dtype=torch.float32)
+    _silu_and_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, width // 2)
+    return out
+
+
+def write_kv(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> bool:
+    """Store ``key``/``value`` ``[tokens, kv_heads, head_dim]`` (any token stride) in their
+    slots of ``kv_cache`` ``[2, blocks, block_size, kv_heads, head_dim]``; False where the
+    kernel does not apply. A slot outside the cache raises IndexError, nothing written."""
+    if (
+        _write_kv is None
+        or not _usable(kv_cache, key, value)
+        or not kv_cache.is_contiguous()
+        or slot_mapping.dtype != torch.int64
+        or slot_mapping.device.type != "cpu"
+        or key.shape != value.shape
+        or key.shape[1:] != kv_cache.shape[3:]
+    ):
+        return False
+    _, kv_heads, head_dim = key.shape
+    if any(t.stride(2) != 1 or t.stride(1) != head_dim for t in (key, value)):
+        return False
+    slots = slot_mapping.contiguous()
+    if slots.shape[0] != key.shape[0]:
+        return False
+    values_at = kv_cache[1]
+    code = _write_kv(
+        key.data_ptr(),
+        key.stride(0),
+        value.data_ptr(),
+        value.stride(0),
+        slots.data_ptr(),
+        key.shape[0],
+        kv_heads * head_dim,
+        kv_cache.data_ptr(),
+        values_at.data_ptr(),
+        kv_cache.shape[1] * kv_cache.shape[2],
+    )
+    if code != 0:
+        raise IndexError("write_kv: a slot outside the KV cache")
     return True
