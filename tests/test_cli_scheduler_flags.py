@@ -6,6 +6,11 @@ from __future__ import annotations
 import pytest
 
 from switchboard import cli
+from switchboard.config import (
+    CPU_MAX_NUM_BATCHED_TOKENS,
+    GPU_MAX_NUM_BATCHED_TOKENS,
+    default_batched_tokens,
+)
 
 
 def engine_config(*flags: str):
@@ -23,6 +28,13 @@ def test_defaults_prefix_caching_on_fcfs_no_chunk_cap() -> None:
     assert engine.cache.kv_cache_memory_bytes is None
     assert engine.scheduler.scheduling_policy == "fcfs"
     assert engine.scheduler.long_prefill_token_threshold == 0
+    assert engine.scheduler.max_num_batched_tokens == 0  # the engine picks it by device
+
+
+def test_the_default_token_budget_is_by_device_and_fits_every_running_request() -> None:
+    assert default_batched_tokens("cpu", 256) == CPU_MAX_NUM_BATCHED_TOKENS == 256
+    assert default_batched_tokens("cuda", 256) == GPU_MAX_NUM_BATCHED_TOKENS == 2048
+    assert default_batched_tokens("cpu", 1000) == 1000  # a decode token for each of them
 
 
 def test_scheduler_and_kv_flags_reach_the_engine_config() -> None:

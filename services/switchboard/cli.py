@@ -88,7 +88,9 @@ def _server_import_error() -> ImportError | None:
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
     from switchboard.config import (
+        CPU_MAX_NUM_BATCHED_TOKENS,
         DEFAULT_SHUTDOWN_GRACE_S,
+        GPU_MAX_NUM_BATCHED_TOKENS,
         CacheConfig,
         GatewayConfig,
         SchedulerConfig,
@@ -175,8 +177,12 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=SchedulerConfig().max_num_batched_tokens,
-        help="tokens per engine step; longer prompts are prefilled in chunks",
+        default=None,
+        help=(
+            "tokens per engine step; longer prompts are prefilled in chunks (default: "
+            f"{CPU_MAX_NUM_BATCHED_TOKENS} on CPU workers, {GPU_MAX_NUM_BATCHED_TOKENS} on GPUs, "
+            "at least --max-num-seqs)"
+        ),
     )
     s.add_argument(
         "--long-prefill-token-threshold",
@@ -460,7 +466,7 @@ def build_configs(
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_batched_tokens=args.max_num_batched_tokens or 0,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             scheduling_policy=args.scheduling_policy,
         ),

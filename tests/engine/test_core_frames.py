@@ -18,6 +18,7 @@ import pytest
 import zmq
 
 from switchboard.config import (
+    CPU_MAX_NUM_BATCHED_TOKENS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -60,7 +61,14 @@ engine.wait()
 class EngineUnderTest:
     """One engine core process plus the gateway-side sockets it connects to."""
 
-    def __init__(self, model_dir: str, *, via_parent: bool = False, ready: bool = True) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        via_parent: bool = False,
+        ready: bool = True,
+        scheduler: SchedulerConfig | None = None,
+    ) -> None:
         """``via_parent``: start the engine from an intermediate process the test can kill."""
         self.run_dir = tempfile.mkdtemp(prefix="sb-core-")  # short: ipc paths are <= 107 bytes
         self.log_path = os.path.join(self.run_dir, "engine.log")
@@ -72,7 +80,7 @@ class EngineUnderTest:
         config = EngineConfig(
             model=ModelConfig(model=model_dir),
             cache=CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks_override=NUM_BLOCKS),
-            scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512),
+            scheduler=scheduler or SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512),
             worker=WorkerConfig(device="cpu"),
             gateway_input_addresses=[input_address],
             gateway_output_addresses=[output_address],
@@ -221,6 +229,15 @@ def test_ready_comes_first_with_sane_fields(engine: EngineUnderTest) -> None:
     assert ready.dtype == "float32"
     assert abs(ready.wall_clock_ns - time.time_ns()) < 3600 * 10**9
     assert 0 < ready.monotonic_ns <= time.monotonic_ns()  # one machine: the same clock
+
+
+def test_without_a_token_budget_the_cpu_default_is_used(model_dir: str) -> None:
+    engine = EngineUnderTest(model_dir, scheduler=SchedulerConfig(max_num_seqs=8))
+    try:
+        assert engine.ready.max_num_batched_tokens == CPU_MAX_NUM_BATCHED_TOKENS
+        assert f"max_num_batched_tokens={CPU_MAX_NUM_BATCHED_TOKENS} " in engine.log()
+    finally:
+        engine.close()
 
 
 def test_bad_frames_are_logged_and_dropped(engine: EngineUnderTest) -> None:

@@ -31,7 +31,7 @@ import msgspec
 import zmq
 
 from switchboard import __version__
-from switchboard.config import EngineConfig, new_run_dir
+from switchboard.config import EngineConfig, default_batched_tokens, new_run_dir
 from switchboard.engine import clock
 from switchboard.engine.executor import MultiprocExecutor, Stall
 from switchboard.engine.io_threads import (
@@ -132,8 +132,14 @@ class EngineCore:
             self.kv_capacity_tokens,
             self.max_model_len,
         )
+        scheduler_config = config.scheduler
+        if not scheduler_config.max_num_batched_tokens:
+            budget = default_batched_tokens(summary.device_type, scheduler_config.max_num_seqs)
+            scheduler_config = msgspec.structs.replace(
+                scheduler_config, max_num_batched_tokens=budget
+            )
         self.scheduler = Scheduler(
-            config.scheduler, config.cache, self.num_gpu_blocks, self.max_model_len
+            scheduler_config, config.cache, self.num_gpu_blocks, self.max_model_len
         )
         self.structured_output = StructuredOutputManager(config.model.model, summary.vocab_size)
         self._ready = EngineReady(
@@ -148,7 +154,7 @@ class EngineCore:
             vocab_size=summary.vocab_size,
             dtype=summary.dtype,
             max_num_seqs=config.scheduler.max_num_seqs,
-            max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+            max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
             tensor_parallel_size=config.parallel.tensor_parallel_size,
             pipeline_parallel_size=config.parallel.pipeline_parallel_size,
             engine_version=__version__,

@@ -85,6 +85,7 @@ class ModelSummary(_Wire):
     max_position_embeddings: int
     dtype: str  # the dtype the model runs in, e.g. "float32"
     kv_cache_bytes_per_token: int  # over all layers, K and V, on this worker
+    device_type: str = "cpu"  # torch's device type the worker computes on: "cpu", "cuda"
 
 
 class RpcCall(_Wire):

@@ -56,7 +56,9 @@ class EncoderRunner:
         return self.summary()
 
     def summary(self) -> ModelSummary:
-        return model_summary(self._require_config(), self.dtype, kv_cache_bytes_per_token=0)
+        return model_summary(
+            self._require_config(), self.dtype, kv_cache_bytes_per_token=0, device=self.device
+        )
 
     def kv_cache_bytes_per_token(self) -> int:
         return 0

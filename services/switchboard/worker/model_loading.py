@@ -49,7 +49,10 @@ def load_runner_model(
 
 
 def model_summary(
-    config: TransformerConfig, dtype: torch.dtype, kv_cache_bytes_per_token: int
+    config: TransformerConfig,
+    dtype: torch.dtype,
+    kv_cache_bytes_per_token: int,
+    device: torch.device,
 ) -> ModelSummary:
     return ModelSummary(
         num_layers=config.num_layers,
@@ -59,6 +62,7 @@ def model_summary(
         max_position_embeddings=config.max_position_embeddings,
         dtype=dtype_name(dtype),
         kv_cache_bytes_per_token=kv_cache_bytes_per_token,
+        device_type=device.type,
     )
 
 

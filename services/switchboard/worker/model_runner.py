@@ -96,7 +96,7 @@ class ModelRunner:
 
     def summary(self) -> ModelSummary:
         config = self._require_config()
-        return model_summary(config, self.dtype, self.kv_cache_bytes_per_token())
+        return model_summary(config, self.dtype, self.kv_cache_bytes_per_token(), self.device)
 
     def kv_cache_bytes_per_token(self) -> int:
         """On this worker: its stage's layers, its share of the KV heads."""
