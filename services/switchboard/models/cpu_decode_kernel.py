@@ -32,7 +32,8 @@ SOURCE = r"""
 
 /* One task: request b's query heads of KV heads h0 .. h0 + nkv - 1 (query head j = h * G + g
    reads KV head h). scores [nq, L] and acc [nq, D] are the task's scratch. Inlined with D a
-   constant for the common head sizes, so the dot products and sums unroll into registers.
+   constant for the common head sizes (32, 64, 128), so the dot products and sums unroll into
+   registers.
    Blocks are walked one at a time: the block table is read and divided once per block, then
    the block's slots follow each other in memory. */
 static inline __attribute__((always_inline)) void attend(
@@ -123,7 +124,10 @@ int paged_decode_f32(const float *query, const float *kv, const int64_t *block_t
         const float *q = query + (b * H + h0 * G) * D; /* this task's nq query heads */
         float *o = out + (b * H + h0 * G) * D;
         const int64_t *table = block_table + b * MB;
-        if (D == 64)
+        if (D == 32)
+            attend(q, kv, values, table, o, scores, acc, start, len, heads_per_task, G, KVH, BS,
+                   h0, 32, scale);
+        else if (D == 64)
             attend(q, kv, values, table, o, scores, acc, start, len, heads_per_task, G, KVH, BS,
                    h0, 64, scale);
         else if (D == 128)
