@@ -7,9 +7,9 @@ import pytest
 
 from switchboard import cli
 from switchboard.config import (
-    CPU_MAX_NUM_BATCHED_TOKENS,
-    GPU_MAX_NUM_BATCHED_TOKENS,
-    default_batched_tokens,
+    CPU_SHARED_STEP_TOKENS,
+    MAX_NUM_BATCHED_TOKENS,
+    default_step_budget,
 )
 
 
@@ -32,9 +32,14 @@ def test_defaults_prefix_caching_on_fcfs_no_chunk_cap() -> None:
 
 
 def test_the_default_token_budget_is_by_device_and_fits_every_running_request() -> None:
-    assert default_batched_tokens("cpu", 256) == CPU_MAX_NUM_BATCHED_TOKENS == 256
-    assert default_batched_tokens("cuda", 256) == GPU_MAX_NUM_BATCHED_TOKENS == 2048
-    assert default_batched_tokens("cpu", 1000) == 1000  # a decode token for each of them
+    def budget(device: str, max_num_seqs: int) -> tuple[int, int]:
+        config = default_step_budget(device, max_num_seqs)
+        return config.max_num_batched_tokens, config.shared_step_tokens
+
+    assert budget("cpu", 256) == (MAX_NUM_BATCHED_TOKENS, CPU_SHARED_STEP_TOKENS) == (2048, 256)
+    assert budget("cuda", 256) == (2048, 0)  # no separate limit
+    assert budget("cpu", 1000) == (2048, 1000)  # a decode token for each of them
+    assert budget("cuda", 4096) == (4096, 0)
 
 
 def test_scheduler_and_kv_flags_reach_the_engine_config() -> None:

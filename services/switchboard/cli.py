@@ -88,9 +88,9 @@ def _server_import_error() -> ImportError | None:
 
 def _add_serve_args(p: argparse.ArgumentParser) -> None:
     from switchboard.config import (
-        CPU_MAX_NUM_BATCHED_TOKENS,
+        CPU_SHARED_STEP_TOKENS,
         DEFAULT_SHUTDOWN_GRACE_S,
-        GPU_MAX_NUM_BATCHED_TOKENS,
+        MAX_NUM_BATCHED_TOKENS,
         CacheConfig,
         GatewayConfig,
         SchedulerConfig,
@@ -180,8 +180,8 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help=(
             "tokens per engine step; longer prompts are prefilled in chunks (default: "
-            f"{CPU_MAX_NUM_BATCHED_TOKENS} on CPU workers, {GPU_MAX_NUM_BATCHED_TOKENS} on GPUs, "
-            "at least --max-num-seqs)"
+            f"{MAX_NUM_BATCHED_TOKENS}; on CPU workers {CPU_SHARED_STEP_TOKENS} while more than "
+            "one request is in the engine; at least --max-num-seqs)"
         ),
     )
     s.add_argument(

@@ -60,25 +60,34 @@ class CacheConfig(_Config, frozen=True):
 
 class SchedulerConfig(_Config, frozen=True):
     max_num_seqs: int = 256  # as vLLM's server default: 64 queued half of 128 clients
-    max_num_batched_tokens: int = 0  # 0 = by the workers' device: default_batched_tokens
+    max_num_batched_tokens: int = 0  # 0 = by the workers' device: default_step_budget
+    # Tokens per step while more than one request is in the engine (0: max_num_batched_tokens
+    # always). Only the device default sets it; an explicit --max-num-batched-tokens holds always.
+    shared_step_tokens: int = 0
     long_prefill_token_threshold: int = 0  # 0 = no cap on one request's chunk
     scheduling_policy: str = "fcfs"  # fcfs | priority
 
 
-# Tokens per step when --max-num-batched-tokens is not given. On a GPU, vLLM's server default.
-# On a CPU a step of 2,048 prompt tokens takes seconds (SmolLM2-135M on 2 cores: ~2.5 s), and
-# every decoding stream waits that long for its next token; 256 prompt tokens a step keep
-# decoding going and spread a burst of arrivals over several steps: SmolLM2 at 32 concurrent
-# streams of 32-token prompts, TTFT p50 1,361 -> 636 ms and 317 -> 343 output tok/s.
-GPU_MAX_NUM_BATCHED_TOKENS = 2048
-CPU_MAX_NUM_BATCHED_TOKENS = 256
+# Tokens per step when --max-num-batched-tokens is not given: vLLM's server default, and on a
+# CPU 256 while several requests share the engine. There a step of 2,048 prompt tokens takes
+# seconds (SmolLM2-135M on 2 cores: ~2.5 s) and every decoding stream waits that long for its
+# next token; 256 a step keep decoding going and spread a burst of arrivals over several steps
+# (SmolLM2, 32 concurrent streams of 32-token prompts: TTFT p50 1,361 -> 636 ms, 317 -> 343
+# output tok/s). A request alone is prefilled 2,048 tokens a step: one prompt of 1,900 tokens
+# took 3.5 s so and 4.4 s in chunks of 256 (smaller matmuls, more steps).
+MAX_NUM_BATCHED_TOKENS = 2048
+CPU_SHARED_STEP_TOKENS = 256
 
 
-def default_batched_tokens(device_type: str, max_num_seqs: int) -> int:
-    """The token budget of a step on ``device_type`` workers: never below ``max_num_seqs``,
-    so every running request can decode in every step."""
-    base = CPU_MAX_NUM_BATCHED_TOKENS if device_type == "cpu" else GPU_MAX_NUM_BATCHED_TOKENS
-    return max(base, max_num_seqs)
+def default_step_budget(device_type: str, max_num_seqs: int) -> SchedulerConfig:
+    """The step budget for ``device_type`` workers when none was given, as the fields
+    ``max_num_batched_tokens`` and ``shared_step_tokens``; never below ``max_num_seqs``, so
+    every running request can decode in every step."""
+    budget = max(MAX_NUM_BATCHED_TOKENS, max_num_seqs)
+    shared = max(CPU_SHARED_STEP_TOKENS, max_num_seqs) if device_type == "cpu" else 0
+    return SchedulerConfig(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, shared_step_tokens=shared
+    )
 
 
 class ParallelConfig(_Config, frozen=True):

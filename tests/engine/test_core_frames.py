@@ -18,7 +18,8 @@ import pytest
 import zmq
 
 from switchboard.config import (
-    CPU_MAX_NUM_BATCHED_TOKENS,
+    CPU_SHARED_STEP_TOKENS,
+    MAX_NUM_BATCHED_TOKENS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -234,8 +235,8 @@ def test_ready_comes_first_with_sane_fields(engine: EngineUnderTest) -> None:
 def test_without_a_token_budget_the_cpu_default_is_used(model_dir: str) -> None:
     engine = EngineUnderTest(model_dir, scheduler=SchedulerConfig(max_num_seqs=8))
     try:
-        assert engine.ready.max_num_batched_tokens == CPU_MAX_NUM_BATCHED_TOKENS
-        assert f"max_num_batched_tokens={CPU_MAX_NUM_BATCHED_TOKENS} " in engine.log()
+        assert engine.ready.max_num_batched_tokens == MAX_NUM_BATCHED_TOKENS
+        assert f"shared_step_tokens={CPU_SHARED_STEP_TOKENS} " in engine.log()
     finally:
         engine.close()
 

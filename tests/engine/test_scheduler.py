@@ -30,11 +30,13 @@ def make_scheduler(
     long_prefill_token_threshold: int = 0,
     policy: str = "fcfs",
     caching: bool = True,
+    shared_step_tokens: int = 0,
 ) -> Scheduler:
     return Scheduler(
         SchedulerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
+            shared_step_tokens=shared_step_tokens,
             long_prefill_token_threshold=long_prefill_token_threshold,
             scheduling_policy=policy,
         ),
@@ -203,6 +205,24 @@ def test_long_prefill_threshold_caps_one_requests_chunk_when_others_are_eligible
     alone.add_request(make_request("c", prompt(30), max_tokens=1))
     d2.step()
     assert d2.sched_outputs[0].num_scheduled_tokens == {"c": 30}  # nobody else to wait
+
+
+def test_shared_step_tokens_limit_a_step_only_while_several_requests_are_in():
+    alone = make_scheduler(max_num_batched_tokens=64, shared_step_tokens=8)
+    d = driver(alone)
+    alone.add_request(make_request("lone", prompt(30), max_tokens=2))
+    d.step()
+    assert d.sched_outputs[0].num_scheduled_tokens == {"lone": 30}  # the whole budget
+
+    crowd = make_scheduler(max_num_batched_tokens=64, shared_step_tokens=8, max_num_seqs=16)
+    d = driver(crowd)
+    for i in range(3):
+        crowd.add_request(make_request(f"r{i}", prompt(6, 100 * i), max_tokens=3))
+    d.step()
+    assert d.sched_outputs[0].num_scheduled_tokens == {"r0": 6, "r1": 2}  # 8 tokens in all
+    d.run()
+    for i in range(3):
+        assert d.tokens(f"r{i}") == expected_tokens(prompt(6, 100 * i), 3)
 
 
 # ---------------------------------------------------------------- prefix caching

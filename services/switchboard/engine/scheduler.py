@@ -2,7 +2,9 @@
 
 One scheduling model, no prefill/decode phases: every request has ``num_computed_tokens`` and
 each step gives it tokens to catch up with ``num_tokens`` (prompt + outputs), under a token
-budget (``max_num_batched_tokens``) and a cap on running requests (``max_num_seqs``):
+budget (``max_num_batched_tokens``; ``shared_step_tokens``, when set, while more than one request
+is in: a lone long prompt takes big steps, a crowd small ones) and a cap on running requests
+(``max_num_seqs``):
 
 1. running requests, decoding ones first (one token each) so a long prefill chunk never takes
    their turn, then partly prefilled ones (a chunk of at most ``long_prefill_token_threshold``
@@ -83,10 +85,12 @@ class Scheduler:
         self.counters = SchedulerCounters()
         logger.info(
             "scheduler: policy=%s max_num_seqs=%d max_num_batched_tokens=%d "
-            "long_prefill_token_threshold=%d blocks=%d x %d tokens prefix_caching=%s",
+            "shared_step_tokens=%d long_prefill_token_threshold=%d blocks=%d x %d tokens "
+            "prefix_caching=%s",
             self.policy,
             scheduler_config.max_num_seqs,
             scheduler_config.max_num_batched_tokens,
+            scheduler_config.shared_step_tokens,
             scheduler_config.long_prefill_token_threshold,
             num_blocks,
             block_size,
@@ -158,7 +162,7 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
 
     def schedule(self) -> SchedulerOutput:
-        plan = StepPlan(self.config.max_num_batched_tokens)
+        plan = StepPlan(self._step_budget())
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
@@ -167,6 +171,15 @@ class Scheduler:
         finished_ids = list(self._finished_ids)
         self._finished_ids.clear()
         return plan.commit(self._step_id, self.requests, self.kv, finished_ids)
+
+    def _step_budget(self) -> int:
+        """``max_num_batched_tokens``; ``shared_step_tokens`` (when set) while more than one
+        request is in the engine, but never fewer than the running requests (each decodes)."""
+        budget = self.config.max_num_batched_tokens
+        shared = self.config.shared_step_tokens
+        if shared and len(self.running) + len(self.waiting) > 1:
+            return min(budget, max(shared, len(self.running)))
+        return budget
 
     def _chunk_cap(self) -> int:
         threshold = self.config.long_prefill_token_threshold
