@@ -92,13 +92,14 @@ static inline __attribute__((always_inline)) void attend(
     for (int64_t i = 0; i < nq * D; i++) o[i] = acc[i];
 }
 
-/* query [B, H, D]; kv [2, NB, BS, KVH, D] (keys, then values); block_table [B, MB];
-   context_lens [B]; out [B, H, D]. window > 0: a query at position len - 1 sees keys at
-   positions > len - 1 - window. Returns 0, or -1 when scratch memory could not be allocated.
+/* query [B, H, D] (rows at stride ldq); kv [2, NB, BS, KVH, D] (keys, then values);
+   block_table [B, MB]; context_lens [B]; out [B, H, D]. window > 0: a query at position
+   len - 1 sees keys at positions > len - 1 - window. Returns 0, or -1 when scratch memory could
+   not be allocated.
    A task is one request and a run of its KV heads: all of them when there are requests enough
    to keep every thread busy (each key/value slot is then read as one contiguous run, which the
    prefetcher streams), one head each otherwise. */
-int paged_decode_f32(const float *query, const float *kv, const int64_t *block_table,
+int paged_decode_f32(const float *query, int64_t ldq, const float *kv, const int64_t *block_table,
                      const int64_t *context_lens, float *out, int64_t B, int64_t H, int64_t KVH,
                      int64_t D, int64_t NB, int64_t BS, int64_t MB, float scale,
                      int64_t window) {
@@ -121,7 +122,7 @@ int paged_decode_f32(const float *query, const float *kv, const int64_t *block_t
             continue;
         }
         float *acc = scores + nq * L;
-        const float *q = query + (b * H + h0 * G) * D; /* this task's nq query heads */
+        const float *q = query + b * ldq + h0 * G * D; /* this task's nq query heads */
         float *o = out + (b * H + h0 * G) * D;
         const int64_t *table = block_table + b * MB;
         if (D == 32)
@@ -144,7 +145,7 @@ int paged_decode_f32(const float *query, const float *kv, const int64_t *block_t
 
 _I64 = ctypes.c_int64
 _ARGTYPES: list[type[ctypes._SimpleCData[Any]]] = (
-    [ctypes.c_void_p] * 5 + [_I64] * 7 + [ctypes.c_float, _I64]
+    [ctypes.c_void_p, _I64] + [ctypes.c_void_p] * 4 + [_I64] * 7 + [ctypes.c_float, _I64]
 )
 
 _kernel: Callable[..., int] | None = None  # the library's paged_decode_f32
@@ -191,14 +192,16 @@ def paged_decode(
 ) -> torch.Tensor:
     """``[size, heads, head_dim]`` float32 attention output of one query token per row."""
     assert _kernel is not None, "paged_decode before load()"
-    query = query.contiguous()
+    if query.stride(2) != 1 or query.stride(1) != query.shape[2]:  # rows may be strided
+        query = query.contiguous()
     block_table = block_table.contiguous()
     context_lens = context_lens.contiguous()
     size, heads, head_dim = query.shape
     _, num_blocks, block_size, kv_heads, _ = kv_cache.shape
-    out = torch.empty_like(query)
+    out = torch.empty(size, heads, head_dim, dtype=torch.float32)
     code = _kernel(
         query.data_ptr(),
+        query.stride(0),
         kv_cache.data_ptr(),
         block_table.data_ptr(),
         context_lens.data_ptr(),

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from switchboard.models import decode_stack
 from switchboard.models.attention import AttentionMetadata, paged_attention
 from switchboard.models.hf_config import TransformerConfig
 from switchboard.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul
@@ -202,8 +203,9 @@ class LlamaForCausalLM(nn.Module):
         else:
             hidden = previous_stage_hidden(intermediate)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
-        for layer, kv_cache in zip(self.model.stage_layers, kv_caches, strict=True):
-            hidden = layer(hidden, cos, sin, kv_cache, metadata)
+        if not decode_stack.run(self, hidden, cos, sin, kv_caches, metadata):  # in place
+            for layer, kv_cache in zip(self.model.stage_layers, kv_caches, strict=True):
+                hidden = layer(hidden, cos, sin, kv_cache, metadata)
         return self.model.norm(hidden) if self.parallel.is_last_stage else hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from switchboard.config import ModelConfig
-from switchboard.models import cpu_decode_kernel, fused_ops
+from switchboard.models import cpu_decode_kernel, decode_stack, fused_ops
 from switchboard.models.attention import REFERENCE, AttentionBackend, new_kv_cache
 from switchboard.models.attention_backends import select_backend
 from switchboard.models.hf_config import TransformerConfig
@@ -92,6 +92,8 @@ class ModelRunner:
             logger.info("decode attention: CPU paged kernel %s", cpu_decode_kernel.status())
             fused_ops.load()
             logger.info("norms, rotary and SiLU: fused CPU kernels %s", fused_ops.status())
+            decode_stack.load()
+            logger.info("decode steps of few rows: one-call layer stack %s", decode_stack.status())
         return self.summary()
 
     def summary(self) -> ModelSummary:

@@ -1,0 +1,124 @@
+"""The one-call decoder-layer stack: the same logits, bit for bit, as the layer-by-layer path on
+decode steps of 1..max_rows rows (Llama, Qwen2's biases, Mistral's sliding window), the KV cache
+it writes equal too; steps it does not take (a prefill chunk in the step, more rows than the
+matmul kernel takes) left to the layers; and its off switch."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from switchboard.models import decode_stack, small_batch_gemm
+from switchboard.wire.engine_msgs import SamplingParams
+from switchboard.wire.step_msgs import CachedRequest, NewRequest, SchedulerOutput
+from tests.tiny_checkpoint import tiny_checkpoint_dir
+from tests.worker.test_model_runner_parity import make_runner
+
+BLOCKS_PER_REQUEST = 8  # of 4 tokens (the runner's): prompts of 20..28 and 4 decode steps
+
+
+def _steps(rows: int, vocab: int, decode_steps: int, seed: int) -> list[SchedulerOutput]:
+    """A prefill step of ``rows`` requests, then ``decode_steps`` steps of one token each."""
+    rng = random.Random(seed)
+    new = [
+        NewRequest(
+            request_id=f"r{i}",
+            prompt_token_ids=[rng.randrange(vocab) for _ in range(20 + i)],
+            sampling_params=SamplingParams(temperature=0.0, max_tokens=decode_steps + 1),
+            # shuffled blocks: tables that are not in order
+            block_ids=rng.sample(range(i * 10, i * 10 + 10), BLOCKS_PER_REQUEST),
+            num_computed_tokens=0,
+        )
+        for i in range(rows)
+    ]
+    steps = [
+        SchedulerOutput(
+            step_id=0,
+            new_requests=new,
+            num_scheduled_tokens={r.request_id: len(r.prompt_token_ids) for r in new},
+            total_num_scheduled_tokens=sum(len(r.prompt_token_ids) for r in new),
+        )
+    ]
+    for k in range(decode_steps):
+        steps.append(
+            SchedulerOutput(
+                step_id=k + 1,
+                cached_requests=[
+                    CachedRequest(r.request_id, [], len(r.prompt_token_ids) + k) for r in new
+                ],
+                num_scheduled_tokens={r.request_id: 1 for r in new},
+                total_num_scheduled_tokens=rows,
+            )
+        )
+    return steps
+
+
+def _run(runner, steps: list[SchedulerOutput], stack_on: bool, monkeypatch) -> list[torch.Tensor]:
+    """Each step's logits, with the stack in use or not."""
+    with monkeypatch.context() as patch:
+        if not stack_on:
+            patch.setattr(decode_stack, "_stack", None)
+        logits = []
+        for step in steps:
+            out = runner.forward_step(step)
+            logits.append(out.logits.clone())
+            runner.sample_step(out)
+        return logits
+
+
+@pytest.mark.parametrize(
+    ("family", "kwargs"),
+    [
+        ("llama", {}),
+        ("qwen2", {}),  # QKV biases
+        ("mistral", {}),  # a sliding window shorter than the prompts
+    ],
+)
+def test_decode_steps_are_bit_identical_to_the_layers(family, kwargs, monkeypatch):
+    model_dir = tiny_checkpoint_dir(family, **kwargs)
+    stacked, layered = make_runner(model_dir), make_runner(model_dir)
+    assert decode_stack.status() == "in use", decode_stack.status()
+    vocab = stacked.summary().vocab_size
+    calls = []
+    real_run = decode_stack.run
+    monkeypatch.setattr(
+        decode_stack, "run", lambda *a, **kw: calls.append(real_run(*a, **kw)) or calls[-1]
+    )
+    for rows in sorted({1, 3, small_batch_gemm.max_rows}):
+        steps = _steps(rows, vocab, decode_steps=4, seed=rows)
+        calls.clear()
+        got = _run(stacked, steps, True, monkeypatch)
+        assert calls == [False, True, True, True, True]  # the prefill step: the layers
+        expected = _run(layered, steps, False, monkeypatch)
+        for a, b in zip(got, expected, strict=True):
+            assert torch.equal(a, b)
+        for cache_a, cache_b in zip(stacked.kv_caches, layered.kv_caches, strict=True):
+            assert torch.equal(cache_a, cache_b)
+        done = SchedulerOutput(step_id=99, finished_request_ids=[f"r{i}" for i in range(rows)])
+        stacked.execute_model(done)
+        layered.execute_model(done)
+
+
+def test_more_rows_than_the_matmul_kernel_takes_go_to_the_layers(monkeypatch):
+    runner = make_runner(tiny_checkpoint_dir("llama"))
+    calls = []
+    real_run = decode_stack.run
+    monkeypatch.setattr(
+        decode_stack, "run", lambda *a, **kw: calls.append(real_run(*a, **kw)) or calls[-1]
+    )
+    rows = small_batch_gemm.max_rows + 1
+    _run(runner, _steps(rows, runner.summary().vocab_size, 2, seed=0), True, monkeypatch)
+    assert calls == [False, False, False]
+
+
+def test_can_be_turned_off(monkeypatch):
+    decode_stack.unload()
+    monkeypatch.setenv("SWITCHBOARD_DECODE_STACK", "off")
+    try:
+        assert not decode_stack.load()
+        assert "off" in decode_stack.status()
+    finally:
+        monkeypatch.delenv("SWITCHBOARD_DECODE_STACK")
+        assert decode_stack.load()
