@@ -1,7 +1,8 @@
 """The one-call decoder-layer stack: the same logits, bit for bit, as the layer-by-layer path on
 decode steps of 1..max_rows rows (Llama, Qwen2's biases, Mistral's sliding window), the KV cache
-it writes equal too; steps it does not take (a prefill chunk in the step, more rows than the
-matmul kernel takes) left to the layers; and its off switch."""
+it writes equal too; beyond max_rows (where the layers' matmuls are oneDNN's) equal to rounding;
+steps it does not take (a prefill chunk in the step, more than MAX_ROWS rows) left to the
+layers; and its off switch."""
 
 from __future__ import annotations
 
@@ -101,15 +102,33 @@ def test_decode_steps_are_bit_identical_to_the_layers(family, kwargs, monkeypatc
         layered.execute_model(done)
 
 
-def test_more_rows_than_the_matmul_kernel_takes_go_to_the_layers(monkeypatch):
-    runner = make_runner(tiny_checkpoint_dir("llama"))
+def test_beyond_the_matmul_kernels_rows_it_matches_onednns_layers_to_rounding(monkeypatch):
+    model_dir = tiny_checkpoint_dir("llama")
+    stacked, layered = make_runner(model_dir), make_runner(model_dir)
+    rows = small_batch_gemm.max_rows + 1  # the layers' matmuls go to oneDNN from here
+    steps = _steps(rows, stacked.summary().vocab_size, decode_steps=3, seed=5)
     calls = []
     real_run = decode_stack.run
     monkeypatch.setattr(
         decode_stack, "run", lambda *a, **kw: calls.append(real_run(*a, **kw)) or calls[-1]
     )
-    rows = small_batch_gemm.max_rows + 1
-    _run(runner, _steps(rows, runner.summary().vocab_size, 2, seed=0), True, monkeypatch)
+    got = _run(stacked, steps, True, monkeypatch)
+    assert calls == [False, True, True, True]
+    expected = _run(layered, steps, False, monkeypatch)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_more_rows_than_it_takes_go_to_the_layers(monkeypatch):
+    runner = make_runner(tiny_checkpoint_dir("llama"))
+    monkeypatch.setattr(decode_stack, "MAX_ROWS", 2)
+    calls = []
+    real_run = decode_stack.run
+    monkeypatch.setattr(
+        decode_stack, "run", lambda *a, **kw: calls.append(real_run(*a, **kw)) or calls[-1]
+    )
+    _run(runner, _steps(3, runner.summary().vocab_size, 2, seed=0), True, monkeypatch)
     assert calls == [False, False, False]
 
 

@@ -4,16 +4,19 @@ A decode step of one request multiplies one row by every weight matrix: the work
 the weights, and oneDNN's kernels (``models/gemm.py``) read them at about half the memory's
 speed on a 2-core EPYC. This kernel streams each weight once, in panels of 16 output columns
 laid out for it (``[ceil(out / 16), in, 16]``, made at load by ``pack``), and keeps the rows'
-sums in registers: two AVX2 vectors per row, up to ``max_rows`` rows (8 where AVX-512's 32
-vector registers hold them, else 4). Measured on that machine (it has AVX-512), two threads, a
-SmolLM2-135M-shaped stack (30 layers and the LM head, cold weights), ms:
+sums in registers: two AVX2 vectors per row, ``max_rows`` rows at a time (8 where AVX-512's 32
+vector registers hold them, else 4; more rows go in groups over each panel while it is in the
+core's cache, so the weight is still read once). Measured on that machine (it has AVX-512),
+two threads, a SmolLM2-135M-shaped stack (30 layers and the LM head, cold weights), ms:
 
     rows            1      2      4      6      8
     oneDNN packed   25.7   29.7   23.6   22.9   27.7
     this kernel     17.1   17.8   20.0   22.0   24.3
 
 and 2.5x / 2.3x / 1.6x / 1.5x / 1.6x faster on tiny-llama's small matrices. From about eight
-rows oneDNN is as fast or faster, so ``gemm.linear`` uses this only up to ``max_rows``.
+rows oneDNN is as fast (16 / 32 / 64 rows: 0.95x / 0.97x / 1.00x), so ``gemm.linear`` uses
+this only up to ``max_rows``; the one-call decode layer stack (``decode_stack.py``) uses it for
+more.
 
 Every output is one fused multiply-add chain over the inputs in order, so a row's result does
 not depend on which rows share the call (batch-invariant). The panels are a second copy of
@@ -92,31 +95,41 @@ static inline __attribute__((always_inline)) void panel_rows(
     ROW_STORE(4) ROW_STORE(5) ROW_STORE(6) ROW_STORE(7)
 }
 
-/* y [M, N] = x [M, K] (row stride ldx) @ weight^T (+ bias); 1 <= M <= 4, else -1 */
+/* At most MAX_ROWS rows times one panel. */
+static inline void panel_group(int64_t M, const float *x, int64_t ldx, const float *pq,
+                               int64_t K, float *yq, int64_t N, int64_t ncols, const float *bq) {
+    switch (M) {
+        case 1: panel_rows(1, x, ldx, pq, K, yq, N, ncols, bq); break;
+        case 2: panel_rows(2, x, ldx, pq, K, yq, N, ncols, bq); break;
+        case 3: panel_rows(3, x, ldx, pq, K, yq, N, ncols, bq); break;
+        case 4: panel_rows(4, x, ldx, pq, K, yq, N, ncols, bq); break;
+#if MAX_ROWS > 4
+        case 5: panel_rows(5, x, ldx, pq, K, yq, N, ncols, bq); break;
+        case 6: panel_rows(6, x, ldx, pq, K, yq, N, ncols, bq); break;
+        case 7: panel_rows(7, x, ldx, pq, K, yq, N, ncols, bq); break;
+        default: panel_rows(8, x, ldx, pq, K, yq, N, ncols, bq); break;
+#endif
+    }
+}
+
+/* y [M, N] = x [M, K] (row stride ldx) @ weight^T (+ bias); M >= 1, else -1. More rows than
+   MAX_ROWS are taken MAX_ROWS at a time, each group over the same panel while it is still in
+   the core's cache (the weight is read from memory once). */
 int small_batch_linear(const float *x, int64_t ldx, const float *p, const float *bias, float *y,
                        int64_t M, int64_t K, int64_t N) {
-    if (M < 1 || M > small_batch_max_rows()) return -1;
+    if (M < 1) return -1;
     const int64_t panels = (N + PW - 1) / PW;
 #pragma omp parallel for schedule(static)
     for (int64_t q = 0; q < panels; q++) {
         const int64_t ncols = N - q * PW < PW ? N - q * PW : PW;
         const float *pq = p + q * K * PW, *bq = bias ? bias + q * PW : 0;
-        float *yq = y + q * PW;
-        switch (M) {
-            case 1: panel_rows(1, x, ldx, pq, K, yq, N, ncols, bq); break;
-            case 2: panel_rows(2, x, ldx, pq, K, yq, N, ncols, bq); break;
-            case 3: panel_rows(3, x, ldx, pq, K, yq, N, ncols, bq); break;
-            case 4: panel_rows(4, x, ldx, pq, K, yq, N, ncols, bq); break;
-#if MAX_ROWS > 4
-            case 5: panel_rows(5, x, ldx, pq, K, yq, N, ncols, bq); break;
-            case 6: panel_rows(6, x, ldx, pq, K, yq, N, ncols, bq); break;
-            case 7: panel_rows(7, x, ldx, pq, K, yq, N, ncols, bq); break;
-            default: panel_rows(8, x, ldx, pq, K, yq, N, ncols, bq); break;
-#endif
-        }
+        for (int64_t r0 = 0; r0 < M; r0 += MAX_ROWS)
+            panel_group(M - r0 < MAX_ROWS ? M - r0 : MAX_ROWS, x + r0 * ldx, ldx, pq, K,
+                        y + r0 * N + q * PW, N, ncols, bq);
     }
     return 0;
 }
+
 """
 
 _I64 = ctypes.c_int64
@@ -190,7 +203,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def linear(
     x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``x @ W^T + b`` for ``x`` ``[0 <= rows <= max_rows, in]`` float32 on CPU."""
+    """``x @ W^T + b`` for ``x`` ``[rows, in]`` float32 on CPU (``max_rows`` at a time)."""
     assert _linear is not None, "small_batch_gemm.linear before load()"
     rows, in_features = x.shape
     if x.stride(1) != 1:
@@ -211,5 +224,5 @@ def linear(
         out_features,
     )
     if code != 0:
-        raise ValueError(f"small-batch matmul: {rows} rows (at most {max_rows})")
+        raise ValueError(f"small-batch matmul: {rows} rows")
     return y
