@@ -144,7 +144,7 @@ int paged_decode_f32(const float *query, int64_t ldq, const float *kv, const int
 """
 
 _I64 = ctypes.c_int64
-_ARGTYPES: list[type[ctypes._SimpleCData[Any]]] = (
+_ARGTYPES: list[Any] = (
     [ctypes.c_void_p, _I64] + [ctypes.c_void_p] * 4 + [_I64] * 7 + [ctypes.c_float, _I64]
 )
 

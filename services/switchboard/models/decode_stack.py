@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from switchboard.models import cpu_decode_kernel, fused_ops, small_batch_gemm
+from switchboard.models import cpu_decode_kernel, fused_ops, gemm, small_batch_gemm
 from switchboard.models.attention import AttentionMetadata
 from switchboard.models.native_build import VECTOR_EXP_C, load_library
 
@@ -105,7 +105,7 @@ _LAYER_FIELDS = 12
 # the step saves the time between the operations.
 MAX_ROWS = 64
 _I64, _VOID, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-_ARGTYPES = [_VOID, _I64, _I64, _VOID, _I64, _I64, _I64, _I64, _I64, _F32, _F32]
+_ARGTYPES: list[Any] = [_VOID, _I64, _I64, _VOID, _I64, _I64, _I64, _I64, _I64, _F32, _F32]
 _ARGTYPES += [_VOID] * 5 + [_I64] * 3
 
 _stack: Callable[..., int] | None = None
@@ -283,16 +283,17 @@ def _layer_fields(
     scales: set[float],
 ) -> list[int] | None:
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    norms = (
-        getattr(layer, "input_layernorm", None),
-        getattr(layer, "post_attention_layernorm", None),
-    )
+    norm1 = getattr(layer, "input_layernorm", None)
+    norm2 = getattr(layer, "post_attention_layernorm", None)
+    if norm1 is None or norm2 is None:
+        return None
+    norms: tuple[Any, Any] = (norm1, norm2)
     needed = ("qkv_proj", "o_proj", "num_heads", "num_kv_heads", "head_dim", "scale")
     if attn is None or mlp is None or not all(hasattr(attn, name) for name in needed):
         return None
     if not (hasattr(mlp, "gate_up_proj") and hasattr(mlp, "down_proj")):
         return None
-    if any(norm is None or not hasattr(norm, "eps") for norm in norms):
+    if not all(hasattr(norm, "eps") and hasattr(norm, "weight") for norm in norms):
         return None
     if cache.dtype != torch.float32 or cache.device.type != "cpu" or not cache.is_contiguous():
         return None
@@ -344,12 +345,13 @@ def _layer_fields(
 
 
 def _panels(linear: nn.Module) -> torch.Tensor | None:
-    """The small-batch panels ``gemm.attach_small_batch`` gave this layer's weight, or None."""
+    """The small-batch panels of this layer's weight, or None."""
     weight = getattr(linear, "weight", None)
-    attached: Any = getattr(weight, "switchboard_small_batch", None)
+    attached = gemm.small_batch_panels(weight) if isinstance(weight, torch.Tensor) else None
     return None if attached is None else attached[0]
 
 
 def _out_features(linear: nn.Module) -> int:
-    attached: Any = linear.weight.switchboard_small_batch
-    return int(attached[1])
+    weight = linear.weight
+    attached = gemm.small_batch_panels(weight) if isinstance(weight, torch.Tensor) else None
+    return -1 if attached is None else attached[1]

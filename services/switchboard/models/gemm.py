@@ -84,6 +84,13 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 _SMALL_BATCH = "switchboard_small_batch"  # attribute of a packed weight: (panels, out_features)
 
 
+def small_batch_panels(weight: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """The small-batch panels ``attach_small_batch`` gave ``weight``, and its output features;
+    None when it has none."""
+    attached: tuple[torch.Tensor, int] | None = getattr(weight, _SMALL_BATCH, None)
+    return attached
+
+
 def attach_small_batch(packed: torch.Tensor, dense: torch.Tensor) -> bool:
     """Give ``packed`` (``pack(dense)``, or the parameter holding it) the small-batch kernel's
     panels of ``dense``; False when that kernel is not in use."""
@@ -100,7 +107,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if weight.is_mkldnn:
         assert onednn is not None  # only oneDNN packs a weight
         rows = x.reshape(-1, x.shape[-1])
-        small_batch = getattr(weight, _SMALL_BATCH, None)
+        small_batch = small_batch_panels(weight)
         if (
             small_batch is not None
             and rows.shape[0] <= small_batch_gemm.max_rows
