@@ -9,7 +9,8 @@ from switchboard import cli
 from switchboard.config import (
     CPU_SHARED_STEP_TOKENS,
     MAX_NUM_BATCHED_TOKENS,
-    default_step_budget,
+    SchedulerConfig,
+    with_step_budget,
 )
 
 
@@ -33,7 +34,7 @@ def test_defaults_prefix_caching_on_fcfs_no_chunk_cap() -> None:
 
 def test_the_default_token_budget_is_by_device_and_fits_every_running_request() -> None:
     def budget(device: str, max_num_seqs: int) -> tuple[int, int]:
-        config = default_step_budget(device, max_num_seqs)
+        config = with_step_budget(SchedulerConfig(max_num_seqs=max_num_seqs), device)
         return config.max_num_batched_tokens, config.shared_step_tokens
 
     assert budget("cpu", 256) == (MAX_NUM_BATCHED_TOKENS, CPU_SHARED_STEP_TOKENS) == (2048, 256)

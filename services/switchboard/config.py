@@ -60,7 +60,7 @@ class CacheConfig(_Config, frozen=True):
 
 class SchedulerConfig(_Config, frozen=True):
     max_num_seqs: int = 256  # as vLLM's server default: 64 queued half of 128 clients
-    max_num_batched_tokens: int = 0  # 0 = by the workers' device: default_step_budget
+    max_num_batched_tokens: int = 0  # 0 = by the workers' device: with_step_budget
     # Tokens per step while more than one request is in the engine (0: max_num_batched_tokens
     # always). Only the device default sets it; an explicit --max-num-batched-tokens holds always.
     shared_step_tokens: int = 0
@@ -79,14 +79,17 @@ MAX_NUM_BATCHED_TOKENS = 2048
 CPU_SHARED_STEP_TOKENS = 256
 
 
-def default_step_budget(device_type: str, max_num_seqs: int) -> SchedulerConfig:
-    """The step budget for ``device_type`` workers when none was given, as the fields
-    ``max_num_batched_tokens`` and ``shared_step_tokens``; never below ``max_num_seqs``, so
-    every running request can decode in every step."""
-    budget = max(MAX_NUM_BATCHED_TOKENS, max_num_seqs)
-    shared = max(CPU_SHARED_STEP_TOKENS, max_num_seqs) if device_type == "cpu" else 0
-    return SchedulerConfig(
-        max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, shared_step_tokens=shared
+def with_step_budget(config: SchedulerConfig, device_type: str) -> SchedulerConfig:
+    """``config`` as given when it names a budget; else with the default budget for
+    ``device_type`` workers, never below ``max_num_seqs`` (every running request decodes in
+    every step)."""
+    if config.max_num_batched_tokens:
+        return config
+    seqs = config.max_num_seqs
+    return msgspec.structs.replace(
+        config,
+        max_num_batched_tokens=max(MAX_NUM_BATCHED_TOKENS, seqs),
+        shared_step_tokens=max(CPU_SHARED_STEP_TOKENS, seqs) if device_type == "cpu" else 0,
     )
 
 

@@ -31,7 +31,7 @@ import msgspec
 import zmq
 
 from switchboard import __version__
-from switchboard.config import EngineConfig, default_step_budget, new_run_dir
+from switchboard.config import EngineConfig, new_run_dir, with_step_budget
 from switchboard.engine import clock
 from switchboard.engine.executor import MultiprocExecutor, Stall
 from switchboard.engine.io_threads import (
@@ -132,14 +132,7 @@ class EngineCore:
             self.kv_capacity_tokens,
             self.max_model_len,
         )
-        scheduler_config = config.scheduler
-        if not scheduler_config.max_num_batched_tokens:
-            budget = default_step_budget(summary.device_type, scheduler_config.max_num_seqs)
-            scheduler_config = msgspec.structs.replace(
-                scheduler_config,
-                max_num_batched_tokens=budget.max_num_batched_tokens,
-                shared_step_tokens=budget.shared_step_tokens,
-            )
+        scheduler_config = with_step_budget(config.scheduler, summary.device_type)
         self.scheduler = Scheduler(
             scheduler_config, config.cache, self.num_gpu_blocks, self.max_model_len
         )

@@ -30,6 +30,17 @@ SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 
+/* The end of token t's block (or len), and where KV head h0 of token t lies in the cache. */
+static inline int64_t block_stop(int64_t t, int64_t BS, int64_t len) {
+    const int64_t end = t - t % BS + BS;
+    return end < len ? end : len;
+}
+
+static inline const float *slot_at(const float *cache, const int64_t *table, int64_t t,
+                                   int64_t BS, int64_t KVH, int64_t h0, int64_t D) {
+    return cache + ((table[t / BS] * BS + t % BS) * KVH + h0) * D;
+}
+
 /* One task: request b's query heads of KV heads h0 .. h0 + nkv - 1 (query head j = h * G + g
    reads KV head h). scores [nq, L] and acc [nq, D] are the task's scratch. Inlined with D a
    constant for the common head sizes (32, 64, 128), so the dot products and sums unroll into
@@ -42,8 +53,8 @@ static inline __attribute__((always_inline)) void attend(
     int64_t KVH, int64_t BS, int64_t h0, const int64_t D, float scale) {
     const int64_t L = len - start, nq = nkv * G, slot_stride = KVH * D;
     for (int64_t t = start; t < len;) {
-        const int64_t block_end = t - t % BS + BS, stop = block_end < len ? block_end : len;
-        const float *slot = keys + ((table[t / BS] * BS + t % BS) * KVH + h0) * D;
+        const int64_t stop = block_stop(t, BS, len);
+        const float *slot = slot_at(keys, table, t, BS, KVH, h0, D);
         for (; t < stop; t++, slot += slot_stride) {
             for (int64_t h = 0; h < nkv; h++) {
                 const float *kh = slot + h * D;
@@ -74,8 +85,8 @@ static inline __attribute__((always_inline)) void attend(
     }
     for (int64_t i = 0; i < nq * D; i++) acc[i] = 0.0f;
     for (int64_t t = start; t < len;) {
-        const int64_t block_end = t - t % BS + BS, stop = block_end < len ? block_end : len;
-        const float *slot = values + ((table[t / BS] * BS + t % BS) * KVH + h0) * D;
+        const int64_t stop = block_stop(t, BS, len);
+        const float *slot = slot_at(values, table, t, BS, KVH, h0, D);
         for (; t < stop; t++, slot += slot_stride) {
             for (int64_t h = 0; h < nkv; h++) {
                 const float *vh = slot + h * D;

@@ -158,8 +158,9 @@ class _Plan:
     """What one model's stack needs from its layers, with the KV caches it was made for."""
 
     cache_ptrs: tuple[int, ...]
-    fields: torch.Tensor  # [layers, _LAYER_FIELDS] int64 addresses (and the windows)
-    keep: list[torch.Tensor]  # the weights those addresses point into (the caches: the worker's)
+    # [layers, _LAYER_FIELDS] int64 addresses (and the windows) into the model's weights (the
+    # plan lives on the model, so they live as long) and the worker's caches (cache_ptrs)
+    fields: torch.Tensor
     dims: tuple[int, int, int, int, int]  # H, heads, kv heads, head_dim, intermediate
     eps: float
     scale: float
@@ -252,106 +253,62 @@ def _make_plan(
         return None
     if len(layers) != len(kv_caches):
         return None
-    fields: list[list[int]] = []
-    keep: list[torch.Tensor] = []
-    dims: set[tuple[int, int, int, int, int]] = set()
-    eps_values: set[float] = set()
-    scales: set[float] = set()
-    for layer, cache in zip(layers, kv_caches, strict=True):
-        row = _layer_fields(layer, cache, keep, dims, eps_values, scales)
-        if row is None:
-            return None
-        fields.append(row)
-    if len(dims) != 1 or len(eps_values) != 1 or len(scales) != 1:
-        return None
+    rows = [_layer_fields(layer, cache) for layer, cache in zip(layers, kv_caches, strict=True)]
+    shapes = {row[1] for row in rows if row is not None}
+    if any(row is None for row in rows) or len(shapes) != 1:
+        return None  # a layer the stack cannot run, or layers of different shapes
+    (hidden_size, heads, kv_heads, head_dim, intermediate), eps, scale = shapes.pop()
     return _Plan(
         cache_ptrs=cache_ptrs,
-        fields=torch.tensor(fields, dtype=torch.int64),
-        keep=keep,
-        dims=dims.pop(),
-        eps=eps_values.pop(),
-        scale=scales.pop(),
+        fields=torch.tensor([row[0] for row in rows if row is not None], dtype=torch.int64),
+        dims=(hidden_size, heads, kv_heads, head_dim, intermediate),
+        eps=eps,
+        scale=scale,
     )
 
 
-def _layer_fields(
-    layer: nn.Module,
-    cache: torch.Tensor,
-    keep: list[torch.Tensor],
-    dims: set[tuple[int, int, int, int, int]],
-    eps_values: set[float],
-    scales: set[float],
-) -> list[int] | None:
+_LayerShape = tuple[tuple[int, int, int, int, int], float, float]  # dims, eps, scale
+
+
+def _layer_fields(layer: nn.Module, cache: torch.Tensor) -> tuple[list[int], _LayerShape] | None:
+    """The layer's row of addresses for the C stack and its shape; None when the stack cannot
+    run it."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     norm1 = getattr(layer, "input_layernorm", None)
     norm2 = getattr(layer, "post_attention_layernorm", None)
-    if norm1 is None or norm2 is None:
-        return None
-    norms: tuple[Any, Any] = (norm1, norm2)
     needed = ("qkv_proj", "o_proj", "num_heads", "num_kv_heads", "head_dim", "scale")
     if attn is None or mlp is None or not all(hasattr(attn, name) for name in needed):
         return None
     if not (hasattr(mlp, "gate_up_proj") and hasattr(mlp, "down_proj")):
         return None
+    norms: list[Any] = [norm1, norm2]
     if not all(hasattr(norm, "eps") and hasattr(norm, "weight") for norm in norms):
+        return None
+    if any(n.weight.dtype != torch.float32 or not n.weight.is_contiguous() for n in norms):
+        return None
+    if norms[0].eps != norms[1].eps:
         return None
     if cache.dtype != torch.float32 or cache.device.type != "cpu" or not cache.is_contiguous():
         return None
-    pointers = []
+    matmuls = []  # (panels address, bias address or 0, output features) of qkv, o, gate_up, down
     for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-        panels = _panels(linear)
-        if panels is None:
+        weight, bias = getattr(linear, "weight", None), getattr(linear, "bias", None)
+        attached = gemm.small_batch_panels(weight) if isinstance(weight, torch.Tensor) else None
+        if attached is None:
             return None
-        bias = getattr(linear, "bias", None)
         if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
             return None
-        keep.append(panels)
-        pointers += [panels.data_ptr(), 0 if bias is None else bias.data_ptr()]
-        if bias is not None:
-            keep.append(bias)
-    for norm in norms:
-        weight = norm.weight
-        if weight.dtype != torch.float32 or not weight.is_contiguous():
-            return None
-        keep.append(weight)
+        panels, out_features = attached
+        matmuls.append((panels.data_ptr(), 0 if bias is None else bias.data_ptr(), out_features))
+    qkv, o, gate_up, down = matmuls
     hidden_size = norms[0].weight.shape[0]
-    intermediate = _out_features(mlp.gate_up_proj) // 2
-    dims.add((hidden_size, attn.num_heads, attn.num_kv_heads, attn.head_dim, intermediate))
-    eps_values.add(float(norms[0].eps))
-    eps_values.add(float(norms[1].eps))
-    scales.add(float(attn.scale))
     heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    shapes = [_out_features(linear) for linear in (attn.qkv_proj, attn.o_proj, mlp.down_proj)]
-    if shapes != [(heads + 2 * kv_heads) * head_dim, hidden_size, hidden_size]:
+    if [qkv[2], o[2], down[2]] != [(heads + 2 * kv_heads) * head_dim, hidden_size, hidden_size]:
         return None
     if cache.shape[3:] != (kv_heads, head_dim):
         return None
-    qkv, qkv_bias, o, o_bias, gate_up, gate_up_bias, down, down_bias = pointers
     window = getattr(attn, "sliding_window", None) or 0
-    return [
-        norms[0].weight.data_ptr(),
-        qkv,
-        qkv_bias,
-        o,
-        o_bias,
-        norms[1].weight.data_ptr(),
-        gate_up,
-        gate_up_bias,
-        down,
-        down_bias,
-        cache.data_ptr(),
-        int(window),
-    ]
-
-
-def _panels(linear: nn.Module) -> torch.Tensor | None:
-    """The small-batch panels of this layer's weight, or None."""
-    weight = getattr(linear, "weight", None)
-    attached = gemm.small_batch_panels(weight) if isinstance(weight, torch.Tensor) else None
-    return None if attached is None else attached[0]
-
-
-def _out_features(linear: nn.Module) -> int:
-    weight = linear.weight
-    attached = gemm.small_batch_panels(weight) if isinstance(weight, torch.Tensor) else None
-    return -1 if attached is None else attached[1]
+    row = [norms[0].weight.data_ptr(), *qkv[:2], *o[:2], norms[1].weight.data_ptr()]
+    row += [*gate_up[:2], *down[:2], cache.data_ptr(), int(window)]
+    dims = (hidden_size, heads, kv_heads, head_dim, gate_up[2] // 2)
+    return row, (dims, float(norms[0].eps), float(attn.scale))
