@@ -31,6 +31,7 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SMALL_KV = ("--kv-cache-memory-bytes", str(8 << 20))
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18]]
+STALLED_STREAM_TOKENS = 500  # of the tiny model's 512 positions
 
 
 class Stream:
@@ -112,7 +113,9 @@ def test_a_stalled_worker_is_seen_and_recovers(tiny_model: str, tmp_path: Path) 
     )
     try:
         worker = server.titled_processes()["switchboard::Worker_DP0_PP0_TP0"]
-        stream = Stream(server, PROMPTS[0], 300, delay_s=0.01)
+        # A fast reader and a long stream: the worker is stopped a few tokens in, with hundreds
+        # of steps still to go (a decode step of tiny-llama takes about 2 ms).
+        stream = Stream(server, PROMPTS[0], STALLED_STREAM_TOKENS)
         wait_for_tokens([stream], 5)
         os.kill(worker, signal.SIGSTOP)
         stopped = time.monotonic()
@@ -139,7 +142,7 @@ def test_a_stalled_worker_is_seen_and_recovers(tiny_model: str, tmp_path: Path) 
         back_s = time.monotonic() - continued
         stream.join()
         assert stream.code == grpc.StatusCode.OK, stream.details
-        assert len(stream.tokens) == 300
+        assert len(stream.tokens) == STALLED_STREAM_TOKENS
         assert len(generate_tokens(server, PROMPTS[1], 4)) == 4
         assert metric_sum(scrape(metrics_port), "switchboard:engine_worker_stalled") == 0.0
         log = server.log()
