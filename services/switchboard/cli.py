@@ -197,6 +197,15 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         help="priority: by GenerateRequest.priority (lower first), preempting the lowest",
     )
     s.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=SchedulerConfig().async_scheduling,
+        help=(
+            "schedule the next step while the workers compute one, so the engine's turn "
+            "between steps is off the critical path (--no-async-scheduling: one at a time)"
+        ),
+    )
+    s.add_argument(
         "--block-size",
         type=int,
         default=CacheConfig().block_size,
@@ -469,6 +478,7 @@ def build_configs(
             max_num_batched_tokens=args.max_num_batched_tokens or 0,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             scheduling_policy=args.scheduling_policy,
+            async_scheduling=args.async_scheduling,
         ),
         parallel=parallel,
         worker=WorkerConfig(

@@ -66,6 +66,8 @@ class SchedulerConfig(_Config, frozen=True):
     shared_step_tokens: int = 0
     long_prefill_token_threshold: int = 0  # 0 = no cap on one request's chunk
     scheduling_policy: str = "fcfs"  # fcfs | priority
+    # Schedule step N+1 while the workers compute step N (engine/core.py, "the busy loop").
+    async_scheduling: bool = True
 
 
 # Tokens per step when --max-num-batched-tokens is not given: vLLM's server default, and on a

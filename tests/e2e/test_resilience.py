@@ -32,6 +32,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 SMALL_KV = ("--kv-cache-memory-bytes", str(8 << 20))
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18]]
 STALLED_STREAM_TOKENS = 500  # of the tiny model's 512 positions
+STALLED_STREAMS = 3  # run one after another (--max-num-seqs 1): ~1,500 decode steps in all
 
 
 class Stream:
@@ -110,13 +111,18 @@ def test_a_stalled_worker_is_seen_and_recovers(tiny_model: str, tmp_path: Path) 
         "0",
         "--metrics-port",
         str(metrics_port),
+        "--max-num-seqs",
+        "1",
     )
     try:
         worker = server.titled_processes()["switchboard::Worker_DP0_PP0_TP0"]
-        # A fast reader and a long stream: the worker is stopped a few tokens in, with hundreds
-        # of steps still to go (a decode step of tiny-llama takes about 2 ms).
-        stream = Stream(server, PROMPTS[0], STALLED_STREAM_TOKENS)
-        wait_for_tokens([stream], 5)
+        # Fast readers and long streams that run one at a time: the worker is stopped a few
+        # tokens into the first, with over a thousand steps still to go (a decode step of
+        # tiny-llama takes 1-2 ms, so a single stream could end before the signal lands).
+        streams = [
+            Stream(server, PROMPTS[0], STALLED_STREAM_TOKENS) for _ in range(STALLED_STREAMS)
+        ]
+        wait_until(lambda: any(len(s.tokens) >= 5 for s in streams), "a stream is going", 60)
         os.kill(worker, signal.SIGSTOP)
         stopped = time.monotonic()
         try:
@@ -140,9 +146,10 @@ def test_a_stalled_worker_is_seen_and_recovers(tiny_model: str, tmp_path: Path) 
         continued = time.monotonic()
         wait_until(lambda: health(server) == SERVING, "SERVING again", 15)
         back_s = time.monotonic() - continued
-        stream.join()
-        assert stream.code == grpc.StatusCode.OK, stream.details
-        assert len(stream.tokens) == STALLED_STREAM_TOKENS
+        for stream in streams:
+            stream.join()
+            assert stream.code == grpc.StatusCode.OK, stream.details
+            assert len(stream.tokens) == STALLED_STREAM_TOKENS
         assert len(generate_tokens(server, PROMPTS[1], 4)) == 4
         assert metric_sum(scrape(metrics_port), "switchboard:engine_worker_stalled") == 0.0
         log = server.log()

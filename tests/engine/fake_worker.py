@@ -95,18 +95,35 @@ class FakeWorker:
 
 
 class Driver:
-    """Runs schedule -> execute -> update like the engine's busy loop, recording everything."""
+    """Runs schedule -> execute -> update like the engine's busy loop, recording everything.
 
-    def __init__(self, scheduler: Scheduler, worker: FakeWorker) -> None:
+    ``ahead=True`` is the engine's async scheduling: each step applies the output of the step
+    scheduled in the turn before, after scheduling (and "running") the next one. The fake
+    worker runs a step when it is scheduled, which is the order the real one runs them in."""
+
+    def __init__(self, scheduler: Scheduler, worker: FakeWorker, ahead: bool = False) -> None:
         self.scheduler = scheduler
         self.worker = worker
+        self.ahead = ahead
+        self.in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
         self.sched_outputs: list[SchedulerOutput] = []
         self.outputs: dict[str, list[EngineCoreOutput]] = {}
 
-    def step(self) -> dict[int, list[EngineCoreOutput]]:
+    def submit(self) -> tuple[SchedulerOutput, ModelRunnerOutput]:
         sched_out = self.scheduler.schedule()
         self.sched_outputs.append(sched_out)
-        runner_out = self.worker.execute(sched_out)
+        return sched_out, self.worker.execute(sched_out)
+
+    def step(self) -> dict[int, list[EngineCoreOutput]]:
+        current = self.in_flight or self.submit()
+        self.in_flight = None
+        if self.ahead and self.scheduler.has_unfinished_requests():
+            self.in_flight = self.submit()
+        return self.apply(*current)
+
+    def apply(
+        self, sched_out: SchedulerOutput, runner_out: ModelRunnerOutput
+    ) -> dict[int, list[EngineCoreOutput]]:
         by_client = self.scheduler.update_from_output(sched_out, runner_out)
         for outs in by_client.values():
             for o in outs:
@@ -115,7 +132,7 @@ class Driver:
 
     def run(self, max_steps: int = 10_000) -> int:
         steps = 0
-        while self.scheduler.has_unfinished_requests():
+        while self.scheduler.has_unfinished_requests() or self.in_flight is not None:
             self.step()
             steps += 1
             assert steps < max_steps, "scheduler made no progress"

@@ -66,8 +66,8 @@ def make_request(
     return Request.from_engine_core_request(engine_request, BS, next(_arrival))
 
 
-def driver(scheduler: Scheduler, token_fn=default_token) -> Driver:
-    return Driver(scheduler, FakeWorker(BS, scheduler.kv.num_blocks, token_fn))
+def driver(scheduler: Scheduler, token_fn=default_token, ahead: bool = False) -> Driver:
+    return Driver(scheduler, FakeWorker(BS, scheduler.kv.num_blocks, token_fn), ahead)
 
 
 def prompt(n: int, start: int = 100) -> list[int]:
@@ -489,7 +489,10 @@ def scripted(tokens_by_request: dict[str, list[int]]):
     return token_fn
 
 
-def test_stop_conditions():
+@pytest.mark.parametrize("ahead", [False, True], ids=["in-turn", "ahead"])
+def test_stop_conditions(ahead):
+    """Scheduled ahead, a request the length ends is never given a token past its end (its
+    script would run out); one a stop token ends computes one more that is never shown."""
     sched = make_scheduler(max_model_len=12)
     d = driver(
         sched,
@@ -503,6 +506,7 @@ def test_stop_conditions():
                 "model_len": [5] * 20,
             }
         ),
+        ahead=ahead,
     )
     eos = dict(eos_token_ids=[2])
     sched.add_request(make_request("eos", prompt(3), 10, **eos))
@@ -633,9 +637,11 @@ WORKLOAD = [
 ]
 
 
-def _run_workload(add_all_first: bool = True, **config) -> dict[str, list[int]]:
+def _run_workload(
+    add_all_first: bool = True, ahead: bool = False, **config
+) -> dict[str, list[int]]:
     sched = make_scheduler(**config)
-    d = driver(sched)
+    d = driver(sched, ahead=ahead)
     for i, (rid, p, max_tokens, priority) in enumerate(WORKLOAD):
         sched.add_request(make_request(rid, p, max_tokens, priority=priority))
         if not add_all_first:
@@ -672,9 +678,12 @@ def _run_workload(add_all_first: bool = True, **config) -> dict[str, list[int]]:
         "nocache",
     ],
 )
-def test_outputs_do_not_depend_on_how_the_work_was_sliced(config):
+@pytest.mark.parametrize("ahead", [False, True], ids=["in-turn", "ahead"])
+def test_outputs_do_not_depend_on_how_the_work_was_sliced(config, ahead):
+    """Also when each step is scheduled before the last one's output is applied (the engine's
+    async scheduling): the fake worker checks every position's KV on the way."""
     expected = {rid: expected_tokens(p, n) for rid, p, n, _ in WORKLOAD}
-    assert _run_workload(**config) == expected
+    assert _run_workload(ahead=ahead, **config) == expected
 
 
 # ---------------------------------------------------------------- stats and validation

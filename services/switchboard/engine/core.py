@@ -33,7 +33,7 @@ import zmq
 from switchboard import __version__
 from switchboard.config import EngineConfig, new_run_dir, with_step_budget
 from switchboard.engine import clock
-from switchboard.engine.executor import MultiprocExecutor, Stall
+from switchboard.engine.executor import MultiprocExecutor, Stall, SubmittedStep
 from switchboard.engine.io_threads import (
     InputQueue,
     InputThread,
@@ -99,6 +99,8 @@ class EngineCore:
         # Constrained requests whose grammar is still compiling, in arrival order: they wait
         # here, outside the scheduler, so nobody behind them is held back.
         self._compiling: dict[str, Request] = {}
+        # The step scheduled ahead (async scheduling): on the workers' ring, output not applied.
+        self._ahead: _SentStep | None = None
 
     def start(self) -> None:
         """Start the workers, load the model, size the KV cache, then open the wire to the
@@ -286,6 +288,13 @@ class EngineCore:
         spinning), take in everything else already queued, then run one step if there is
         work: schedule → execute on the workers → finish requests aborted during the forward
         pass → update the requests from the sampled tokens → put the outputs.
+
+        With async scheduling (the default) the step after is scheduled and put on the ring
+        before this one's output is awaited, so the workers go from one step straight to the
+        next and the engine's turn (outputs, input, scheduling) overlaps their computing. The
+        next step counts on the tokens in flight (``scheduler.py``, "scheduling ahead"). Not
+        ahead of a constrained request (its grammar must see its last token before the mask
+        of the next one) or of a utility call (its reply comes after the step's).
         """
         # Idle from the start: the coordinator lists us before any request.
         self._publish_stats(self.scheduler.make_stats())
@@ -310,8 +319,9 @@ class EngineCore:
     def _has_work(self) -> bool:
         # Finished ids still owed to the workers count as work: they free the workers' state.
         scheduler = self.scheduler
-        return not self.sleeping and (
-            scheduler.has_unfinished_requests() or scheduler.has_finished_requests()
+        return self._ahead is not None or (
+            not self.sleeping
+            and (scheduler.has_unfinished_requests() or scheduler.has_finished_requests())
         )
 
     def _process_input_queue(self) -> None:
@@ -376,30 +386,62 @@ class EngineCore:
             self._add_request(request)
 
     def _step(self) -> SchedulerStats:
-        """One step; returns the stats it sent with the outputs (the turn publishes them too)."""
+        """One step; returns the stats it sent with the outputs (the turn publishes them too).
+        The step is the one scheduled ahead in the last turn, if any; the next one is
+        scheduled ahead now, if it may be."""
+        current = self._ahead if self._ahead is not None else self._schedule_and_submit()
+        self._ahead = None
+        if self._may_schedule_ahead():
+            ahead = self._schedule_and_submit()
+            if ahead.submitted is not None:
+                self._ahead = ahead
+            else:  # nothing to run ahead (say every request ends with its pending token)
+                self.scheduler.update_from_output(ahead.output, _no_output(ahead.output))
+        return self._finish(current)
+
+    def _schedule_and_submit(self) -> _SentStep:
         scheduler_output = self.scheduler.schedule()
         if self.structured_output is not None:
             attach_bitmask(self.structured_output, scheduler_output, self.scheduler.requests)
-        runner_output = self._execute(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_request_ids:
+            assert self.executor is not None  # started before the busy loop
+            return _SentStep(scheduler_output, self.executor.submit_step(scheduler_output))
+        return _SentStep(scheduler_output, None)
+
+    def _may_schedule_ahead(self) -> bool:
+        scheduler = self.scheduler
+        if not self.config.scheduler.async_scheduling or not scheduler.has_unfinished_requests():
+            return False
+        return not any(request.grammar is not None for request in scheduler.running)
+
+    def _finish(self, step: _SentStep) -> SchedulerStats:
+        """Collect a step's output, apply it, put the outputs; the stats sent with them."""
+        if step.submitted is not None:
+            assert self.executor is not None
+            runner_output = self.executor.collect_step(step.submitted)
+        else:
+            time.sleep(0.001)  # nothing could be scheduled: let the I/O threads run
+            runner_output = _no_output(step.output)
         self._finish_aborted_requests()
-        outputs_by_client = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs_by_client = self.scheduler.update_from_output(step.output, runner_output)
         stats = self.scheduler.make_stats()
         for client_index, outputs in outputs_by_client.items():
             self.output_queue.put((client_index, self._outputs(outputs, stats)))
         return stats
 
-    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        if scheduler_output.total_num_scheduled_tokens or scheduler_output.finished_request_ids:
-            assert self.executor is not None  # started before the busy loop
-            return self.executor.execute_model(scheduler_output)
-        time.sleep(0.001)  # nothing could be scheduled: let the I/O threads run
-        return ModelRunnerOutput(step_id=scheduler_output.step_id)
+    def _finish_ahead(self) -> None:
+        """Apply the step scheduled ahead, if any (before a utility call talks to the
+        workers, and before the engine sleeps)."""
+        if self._ahead is not None:
+            step, self._ahead = self._ahead, None
+            self._publish_stats(self._finish(step))
 
     def _finish_aborted_requests(self) -> None:
         for request_ids in _drain(self.aborts_queue):
             self._abort(request_ids)
 
     def _run_utility(self, call: UtilityCall) -> None:
+        self._finish_ahead()
         output = EngineCoreOutputs(
             self.engine_index, clock.monotonic_ns(), utility_output=run_utility(self, call)
         )
@@ -450,6 +492,17 @@ class EngineCore:
             shutil.rmtree(self.run_dir, ignore_errors=True)
         gc.unfreeze()
         logger.info("EngineCore_DP%d shut down", self.engine_index)
+
+
+class _SentStep(msgspec.Struct):
+    """A scheduled step and its handle on the ring (None: nothing to send, an empty step)."""
+
+    output: SchedulerOutput
+    submitted: SubmittedStep | None
+
+
+def _no_output(scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    return ModelRunnerOutput(step_id=scheduler_output.step_id)
 
 
 def _drain(q: queue.Queue[T]) -> list[T]:

@@ -70,6 +70,14 @@ class ExecutorFailed(RuntimeError):
     """A worker died, failed a call, or did not answer in time: fatal to the engine core."""
 
 
+class SubmittedStep(msgspec.Struct, frozen=True):
+    """A step on the ring whose output has not been collected yet."""
+
+    call: RpcCall
+    stall_after_s: float
+    timeout_s: float
+
+
 class Stall(msgspec.Struct, frozen=True):
     """A worker that has not answered a step within the step timeout."""
 
@@ -221,6 +229,17 @@ class MultiprocExecutor:
     ) -> Any:
         """Run ``method`` on every worker; return ``output_rank``'s result (plain msgpack
         values). Raises ExecutorFailed on a worker error, a dead worker or a timeout."""
+        call = self._send(method, args, kwargs, output_rank, timeout)
+        return self._result(call, timeout, stall_after)
+
+    def _send(
+        self,
+        method: str,
+        args: tuple[Any, ...] | list[Any],
+        kwargs: dict[str, Any] | None,
+        output_rank: int,
+        timeout: float | None,
+    ) -> RpcCall:
         if self._failure is not None:
             raise ExecutorFailed(self._failure)
         assert self._ring is not None
@@ -229,9 +248,12 @@ class MultiprocExecutor:
             self._ring.enqueue(RPC_CALL.encode(call), timeout=timeout)
         except TimeoutError as exc:
             raise ExecutorFailed(f"RPC call to {method} could not be sent: {exc}") from exc
+        return call
+
+    def _result(self, call: RpcCall, timeout: float | None, stall_after: float | None) -> Any:
         reply = self._wait_for_reply(call, timeout, stall_after)
         if reply.error is not None:
-            raise ExecutorFailed(f"worker rank {reply.rank} failed in {method}: {reply.error}")
+            raise ExecutorFailed(f"worker rank {reply.rank} failed in {call.method}: {reply.error}")
         return reply.result
 
     def _wait_for_reply(
@@ -330,14 +352,20 @@ class MultiprocExecutor:
         return self._step_timeout_s + per_token, self._execute_timeout_s + per_token
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.collect_step(self.submit_step(scheduler_output))
+
+    def submit_step(self, scheduler_output: SchedulerOutput) -> SubmittedStep:
+        """Put a step on the ring and return at once: the workers run steps in the order they
+        were submitted, and ``collect_step`` must take their outputs in that order too (a
+        reply that is not the one awaited is discarded)."""
         stall_after, timeout = self.step_timeouts(scheduler_output.total_num_scheduled_tokens)
-        result = self.collective_rpc(
-            "execute_model",
-            (scheduler_output,),
-            output_rank=self.output_rank,
-            timeout=timeout,
-            stall_after=stall_after,
-        )
+        call = self._send("execute_model", (scheduler_output,), None, self.output_rank, timeout)
+        return SubmittedStep(call, stall_after, timeout)
+
+    def collect_step(self, step: SubmittedStep) -> ModelRunnerOutput:
+        """Wait for a submitted step's output; its timeouts count from now (a step waits for
+        the one before it to finish)."""
+        result = self._result(step.call, step.timeout_s, step.stall_after_s)
         return msgspec.convert(result, ModelRunnerOutput)
 
     # ---- liveness and shutdown ------------------------------------------------------------

@@ -116,8 +116,10 @@ class KVCacheManager:
         ids.extend(new_ids)
         return new_ids
 
-    def cache_blocks(self, request: Request) -> None:
-        """Register the request's full blocks whose KV is computed (call after a step)."""
+    def cache_blocks(self, request: Request, num_computed_tokens: int | None = None) -> None:
+        """Register the request's full blocks whose KV is computed (call after a step):
+        those within ``num_computed_tokens`` (default: the request's; less while a later step
+        is in flight)."""
         if not self.enable_caching:
             return
         rid = request.request_id
@@ -125,7 +127,9 @@ class KVCacheManager:
         if table is None:
             return
         start = self._num_registered[rid]
-        end = min(request.num_computed_tokens // self.block_size, len(table))
+        if num_computed_tokens is None:
+            num_computed_tokens = request.num_computed_tokens
+        end = min(num_computed_tokens // self.block_size, len(table))
         if end <= start:
             return
         request.update_block_hashes()

@@ -60,6 +60,7 @@ class Request:
         "block_hashes",
         "hash_blocks",
         "num_block_ids_sent",
+        "num_pending_samples",
         "pooling_params",
         "grammar",
     )
@@ -99,6 +100,10 @@ class Request:
         self.block_hashes: list[BlockHash] = []
         self.hash_blocks = hash_blocks
         self.num_block_ids_sent = 0  # block-table entries the workers already know
+        # Steps sent to the workers, not yet applied, that sample a token for it (the engine
+        # schedules a step ahead while one computes): the scheduler counts those tokens as if
+        # they were there, since the workers will have them.
+        self.num_pending_samples = 0
         # Set for an embedding request: prefill only, finished with its pooled vector.
         self.pooling_params = pooling_params
         # Set for a constrained request (structured output): engine/structured_output.py's

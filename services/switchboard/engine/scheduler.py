@@ -25,6 +25,14 @@ drop their state, and on resume it is a NewRequest again whose tokens are prompt
 
 The step's :class:`SchedulerOutput` is a delta (see ``wire/step_msgs.py``). A request id never
 appears both in ``finished_request_ids`` and among the scheduled requests of one output.
+
+Scheduling ahead (the engine's async scheduling): the next step may be scheduled while the last
+one computes, before its output is applied. A request that step samples has a pending sample,
+and the next step gives it its next token as if it were there (the workers append the token they
+sampled themselves). A request whose pending tokens may end it by length (``max_tokens``,
+``max_model_len``), or whose grammar must see them first, waits for them. Outputs are applied in
+step order; one that arrives for a request which ended meanwhile (a stop token, an abort, a
+preemption) is dropped, so at most one extra token is computed and never shown.
 """
 
 from __future__ import annotations
@@ -81,6 +89,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self._finished_ids: dict[str, None] = {}  # for the next output (ordered set)
+        # Steps scheduled and not yet applied, in order: step id -> (tokens per request, the
+        # requests it samples). More than one while a step is scheduled ahead.
+        self._in_flight: dict[int, tuple[dict[str, int], set[str]]] = {}
         self._step_id = 0
         self.counters = SchedulerCounters()
         logger.info(
@@ -170,7 +181,10 @@ class Scheduler:
         self.counters.record_step(plan.num_scheduled_tokens)
         finished_ids = list(self._finished_ids)
         self._finished_ids.clear()
-        return plan.commit(self._step_id, self.requests, self.kv, finished_ids)
+        sampling: set[str] = set()
+        output = plan.commit(self._step_id, self.requests, self.kv, finished_ids, sampling)
+        self._in_flight[self._step_id] = (output.num_scheduled_tokens, sampling)
+        return output
 
     def _step_budget(self) -> int:
         """``max_num_batched_tokens``; ``shared_step_tokens`` (when set) while more than one
@@ -195,7 +209,10 @@ class Scheduler:
                 break
             if request.status != _RUNNING:  # preempted earlier in this step
                 continue
-            if len(request.all_token_ids) - request.num_computed_tokens == 1:
+            pending = request.num_pending_samples
+            if pending and self._waits_for_pending(request, pending):
+                continue
+            if len(request.all_token_ids) + pending - request.num_computed_tokens == 1:
                 self._schedule_one_running(plan, request, 1)
             else:
                 prefilling.append(request)
@@ -204,10 +221,21 @@ class Scheduler:
                 break
             if request.status != _RUNNING:
                 continue
-            num_tokens = request.num_tokens - request.num_computed_tokens
+            num_tokens = (
+                request.num_tokens + request.num_pending_samples - request.num_computed_tokens
+            )
             if cap and num_tokens > cap:
                 num_tokens = cap
             self._schedule_one_running(plan, request, num_tokens)
+
+    def _waits_for_pending(self, request: Request, pending: int) -> bool:
+        """Whether a request with tokens still to come from a step in flight must have them
+        first: they may end it by length, or its grammar masks the next token by them."""
+        return (
+            request.grammar is not None
+            or request.num_output_tokens + pending >= request.sampling_params.max_tokens
+            or request.num_tokens + pending >= self.max_model_len
+        )
 
     def _schedule_one_running(self, plan: StepPlan, request: Request, num_tokens: int) -> None:
         num_tokens = min(num_tokens, plan.budget, self.max_model_len - request.num_computed_tokens)
@@ -319,6 +347,7 @@ class Scheduler:
         plan.withdraw(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_pending_samples = 0  # a step in flight still samples it: dropped
         request.num_block_ids_sent = 0
         request.num_preemptions += 1
         request.record_event(EventType.PREEMPTED, clock.monotonic_ns())
@@ -340,7 +369,15 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> dict[int, list[EngineCoreOutput]]:
         """Append sampled tokens, run stop checks, free finished requests and register newly
-        computed full blocks in the prefix cache. Returns the outputs by client_index."""
+        computed full blocks in the prefix cache. Returns the outputs by client_index.
+
+        Steps are applied in the order they were scheduled; a step scheduled after this one
+        may be in flight (its tokens are then not computed yet)."""
+        record = self._in_flight.pop(scheduler_output.step_id, None)
+        if record is None:
+            raise ValueError(f"step {scheduler_output.step_id} is not in flight: applied twice?")
+        num_scheduled_tokens, sampling = record
+        later = list(self._in_flight.values())
         sampled = dict(zip(runner_output.request_ids, runner_output.sampled_token_ids, strict=True))
         logprobs = (
             dict(zip(runner_output.request_ids, runner_output.logprobs, strict=True))
@@ -353,20 +390,25 @@ class Scheduler:
         kv = self.kv
         block_size = self.block_size
         any_finished = False
-        for rid, num_scheduled in scheduler_output.num_scheduled_tokens.items():
+        for rid, num_scheduled in num_scheduled_tokens.items():
             request = requests.get(rid)
             if request is None or request.status != _RUNNING:
-                continue  # aborted while the step ran: its token is discarded
-            computed = request.num_computed_tokens
+                continue  # ended while the step ran (aborted, stopped, preempted): dropped
+            samples = rid in sampling
+            if samples:
+                request.num_pending_samples -= 1
+            computed = request.num_computed_tokens  # as this step left it:
+            for tokens_ahead, _ in later:
+                computed -= tokens_ahead.get(rid, 0)
             if computed // block_size != (computed - num_scheduled) // block_size:
-                kv.cache_blocks(request)  # this step filled a block: it may be shared now
+                kv.cache_blocks(request, computed)  # this step filled a block: shareable now
             if request.pooling_params is not None:
                 if computed < request.num_tokens:
                     continue  # a pooling request ends with its prompt, not before
                 output = pooled_output(request, runner_output.pooled_outputs.get(rid))
             else:
                 new_token_ids = sampled.get(rid)
-                if not new_token_ids or computed < request.num_tokens:
+                if not new_token_ids or not samples:
                     continue  # a prefill chunk that stops short samples nothing
                 output = sampled_output(
                     request,

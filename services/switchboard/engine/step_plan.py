@@ -7,7 +7,9 @@ join the batch, which were preempted), then :meth:`StepPlan.commit` turns it int
     new request     -> NewRequest(all tokens, whole block table, num_computed_tokens)
     running request -> CachedRequest(block ids added since it was last sent, num_computed_tokens)
 
-and advances every scheduled request's ``num_computed_tokens`` by its share of the step.
+and advances every scheduled request's ``num_computed_tokens`` by its share of the step; a
+request the step takes to the end of its tokens gets a pending sample (the token the workers
+will append), which a step scheduled before this one's output arrives counts as a token.
 
 It also knows which prompt blocks the step fills (``filling``: block hash -> the request
 computing it), so that a waiting request with the same prefix (e.g. a sibling sequence of an
@@ -75,8 +77,11 @@ class StepPlan:
         requests: dict[str, Request],
         kv: KVCacheManager,
         finished_request_ids: list[str],
+        sampling: set[str],
     ) -> SchedulerOutput:
-        """The step's delta for the workers; advances the requests' computed tokens."""
+        """The step's delta for the workers; advances the requests' computed tokens and counts
+        a pending sample for each request the step takes to the end of its tokens (ids added
+        to ``sampling``)."""
         new_ids = set()
         new_requests = []
         for request in self.new_requests:
@@ -106,6 +111,12 @@ class StepPlan:
                 )
                 request.num_block_ids_sent = len(block_ids)
             request.num_computed_tokens += num_tokens  # computed once the step has run
+            if (
+                request.num_computed_tokens >= request.num_tokens + request.num_pending_samples
+                and request.pooling_params is None
+            ):
+                request.num_pending_samples += 1
+                sampling.add(rid)
         return SchedulerOutput(
             step_id,
             new_requests,
