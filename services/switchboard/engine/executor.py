@@ -8,8 +8,10 @@ shared-memory ring, and reads the one reply it asked for on a ZeroMQ PULL::
         ^                                        │
         └──────────── PULL <──RpcReply── worker output_rank (only that one answers)
 
-A step (``execute_model``) has two deadlines, both base + per-token x its scheduled tokens (a
-long prefill is not a stall): past ``step_timeout_s`` the waiting worker is named (rank, pid:
+A step (``execute_model`` on the workers: ``submit_step`` puts it on the ring, ``collect_step``
+waits for its output, so the engine can put the next step on the ring first) has two
+deadlines, both base + per-token x its scheduled tokens (a long prefill is not a stall), counted
+from when its output is awaited: past ``step_timeout_s`` the waiting worker is named (rank, pid:
 the stopped one if the kernel says a worker is stopped, else the output rank) in an ERROR line
 and ``on_stall`` tells the engine core, which puts it in its stats (the gateways stop routing
 to it); when the reply comes ``on_stall(None)`` clears it. Past ``execute_timeout_s`` the call
@@ -350,9 +352,6 @@ class MultiprocExecutor:
         """(stall, hard) timeouts of a step of ``num_tokens`` scheduled tokens."""
         per_token = self._per_token_s * num_tokens
         return self._step_timeout_s + per_token, self._execute_timeout_s + per_token
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.collect_step(self.submit_step(scheduler_output))
 
     def submit_step(self, scheduler_output: SchedulerOutput) -> SubmittedStep:
         """Put a step on the ring and return at once: the workers run steps in the order they
