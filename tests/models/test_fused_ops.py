@@ -102,10 +102,41 @@ def test_write_kv_fills_the_same_slots_as_index_copy(kernels):
     assert torch.equal(cache, before)  # nothing written
 
 
+@pytest.mark.parametrize("vocab", [1, 7, 16, 23, 1000, 16000, 49152])
+def test_argmax_rows_is_torchs_answer(kernels, vocab):
+    torch.manual_seed(vocab)
+    x = torch.randn(9, vocab)
+    if vocab >= 16:
+        x[1] = 0.0  # all equal: the first
+        x[2, 3] = x[2, -1] = x[2].max() + 1  # a tie for the largest: the first of the two
+        x[3] = float("-inf")
+        x[4, 5] = float("inf")
+        x[5, -2] = float("nan")  # a NaN wins, wherever it is
+        x[6, 9] = x[6, 12] = float("nan")  # the first NaN
+        x[7, -1] = x[7].max() + 1  # the largest in the tail past the last eight
+        x[8] = -0.0
+        x[8, 10] = 0.0  # equal to -0.0: the first stays
+    got = fused_ops.argmax_rows(x)
+    assert got is not None and got.dtype == torch.int64
+    assert torch.equal(got, x.argmax(dim=-1))
+    strided = torch.randn(5, vocab + 3)[:, :vocab]  # rows at a stride
+    assert torch.equal(fused_ops.argmax_rows(strided), strided.argmax(dim=-1))
+
+
+def test_the_greedy_sampler_picks_with_it(kernels):
+    from switchboard.worker import sampler
+
+    logits = torch.randn(4, 300)
+    assert torch.equal(sampler._greedy(logits), logits.argmax(dim=-1))
+    assert fused_ops.argmax_rows(torch.randn(0, 300)) is None  # nothing to pick: torch's
+
+
 def test_other_inputs_are_left_to_torch(kernels):
     x = torch.randn(4, 16, dtype=torch.float64)
     assert fused_ops.rms_norm(x, torch.randn(16, dtype=torch.float64), 1e-6) is None
     assert fused_ops.rms_norm(torch.randn(4, 16).t(), torch.randn(4), 1e-6) is None
+    assert fused_ops.argmax_rows(torch.randn(4, 16, dtype=torch.float64)) is None
+    assert fused_ops.argmax_rows(torch.randn(16, 4).t()) is None  # columns at a stride
     assert not fused_ops.rotary_(torch.randn(2, 3, 8).transpose(0, 1), *torch.randn(2, 3, 4))
     bf16 = torch.randn(2, 3, 8, dtype=torch.bfloat16)
     cos, sin = torch.randn(2, 4, dtype=torch.bfloat16), torch.randn(2, 4, dtype=torch.bfloat16)
@@ -121,3 +152,4 @@ def test_can_be_turned_off(monkeypatch):
     assert fused_ops.rms_norm(torch.randn(2, 8), torch.randn(8), 1e-6) is None
     assert not fused_ops.rotary_(torch.randn(2, 3, 8), torch.randn(2, 4), torch.randn(2, 4))
     assert fused_ops.silu_and_mul(torch.randn(2, 8)) is None
+    assert fused_ops.argmax_rows(torch.randn(2, 8)) is None
