@@ -149,6 +149,11 @@ class Request:
         return len(self.all_token_ids)
 
     @property
+    def num_tokens_to_compute(self) -> int:
+        """Tokens not computed yet, counting those a step in flight will sample."""
+        return len(self.all_token_ids) + self.num_pending_samples - self.num_computed_tokens
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

@@ -181,9 +181,8 @@ class Scheduler:
         self.counters.record_step(plan.num_scheduled_tokens)
         finished_ids = list(self._finished_ids)
         self._finished_ids.clear()
-        sampling: set[str] = set()
-        output = plan.commit(self._step_id, self.requests, self.kv, finished_ids, sampling)
-        self._in_flight[self._step_id] = (output.num_scheduled_tokens, sampling)
+        output = plan.commit(self._step_id, self.requests, self.kv, finished_ids)
+        self._in_flight[self._step_id] = (output.num_scheduled_tokens, plan.sampling)
         return output
 
     def _step_budget(self) -> int:
@@ -212,7 +211,7 @@ class Scheduler:
             pending = request.num_pending_samples
             if pending and self._waits_for_pending(request, pending):
                 continue
-            if len(request.all_token_ids) + pending - request.num_computed_tokens == 1:
+            if request.num_tokens_to_compute == 1:
                 self._schedule_one_running(plan, request, 1)
             else:
                 prefilling.append(request)
@@ -221,9 +220,7 @@ class Scheduler:
                 break
             if request.status != _RUNNING:
                 continue
-            num_tokens = (
-                request.num_tokens + request.num_pending_samples - request.num_computed_tokens
-            )
+            num_tokens = request.num_tokens_to_compute
             if cap and num_tokens > cap:
                 num_tokens = cap
             self._schedule_one_running(plan, request, num_tokens)
@@ -377,7 +374,7 @@ class Scheduler:
         if record is None:
             raise ValueError(f"step {scheduler_output.step_id} is not in flight: applied twice?")
         num_scheduled_tokens, sampling = record
-        later = list(self._in_flight.values())
+        later = self._in_flight.values()  # steps scheduled after this one, still computing
         sampled = dict(zip(runner_output.request_ids, runner_output.sampled_token_ids, strict=True))
         logprobs = (
             dict(zip(runner_output.request_ids, runner_output.logprobs, strict=True))

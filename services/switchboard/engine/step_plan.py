@@ -35,6 +35,7 @@ class StepPlan:
         "new_requests",
         "preempted",
         "filling",
+        "sampling",
     )
 
     def __init__(self, token_budget: int) -> None:
@@ -45,6 +46,7 @@ class StepPlan:
         self.new_requests: list[Request] = []
         self.preempted: list[Request] = []
         self.filling: dict[BlockHash, str] = {}  # hashed blocks this step computes -> by whom
+        self.sampling: set[str] = set()  # requests the step samples (set by commit)
 
     def add(self, request: Request, num_tokens: int) -> None:
         self.scheduled[request.request_id] = num_tokens
@@ -77,11 +79,10 @@ class StepPlan:
         requests: dict[str, Request],
         kv: KVCacheManager,
         finished_request_ids: list[str],
-        sampling: set[str],
     ) -> SchedulerOutput:
         """The step's delta for the workers; advances the requests' computed tokens and counts
-        a pending sample for each request the step takes to the end of its tokens (ids added
-        to ``sampling``)."""
+        a pending sample for each request the step takes to the end of its tokens (their ids
+        in ``sampling``)."""
         new_ids = set()
         new_requests = []
         for request in self.new_requests:
@@ -111,12 +112,9 @@ class StepPlan:
                 )
                 request.num_block_ids_sent = len(block_ids)
             request.num_computed_tokens += num_tokens  # computed once the step has run
-            if (
-                request.num_computed_tokens >= request.num_tokens + request.num_pending_samples
-                and request.pooling_params is None
-            ):
+            if request.num_tokens_to_compute <= 0 and request.pooling_params is None:
                 request.num_pending_samples += 1
-                sampling.add(rid)
+                self.sampling.add(rid)
         return SchedulerOutput(
             step_id,
             new_requests,
