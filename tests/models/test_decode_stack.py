@@ -11,23 +11,14 @@ import random
 import pytest
 import torch
 
-from switchboard.config import ModelConfig
 from switchboard.models import decode_stack, small_batch_gemm
 from switchboard.wire.engine_msgs import SamplingParams
 from switchboard.wire.step_msgs import CachedRequest, NewRequest, SchedulerOutput
-from switchboard.worker.model_runner import ModelRunner
 from tests.tiny_checkpoint import tiny_checkpoint_dir
-from tests.worker.test_model_runner_parity import BLOCK_SIZE, make_runner
+from tests.worker.test_model_runner_parity import make_runner
 
 BLOCKS_PER_REQUEST = 8  # of 4 tokens (the runner's): prompts of 20..28 and 4 decode steps
-
-
-def _runner_for(model_dir: str, rows: int) -> ModelRunner:
-    """A runner whose KV cache holds ``rows`` requests' blocks (request i: blocks 10i..10i+9)."""
-    runner = ModelRunner(ModelConfig(model=model_dir), torch.device("cpu"))
-    runner.load_model()
-    runner.initialize_kv_cache(rows * 10, BLOCK_SIZE)
-    return runner
+BLOCK_RANGE = 10  # request i takes its blocks from 10i .. 10i + 9
 
 
 def _steps(rows: int, vocab: int, decode_steps: int, seed: int) -> list[SchedulerOutput]:
@@ -39,7 +30,7 @@ def _steps(rows: int, vocab: int, decode_steps: int, seed: int) -> list[Schedule
             prompt_token_ids=[rng.randrange(vocab) for _ in range(20 + i % 9)],
             sampling_params=SamplingParams(temperature=0.0, max_tokens=decode_steps + 1),
             # shuffled blocks: tables that are not in order
-            block_ids=rng.sample(range(i * 10, i * 10 + 10), BLOCKS_PER_REQUEST),
+            block_ids=rng.sample(range(i * BLOCK_RANGE, (i + 1) * BLOCK_RANGE), BLOCKS_PER_REQUEST),
             num_computed_tokens=0,
         )
         for i in range(rows)
@@ -112,16 +103,18 @@ def test_decode_steps_are_bit_identical_to_the_layers(family, kwargs, monkeypatc
         layered.execute_model(done)
 
 
-@pytest.mark.parametrize("past_kernel_rows", [1, None], ids=["first-onednn-row", "max-rows"])
+@pytest.mark.parametrize("rows_case", ["first-onednn-row", "max-rows"])
 def test_beyond_the_matmul_kernels_rows_it_matches_onednns_layers_to_rounding(
-    past_kernel_rows, monkeypatch
+    rows_case, monkeypatch
 ):
     model_dir = tiny_checkpoint_dir("llama")
     # the layers' matmuls go to oneDNN from max_rows + 1; the stack takes up to MAX_ROWS
-    rows = decode_stack.MAX_ROWS
-    if past_kernel_rows is not None:
-        rows = small_batch_gemm.max_rows + past_kernel_rows
-    stacked, layered = _runner_for(model_dir, rows), _runner_for(model_dir, rows)
+    if rows_case == "max-rows":
+        rows = decode_stack.MAX_ROWS
+    else:
+        rows = small_batch_gemm.max_rows + 1
+    stacked = make_runner(model_dir, num_blocks=rows * BLOCK_RANGE)
+    layered = make_runner(model_dir, num_blocks=rows * BLOCK_RANGE)
     steps = _steps(rows, stacked.summary().vocab_size, decode_steps=3, seed=5)
     calls = []
     real_run = decode_stack.run
