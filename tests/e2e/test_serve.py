@@ -6,6 +6,7 @@ tests that kill or stop a server start their own (tests/e2e/test_fate.py).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -78,6 +79,15 @@ def test_processes_match_the_formula(server: RunningServer) -> None:
         "switchboard::Gateway_0",
         "switchboard::Worker_DP0_PP0_TP0",
     ]
+
+
+def test_the_worker_runs_with_a_passive_openmp_team(server: RunningServer) -> None:
+    """Its OpenMP threads sleep at once when torch's operators leave them (the decode loops run
+    on the kernels' pool), unless the operator chose a policy."""
+    pid = server.titled_processes()["switchboard::Worker_DP0_PP0_TP0"]
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    expected = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+    assert f"OMP_WAIT_POLICY={expected}".encode() in environ
 
 
 def test_ps_command_lists_the_processes(server: RunningServer) -> None:

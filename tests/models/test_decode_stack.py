@@ -1,8 +1,8 @@
 """The one-call decoder-layer stack: the same logits, bit for bit, as the layer-by-layer path on
-decode steps of 1..max_rows rows (Llama, Qwen2's biases, Mistral's sliding window), the KV cache
-it writes equal too; beyond max_rows (where the layers' matmuls are oneDNN's) equal to rounding;
-steps it does not take (a prefill chunk in the step, more than MAX_ROWS rows) left to the
-layers; and its off switch."""
+decode steps of 1..MAX_ROWS rows (Llama, Qwen2's biases, Mistral's sliding window; the KV cache
+it writes equal too), and equal to rounding where the layers' matmuls are oneDNN's; steps it
+does not take (a prefill chunk in the step, more than MAX_ROWS rows) left to the layers; and
+its off switch."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from switchboard.models import decode_stack, small_batch_gemm
+from switchboard.models import decode_stack, gemm, small_batch_gemm
 from switchboard.wire.engine_msgs import SamplingParams
 from switchboard.wire.step_msgs import CachedRequest, NewRequest, SchedulerOutput
 from tests.tiny_checkpoint import tiny_checkpoint_dir
@@ -103,30 +103,34 @@ def test_decode_steps_are_bit_identical_to_the_layers(family, kwargs, monkeypatc
         layered.execute_model(done)
 
 
-@pytest.mark.parametrize("rows_case", ["first-onednn-row", "max-rows"])
-def test_beyond_the_matmul_kernels_rows_it_matches_onednns_layers_to_rounding(
-    rows_case, monkeypatch
-):
+@pytest.mark.parametrize("layer_matmuls", ["small-batch kernel", "oneDNN"])
+def test_beyond_a_register_group_of_rows(layer_matmuls, monkeypatch):
+    """More rows than one register group, up to MAX_ROWS: bit-identical to the layers while
+    their matmuls take the same kernel (gemm.SMALL_BATCH_MAX_ROWS), equal to rounding (and
+    the same greedy tokens) where they are oneDNN's."""
     model_dir = tiny_checkpoint_dir("llama")
-    # the layers' matmuls go to oneDNN from max_rows + 1; the stack takes up to MAX_ROWS
-    if rows_case == "max-rows":
-        rows = decode_stack.MAX_ROWS
-    else:
-        rows = small_batch_gemm.max_rows + 1
-    stacked = make_runner(model_dir, num_blocks=rows * BLOCK_RANGE)
-    layered = make_runner(model_dir, num_blocks=rows * BLOCK_RANGE)
-    steps = _steps(rows, stacked.summary().vocab_size, decode_steps=3, seed=5)
+    if layer_matmuls == "oneDNN":
+        monkeypatch.setattr(gemm, "SMALL_BATCH_MAX_ROWS", small_batch_gemm.max_rows)
+    assert gemm.SMALL_BATCH_MAX_ROWS >= decode_stack.MAX_ROWS or layer_matmuls == "oneDNN"
     calls = []
     real_run = decode_stack.run
     monkeypatch.setattr(
         decode_stack, "run", lambda *a, **kw: calls.append(real_run(*a, **kw)) or calls[-1]
     )
-    got = _run(stacked, steps, True, monkeypatch)
-    assert calls == [False, True, True, True]
-    expected = _run(layered, steps, False, monkeypatch)
-    for a, b in zip(got, expected, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-        assert torch.equal(a.argmax(-1), b.argmax(-1))
+    for rows in (small_batch_gemm.max_rows + 1, decode_stack.MAX_ROWS):
+        stacked = make_runner(model_dir, num_blocks=rows * BLOCK_RANGE)
+        layered = make_runner(model_dir, num_blocks=rows * BLOCK_RANGE)
+        steps = _steps(rows, stacked.summary().vocab_size, decode_steps=3, seed=5)
+        calls.clear()
+        got = _run(stacked, steps, True, monkeypatch)
+        assert calls == [False, True, True, True]
+        expected = _run(layered, steps, False, monkeypatch)
+        for a, b in zip(got, expected, strict=True):
+            if layer_matmuls == "oneDNN":
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+                assert torch.equal(a.argmax(-1), b.argmax(-1))
+            else:
+                assert torch.equal(a, b)
 
 
 def test_more_rows_than_it_takes_go_to_the_layers(monkeypatch):

@@ -1,7 +1,7 @@
 """The small-batch matmul kernel: what F.linear computes (to rounding) for one row to several
 groups of ``max_rows`` rows (8 with AVX-512's registers, else 4), any shape, with or without a
 bias; each row's result independent of the rows beside it; ``gemm.linear`` sends packed products
-of at most ``max_rows`` rows to it; it can be turned off."""
+of at most ``gemm.SMALL_BATCH_MAX_ROWS`` rows to it; it can be turned off."""
 
 from __future__ import annotations
 
@@ -64,18 +64,24 @@ def test_strided_rows_and_no_rows(kernel):
 
 
 @pytest.mark.skipif(gemm._onednn_reorder is None, reason="this torch build cannot pack weights")
-def test_gemm_linear_takes_it_up_to_its_rows(kernel):
+def test_gemm_linear_takes_it_up_to_its_rows(kernel, monkeypatch):
     torch.manual_seed(2)
     weight, bias = torch.randn(64, 32), torch.randn(64)
     packed = gemm.pack(weight)
     assert gemm.attach_small_batch(packed, weight)
     panels = small_batch_gemm.pack(weight)
-    for rows in (1, 4, 5, 8, 9, 17):
+    real_linear, calls = small_batch_gemm.linear, []
+    monkeypatch.setattr(
+        small_batch_gemm, "linear", lambda x, *a: calls.append(x.shape[0]) or real_linear(x, *a)
+    )
+    sizes = (1, 4, 5, 8, 9, 17, gemm.SMALL_BATCH_MAX_ROWS, gemm.SMALL_BATCH_MAX_ROWS + 1)
+    for rows in sizes:
         x = torch.randn(rows, 32)
         got = gemm.linear(x, packed, bias)
         torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
-        if rows <= small_batch_gemm.max_rows:
-            assert torch.equal(got, small_batch_gemm.linear(x, panels, 64, bias))
+        if rows <= gemm.SMALL_BATCH_MAX_ROWS:
+            assert torch.equal(got, real_linear(x, panels, 64, bias))
+    assert calls == list(sizes[:-1])  # beyond its rows: oneDNN
     x3 = torch.randn(1, 2, 32)  # leading dims are flattened and restored
     assert gemm.linear(x3, packed).shape == (1, 2, 64)
 

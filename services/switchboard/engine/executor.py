@@ -58,6 +58,21 @@ from switchboard.wire.step_msgs import (
 
 logger = logging.getLogger(__name__)
 
+# libgomp reads its wait policy once, when torch loads it: it is the worker's environment, set
+# here. A decode step's loops run on the kernels' own pool (``models/work_pool.py``), so the
+# OpenMP team only runs torch's operators (a prefill's matmuls, a few large copies); spinning
+# after each of those, it took the core the pool's thread and the other processes needed
+# (tiny-llama at 32 streams on 2 cores: 27 % of the worker's cycles in libgomp's spin loop).
+# Passive, it sleeps at once. An OMP_WAIT_POLICY of the operator's own is kept.
+WORKER_OMP_WAIT_POLICY = "PASSIVE"
+
+
+def worker_environment(environ: dict[str, str]) -> dict[str, str]:
+    """The environment a worker process starts with: ``environ`` plus the OpenMP wait policy,
+    unless ``environ`` sets one."""
+    return {"OMP_WAIT_POLICY": WORKER_OMP_WAIT_POLICY, **environ}
+
+
 WORKER_MODULE = "switchboard.worker"
 STARTUP_TIMEOUT_S = 600.0  # workers import torch and attach to the ring
 LOAD_MODEL_TIMEOUT_S = 3600.0  # a large checkpoint on a slow disk
@@ -185,7 +200,8 @@ class MultiprocExecutor:
                 )
                 argv = [sys.executable, "-m", WORKER_MODULE, "--startup-json"]
                 argv.append(WORKER_STARTUP.encode(startup))
-                process = subprocess.Popen(argv, close_fds=True)
+                env = worker_environment(dict(os.environ))
+                process = subprocess.Popen(argv, close_fds=True, env=env)
                 self.workers.append(WorkerProcess(rank, tp_rank, pp_rank, process))
                 logger.info(
                     "Started worker rank %d (TP %d, PP %d) pid %d",

@@ -22,11 +22,15 @@ from typing import Any
 
 import torch
 
+from switchboard.models import work_pool
 from switchboard.models.native_build import VECTOR_EXP_C, load_library
 
-SOURCE = r"""
+SOURCE = (
+    work_pool.API_C
+    + r"""
 #include <math.h>
 #include <omp.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -110,17 +114,25 @@ static inline __attribute__((always_inline)) void attend(
    A task is one request and a run of its KV heads: all of them when there are requests enough
    to keep every thread busy (each key/value slot is then read as one contiguous run, which the
    prefetcher streams), one head each otherwise. */
-int paged_decode_f32(const float *query, int64_t ldq, const float *kv, const int64_t *block_table,
-                     const int64_t *context_lens, float *out, int64_t B, int64_t H, int64_t KVH,
-                     int64_t D, int64_t NB, int64_t BS, int64_t MB, float scale,
-                     int64_t window) {
-    const int64_t G = H / KVH;
-    const float *values = kv + NB * BS * KVH * D;
-    const int64_t heads_per_task = B >= omp_get_max_threads() ? KVH : 1;
-    const int64_t tasks_per_row = KVH / heads_per_task;
-    int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1) reduction(| : failed)
-    for (int64_t task = 0; task < B * tasks_per_row; task++) {
+struct decode_task {
+    const float *query, *kv, *values;
+    const int64_t *block_table, *context_lens;
+    float *out;
+    int64_t ldq, H, KVH, D, G, BS, MB, window, heads_per_task, tasks_per_row;
+    float scale;
+    _Atomic int failed;
+};
+
+static void decode_tasks(void *arg, int64_t first, int64_t stop) {
+    struct decode_task *t = arg;
+    const float *query = t->query, *kv = t->kv, *values = t->values;
+    const int64_t *block_table = t->block_table, *context_lens = t->context_lens;
+    float *out = t->out;
+    const int64_t ldq = t->ldq, H = t->H, KVH = t->KVH, D = t->D, G = t->G, BS = t->BS;
+    const int64_t MB = t->MB, window = t->window, heads_per_task = t->heads_per_task;
+    const int64_t tasks_per_row = t->tasks_per_row;
+    const float scale = t->scale;
+    for (int64_t task = first; task < stop; task++) {
         const int64_t b = task / tasks_per_row;
         const int64_t h0 = (task % tasks_per_row) * heads_per_task;
         const int64_t nq = heads_per_task * G;
@@ -129,7 +141,7 @@ int paged_decode_f32(const float *query, int64_t ldq, const float *kv, const int
         const int64_t L = len - start;
         float *scores = malloc(sizeof(float) * (size_t)(nq * (L > 0 ? L : 1) + nq * D));
         if (scores == NULL) {
-            failed |= 1;
+            atomic_store(&t->failed, 1);
             continue;
         }
         float *acc = scores + nq * L;
@@ -150,9 +162,21 @@ int paged_decode_f32(const float *query, int64_t ldq, const float *kv, const int
                    h0, D, scale);
         free(scores);
     }
-    return failed ? -1 : 0;
+}
+
+int paged_decode_f32(const float *query, int64_t ldq, const float *kv, const int64_t *block_table,
+                     const int64_t *context_lens, float *out, int64_t B, int64_t H, int64_t KVH,
+                     int64_t D, int64_t NB, int64_t BS, int64_t MB, float scale,
+                     int64_t window) {
+    const int64_t heads_per_task = B >= omp_get_max_threads() ? KVH : 1;
+    struct decode_task task = {
+        query, kv, kv + NB * BS * KVH * D, block_table, context_lens, out, ldq, H, KVH, D,
+        H / KVH, BS, MB, window, heads_per_task, KVH / heads_per_task, scale, 0};
+    switchboard_parallel_for(B * task.tasks_per_row, 1, decode_tasks, &task);
+    return atomic_load(&task.failed) ? -1 : 0;
 }
 """
+)
 
 _I64 = ctypes.c_int64
 _ARGTYPES: list[Any] = (

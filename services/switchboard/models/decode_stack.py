@@ -13,10 +13,10 @@ layer-by-layer path.
 It applies to a step whose every row decodes (no prefill chunk), with at most ``MAX_ROWS``
 rows, float32 on CPU, one process (no tensor or pipeline parallelism), every matrix with its
 small-batch panels, and the three kernels loaded (so their off switches hold here too); anything
-else takes the layer-by-layer path. Up to ``small_batch_gemm.max_rows`` rows the layers use the
-same matmul kernel, so both paths give the same floats; beyond, the layers use oneDNN, which
-sums in another order, and the stack stays batch-invariant (a row's floats do not depend on
-the rows beside it).
+else takes the layer-by-layer path. Up to ``gemm.SMALL_BATCH_MAX_ROWS`` rows (``MAX_ROWS``) the
+layers use the same matmul kernel, so both paths give the same floats, and the stack is
+batch-invariant (a row's floats do not depend on the rows beside it). Its loops run on the
+kernels' work pool (``work_pool.py``): a late thread is not waited for.
 ``SWITCHBOARD_DECODE_STACK=off`` turns it off alone.
 """
 
@@ -99,10 +99,9 @@ int decode_stack_f32(float *x, int64_t M, int64_t layers, const int64_t *fields,
 """
 
 _LAYER_FIELDS = 12
-# Rows a step may have. Up to small_batch_gemm.max_rows the matmuls are the ones the layers
-# use; beyond, the same kernel takes the rows 8 at a time over each cached panel, as fast as
-# oneDNN there (SmolLM2's matmuls, 2 threads: 16 rows 0.95x, 32 rows 0.97x, 64 rows 1.00x), and
-# the step saves the time between the operations. A whole decode step, 2 threads, ms, stack /
+# Rows a step may have. The kernel takes the rows 8 at a time over each cached panel, as fast
+# as oneDNN there (SmolLM2's matmuls, 2 threads: 16 rows 0.95x, 32 rows 0.97x, 64 rows 1.00x),
+# and the step saves the time between the operations. A whole decode step, 2 threads, ms, stack /
 # layer by layer: tiny-llama 65 rows 9.6 / 16.0, 128 rows 18.2 / 27.0; SmolLM2-135M 65 rows
 # 136 / 178, 96 rows 225 / 229, 128 rows 274-284 / 274-301: never slower, so up to 128.
 MAX_ROWS = 128

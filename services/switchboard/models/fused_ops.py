@@ -26,43 +26,67 @@ from typing import Any
 
 import torch
 
+from switchboard.models import work_pool
 from switchboard.models.native_build import VECTOR_EXP_C, load_library
 
-SOURCE = r"""
+SOURCE = (
+    work_pool.API_C
+    + r"""
 #pragma GCC optimize("fp-contract=off")
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 
-/* at least this many floats: split the rows across torch's OpenMP threads */
+/* at least this many floats: split the rows across the work pool's threads */
 #define PARALLEL_FLOATS 65536
 
-/* out [rows, H] = x * rsqrt(mean(x^2) + eps) * weight; rows of x at stride ldx */
-void rms_norm_f32(const float *x, int64_t ldx, const float *weight, float *out, int64_t rows,
-                  int64_t H, float eps) {
-#pragma omp parallel for schedule(static) if (rows * H >= PARALLEL_FLOATS)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *xr = x + r * ldx;
+/* rows of a chunk: inputs of fewer than PARALLEL_FLOATS floats stay on the calling thread */
+static inline int64_t min_rows(int64_t floats_per_row) {
+    return PARALLEL_FLOATS / (floats_per_row > 0 ? floats_per_row : 1);
+}
+
+struct rms_task {
+    const float *x, *weight;
+    float *out;
+    int64_t ldx, H;
+    float eps;
+};
+
+static void rms_rows(void *arg, int64_t r0, int64_t r1) {
+    const struct rms_task *t = arg;
+    const int64_t H = t->H;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *xr = t->x + r * t->ldx, *weight = t->weight;
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t i = 0; i < H; i++) sum += xr[i] * xr[i];
-        const float inv = 1.0f / sqrtf(sum / (float)H + eps);
-        float *o = out + r * H;
+        const float inv = 1.0f / sqrtf(sum / (float)H + t->eps);
+        float *o = t->out + r * H;
 #pragma omp simd
         for (int64_t i = 0; i < H; i++) o[i] = weight[i] * (xr[i] * inv);
     }
 }
 
-/* In place, "rotate half": x [tokens, heads, D] at token stride ldx (heads contiguous);
-   cos, sin [tokens, D / 2]. x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin. */
-void rotary_f32(float *x, int64_t ldx, int64_t tokens, int64_t heads, int64_t D,
-                const float *cos_half, const float *sin_half) {
-    const int64_t half = D / 2;
-#pragma omp parallel for schedule(static) if (tokens * heads * D >= PARALLEL_FLOATS)
-    for (int64_t t = 0; t < tokens; t++) {
-        const float *c = cos_half + t * half, *s = sin_half + t * half;
-        for (int64_t h = 0; h < heads; h++) {
-            float *x1 = x + t * ldx + h * D, *x2 = x1 + half;
+/* out [rows, H] = x * rsqrt(mean(x^2) + eps) * weight; rows of x at stride ldx */
+void rms_norm_f32(const float *x, int64_t ldx, const float *weight, float *out, int64_t rows,
+                  int64_t H, float eps) {
+    struct rms_task task = {x, weight, out, ldx, H, eps};
+    switchboard_parallel_for(rows, min_rows(H), rms_rows, &task);
+}
+
+struct rotary_task {
+    float *x;
+    const float *cos_half, *sin_half;
+    int64_t ldx, heads, D;
+};
+
+static void rotary_tokens(void *arg, int64_t t0, int64_t t1) {
+    const struct rotary_task *task = arg;
+    const int64_t half = task->D / 2, D = task->D;
+    for (int64_t t = t0; t < t1; t++) {
+        const float *c = task->cos_half + t * half, *s = task->sin_half + t * half;
+        for (int64_t h = 0; h < task->heads; h++) {
+            float *x1 = task->x + t * task->ldx + h * D, *x2 = x1 + half;
 #pragma omp simd
             for (int64_t i = 0; i < half; i++) {
                 const float a = x1[i], b = x2[i];
@@ -73,16 +97,36 @@ void rotary_f32(float *x, int64_t ldx, int64_t tokens, int64_t heads, int64_t D,
     }
 }
 
-/* out [rows, I] = silu(gate) * up, torch's silu(x) = x / (1 + e^-x); gate = x[:, :I] and
-   up = x[:, I:2I], rows of x at stride ldx */
-void silu_and_mul_f32(const float *x, int64_t ldx, float *out, int64_t rows, int64_t I) {
-#pragma omp parallel for schedule(static) if (rows * I >= PARALLEL_FLOATS)
-    for (int64_t r = 0; r < rows; r++) {
-        const float *gate = x + r * ldx, *up = gate + I;
-        float *o = out + r * I;
+/* In place, "rotate half": x [tokens, heads, D] at token stride ldx (heads contiguous);
+   cos, sin [tokens, D / 2]. x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin. */
+void rotary_f32(float *x, int64_t ldx, int64_t tokens, int64_t heads, int64_t D,
+                const float *cos_half, const float *sin_half) {
+    struct rotary_task task = {x, cos_half, sin_half, ldx, heads, D};
+    switchboard_parallel_for(tokens, min_rows(heads * D), rotary_tokens, &task);
+}
+
+struct silu_task {
+    const float *x;
+    float *out;
+    int64_t ldx, I;
+};
+
+static void silu_rows(void *arg, int64_t r0, int64_t r1) {
+    const struct silu_task *t = arg;
+    const int64_t I = t->I;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *gate = t->x + r * t->ldx, *up = gate + I;
+        float *o = t->out + r * I;
 #pragma omp simd
         for (int64_t i = 0; i < I; i++) o[i] = gate[i] / (1.0f + exp_f32(-gate[i])) * up[i];
     }
+}
+
+/* out [rows, I] = silu(gate) * up, torch's silu(x) = x / (1 + e^-x); gate = x[:, :I] and
+   up = x[:, I:2I], rows of x at stride ldx */
+void silu_and_mul_f32(const float *x, int64_t ldx, float *out, int64_t rows, int64_t I) {
+    struct silu_task task = {x, out, ldx, I};
+    switchboard_parallel_for(rows, min_rows(I), silu_rows, &task);
 }
 
 /* cache_k/v [slots, row] <- key/value [tokens, row] (token strides ldk/ldv): what
@@ -104,9 +148,18 @@ int write_kv_f32(const float *key, int64_t ldk, const float *value, int64_t ldv,
    torch.argmax: a NaN is the largest (the first NaN wins). Eight lanes keep their own largest
    value and its index (a later equal value does not replace it); the lanes then agree on the
    largest, the smallest index among equals. */
-void argmax_rows_f32(const float *x, int64_t ldx, int64_t rows, int64_t V, int64_t *out) {
-#pragma omp parallel for schedule(static) if (rows * V >= 16 * PARALLEL_FLOATS)
-    for (int64_t r = 0; r < rows; r++) {
+struct argmax_task {
+    const float *x;
+    int64_t *out;
+    int64_t ldx, V;
+};
+
+static void argmax_rows(void *arg, int64_t r0, int64_t r1) {
+    const struct argmax_task *t = arg;
+    const float *x = t->x;
+    int64_t *out = t->out;
+    const int64_t ldx = t->ldx, V = t->V;
+    for (int64_t r = r0; r < r1; r++) {
         const float *xr = x + r * ldx;
         float best = xr[0];
         int64_t best_i = 0, i = 0;
@@ -156,7 +209,13 @@ void argmax_rows_f32(const float *x, int64_t ldx, int64_t rows, int64_t V, int64
     }
 }
 
+void argmax_rows_f32(const float *x, int64_t ldx, int64_t rows, int64_t V, int64_t *out) {
+    struct argmax_task task = {x, out, ldx, V};
+    switchboard_parallel_for(rows, 16 * min_rows(V), argmax_rows, &task);
+}
+
 """
+)
 
 _I64, _VOID, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _rms_norm: Callable[..., Any] | None = None

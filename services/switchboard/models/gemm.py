@@ -16,8 +16,8 @@ use it, so ``linear`` sends every product on one to oneDNN whatever its size (me
 than MKL on tiny-llama's small products too).
 
 A packed weight may also carry the small-batch kernel's panels (``attach_small_batch``): a
-product of at most ``small_batch_gemm.max_rows`` rows (decode at low concurrency) then goes to
-that kernel, which reads the weight at the memory's speed (``models/small_batch_gemm.py``).
+product of at most ``SMALL_BATCH_MAX_ROWS`` rows (decode) then goes to that kernel, which reads
+the weight at the memory's speed (``models/small_batch_gemm.py``).
 
 The kernels compute the same float32 products in a different order: results agree to
 rounding, not bit for bit. ``use_onednn(False)`` (or ``SWITCHBOARD_GEMM=torch``) turns the
@@ -40,6 +40,12 @@ from switchboard.models import small_batch_gemm
 ONEDNN_MIN_MACS = 300_000
 # The batch oneDNN lays a packed weight out for; 8, 32 and 128 measured alike from 8 rows up.
 PACK_BATCH_HINT = 32
+# Products of at most this many rows on a weight with small-batch panels go to that kernel
+# (``small_batch_gemm.max_rows`` rows at a time over each panel): from 16 rows it is about as
+# fast as oneDNN (0.95-1.0x), and it runs on the kernels' work pool, so a decode step of up to
+# 128 rows, LM head included, never waits at an OpenMP barrier (``work_pool.py``). The same
+# bound as the one-call decode stack's: both paths then give the same floats.
+SMALL_BATCH_MAX_ROWS = 128
 
 _onednn_linear: Callable[..., torch.Tensor] | None = None
 _onednn_reorder: Callable[..., torch.Tensor] | None = None
@@ -110,7 +116,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         small_batch = small_batch_panels(weight)
         if (
             small_batch is not None
-            and rows.shape[0] <= small_batch_gemm.max_rows
+            and rows.shape[0] <= SMALL_BATCH_MAX_ROWS
             and rows.dtype == torch.float32
         ):
             panels, out_features = small_batch

@@ -90,7 +90,12 @@ def load_library(
     variable, off = switch
     if os.environ.get(variable, "auto") == off:
         return None, f"off ({variable}={off})"
+    # The kernels' loops run on the pool's threads: its symbols must be loaded before theirs.
+    # (Imported here: work_pool builds itself with this module.)
+    from switchboard.models import work_pool
+
     try:
+        work_pool.load()
         return build_and_load(name, source, what), "in use"
     except NativeBuildError as exc:
         status = f"unavailable: {exc}"
@@ -103,14 +108,17 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def build_and_load(name: str, source: str, what: str) -> ctypes.CDLL:
-    """The library built from ``source`` (cached as ``<name>_<key>.so``); ``what`` names it in
-    the log. Raises :class:`NativeBuildError`."""
+def build_and_load(
+    name: str, source: str, what: str, mode: int = ctypes.DEFAULT_MODE
+) -> ctypes.CDLL:
+    """The library built from ``source`` (cached as ``<name>_<key>.so``), loaded with ``mode``
+    (``ctypes.RTLD_GLOBAL``: its symbols serve libraries loaded later); ``what`` names it in the
+    log. Raises :class:`NativeBuildError`."""
     cc = compiler()
     if cc is None:
         raise NoCompiler("no C compiler (cc/gcc) on PATH")
     try:
-        return ctypes.CDLL(str(_build(cc, name, source, what)))
+        return ctypes.CDLL(str(_build(cc, name, source, what)), mode=mode)
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or str(exc)
         raise NativeBuildError(detail.strip()[:500]) from exc

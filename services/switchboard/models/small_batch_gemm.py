@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from switchboard.models import work_pool
 from switchboard.models.native_build import cpu_flags, load_library
 
 PANEL = 16
@@ -39,7 +40,9 @@ PANEL = 16
 # 0 while the kernel is not loaded.
 max_rows = 0
 
-SOURCE = r"""
+SOURCE = (
+    work_pool.API_C
+    + r"""
 #include <immintrin.h>
 #include <stdint.h>
 
@@ -112,25 +115,40 @@ static inline void panel_group(int64_t M, const float *x, int64_t ldx, const flo
     }
 }
 
+struct linear_task {
+    const float *x, *p, *bias;
+    float *y;
+    int64_t ldx, M, K, N;
+};
+
+/* panels [q0, q1) of one matmul, every row */
+static void linear_panels(void *arg, int64_t q0, int64_t q1) {
+    const struct linear_task *t = arg;
+    for (int64_t q = q0; q < q1; q++) {
+        const int64_t ncols = t->N - q * PW < PW ? t->N - q * PW : PW;
+        const float *pq = t->p + q * t->K * PW, *bq = t->bias ? t->bias + q * PW : 0;
+        for (int64_t r0 = 0; r0 < t->M; r0 += MAX_ROWS)
+            panel_group(t->M - r0 < MAX_ROWS ? t->M - r0 : MAX_ROWS, t->x + r0 * t->ldx, t->ldx,
+                        pq, t->K, t->y + r0 * t->N + q * PW, t->N, ncols, bq);
+    }
+}
+
 /* y [M, N] = x [M, K] (row stride ldx) @ weight^T (+ bias); M >= 1, else -1. More rows than
    MAX_ROWS are taken MAX_ROWS at a time, each group over the same panel while it is still in
-   the core's cache (the weight is read from memory once). */
+   the core's cache (the weight is read from memory once). The panels are split across the
+   pool's threads, a chunk being at least PANEL_WORK multiply-adds. */
+#define PANEL_WORK 32768
 int small_batch_linear(const float *x, int64_t ldx, const float *p, const float *bias, float *y,
                        int64_t M, int64_t K, int64_t N) {
     if (M < 1) return -1;
-    const int64_t panels = (N + PW - 1) / PW;
-#pragma omp parallel for schedule(static)
-    for (int64_t q = 0; q < panels; q++) {
-        const int64_t ncols = N - q * PW < PW ? N - q * PW : PW;
-        const float *pq = p + q * K * PW, *bq = bias ? bias + q * PW : 0;
-        for (int64_t r0 = 0; r0 < M; r0 += MAX_ROWS)
-            panel_group(M - r0 < MAX_ROWS ? M - r0 : MAX_ROWS, x + r0 * ldx, ldx, pq, K,
-                        y + r0 * N + q * PW, N, ncols, bq);
-    }
+    const struct linear_task task = {x, p, bias, y, ldx, M, K, N};
+    const int64_t per_panel = M * K * PW, min_panels = PANEL_WORK / (per_panel ? per_panel : 1);
+    switchboard_parallel_for((N + PW - 1) / PW, min_panels, linear_panels, (void *)&task);
     return 0;
 }
 
 """
+)
 
 _I64 = ctypes.c_int64
 _VOID = ctypes.c_void_p

@@ -1,0 +1,286 @@
+"""The threads the C kernels split their loops over: a pool that never waits for a late thread.
+
+An OpenMP ``parallel for`` ends in a barrier that every thread of the team must reach. On a
+machine with more busy processes than cores (the serving case here: the gateway, the engine core
+and the clients share the two cores with the worker), the second thread is often not running
+when a loop starts, and the first then waits, spinning, for it to be scheduled, once per loop
+and a decode step has dozens of loops. Measured serving tiny-llama at 32 requests on a 2-core
+EPYC, the worker spent 490-600 us of CPU per token in situ against 330 alone, and the time it
+spun was taken from the processes it waited for.
+
+Here a loop is cut into chunks that threads claim one at a time from a shared cursor (a compare
+and swap); the calling thread claims chunks too and waits only for chunks another thread has
+claimed and is running. A helper thread that is not running when the loop starts claims nothing
+and is not waited for: the caller does its share. Helpers spin ``SPIN_NS`` after their last
+chunk (the next loop of a step follows at once), then sleep on a futex until woken: idle, the
+pool takes no CPU. The number of threads is torch's (``omp_get_max_threads()`` of the calling
+thread, which ``torch.set_num_threads`` sets); helpers start on first use. A call made while
+another runs (a second thread, or a chunk that loops again) runs on the calling thread alone.
+
+Each output is computed by one chunk whichever thread runs it, so the floats do not depend on
+the number of threads or on who ran what. The pool is one shared library loaded with
+``RTLD_GLOBAL`` before the kernels, so every kernel library shares one set of helper threads.
+``SWITCHBOARD_WORK_POOL=openmp`` builds the same entry point on an OpenMP ``parallel for`` instead
+(the behaviour before the pool, kept for comparison).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+from switchboard.models.native_build import NativeBuildError, build_and_load
+
+# Declarations a kernel's source begins with (any number of times: it is guarded).
+API_C = r"""
+#ifndef SWITCHBOARD_WORK_POOL_API
+#define SWITCHBOARD_WORK_POOL_API
+#include <stdint.h>
+/* fn(ctx, begin, end) computes items [begin, end) of a loop */
+typedef void (*switchboard_chunk_fn)(void *ctx, int64_t begin, int64_t end);
+/* Runs fn over items [0, n) in chunks of at least min_grain items, on the pool's threads;
+   returns when every item is done. n <= min_grain runs on the calling thread alone. */
+void switchboard_parallel_for(int64_t n, int64_t min_grain, switchboard_chunk_fn fn, void *ctx);
+#endif
+"""
+
+POOL_C = r"""
+#include <limits.h>
+#include <linux/futex.h>
+#include <omp.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAX_HELPERS 255
+#define CHUNKS_PER_THREAD 8 /* enough for a thread that starts late to leave work to others */
+#define MAX_CHUNKS 4096     /* the cursor's 16-bit fields hold it */
+#define SPIN_NS 50000       /* a helper spins this long after its last chunk, then sleeps */
+
+/* generation << 32 | chunks << 16 | next chunk: one word, so a claim (compare and swap) fails
+   for a thread that read an earlier loop's generation or count */
+static _Atomic uint64_t cursor;
+static _Atomic int64_t finished;      /* chunks of this generation done */
+static _Atomic uint32_t wake_word;    /* the generation, for helpers asleep on it (futex) */
+static _Atomic int sleepers;
+static _Atomic int running;           /* a loop is in progress: another call runs alone */
+static _Atomic int task_helpers;      /* helpers (by index) that may take part in this loop */
+static _Atomic(switchboard_chunk_fn) task_fn;
+static _Atomic(void *) task_ctx;
+static _Atomic int64_t task_n, task_grain;
+static pthread_mutex_t start_lock = PTHREAD_MUTEX_INITIALIZER;
+static int helpers_started;
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static inline int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static inline uint32_t generation_of(uint64_t word) { return (uint32_t)(word >> 32); }
+
+/* Claims and runs chunks of generation gen until none is left. */
+static void run_chunks(uint32_t gen, switchboard_chunk_fn fn, void *ctx, int64_t n,
+                       int64_t grain) {
+    uint64_t word = atomic_load_explicit(&cursor, memory_order_acquire);
+    for (;;) {
+        const uint64_t count = (word >> 16) & 0xffff, next = word & 0xffff;
+        if (generation_of(word) != gen || next >= count) return;
+        if (!atomic_compare_exchange_weak_explicit(&cursor, &word, word + 1,
+                                                   memory_order_acq_rel, memory_order_acquire))
+            continue;
+        const int64_t begin = (int64_t)next * grain, end = begin + grain;
+        fn(ctx, begin, end < n ? end : n);
+        atomic_fetch_add_explicit(&finished, 1, memory_order_release);
+        word = atomic_load_explicit(&cursor, memory_order_acquire);
+    }
+}
+
+static void *helper_main(void *arg) {
+    const int index = (int)((intptr_t)arg >> 32);
+    uint32_t last = (uint32_t)(intptr_t)arg; /* the generation current when it started */
+    for (;;) {
+        uint64_t word = atomic_load_explicit(&cursor, memory_order_acquire);
+        int64_t deadline = now_ns() + SPIN_NS;
+        for (int spins = 1; generation_of(word) == last; spins++) {
+            cpu_relax();
+            if (spins % 64 == 0 && now_ns() > deadline) {
+                /* announced before the last look at the cursor; the caller publishes the
+                   cursor before it looks at sleepers: one of the two sees the other */
+                atomic_fetch_add(&sleepers, 1);
+                if (generation_of(atomic_load(&cursor)) == last)
+                    syscall(SYS_futex, &wake_word, FUTEX_WAIT_PRIVATE, last, NULL, NULL, 0);
+                atomic_fetch_sub(&sleepers, 1);
+                deadline = now_ns() + SPIN_NS;
+            }
+            word = atomic_load_explicit(&cursor, memory_order_acquire);
+        }
+        last = generation_of(word);
+        if (index >= atomic_load_explicit(&task_helpers, memory_order_relaxed)) continue;
+        /* read after the cursor's acquire; a claim with them succeeds only while this
+           generation is unfinished, and the caller writes the next loop's only after that */
+        run_chunks(last, atomic_load_explicit(&task_fn, memory_order_relaxed),
+                   atomic_load_explicit(&task_ctx, memory_order_relaxed),
+                   atomic_load_explicit(&task_n, memory_order_relaxed),
+                   atomic_load_explicit(&task_grain, memory_order_relaxed));
+    }
+    return NULL;
+}
+
+static void forget_helpers(void) { /* in a forked child: the helpers did not come along */
+    helpers_started = 0;
+    atomic_store(&running, 0);
+    atomic_store(&sleepers, 0);
+    pthread_mutex_init(&start_lock, NULL);
+}
+
+static void start_helpers(int wanted) {
+    if (wanted > MAX_HELPERS) wanted = MAX_HELPERS;
+    pthread_mutex_lock(&start_lock);
+    if (helpers_started == 0) pthread_atfork(NULL, NULL, forget_helpers);
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old); /* signals stay with the threads that handle them */
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    const uint32_t gen = generation_of(atomic_load(&cursor));
+    while (helpers_started < wanted) {
+        pthread_t thread;
+        const intptr_t arg = ((intptr_t)helpers_started << 32) | gen;
+        if (pthread_create(&thread, &attr, helper_main, (void *)arg) != 0) break;
+        helpers_started++;
+    }
+    pthread_attr_destroy(&attr);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    pthread_mutex_unlock(&start_lock);
+}
+
+int switchboard_work_pool_helpers(void) { return helpers_started; }
+
+void switchboard_parallel_for(int64_t n, int64_t min_grain, switchboard_chunk_fn fn, void *ctx) {
+    if (n <= 0) return;
+    if (min_grain < 1) min_grain = 1;
+    int threads = omp_get_max_threads();
+    int idle = 0;
+    if (threads < 2 || n <= min_grain ||
+        !atomic_compare_exchange_strong(&running, &idle, 1)) {
+        fn(ctx, 0, n);
+        return;
+    }
+    if (threads - 1 > helpers_started) start_helpers(threads - 1);
+    if (helpers_started == 0) {
+        fn(ctx, 0, n);
+        atomic_store(&running, 0);
+        return;
+    }
+    int64_t chunks = (int64_t)threads * CHUNKS_PER_THREAD;
+    if (chunks > MAX_CHUNKS) chunks = MAX_CHUNKS;
+    int64_t grain = (n + chunks - 1) / chunks;
+    if (grain < min_grain) grain = min_grain;
+    chunks = (n + grain - 1) / grain;
+    atomic_store_explicit(&task_fn, fn, memory_order_relaxed);
+    atomic_store_explicit(&task_ctx, ctx, memory_order_relaxed);
+    atomic_store_explicit(&task_n, n, memory_order_relaxed);
+    atomic_store_explicit(&task_grain, grain, memory_order_relaxed);
+    atomic_store_explicit(&task_helpers, threads - 1, memory_order_relaxed);
+    atomic_store_explicit(&finished, 0, memory_order_relaxed);
+    const uint32_t gen = generation_of(atomic_load(&cursor)) + 1;
+    atomic_store(&cursor, ((uint64_t)gen << 32) | ((uint64_t)chunks << 16));
+    atomic_store(&wake_word, gen);
+    if (atomic_load(&sleepers) > 0)
+        syscall(SYS_futex, &wake_word, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+    run_chunks(gen, fn, ctx, n, grain);
+    /* only chunks another thread claimed are left: it is running them */
+    for (int spins = 1; atomic_load_explicit(&finished, memory_order_acquire) < chunks; spins++) {
+        cpu_relax();
+        if (spins % 4096 == 0) sched_yield();
+    }
+    atomic_store(&running, 0);
+}
+"""
+
+# The same entry point on OpenMP (SWITCHBOARD_WORK_POOL=openmp): torch's thread team, with the
+# barrier at the end of every loop.
+OPENMP_C = r"""
+#include <omp.h>
+#include <stdint.h>
+
+int switchboard_work_pool_helpers(void) { return 0; }
+
+void switchboard_parallel_for(int64_t n, int64_t min_grain, switchboard_chunk_fn fn, void *ctx) {
+    if (n <= 0) return;
+    if (min_grain < 1) min_grain = 1;
+    const int threads = omp_get_max_threads();
+    if (threads < 2 || n <= min_grain || omp_in_parallel()) {
+        fn(ctx, 0, n);
+        return;
+    }
+    int64_t chunks = (n + min_grain - 1) / min_grain;
+    if (chunks > threads) chunks = threads;
+    const int64_t grain = (n + chunks - 1) / chunks;
+#pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t begin = c * grain, end = begin + grain;
+        fn(ctx, begin, end < n ? end : n);
+    }
+}
+"""
+
+_VARIABLE = "SWITCHBOARD_WORK_POOL"
+_library: ctypes.CDLL | None = None
+_status = "not loaded"
+
+
+def variant() -> str:
+    """``pool`` (the default) or ``openmp``, from ``SWITCHBOARD_WORK_POOL``."""
+    return "openmp" if os.environ.get(_VARIABLE, "auto") == "openmp" else "pool"
+
+
+def load() -> None:
+    """Build (once per machine) and load the pool into the process's global symbols, so the
+    kernel libraries loaded after it resolve ``switchboard_parallel_for`` to it. Idempotent: the
+    first load decides the variant for the process's life. Raises :class:`NativeBuildError`
+    (:class:`NoCompiler` without a compiler): the kernels cannot load then either."""
+    global _library, _status
+    if _library is not None:
+        return
+    chosen = variant()
+    source = API_C + (POOL_C if chosen == "pool" else OPENMP_C)
+    try:
+        library = build_and_load(
+            f"work_pool_{chosen}", source, "kernel thread pool", mode=ctypes.RTLD_GLOBAL
+        )
+    except NativeBuildError as exc:
+        _status = f"unavailable: {exc}"
+        raise
+    library.switchboard_work_pool_helpers.restype = ctypes.c_int
+    _library = library
+    _status = (
+        "in use (threads claim chunks; no end-of-loop barrier)"
+        if chosen == "pool"
+        else f"OpenMP parallel for ({_VARIABLE}=openmp)"
+    )
+
+
+def status() -> str:
+    return _status
+
+
+def helpers_started() -> int:
+    """Helper threads the pool has started in this process (0 before its first parallel loop,
+    and always with the OpenMP variant)."""
+    return _library.switchboard_work_pool_helpers() if _library is not None else 0

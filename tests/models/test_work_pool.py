@@ -1,0 +1,149 @@
+"""The kernels' work pool: every item of a loop runs exactly once, whatever the sizes, grains and
+thread counts; calls made at the same time from two threads each complete (one on its own
+thread); helpers start on first use and sleep when idle (no CPU); the OpenMP variant behind the
+same entry point gives the kernels the same floats."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from switchboard.models import small_batch_gemm, work_pool
+from switchboard.models.native_build import build_and_load
+
+# Each item adds one to its counter (atomically: a chunk run twice would show as a 2).
+COUNTING_C = (
+    work_pool.API_C
+    + r"""
+struct counting { int32_t *counts; };
+
+static void count_chunk(void *arg, int64_t begin, int64_t end) {
+    struct counting *c = arg;
+    for (int64_t i = begin; i < end; i++) __atomic_fetch_add(&c->counts[i], 1, __ATOMIC_RELAXED);
+}
+
+void count_items(int32_t *counts, int64_t n, int64_t min_grain) {
+    struct counting c = {counts};
+    switchboard_parallel_for(n, min_grain, count_chunk, &c);
+}
+"""
+)
+
+
+@pytest.fixture(scope="module")
+def count_items():
+    work_pool.load()
+    library = build_and_load("work_pool_test_counting", COUNTING_C, "work pool test kernel")
+    function = library.count_items
+    function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    function.restype = None
+    return function
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def _counts_after(count_items, n: int, min_grain: int) -> torch.Tensor:
+    counts = torch.zeros(max(n, 1), dtype=torch.int32)
+    count_items(counts.data_ptr(), n, min_grain)
+    return counts[:n]
+
+
+@pytest.mark.parametrize("num_threads", [1, 2, 4])
+def test_every_item_runs_exactly_once(count_items, threads, num_threads):
+    threads(num_threads)
+    for n in (0, 1, 2, 7, 16, 33, 1000, 40_000):
+        for min_grain in (0, 1, 3, 64, 100_000):
+            counts = _counts_after(count_items, n, min_grain)
+            assert torch.equal(counts, torch.ones(n, dtype=torch.int32)), (n, min_grain)
+    if num_threads > 1:
+        assert work_pool.helpers_started() >= num_threads - 1
+
+
+def test_many_loops_in_a_row_lose_no_item(count_items, threads):
+    threads(2)
+    counts = torch.zeros(257, dtype=torch.int32)
+    for _ in range(3000):  # generations follow each other faster than a helper wakes
+        count_items(counts.data_ptr(), 257, 1)
+    assert torch.equal(counts, torch.full((257,), 3000, dtype=torch.int32))
+
+
+def test_calls_from_two_threads_at_once_each_complete(count_items, threads):
+    threads(2)
+    results: dict[int, torch.Tensor] = {}
+
+    def loop(key: int) -> None:
+        counts = torch.zeros(5000, dtype=torch.int32)
+        for _ in range(200):  # ctypes lets go of the GIL: the calls overlap
+            count_items(counts.data_ptr(), 5000, 1)
+        results[key] = counts
+
+    callers = [threading.Thread(target=loop, args=(k,)) for k in range(2)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join(timeout=120)
+    assert sorted(results) == [0, 1]
+    for counts in results.values():
+        assert torch.equal(counts, torch.full((5000,), 200, dtype=torch.int32))
+
+
+def test_idle_helpers_take_no_cpu(count_items, threads):
+    threads(2)
+    for _ in range(100):
+        _counts_after(count_items, 10_000, 1)
+    time.sleep(0.2)  # past the helpers' spin: asleep on the futex
+    started = time.process_time()
+    time.sleep(1.0)
+    assert time.process_time() - started < 0.1
+
+
+def test_status_names_the_variant():
+    work_pool.load()
+    assert work_pool.variant() == "pool"
+    assert work_pool.status().startswith("in use")
+
+
+_OPENMP_SCRIPT = """
+import sys, torch
+from switchboard.models import small_batch_gemm, work_pool
+torch.set_num_threads(2)
+assert small_batch_gemm.load(), small_batch_gemm.status()
+print(work_pool.status())
+torch.manual_seed(0)
+weight, x = torch.randn(300, 96), torch.randn(21, 96)
+torch.save(small_batch_gemm.linear(x, small_batch_gemm.pack(weight), 300), sys.argv[1])
+"""
+
+
+def test_the_openmp_variant_gives_the_same_floats(tmp_path: Path, threads):
+    out = tmp_path / "openmp.pt"
+    env = dict(os.environ, SWITCHBOARD_WORK_POOL="openmp")
+    done = subprocess.run(
+        [sys.executable, "-c", _OPENMP_SCRIPT, str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "OpenMP" in done.stdout
+    threads(2)
+    small_batch_gemm.unload()
+    assert small_batch_gemm.load(), small_batch_gemm.status()
+    torch.manual_seed(0)
+    weight, x = torch.randn(300, 96), torch.randn(21, 96)
+    ours = small_batch_gemm.linear(x, small_batch_gemm.pack(weight), 300)
+    assert torch.equal(ours, torch.load(out))
