@@ -9,7 +9,8 @@ computes the scores of its query heads, a float32 softmax (max subtracted) and t
 of the values.
 
 It is C, built with the machine's C compiler on first use and cached (``native_build``), then
-loaded with ``ctypes`` (the call releases the GIL); its threads are torch's. Without a
+loaded with ``ctypes`` (the call releases the GIL); its tasks run on the kernels' work pool
+(``work_pool.py``, as many threads as torch's). Without a
 compiler, or with ``SWITCHBOARD_CPU_ATTENTION=torch``, the torch path is used; ``load()`` says
 which and why.
 """

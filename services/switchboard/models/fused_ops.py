@@ -6,7 +6,7 @@ dispatching them (and, for the ones it parallelises, waking its thread team) tha
 measured on a 2-core EPYC with two threads, 8 tokens of SmolLM2, per layer: rotary embedding of
 the queries and keys 83 us (nine operators each), RMSNorm 38 us twice, SiLU-and-mul 20 us —
 about 5.5 ms of a 45 ms decode step over 30 layers. Here each is one call (a few us), on the
-calling thread for small inputs and on torch's OpenMP threads for large ones (a long prefill).
+calling thread for small inputs and on the kernels' work pool for large ones (a long prefill).
 
 The rotary embedding computes exactly torch's products and sums (no fused multiply-add:
 ``fp-contract=off``), so it gives the same floats as the reference's ``x * cos +

@@ -3,7 +3,9 @@
 ``cc -O3 -march=native -fopenmp``: the code is valid only on CPUs like this one, so the cached
 library is keyed by the source, the flags, the compiler's version and the CPU model and
 feature flags (under ``<cache>/kernels/``). ``-fopenmp`` links ``libgomp.so.1``, the runtime
-torch has already loaded, so a kernel's threads are torch's (``torch.set_num_threads``).
+torch has already loaded (its ``omp simd`` loops, and its thread count, which
+``torch.set_num_threads`` sets). The kernels split their loops over the work pool
+(``work_pool.py``), which ``load_library`` loads first.
 """
 
 from __future__ import annotations

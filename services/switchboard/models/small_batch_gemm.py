@@ -14,9 +14,10 @@ two threads, a SmolLM2-135M-shaped stack (30 layers and the LM head, cold weight
     this kernel     17.1   17.8   20.0   22.0   24.3
 
 and 2.5x / 2.3x / 1.6x / 1.5x / 1.6x faster on tiny-llama's small matrices. From about eight
-rows oneDNN is as fast (16 / 32 / 64 rows: 0.95x / 0.97x / 1.00x), so ``gemm.linear`` uses
-this only up to ``max_rows``; the one-call decode layer stack (``decode_stack.py``) uses it for
-more.
+rows oneDNN is as fast (16 / 32 / 64 rows: 0.95x / 0.97x / 1.00x); ``gemm.linear`` uses this up
+to ``gemm.SMALL_BATCH_MAX_ROWS`` rows (128), the one-call decode layer stack
+(``decode_stack.py``) likewise: its loops run on the kernels' work pool, never waiting at an
+OpenMP barrier for a thread another process holds off its core.
 
 Every output is one fused multiply-add chain over the inputs in order, so a row's result does
 not depend on which rows share the call (batch-invariant). The panels are a second copy of

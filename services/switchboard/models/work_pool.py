@@ -74,7 +74,7 @@ static _Atomic(switchboard_chunk_fn) task_fn;
 static _Atomic(void *) task_ctx;
 static _Atomic int64_t task_n, task_grain;
 static pthread_mutex_t start_lock = PTHREAD_MUTEX_INITIALIZER;
-static int helpers_started;
+static _Atomic int helpers_started; /* written under start_lock */
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)

@@ -7,12 +7,11 @@ The gateway and the engine core get no core of their own: on a 2-core machine a 
 threads served tiny-llama at 8 concurrent streams 30 % faster than with one, the gateway and the
 engine core (10-15 % of a core together) notwithstanding. ``--torch-threads N`` overrides it.
 
-The OpenMP team keeps libgomp's default wait policy (spin a while for work, then sleep), so an
-idle worker uses no CPU. Measured in the server on 2 cores, tiny-llama at 8 streams: 1,034 tok/s
-at the default spin, 715 with ``GOMP_SPINCOUNT=1000``, 869 with ``OMP_WAIT_POLICY=PASSIVE``. On a
-host where other busy processes compete for the same cores a spinning team loses badly (a decode
-step 2-3x slower beside one busy process); there, ``--torch-threads 1`` or
-``OMP_WAIT_POLICY=PASSIVE`` in the server's environment is the better choice.
+The same count sizes the C kernels' work pool (``models/work_pool.py``), which runs a decode
+step's loops without OpenMP's end-of-loop barrier. The executor starts the worker with
+``OMP_WAIT_POLICY=PASSIVE`` (unless the environment sets one): torch's own OpenMP team then
+sleeps as soon as an operator is done instead of spinning for the core the pool's thread and
+the other processes need. Idle, neither takes CPU.
 """
 
 from __future__ import annotations
