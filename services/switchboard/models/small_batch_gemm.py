@@ -182,7 +182,7 @@ def load() -> bool:
     library.small_batch_max_rows.restype = ctypes.c_int
     _pack, _linear = library.small_batch_pack, library.small_batch_linear
     max_rows = library.small_batch_max_rows()
-    _status = f"in use (up to {max_rows} rows)"
+    _status = f"in use ({max_rows} rows at a time)"
     return True
 
 

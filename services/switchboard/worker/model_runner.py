@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from switchboard.config import ModelConfig
-from switchboard.models import cpu_decode_kernel, decode_stack, fused_ops
+from switchboard.models import cpu_decode_kernel, decode_stack, fused_ops, work_pool
 from switchboard.models.attention import REFERENCE, AttentionBackend, new_kv_cache
 from switchboard.models.attention_backends import select_backend
 from switchboard.models.hf_config import TransformerConfig
@@ -94,6 +94,7 @@ class ModelRunner:
             logger.info("norms, rotary and SiLU: fused CPU kernels %s", fused_ops.status())
             decode_stack.load()
             logger.info("decode steps of few rows: one-call layer stack %s", decode_stack.status())
+            logger.info("the kernels' loops: work pool %s", work_pool.status())
         return self.summary()
 
     def summary(self) -> ModelSummary:
