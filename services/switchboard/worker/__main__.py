@@ -78,12 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(torch_threads(config.worker.torch_threads, workers_on_host))
     torch.manual_seed(config.model.seed)
     logger.info(
-        "starting: rank %d of %d, parent pid %d, torch threads %d (%s), model %s",
+        "starting: rank %d of %d, parent pid %d, torch threads %d (%s), OpenMP wait policy %s, "
+        "model %s",
         startup.rank,
         startup.world_size,
         startup.parent_pid,
         torch.get_num_threads(),
         "configured" if config.worker.torch_threads > 0 else f"auto, {workers_on_host} on host",
+        os.environ.get("OMP_WAIT_POLICY", "libgomp's default"),
         config.model.model,
     )
 
