@@ -183,6 +183,7 @@ class MultiprocExecutor:
         ring_handle = msgspec.to_builtins(self._ring.handle)
         engine_config_json = encode_config(self._config)
         init_method = f"file://{self._rendezvous_path}" if self.world_size > 1 else ""
+        env = worker_environment(dict(os.environ))
         for pp_rank in range(parallel.pipeline_parallel_size):
             for tp_rank in range(parallel.tensor_parallel_size):
                 rank = pp_rank * parallel.tensor_parallel_size + tp_rank
@@ -200,7 +201,6 @@ class MultiprocExecutor:
                 )
                 argv = [sys.executable, "-m", WORKER_MODULE, "--startup-json"]
                 argv.append(WORKER_STARTUP.encode(startup))
-                env = worker_environment(dict(os.environ))
                 process = subprocess.Popen(argv, close_fds=True, env=env)
                 self.workers.append(WorkerProcess(rank, tp_rank, pp_rank, process))
                 logger.info(

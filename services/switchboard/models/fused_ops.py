@@ -144,10 +144,6 @@ int write_kv_f32(const float *key, int64_t ldk, const float *value, int64_t ldv,
     return 0;
 }
 
-/* out[r] = the first index of the largest value of row r of x [rows, V] (row stride ldx), as
-   torch.argmax: a NaN is the largest (the first NaN wins). Eight lanes keep their own largest
-   value and its index (a later equal value does not replace it); the lanes then agree on the
-   largest, the smallest index among equals. */
 struct argmax_task {
     const float *x;
     int64_t *out;
@@ -209,6 +205,10 @@ static void argmax_rows(void *arg, int64_t r0, int64_t r1) {
     }
 }
 
+/* out[r] = the first index of the largest value of row r of x [rows, V] (row stride ldx), as
+   torch.argmax: a NaN is the largest (the first NaN wins). Eight lanes keep their own largest
+   value and its index (a later equal value does not replace it); the lanes then agree on the
+   largest, the smallest index among equals. */
 void argmax_rows_f32(const float *x, int64_t ldx, int64_t rows, int64_t V, int64_t *out) {
     struct argmax_task task = {x, out, ldx, V};
     switchboard_parallel_for(rows, 16 * min_rows(V), argmax_rows, &task);

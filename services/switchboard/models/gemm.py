@@ -43,8 +43,8 @@ PACK_BATCH_HINT = 32
 # Products of at most this many rows on a weight with small-batch panels go to that kernel
 # (``small_batch_gemm.max_rows`` rows at a time over each panel): from 16 rows it is about as
 # fast as oneDNN (0.95-1.0x), and it runs on the kernels' work pool, so a decode step of up to
-# 128 rows, LM head included, never waits at an OpenMP barrier (``work_pool.py``). The same
-# bound as the one-call decode stack's: both paths then give the same floats.
+# 128 rows, LM head included, never waits at an OpenMP barrier (``work_pool.py``). The one-call
+# decode stack takes as many rows (``decode_stack.MAX_ROWS``): both paths give the same floats.
 SMALL_BATCH_MAX_ROWS = 128
 
 _onednn_linear: Callable[..., torch.Tensor] | None = None
