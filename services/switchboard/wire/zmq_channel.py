@@ -81,19 +81,25 @@ def make_socket(
     than using memory, and both sides drain continuously. ``curve``: the socket's CURVE keys,
     applied to a tcp:// address (ipc:// is guarded by its directory's permissions)."""
     sock = ctx.socket(socket_type)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
-    sock.setsockopt(zmq.LINGER, linger_ms)
-    if identity is not None:
-        sock.setsockopt(zmq.IDENTITY, identity)
-    if address.startswith("tcp://") and ":[" in address:
-        sock.setsockopt(zmq.IPV6, 1)
-    if curve is not None and address.startswith("tcp://"):
-        curve.apply(sock)
-    if bind:
-        sock.bind(address)
-    else:
-        sock.connect(address)
+    try:
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.LINGER, linger_ms)
+        if identity is not None:
+            sock.setsockopt(zmq.IDENTITY, identity)
+        if address.startswith("tcp://") and ":[" in address:
+            sock.setsockopt(zmq.IPV6, 1)
+        if curve is not None and address.startswith("tcp://"):
+            curve.apply(sock)
+        if bind:
+            sock.bind(address)
+        else:
+            sock.connect(address)
+    except BaseException:
+        # A socket left open (an address in use, a bad key) would make the context's term()
+        # wait for it forever.
+        sock.close(linger=0)
+        raise
     return sock
 
 
