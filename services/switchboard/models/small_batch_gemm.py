@@ -19,6 +19,11 @@ to ``gemm.SMALL_BATCH_MAX_ROWS`` rows (128), the one-call decode layer stack
 (``decode_stack.py``) likewise: its loops run on the kernels' work pool, never waiting at an
 OpenMP barrier for a thread another process holds off its core.
 
+The kernel prefetches each panel's lines 2 KB ahead of its loop (see ``PREFETCH_AHEAD``): the
+weights of a step come from memory, and the hardware's prefetcher alone left it waiting on
+them. In serving (llama-100m, 32-token prompts) that gave 8-15 % more throughput at c = 8 and
+12-21 % at c = 32.
+
 Every output is one fused multiply-add chain over the inputs in order, so a row's result does
 not depend on which rows share the call (batch-invariant). The panels are a second copy of
 each weight beside oneDNN's (the memory the weights take doubles); ``SWITCHBOARD_SMALL_BATCH_GEMM
@@ -58,6 +63,12 @@ SOURCE = (
 
 int small_batch_max_rows(void) { return MAX_ROWS; }
 
+/* The weights of a decode step come from memory (they are larger than the caches), and the
+   hardware's prefetcher alone left the kernel waiting on them: a software prefetch 2 KB ahead
+   made cold-weight products 20-45 % faster at 8 rows and 10-20 % at 32 on the 2-core EPYC
+   (LM-head and MLP shapes, 1 and 2 threads); 1 and 4 KB ahead measured about the same. */
+#define PREFETCH_AHEAD 32
+
 /* weight [N, K] row-major -> panels [ceil(N / 16), K, 16], zero-padded past N */
 void small_batch_pack(const float *w, float *p, int64_t N, int64_t K) {
     const int64_t panels = (N + PW - 1) / PW;
@@ -91,6 +102,9 @@ static inline __attribute__((always_inline)) void panel_rows(
            lo3 = lo0, hi3 = lo0, lo4 = lo0, hi4 = lo0, lo5 = lo0, hi5 = lo0, lo6 = lo0,
            hi6 = lo0, lo7 = lo0, hi7 = lo0;
     for (int64_t k = 0; k < K; k++) {
+        /* One line (a k-row of the panel) PREFETCH_AHEAD rows ahead, into the next panel near
+           the end: the panels are contiguous, and a hint never faults past the last one. */
+        _mm_prefetch((const char *)(p + (k + PREFETCH_AHEAD) * PW), _MM_HINT_T0);
         const __m256 w0 = _mm256_loadu_ps(p + k * PW), w1 = _mm256_loadu_ps(p + k * PW + 8);
         ROW_FMA(0) ROW_FMA(1) ROW_FMA(2) ROW_FMA(3) ROW_FMA(4) ROW_FMA(5) ROW_FMA(6) ROW_FMA(7)
     }
