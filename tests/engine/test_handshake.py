@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,6 +41,9 @@ def test_hosts_file_comes_before_dns(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert resolve_addresses("no-such-name.invalid") == []
 
 
+PORT_FREE_WAIT_S = 5.0
+
+
 class FakeGateways:
     """Handshake servers (the real gateway class) on 127.0.0.x, on an asyncio thread."""
 
@@ -55,16 +59,15 @@ class FakeGateways:
         async def start() -> None:
             answer = GatewayAddresses(gateway_id, client_index, 1000 + client_index, 2000)
             # A socket closes in the background: right after stop() its port may still be taken.
-            for _ in range(100):
+            deadline = time.monotonic() + PORT_FREE_WAIT_S
+            while True:
                 try:
                     server = HandshakeServer(self.ctx, f"tcp://{host}:{self.port}", answer)
                     break
                 except zmq.ZMQError as exc:
-                    if exc.errno != zmq.EADDRINUSE:
+                    if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
                         raise
-                    await asyncio.sleep(0.05)
-            else:
-                raise TimeoutError(f"{host}:{self.port} still in use after 5 s")
+                await asyncio.sleep(0.05)
             self.tasks[host] = asyncio.create_task(server.run())
 
         asyncio.run_coroutine_threadsafe(start(), self.loop).result(10)

@@ -19,10 +19,8 @@ to ``gemm.SMALL_BATCH_MAX_ROWS`` rows (128), the one-call decode layer stack
 (``decode_stack.py``) likewise: its loops run on the kernels' work pool, never waiting at an
 OpenMP barrier for a thread another process holds off its core.
 
-The kernel prefetches each panel's lines 2 KB ahead of its loop (see ``PREFETCH_AHEAD``): the
-weights of a step come from memory, and the hardware's prefetcher alone left it waiting on
-them. In serving (llama-100m, 32-token prompts) that gave 8-15 % more throughput at c = 8 and
-12-21 % at c = 32.
+The kernel prefetches each panel's lines 2 KB ahead of its loop (``PREFETCH_AHEAD``, measured
+there and in docs/operations.md).
 
 Every output is one fused multiply-add chain over the inputs in order, so a row's result does
 not depend on which rows share the call (batch-invariant). The panels are a second copy of
