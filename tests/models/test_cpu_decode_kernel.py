@@ -47,7 +47,8 @@ def decode_batch(context_lens: list[int], num_blocks: int, block_size: int, seed
 
 
 @pytest.mark.parametrize(
-    ("kv_heads", "heads", "head_dim"), [(4, 8, 32), (3, 9, 64), (2, 2, 16), (2, 4, 128), (4, 4, 32)]
+    ("kv_heads", "heads", "head_dim"),
+    [(4, 8, 32), (3, 9, 64), (2, 2, 16), (2, 4, 128), (4, 4, 32), (1, 2, 20), (2, 4, 256)],
 )
 @pytest.mark.parametrize(
     ("context_lens", "window"),

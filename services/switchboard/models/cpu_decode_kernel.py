@@ -29,6 +29,7 @@ from switchboard.models.native_build import VECTOR_EXP_C, load_library
 SOURCE = (
     work_pool.API_C
     + r"""
+#include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdatomic.h>
@@ -108,6 +109,109 @@ static inline __attribute__((always_inline)) void attend(
     for (int64_t i = 0; i < nq * D; i++) o[i] = acc[i];
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#define HAVE_ATTEND_VEC 1
+/* The eight sums of a0 .. a7's lanes, in that order. */
+static inline __m256 sum8_lanes(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4,
+                                __m256 a5, __m256 a6, __m256 a7) {
+    const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                         _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+static inline float sum_lanes(__m256 a) {
+    const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(q, _mm_movehdup_ps(q)));
+}
+
+/* q . k over D floats (D a multiple of 8) as one vector of partial sums. */
+#define DOT_LANES(qv, k, D, out)                                                         \
+    do {                                                                                 \
+        out = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k));                                  \
+        for (int64_t c = 1; c < (D) / 8; c++)                                            \
+            out = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps((k) + 8 * c), out);              \
+    } while (0)
+
+/* attend() for D a multiple of 8 (up to 128), in AVX2 vectors: the scores of eight keys at a
+   time (one vector of partial sums per key, then one transposing reduction for all eight,
+   instead of a horizontal sum per key), and each query head's weighted sum of the values kept
+   in registers across the context (instead of a load and a store of the sums per value row). */
+static inline __attribute__((always_inline)) void attend_vec(
+    const float *q, const float *keys, const float *values, const int64_t *table, float *o,
+    float *scores, int64_t start, int64_t len, int64_t nkv, int64_t G, int64_t KVH, int64_t BS,
+    int64_t h0, const int64_t D, float scale) {
+    const int64_t L = len - start, nq = nkv * G, slot_stride = KVH * D;
+    const __m256 scale8 = _mm256_set1_ps(scale);
+    for (int64_t h = 0; h < nkv; h++) {
+        for (int64_t t = start; t < len;) {
+            const int64_t stop = block_stop(t, BS, len);
+            const float *slot = slot_at(keys, table, t, BS, KVH, h0 + h, D);
+            for (int64_t g = 0; g < G; g++) {
+                const int64_t j = h * G + g;
+                __m256 qv[16];
+                for (int64_t c = 0; c < D / 8; c++) qv[c] = _mm256_loadu_ps(q + j * D + 8 * c);
+                float *sj = scores + j * L - start;
+                const float *k = slot;
+                int64_t u = t;
+                for (; u + 8 <= stop; u += 8, k += 8 * slot_stride) {
+                    __m256 a0, a1, a2, a3, a4, a5, a6, a7;
+                    DOT_LANES(qv, k, D, a0);
+                    DOT_LANES(qv, k + slot_stride, D, a1);
+                    DOT_LANES(qv, k + 2 * slot_stride, D, a2);
+                    DOT_LANES(qv, k + 3 * slot_stride, D, a3);
+                    DOT_LANES(qv, k + 4 * slot_stride, D, a4);
+                    DOT_LANES(qv, k + 5 * slot_stride, D, a5);
+                    DOT_LANES(qv, k + 6 * slot_stride, D, a6);
+                    DOT_LANES(qv, k + 7 * slot_stride, D, a7);
+                    _mm256_storeu_ps(sj + u,
+                                     _mm256_mul_ps(sum8_lanes(a0, a1, a2, a3, a4, a5, a6, a7),
+                                                   scale8));
+                }
+                for (; u < stop; u++, k += slot_stride) {
+                    __m256 a;
+                    DOT_LANES(qv, k, D, a);
+                    sj[u] = sum_lanes(a) * scale;
+                }
+            }
+            t = stop;
+        }
+    }
+    for (int64_t j = 0; j < nq; j++) {
+        float *s = scores + j * L;
+        float max = -INFINITY, sum = 0.0f;
+#pragma omp simd reduction(max : max)
+        for (int64_t i = 0; i < L; i++) max = s[i] > max ? s[i] : max;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < L; i++) {
+            s[i] = exp_f32(s[i] - max);
+            sum += s[i];
+        }
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+#pragma omp simd
+        for (int64_t i = 0; i < L; i++) s[i] *= inv;
+    }
+    for (int64_t h = 0; h < nkv; h++)
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t j = h * G + g;
+            const float *sj = scores + j * L - start;
+            __m256 acc[16];
+            for (int64_t c = 0; c < D / 8; c++) acc[c] = _mm256_setzero_ps();
+            for (int64_t t = start; t < len;) {
+                const int64_t stop = block_stop(t, BS, len);
+                const float *v = slot_at(values, table, t, BS, KVH, h0 + h, D);
+                for (; t < stop; t++, v += slot_stride) {
+                    const __m256 p = _mm256_set1_ps(sj[t]);
+                    for (int64_t c = 0; c < D / 8; c++)
+                        acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
+                }
+            }
+            for (int64_t c = 0; c < D / 8; c++) _mm256_storeu_ps(o + j * D + 8 * c, acc[c]);
+        }
+}
+#endif
+
 /* query [B, H, D] (rows at stride ldq); kv [2, NB, BS, KVH, D] (keys, then values);
    block_table [B, MB]; context_lens [B]; out [B, H, D]. window > 0: a query at position
    len - 1 sees keys at positions > len - 1 - window. Returns 0, or -1 when scratch memory could
@@ -149,16 +253,21 @@ static void decode_tasks(void *arg, int64_t first, int64_t stop) {
         const float *q = query + b * ldq + h0 * G * D; /* this task's nq query heads */
         float *o = out + (b * H + h0 * G) * D;
         const int64_t *table = block_table + b * MB;
+#ifdef HAVE_ATTEND_VEC
         if (D == 32)
-            attend(q, kv, values, table, o, scores, acc, start, len, heads_per_task, G, KVH, BS,
-                   h0, 32, scale);
+            attend_vec(q, kv, values, table, o, scores, start, len, heads_per_task, G, KVH, BS,
+                       h0, 32, scale);
         else if (D == 64)
-            attend(q, kv, values, table, o, scores, acc, start, len, heads_per_task, G, KVH, BS,
-                   h0, 64, scale);
+            attend_vec(q, kv, values, table, o, scores, start, len, heads_per_task, G, KVH, BS,
+                       h0, 64, scale);
         else if (D == 128)
-            attend(q, kv, values, table, o, scores, acc, start, len, heads_per_task, G, KVH, BS,
-                   h0, 128, scale);
+            attend_vec(q, kv, values, table, o, scores, start, len, heads_per_task, G, KVH, BS,
+                       h0, 128, scale);
+        else if (D % 8 == 0 && D <= 128)
+            attend_vec(q, kv, values, table, o, scores, start, len, heads_per_task, G, KVH, BS,
+                       h0, D, scale);
         else
+#endif
             attend(q, kv, values, table, o, scores, acc, start, len, heads_per_task, G, KVH, BS,
                    h0, D, scale);
         free(scores);
