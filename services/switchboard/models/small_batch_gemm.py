@@ -97,15 +97,19 @@ void small_batch_pack(const float *w, float *p, int64_t N, int64_t K) {
         for (int64_t j = 0; j < ncols; j++) y[r * ldy + j] = bias ? t[j] + bias[j] : t[j]; \
     }
 static inline __attribute__((always_inline)) void panel_rows(
-    const int R, const float *x, int64_t ldx, const float *p, int64_t K, float *y, int64_t ldy,
-    int64_t ncols, const float *bias) {
+    const int R, const float *x, int64_t ldx, const float *p, const float *ahead,
+    const int ahead_is_next, int64_t K, float *y, int64_t ldy, int64_t ncols,
+    const float *bias) {
     __m256 lo0 = _mm256_setzero_ps(), hi0 = lo0, lo1 = lo0, hi1 = lo0, lo2 = lo0, hi2 = lo0,
            lo3 = lo0, hi3 = lo0, lo4 = lo0, hi4 = lo0, lo5 = lo0, hi5 = lo0, lo6 = lo0,
            hi6 = lo0, lo7 = lo0, hi7 = lo0;
     for (int64_t k = 0; k < K; k++) {
-        /* One line (a k-row of the panel) PREFETCH_AHEAD rows ahead, into the next panel near
-           the end: the panels are contiguous, and a hint never faults past the last one. */
-        _mm_prefetch((const char *)(p + (k + PREFETCH_AHEAD) * PW), _MM_HINT_T0);
+        /* One line (a k-row of a panel) a step: see linear_panels for which. A hint never
+           faults past the last panel. */
+        if (ahead_is_next)
+            _mm_prefetch((const char *)(ahead + k * PW), _MM_HINT_T1);
+        else
+            _mm_prefetch((const char *)(ahead + k * PW), _MM_HINT_T0);
         const __m256 w0 = _mm256_loadu_ps(p + k * PW), w1 = _mm256_loadu_ps(p + k * PW + 8);
         ROW_FMA(0) ROW_FMA(1) ROW_FMA(2) ROW_FMA(3) ROW_FMA(4) ROW_FMA(5) ROW_FMA(6) ROW_FMA(7)
     }
@@ -116,17 +120,18 @@ static inline __attribute__((always_inline)) void panel_rows(
 
 /* At most MAX_ROWS rows times one panel. */
 static inline void panel_group(int64_t M, const float *x, int64_t ldx, const float *pq,
-                               int64_t K, float *yq, int64_t N, int64_t ncols, const float *bq) {
+                               const float *ahead, int ahead_is_next, int64_t K, float *yq,
+                               int64_t N, int64_t ncols, const float *bq) {
     switch (M) {
-        case 1: panel_rows(1, x, ldx, pq, K, yq, N, ncols, bq); break;
-        case 2: panel_rows(2, x, ldx, pq, K, yq, N, ncols, bq); break;
-        case 3: panel_rows(3, x, ldx, pq, K, yq, N, ncols, bq); break;
-        case 4: panel_rows(4, x, ldx, pq, K, yq, N, ncols, bq); break;
-        case 5: panel_rows(5, x, ldx, pq, K, yq, N, ncols, bq); break;
-        case 6: panel_rows(6, x, ldx, pq, K, yq, N, ncols, bq); break;
+        case 1: panel_rows(1, x, ldx, pq, ahead, ahead_is_next, K, yq, N, ncols, bq); break;
+        case 2: panel_rows(2, x, ldx, pq, ahead, ahead_is_next, K, yq, N, ncols, bq); break;
+        case 3: panel_rows(3, x, ldx, pq, ahead, ahead_is_next, K, yq, N, ncols, bq); break;
+        case 4: panel_rows(4, x, ldx, pq, ahead, ahead_is_next, K, yq, N, ncols, bq); break;
+        case 5: panel_rows(5, x, ldx, pq, ahead, ahead_is_next, K, yq, N, ncols, bq); break;
+        case 6: panel_rows(6, x, ldx, pq, ahead, ahead_is_next, K, yq, N, ncols, bq); break;
 #if MAX_ROWS > 6
-        case 7: panel_rows(7, x, ldx, pq, K, yq, N, ncols, bq); break;
-        case 8: panel_rows(8, x, ldx, pq, K, yq, N, ncols, bq); break;
+        case 7: panel_rows(7, x, ldx, pq, ahead, ahead_is_next, K, yq, N, ncols, bq); break;
+        case 8: panel_rows(8, x, ldx, pq, ahead, ahead_is_next, K, yq, N, ncols, bq); break;
 #endif
     }
 }
@@ -139,7 +144,12 @@ struct linear_task {
 
 /* panels [q0, q1) of one matmul, every row. The rows go in as few groups as MAX_ROWS allows,
    of nearly equal size (8 rows as 4 + 4, not 6 + 2: a group of few rows does few multiply-adds
-   per load of the panel). */
+   per load of the panel).
+   The first group reads the panel from memory, asking for its lines PREFETCH_AHEAD k-rows ahead
+   (into the next panel near its end: the panels are contiguous). The later groups read it from
+   the caches, and meanwhile ask for the next panel into L2, so that memory works while they
+   compute (a step's weights are larger than the caches: otherwise every first group waited on
+   memory and every later one left it idle). */
 static void linear_panels(void *arg, int64_t q0, int64_t q1) {
     const struct linear_task *t = arg;
     const int64_t groups = (t->M + MAX_ROWS - 1) / MAX_ROWS;
@@ -149,8 +159,9 @@ static void linear_panels(void *arg, int64_t q0, int64_t q1) {
         const float *pq = t->p + q * t->K * PW, *bq = t->bias ? t->bias + q * PW : 0;
         for (int64_t g = 0, r0 = 0; g < groups; g++) {
             const int64_t rows = base + (g < wider);
-            panel_group(rows, t->x + r0 * t->ldx, t->ldx, pq, t->K, t->y + r0 * t->N + q * PW,
-                        t->N, ncols, bq);
+            const float *ahead = g == 0 ? pq + PREFETCH_AHEAD * PW : pq + t->K * PW;
+            panel_group(rows, t->x + r0 * t->ldx, t->ldx, pq, ahead, g > 0, t->K,
+                        t->y + r0 * t->N + q * PW, t->N, ncols, bq);
             r0 += rows;
         }
     }
