@@ -187,9 +187,7 @@ def new_kv_cache(
     # On CPU, private anonymous memory: the kernel hands out zeroed pages when they are first
     # touched. torch.zeros wrote every page at start instead (2 GiB: 4 s of a 10 s start on a
     # 2-core VM), most of them for blocks a short run never uses.
-    pages = mmap.mmap(
-        -1, numel * torch.empty((), dtype=dtype).element_size(), flags=mmap.MAP_PRIVATE
-    )
+    pages = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE)
     return torch.frombuffer(pages, dtype=dtype, count=numel).view(shape)
 
 

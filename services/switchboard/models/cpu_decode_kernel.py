@@ -47,6 +47,24 @@ static inline const float *slot_at(const float *cache, const int64_t *table, int
     return cache + ((table[t / BS] * BS + t % BS) * KVH + h0) * D;
 }
 
+/* Each of the nq rows of scores [nq, L] in place: a float32 softmax, its max subtracted. */
+static inline void softmax_rows(float *scores, int64_t nq, int64_t L) {
+    for (int64_t j = 0; j < nq; j++) {
+        float *s = scores + j * L;
+        float max = -INFINITY, sum = 0.0f;
+#pragma omp simd reduction(max : max)
+        for (int64_t i = 0; i < L; i++) max = s[i] > max ? s[i] : max;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < L; i++) {
+            s[i] = exp_f32(s[i] - max);
+            sum += s[i];
+        }
+        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+#pragma omp simd
+        for (int64_t i = 0; i < L; i++) s[i] *= inv;
+    }
+}
+
 /* One task: request b's query heads of KV heads h0 .. h0 + nkv - 1 (query head j = h * G + g
    reads KV head h). scores [nq, L] and acc [nq, D] are the task's scratch. Inlined with D a
    constant for the common head sizes (32, 64, 128), so the dot products and sums unroll into
@@ -75,20 +93,7 @@ static inline __attribute__((always_inline)) void attend(
             }
         }
     }
-    for (int64_t j = 0; j < nq; j++) {
-        float *s = scores + j * L;
-        float max = -INFINITY, sum = 0.0f;
-#pragma omp simd reduction(max : max)
-        for (int64_t i = 0; i < L; i++) max = s[i] > max ? s[i] : max;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < L; i++) {
-            s[i] = exp_f32(s[i] - max);
-            sum += s[i];
-        }
-        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-#pragma omp simd
-        for (int64_t i = 0; i < L; i++) s[i] *= inv;
-    }
+    softmax_rows(scores, nq, L);
     for (int64_t i = 0; i < nq * D; i++) acc[i] = 0.0f;
     for (int64_t t = start; t < len;) {
         const int64_t stop = block_stop(t, BS, len);
@@ -152,7 +157,7 @@ static inline __attribute__((always_inline)) void attend_vec(
                 const int64_t j = h * G + g;
                 __m256 qv[16];
                 for (int64_t c = 0; c < D / 8; c++) qv[c] = _mm256_loadu_ps(q + j * D + 8 * c);
-                float *sj = scores + j * L - start;
+                float *sj = scores + j * L;
                 const float *k = slot;
                 int64_t u = t;
                 for (; u + 8 <= stop; u += 8, k += 8 * slot_stride) {
@@ -165,44 +170,31 @@ static inline __attribute__((always_inline)) void attend_vec(
                     DOT_LANES(qv, k + 5 * slot_stride, D, a5);
                     DOT_LANES(qv, k + 6 * slot_stride, D, a6);
                     DOT_LANES(qv, k + 7 * slot_stride, D, a7);
-                    _mm256_storeu_ps(sj + u,
+                    _mm256_storeu_ps(sj + (u - start),
                                      _mm256_mul_ps(sum8_lanes(a0, a1, a2, a3, a4, a5, a6, a7),
                                                    scale8));
                 }
                 for (; u < stop; u++, k += slot_stride) {
                     __m256 a;
                     DOT_LANES(qv, k, D, a);
-                    sj[u] = sum_lanes(a) * scale;
+                    sj[u - start] = sum_lanes(a) * scale;
                 }
             }
             t = stop;
         }
     }
-    for (int64_t j = 0; j < nq; j++) {
-        float *s = scores + j * L;
-        float max = -INFINITY, sum = 0.0f;
-#pragma omp simd reduction(max : max)
-        for (int64_t i = 0; i < L; i++) max = s[i] > max ? s[i] : max;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t i = 0; i < L; i++) {
-            s[i] = exp_f32(s[i] - max);
-            sum += s[i];
-        }
-        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-#pragma omp simd
-        for (int64_t i = 0; i < L; i++) s[i] *= inv;
-    }
+    softmax_rows(scores, nq, L);
     for (int64_t h = 0; h < nkv; h++)
         for (int64_t g = 0; g < G; g++) {
             const int64_t j = h * G + g;
-            const float *sj = scores + j * L - start;
+            const float *sj = scores + j * L;
             __m256 acc[16];
             for (int64_t c = 0; c < D / 8; c++) acc[c] = _mm256_setzero_ps();
             for (int64_t t = start; t < len;) {
                 const int64_t stop = block_stop(t, BS, len);
                 const float *v = slot_at(values, table, t, BS, KVH, h0 + h, D);
                 for (; t < stop; t++, v += slot_stride) {
-                    const __m256 p = _mm256_set1_ps(sj[t]);
+                    const __m256 p = _mm256_set1_ps(sj[t - start]);
                     for (int64_t c = 0; c < D / 8; c++)
                         acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
                 }
