@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from switchboard.models import small_batch_gemm
+from switchboard.models.native_build import cpu_flags
 
 # Products of at least this many multiply-adds (rows x in x out) go to oneDNN: below it, the
 # per-call lookup costs more than the faster kernel saves (measured 1x256x512: MKL 12 us,
@@ -41,11 +42,14 @@ ONEDNN_MIN_MACS = 300_000
 # The batch oneDNN lays a packed weight out for; 8, 32 and 128 measured alike from 8 rows up.
 PACK_BATCH_HINT = 32
 # Products of at most this many rows on a weight with small-batch panels go to that kernel
-# (``small_batch_gemm.max_rows`` rows at a time over each panel): from 16 rows it is about as
-# fast as oneDNN (0.95-1.0x), and it runs on the kernels' work pool, so a decode step of up to
-# 128 rows, LM head included, never waits at an OpenMP barrier (``work_pool.py``). The one-call
+# (``small_batch_gemm.max_rows`` rows at a time over each panel). It runs on the kernels' work
+# pool, so such a step, LM head included, never waits at an OpenMP barrier (``work_pool.py``).
+# With AVX-512, oneDNN's wider kernels are as fast from 16 rows (0.95-1.0x): 128. With AVX2
+# alone the kernel measured 5-17 % faster than oneDNN at 128 to 1,024 rows (tiny-llama's and
+# SmolLM2's layer shapes, one and two threads, a 2-core Zen 3 EPYC): 512, which covers a step
+# that shares its budget among requests (prompt chunks and decodes, ``config.py``). The one-call
 # decode stack takes as many rows (``decode_stack.MAX_ROWS``): both paths give the same floats.
-SMALL_BATCH_MAX_ROWS = 128
+SMALL_BATCH_MAX_ROWS = 128 if "avx512f" in cpu_flags() else 512
 
 _onednn_linear: Callable[..., torch.Tensor] | None = None
 _onednn_reorder: Callable[..., torch.Tensor] | None = None
