@@ -103,8 +103,9 @@ _LAYER_FIELDS = 12
 # as oneDNN there (SmolLM2's matmuls, 2 threads: 16 rows 0.95x, 32 rows 0.97x, 64 rows 1.00x),
 # and the step saves the time between the operations. A whole decode step, 2 threads, ms, stack /
 # layer by layer: tiny-llama 65 rows 9.6 / 16.0, 128 rows 18.2 / 27.0; SmolLM2-135M 65 rows
-# 136 / 178, 96 rows 225 / 229, 128 rows 274-284 / 274-301: never slower, so up to 128 — the
-# rows the layers' matmuls take the same kernel for, so the two paths agree bit for bit.
+# 136 / 178, 96 rows 225 / 229, 128 rows 274-284 / 274-301; with AVX2 alone tiny-llama 256 rows
+# 37.5-38.3 / 41.5-49.5: never slower, so as many as the layers' matmuls take the same kernel
+# for, and the two paths agree bit for bit.
 MAX_ROWS = gemm.SMALL_BATCH_MAX_ROWS
 _I64, _VOID, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 _ARGTYPES: list[Any] = [_VOID, _I64, _I64, _VOID, _I64, _I64, _I64, _I64, _I64, _F32, _F32]
