@@ -99,8 +99,9 @@ int decode_stack_f32(float *x, int64_t M, int64_t layers, const int64_t *fields,
 """
 
 _LAYER_FIELDS = 12
-# Rows a step may have. The kernel takes the rows 8 at a time over each cached panel, as fast
-# as oneDNN there (SmolLM2's matmuls, 2 threads: 16 rows 0.95x, 32 rows 0.97x, 64 rows 1.00x),
+# Rows a step may have. The kernel takes the rows 8 at a time (AVX-512; 6 with AVX2) over each
+# cached panel, as fast as oneDNN with AVX-512 (SmolLM2's matmuls, 2 threads: 16 rows 0.95x,
+# 32 rows 0.97x, 64 rows 1.00x) and faster with AVX2 alone (gemm.SMALL_BATCH_MAX_ROWS),
 # and the step saves the time between the operations. A whole decode step, 2 threads, ms, stack /
 # layer by layer: tiny-llama 65 rows 9.6 / 16.0, 128 rows 18.2 / 27.0; SmolLM2-135M 65 rows
 # 136 / 178, 96 rows 225 / 229, 128 rows 274-284 / 274-301; with AVX2 alone tiny-llama 256 rows

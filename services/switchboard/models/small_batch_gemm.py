@@ -13,10 +13,10 @@ two threads, a SmolLM2-135M-shaped stack (30 layers and the LM head, cold weight
     oneDNN packed   25.7   29.7   23.6   22.9   27.7
     this kernel     17.1   17.8   20.0   22.0   24.3
 
-and 2.5x / 2.3x / 1.6x / 1.5x / 1.6x faster on tiny-llama's small matrices. From about eight
-rows oneDNN is as fast (16 / 32 / 64 rows: 0.95x / 0.97x / 1.00x); ``gemm.linear`` uses this up
-to ``gemm.SMALL_BATCH_MAX_ROWS`` rows (128; 512 with AVX2 alone, where it measured faster than
-oneDNN up to 1,024 rows), the one-call decode layer stack
+and 2.5x / 2.3x / 1.6x / 1.5x / 1.6x faster on tiny-llama's small matrices. There (AVX-512),
+from about eight rows oneDNN is as fast (16 / 32 / 64 rows: 0.95x / 0.97x / 1.00x);
+``gemm.linear`` uses this up to ``gemm.SMALL_BATCH_MAX_ROWS`` rows (128; 512 with AVX2 alone,
+where it measured faster than oneDNN up to 1,024 rows), the one-call decode layer stack
 (``decode_stack.py``) likewise: its loops run on the kernels' work pool, never waiting at an
 OpenMP barrier for a thread another process holds off its core.
 
