@@ -53,6 +53,7 @@ from switchboard.gateway.errors import ApiError, unavailable
 from switchboard.wire import curve, zmq_channel
 from switchboard.wire.curve import CurveKeys
 from switchboard.wire.engine_msgs import (
+    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineDead,
@@ -479,16 +480,30 @@ class EngineClient:
                 self._on_stall_changed(engine)
         if outputs.utility_output is not None:
             self._utility_calls.resolve(outputs.utility_output)
+        # Requests' first tokens are handed on before the other streams' next ones: each
+        # stream's task runs in the order it is woken, so a new request's first token would
+        # otherwise wait for every other stream of the step to go through this loop and gRPC.
+        later: list[tuple[RequestChannel, EngineCoreOutput]] = []
         for output in outputs.outputs:
             channel = self._requests.get(output.request_id)
             if channel is None or channel.engine is not engine:
                 continue  # finished, aborted or failed here already, or resumed elsewhere
-            if channel.resumes and output.num_cached_tokens:  # a hit on its own output
-                output = msgspec.structs.replace(output, num_cached_tokens=0)
-            channel.delivered += output.new_token_ids
-            channel.put(StepOutput(output, outputs.timestamp_ns))
-            if output.finish_reason is not None:
-                self._forget(output.request_id)
+            if channel.delivered:
+                later.append((channel, output))
+            else:
+                self._deliver(channel, output, outputs.timestamp_ns)
+        for channel, output in later:
+            self._deliver(channel, output, outputs.timestamp_ns)
+
+    def _deliver(
+        self, channel: RequestChannel, output: EngineCoreOutput, timestamp_ns: int
+    ) -> None:
+        if channel.resumes and output.num_cached_tokens:  # a hit on its own output
+            output = msgspec.structs.replace(output, num_cached_tokens=0)
+        channel.delivered += output.new_token_ids
+        channel.put(StepOutput(output, timestamp_ns))
+        if output.finish_reason is not None:
+            self._forget(output.request_id)
 
     # -- resume --------------------------------------------------------------------------------
 
