@@ -9,6 +9,7 @@ import torch
 from switchboard.models.attention import (
     AttentionMetadata,
     DecodeBatch,
+    _equal_fresh_run,
     new_kv_cache,
     paged_attention,
 )
@@ -66,6 +67,45 @@ def test_decode_rows_of_one_length_attend_without_a_mask():
     assert decode.key_mask(3) is not None
     for window in (None, 3):
         metadata = AttentionMetadata(torch.tensor(slots), decode=decode)
+        out = paged_attention(
+            torch.cat(queries),
+            torch.cat(keys),
+            torch.cat(values),
+            cache,
+            metadata,
+            DIM**-0.5,
+            sliding_window=window,
+        )
+        expected = torch.cat(
+            [dense_attention(q, k, v, window) for q, (k, v) in zip(queries, full, strict=True)]
+        )
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_new_prompts_of_one_length_attend_together_and_others_alone():
+    """Adjacent new prompts of one length take one batched call (``_equal_fresh_run``); a
+    chunk after a cached prefix, a prompt of another length and a window shorter than the
+    prompts break a run. Every row still equals dense causal attention."""
+    torch.manual_seed(2)
+    rng = random.Random(2)
+    free = list(range(60))
+    rng.shuffle(free)
+    cache = new_kv_cache(60, BLOCK, KV_HEADS, DIM, torch.float32, "cpu")
+    # (tokens cached, tokens this step): a decode, three new 6-token prompts, a chunk after a
+    # prefix, two new 6-token prompts, a new 5-token prompt
+    shapes = [(4, 1), (0, 6), (0, 6), (0, 6), (3, 6), (0, 6), (0, 6), (0, 5)]
+    full = [
+        (torch.randn(c + n, KV_HEADS, DIM), torch.randn(c + n, KV_HEADS, DIM)) for c, n in shapes
+    ]
+    tables = [[free.pop() for _ in range(-(-(c + n) // BLOCK))] for c, n in shapes]
+    queries, keys, values, slots, spans = lay_out_step(cache, shapes, full, tables, HEADS)
+    assert [_equal_fresh_run(spans, i, None) for i in (0, 3, 4, 6)] == [3, 1, 2, 1]
+    assert _equal_fresh_run(spans, 0, 4) == 1  # the window cuts these prompts
+    decode = DecodeBatch(
+        block_table=torch.tensor([tables[0]]), context_lens=torch.tensor([5]), max_context_len=5
+    )
+    for window in (None, 4):
+        metadata = AttentionMetadata(torch.tensor(slots), decode=decode, prefills=spans)
         out = paged_attention(
             torch.cat(queries),
             torch.cat(keys),

@@ -233,14 +233,70 @@ def reference_prefill_attention(
     scale: float,
     sliding_window: int | None,
 ) -> None:
-    """The prefill spans' rows of ``output``, one span at a time in torch."""
-    for span in metadata.prefills:
+    """The prefill spans' rows of ``output`` in torch: one call for each run of adjacent new
+    prompts of one length (nothing cached, no window cut), one call per span otherwise."""
+    spans = metadata.prefills
+    i = 0
+    while i < len(spans):
+        span = spans[i]
+        run = _equal_fresh_run(spans, i, sliding_window)
+        if run > 1:
+            rows = slice(span.token_start, span.token_start + run * span.num_tokens)
+            output[rows] = _batched_causal_attention(
+                query[rows], key[rows], value[rows], run, scale
+            )
+            i += run
+            continue
         rows = slice(span.token_start, span.token_start + span.num_tokens)
         if span.num_tokens == span.context_len:  # nothing cached before: this step's k/v
             keys, values = key[rows], value[rows]
         else:
             keys, values = _cached_context(kv_cache, span)
         output[rows] = _prefill_attention(query[rows], keys, values, span, scale, sliding_window)
+        i += 1
+
+
+def _is_fresh(span: PrefillSpan, sliding_window: int | None) -> bool:
+    """A whole prompt in this step (nothing cached before it) that no window cuts."""
+    return span.num_tokens == span.context_len and (
+        sliding_window is None or sliding_window >= span.context_len
+    )
+
+
+def _equal_fresh_run(spans: list[PrefillSpan], first: int, sliding_window: int | None) -> int:
+    """How many spans from ``first`` on are fresh, of one length and in adjacent rows."""
+    head = spans[first]
+    if not _is_fresh(head, sliding_window):
+        return 1
+    end = first + 1
+    while end < len(spans):
+        span = spans[end]
+        expected_start = head.token_start + (end - first) * head.num_tokens
+        if (
+            span.num_tokens != head.num_tokens
+            or span.token_start != expected_start
+            or not _is_fresh(span, sliding_window)
+        ):
+            break
+        end += 1
+    return end - first
+
+
+def _batched_causal_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch: int, scale: float
+) -> torch.Tensor:
+    """Causal attention of ``batch`` prompts of one length laid end to end: one SDPA call
+    instead of one per prompt (each call wakes the intra-op threads; at 32-token prompts the
+    calls cost more than the arithmetic). ``[batch * length, heads, head_dim]`` in and out."""
+    rows, heads, head_dim = query.shape
+    length = rows // batch
+    queries = query.view(batch, length, heads, head_dim).transpose(1, 2)
+    keys = key.view(batch, length, -1, head_dim).transpose(1, 2)
+    values = value.view(batch, length, -1, head_dim).transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        queries, keys, values, is_causal=True, scale=scale, enable_gqa=True
+    )
+    return out.transpose(1, 2).reshape(rows, heads, head_dim)
 
 
 def _decode_attention(
