@@ -220,11 +220,14 @@ async def test_invalid_arguments_and_duplicates(start_gateway: StartGateway) -> 
     status = status_details(caught.value)
     assert status is not None and status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
-    too_long = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 64))
+    too_long = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 64), request_id="req-long")
+    call = h.stub.Generate(too_long, timeout=WAIT_S)
     with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await _collect(h.stub.Generate(too_long, timeout=WAIT_S))
+        await _collect(call)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "max_model_len is 64" in caught.value.details()
+    # Refused after the header went out (it is sent while the request is checked): still there.
+    assert ("x-request-id", "req-long") in tuple(await call.initial_metadata())
 
     unknown = _generate(model="gpt-9")
     with pytest.raises(grpc.aio.AioRpcError) as caught:
@@ -234,9 +237,11 @@ async def test_invalid_arguments_and_duplicates(start_gateway: StartGateway) -> 
     h.engine.mode = "hang"
     first = h.stub.Generate(_generate(request_id="dup"), timeout=WAIT_S)
     await until(lambda: "dup" in h.engine.added, "the engine got ADD")
+    second = h.stub.Generate(_generate(request_id="dup"), timeout=WAIT_S)
     with pytest.raises(grpc.aio.AioRpcError) as caught:
-        await _collect(h.stub.Generate(_generate(request_id="dup"), timeout=WAIT_S))
+        await _collect(second)
     assert caught.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    assert ("x-request-id", "dup") in tuple(await second.initial_metadata())
     first.cancel()
 
 

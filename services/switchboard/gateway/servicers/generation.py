@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -45,10 +47,21 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         check_request_id(request_id)
         check_model_name(request.model)
         check_labels(request.labels)
-        await context.send_initial_metadata(((REQUEST_ID_HEADER, request_id),))
-        async with self._calls.open(request, request_id, arrival_time, context) as call:
-            async for response in call.responses():
-                yield response
+        # The header goes out while the request is checked and sent to an engine, not before:
+        # awaiting it first held the ADD back for a round trip through gRPC's completion queue
+        # and the event loop (milliseconds when the loop is busy streaming other requests).
+        # It completes before anything else is sent on the call: a response or an error.
+        header = asyncio.ensure_future(
+            context.send_initial_metadata(((REQUEST_ID_HEADER, request_id),))
+        )
+        try:
+            async with self._calls.open(request, request_id, arrival_time, context) as call:
+                await header
+                async for response in call.responses():
+                    yield response
+        finally:  # an error goes out after the header, as it did; a failed header ends the call
+            with contextlib.suppress(Exception):
+                await asyncio.shield(header)
 
     async def Abort(
         self, request: pb.AbortRequest, context: grpc.aio.ServicerContext
