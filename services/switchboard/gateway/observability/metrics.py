@@ -171,6 +171,7 @@ class RequestMetrics:
             buckets=GENAI_TOKEN_BUCKETS,
         )
         self._gen_ai_labels = ("text_completion", "switchboard", model_name)
+        self._token_series: dict[str, tuple[Counter, Histogram]] = {}
 
     def labels(self, engine: str) -> tuple[str, str]:
         return (self.model_name, engine)
@@ -182,10 +183,17 @@ class RequestMetrics:
         self.prompt_tokens_cached.labels(*labels).inc(cached)
 
     def tokens(self, engine: str, num_tokens: int, inter_token_s: float | None) -> None:
-        labels = self.labels(engine)
-        self.generation_tokens.labels(*labels).inc(num_tokens)
+        # Once per streamed token: the labelled series are looked up once per engine, not
+        # per call (``labels()`` validates and locks each time).
+        series = self._token_series.get(engine)
+        if series is None:
+            labels = self.labels(engine)
+            series = self.generation_tokens.labels(*labels), self.itl.labels(*labels)
+            self._token_series[engine] = series
+        generated, itl = series
+        generated.inc(num_tokens)
         if inter_token_s is not None:
-            self.itl.labels(*labels).observe(inter_token_s)
+            itl.observe(inter_token_s)
 
     def finished(
         self,
