@@ -18,17 +18,7 @@ from switchboard.wire.engine_msgs import (
 
 def _client_with_engine() -> tuple[EngineClient, EngineHandle]:
     client = EngineClient("inproc://unused-in", "inproc://unused-out")
-    ready = EngineReady(
-        engine_id="e0",
-        data_parallel_rank=0,
-        max_model_len=64,
-        num_gpu_blocks=8,
-        block_size=16,
-        kv_capacity_tokens=128,
-        wall_clock_ns=0,
-        monotonic_ns=0,
-    )
-    engine = EngineHandle(identity=b"e0", ready=ready)
+    engine = EngineHandle(identity=b"e0", ready=EngineReady("e0", 0, 64, 8, 16, 128, 0, 0))
     client.engines[0] = engine
     return client, engine
 

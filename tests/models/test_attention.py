@@ -67,19 +67,7 @@ def test_decode_rows_of_one_length_attend_without_a_mask():
     assert decode.key_mask(3) is not None
     for window in (None, 3):
         metadata = AttentionMetadata(torch.tensor(slots), decode=decode)
-        out = paged_attention(
-            torch.cat(queries),
-            torch.cat(keys),
-            torch.cat(values),
-            cache,
-            metadata,
-            DIM**-0.5,
-            sliding_window=window,
-        )
-        expected = torch.cat(
-            [dense_attention(q, k, v, window) for q, (k, v) in zip(queries, full, strict=True)]
-        )
-        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        _assert_dense(queries, keys, values, full, cache, metadata, window)
 
 
 def test_new_prompts_of_one_length_attend_together_and_others_alone():
@@ -106,16 +94,21 @@ def test_new_prompts_of_one_length_attend_together_and_others_alone():
     )
     for window in (None, 4):
         metadata = AttentionMetadata(torch.tensor(slots), decode=decode, prefills=spans)
-        out = paged_attention(
-            torch.cat(queries),
-            torch.cat(keys),
-            torch.cat(values),
-            cache,
-            metadata,
-            DIM**-0.5,
-            sliding_window=window,
-        )
-        expected = torch.cat(
-            [dense_attention(q, k, v, window) for q, (k, v) in zip(queries, full, strict=True)]
-        )
-        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+        _assert_dense(queries, keys, values, full, cache, metadata, window)
+
+
+def _assert_dense(queries, keys, values, full, cache, metadata, window: int | None) -> None:
+    """Paged attention of the step equals dense causal attention over each whole sequence."""
+    out = paged_attention(
+        torch.cat(queries),
+        torch.cat(keys),
+        torch.cat(values),
+        cache,
+        metadata,
+        DIM**-0.5,
+        sliding_window=window,
+    )
+    expected = torch.cat(
+        [dense_attention(q, k, v, window) for q, (k, v) in zip(queries, full, strict=True)]
+    )
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

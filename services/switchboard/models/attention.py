@@ -233,14 +233,15 @@ def reference_prefill_attention(
     scale: float,
     sliding_window: int | None,
 ) -> None:
-    """The prefill spans' rows of ``output`` in torch: one call for each run of adjacent new
-    prompts of one length (nothing cached, no window cut), one call per span otherwise."""
+    """The prefill spans' rows of ``output`` in torch: plain causal attention in one call for
+    each run of adjacent new prompts of one length (nothing cached, no window cut; a run may be
+    one prompt), masked attention over its context for any other span."""
     spans = metadata.prefills
     i = 0
     while i < len(spans):
         span = spans[i]
-        run = _equal_fresh_run(spans, i, sliding_window)
-        if run > 1:
+        if _is_fresh(span, sliding_window):
+            run = _equal_fresh_run(spans, i, sliding_window)
             rows = slice(span.token_start, span.token_start + run * span.num_tokens)
             output[rows] = _batched_causal_attention(
                 query[rows], key[rows], value[rows], run, scale
@@ -248,11 +249,13 @@ def reference_prefill_attention(
             i += run
             continue
         rows = slice(span.token_start, span.token_start + span.num_tokens)
-        if span.num_tokens == span.context_len:  # nothing cached before: this step's k/v
+        if span.num_tokens == span.context_len:  # nothing cached, a window cuts: this step's k/v
             keys, values = key[rows], value[rows]
         else:
             keys, values = _cached_context(kv_cache, span)
-        output[rows] = _prefill_attention(query[rows], keys, values, span, scale, sliding_window)
+        output[rows] = _masked_prefill_attention(
+            query[rows], keys, values, span, scale, sliding_window
+        )
         i += 1
 
 
@@ -264,7 +267,8 @@ def _is_fresh(span: PrefillSpan, sliding_window: int | None) -> bool:
 
 
 def _equal_fresh_run(spans: list[PrefillSpan], first: int, sliding_window: int | None) -> int:
-    """How many spans from ``first`` on are fresh, of one length and in adjacent rows."""
+    """How many spans from ``first`` on are fresh, of one length and in adjacent rows (1 when
+    the first is not fresh: it is attended alone)."""
     head = spans[first]
     if not _is_fresh(head, sliding_window):
         return 1
@@ -346,7 +350,7 @@ def _cached_context(kv_cache: torch.Tensor, span: PrefillSpan) -> tuple[torch.Te
     return blocks[0], blocks[1]
 
 
-def _prefill_attention(
+def _masked_prefill_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -354,19 +358,13 @@ def _prefill_attention(
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """``key``/``value``: the span's context ``[context_len, kv_heads, head_dim]``."""
-    length = span.context_len
+    """A chunk after a cached prefix, or one a window cuts. ``key``/``value``: the span's
+    context ``[context_len, kv_heads, head_dim]``."""
     keys = key.transpose(0, 1)[None]
     values = value.transpose(0, 1)[None]
     queries = query.transpose(0, 1)[None]  # [1, heads, num_tokens, dim]
-    if span.num_tokens == length and (sliding_window is None or sliding_window >= length):
-        # Nothing cached before this chunk and no window cut: plain causal.
-        out = F.scaled_dot_product_attention(
-            queries, keys, values, is_causal=True, scale=scale, enable_gqa=True
-        )
-    else:
-        mask = span.causal_mask(sliding_window)
-        out = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
-        )
+    mask = span.causal_mask(sliding_window)
+    out = F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+    )
     return out[0].transpose(0, 1)
