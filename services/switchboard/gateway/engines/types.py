@@ -8,6 +8,7 @@ gateway is shutting down: UNAVAILABLE) or a ``RequestAborted`` (Abort RPC, stop 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import enum
 import functools
@@ -109,10 +110,26 @@ class RequestChannel:
         self.delivered: list[int] = []  # output token ids handed out so far
         self.counted = True  # in engine.num_requests (not while it waits to resume)
         self.resumes = 0
-        self._queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
+        self._events: collections.deque[RequestEvent] = collections.deque()
+        self._arrived = asyncio.Event()
 
     def put(self, event: RequestEvent) -> None:
-        self._queue.put_nowait(event)
+        self._events.append(event)
+        self._arrived.set()
 
     async def get(self) -> RequestEvent:
-        return await self._queue.get()
+        while not self._events:
+            self._arrived.clear()
+            await self._arrived.wait()
+        return self._events.popleft()
+
+    def take_ready_step(self) -> StepOutput | None:
+        """The next event if it is already here and is a step's output, without waiting: a
+        consumer that fell behind takes the steps that queued up together."""
+        if not self._events:
+            return None
+        event = self._events[0]
+        if not isinstance(event, StepOutput):
+            return None
+        self._events.popleft()
+        return event

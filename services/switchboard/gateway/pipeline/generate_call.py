@@ -28,9 +28,11 @@ from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.gateway.admission import Ticket
 from switchboard.gateway.auth import Credentials
 from switchboard.gateway.chat.prompt import chat_prompt_token_ids
+from switchboard.gateway.engines.types import RequestEvent
 from switchboard.gateway.errors import ApiError
 from switchboard.gateway.observability.observer import RequestObserver
 from switchboard.gateway.pipeline.bad_words import tokenize_bad_words
+from switchboard.gateway.pipeline.coalesce import coalesce
 from switchboard.gateway.pipeline.generate_stream import GenerateStream
 from switchboard.gateway.pipeline.request_bounds import (
     check_data_parallel_rank,
@@ -94,18 +96,37 @@ class GenerateCall:
 
     async def responses(self) -> AsyncIterator[pb.GenerateResponse]:
         group = self.group
+        kind = group.streams[0].plan.output_kind
+        one_sequence = group.channels[0] if len(group.channels) == 1 else None
         while not group.finished:
             index, event = await group.next_event()
             self._ticket.prompt_started()  # the engine answered: the prompt left the queue
-            self._observer.on_event(event)
-            response = group.handle(index, event)
-            stopped = group.take_stopped_request_ids()
-            if stopped:
-                self._state.engines.abort(stopped, "stop string")
-            if response is not None:
-                yield response
+            batch: list[pb.GenerateResponse] = []
+            self._handle(index, event, batch)
+            try:
+                # Steps that came while the last message was being sent go out with this one.
+                while one_sequence is not None and not group.finished:
+                    step = one_sequence.take_ready_step()
+                    if step is None:
+                        break
+                    self._handle(0, step, batch)
+            except ApiError:
+                if batch:  # what came before the failure still goes out first
+                    yield coalesce(batch, kind)
+                raise
+            if batch:
+                yield coalesce(batch, kind)
         self.finished = True
         logger.debug("request %s finished: %s", group.streams[0].plan.request_id, group.usage())
+
+    def _handle(self, index: int, event: RequestEvent, batch: list[pb.GenerateResponse]) -> None:
+        self._observer.on_event(event)
+        response = self.group.handle(index, event)
+        stopped = self.group.take_stopped_request_ids()
+        if stopped:
+            self._state.engines.abort(stopped, "stop string")
+        if response is not None:
+            batch.append(response)
 
 
 class GenerateCalls:

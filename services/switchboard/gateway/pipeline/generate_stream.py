@@ -10,7 +10,8 @@ per engine step, what the client gets according to its OutputKind:
 PromptInfo rides on the first message sent, Usage on the last (``sequence_group.py`` adds the
 call's RequestMetrics to it, from the call's one timing record). Logprobs (when asked for) ride
 with their tokens: a step with new tokens is news even if its text is held back. With ``n`` > 1
-there is one stream per sequence (``index``); ``sequence_group.py`` merges them.
+there is one stream per sequence (``index``); ``sequence_group.py`` merges them. A call that fell
+behind sends several steps' messages as one (``coalesce.py``).
 """
 
 from __future__ import annotations

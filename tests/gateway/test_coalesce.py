@@ -1,0 +1,178 @@
+"""A call that fell behind its engine sends the steps that queued up as one message.
+
+The gateway here is the real one (its state, engine client, tokenizer, observer), with a
+scripted engine peer that takes the ADD and never answers: the test plays the engine client's
+part and puts the steps' outputs into the request's channel itself, so what is queued when the
+call reads is exactly what the test put there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from gateway_harness import WAIT_S, gateway_config
+from gateway_scripted_engine import ScriptedEngine, fake_logprobs
+
+from switchboard.api.v1 import generation_service_pb2 as pb
+from switchboard.gateway.engines.types import StepOutput
+from switchboard.gateway.errors import ApiError
+from switchboard.gateway.pipeline.generate_call import GenerateCall, GenerateCalls
+from switchboard.gateway.server import GatewayServer
+from switchboard.wire.engine_msgs import (
+    EngineCoreEvent,
+    EngineCoreOutput,
+    EventType,
+    FinishReason,
+)
+
+TEXT = " one two three four"
+
+
+class _TestFront:
+    """A front with no headers and no deadline (what a ``CallContext`` asks of gRPC or HTTP)."""
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
+    def peer(self) -> str:
+        return "test"
+
+    def code(self) -> grpc.StatusCode | None:
+        return None
+
+    def time_remaining(self) -> float | None:
+        return None
+
+
+@pytest.fixture
+async def calls(checkpoint_dir: Path, run_dir: str) -> AsyncIterator[GenerateCalls]:
+    config = gateway_config(checkpoint_dir, run_dir)
+    server = GatewayServer(config)
+    await server.start()
+    engine = ScriptedEngine(config.input_address, config.output_address, [0])
+    engine.mode = "hang"  # takes ADDs, sends nothing: the test sends the steps
+    await engine.start()
+    try:
+        assert await server.engines.wait_until_ready(WAIT_S)
+        yield GenerateCalls(server.state)
+    finally:
+        with contextlib.suppress(Exception):
+            await engine.close()
+        await server.stop()
+
+
+def _request(kind: int = pb.OUTPUT_KIND_DELTA, logprobs: int | None = None) -> pb.GenerateRequest:
+    output = pb.OutputOptions(kind=kind, return_token_ids=True)
+    if logprobs is not None:
+        output.logprobs = logprobs
+    return pb.GenerateRequest(
+        text="Hello", stopping=pb.StoppingCriteria(max_tokens=4), output=output
+    )
+
+
+def _step(
+    call: GenerateCall,
+    token_id: int,
+    *,
+    first: bool = False,
+    finish: FinishReason | None = None,
+    logprobs: int | None = None,
+) -> None:
+    """Put one engine step's output for the call's request into its channel."""
+    channel = call.group.channels[0]
+    now = time.monotonic_ns()
+    output = EngineCoreOutput(channel.request_id, [token_id], finish_reason=finish)
+    if first:
+        output.events = [
+            EngineCoreEvent(EventType.QUEUED, now),
+            EngineCoreEvent(EventType.SCHEDULED, now),
+        ]
+    if logprobs is not None:
+        output.new_logprobs = [fake_logprobs(token_id, logprobs)]
+    channel.delivered.append(token_id)
+    channel.put(StepOutput(output, now))
+
+
+def _steps(call: GenerateCall, token_ids: list[int], logprobs: int | None = None) -> None:
+    for i, token_id in enumerate(token_ids):
+        last = i == len(token_ids) - 1
+        finish = FinishReason.LENGTH if last else None
+        _step(call, token_id, first=i == 0, finish=finish, logprobs=logprobs)
+
+
+async def test_steps_queued_before_the_call_reads_go_out_as_one_message(
+    calls: GenerateCalls,
+) -> None:
+    tokenizer = calls.state.tokenizer
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)[:4]
+    async with calls.open(_request(logprobs=1), "req-behind", time.time(), _TestFront()) as call:
+        _steps(call, ids, logprobs=1)
+        responses = [response async for response in call.responses()]
+
+    assert len(responses) == 1
+    (response,) = responses
+    sequence = response.outputs[0]
+    assert list(sequence.token_ids) == ids
+    assert sequence.text == tokenizer.decode(ids)
+    assert [entry.token_id for entry in sequence.logprobs] == ids
+    assert sequence.finish_reason == pb.FINISH_REASON_LENGTH
+    assert response.prompt_info.token_ids == tokenizer.encode("Hello")
+    assert response.usage.completion_tokens == 4
+    assert response.metrics.HasField("time_to_first_token")
+
+
+async def test_a_call_that_keeps_up_sends_one_message_a_step(calls: GenerateCalls) -> None:
+    tokenizer = calls.state.tokenizer
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)[:4]
+    async with calls.open(_request(), "req-live", time.time(), _TestFront()) as call:
+        responses = call.responses()
+        received = []
+        for i, token_id in enumerate(ids):
+            last = i == len(ids) - 1
+            _step(call, token_id, first=i == 0, finish=FinishReason.LENGTH if last else None)
+            received.append(await anext(responses))
+        with pytest.raises(StopAsyncIteration):
+            await anext(responses)
+
+    assert [list(r.outputs[0].token_ids) for r in received] == [[t] for t in ids]
+    assert received[0].HasField("prompt_info") and not received[1].HasField("prompt_info")
+    assert [r.HasField("usage") for r in received] == [False, False, False, True]
+
+
+async def test_cumulative_steps_that_queued_up_send_the_last_whole(calls: GenerateCalls) -> None:
+    tokenizer = calls.state.tokenizer
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)[:4]
+    request = _request(kind=pb.OUTPUT_KIND_CUMULATIVE)
+    async with calls.open(request, "req-cumulative", time.time(), _TestFront()) as call:
+        _steps(call, ids)
+        responses = [response async for response in call.responses()]
+
+    assert len(responses) == 1
+    assert list(responses[0].outputs[0].token_ids) == ids
+    assert responses[0].outputs[0].text == tokenizer.decode(ids)
+    assert responses[0].HasField("prompt_info") and responses[0].HasField("usage")
+
+
+async def test_what_queued_before_a_failed_step_goes_out_before_the_error(
+    calls: GenerateCalls,
+) -> None:
+    tokenizer = calls.state.tokenizer
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)[:3]
+    received: list[pb.GenerateResponse] = []
+    with pytest.raises(ApiError) as failed:
+        async with calls.open(_request(), "req-failing", time.time(), _TestFront()) as call:
+            _step(call, ids[0], first=True)
+            _step(call, ids[1])
+            _step(call, ids[2], finish=FinishReason.ERROR)
+            async for response in call.responses():
+                received.append(response)
+
+    assert failed.value.code == grpc.StatusCode.INTERNAL
+    assert len(received) == 1
+    assert list(received[0].outputs[0].token_ids) == ids[:2]
+    assert received[0].outputs[0].text == tokenizer.decode(ids[:2])
