@@ -97,36 +97,32 @@ class GenerateCall:
     async def responses(self) -> AsyncIterator[pb.GenerateResponse]:
         group = self.group
         kind = group.streams[0].plan.output_kind
-        one_sequence = group.channels[0] if len(group.channels) == 1 else None
         while not group.finished:
             index, event = await group.next_event()
             self._ticket.prompt_started()  # the engine answered: the prompt left the queue
-            batch: list[pb.GenerateResponse] = []
-            self._handle(index, event, batch)
+            batch = [self._handle(index, event)]
+            failure: ApiError | None = None
             try:
                 # Steps that came while the last message was being sent go out with this one.
-                while one_sequence is not None and not group.finished:
-                    step = one_sequence.take_ready_step()
-                    if step is None:
-                        break
-                    self._handle(0, step, batch)
-            except ApiError:
-                if batch:  # what came before the failure still goes out first
-                    yield coalesce(batch, kind)
-                raise
-            if batch:
-                yield coalesce(batch, kind)
+                while (ready := group.ready_event()) is not None:
+                    batch.append(self._handle(*ready))
+            except ApiError as error:
+                failure = error  # what came before it still goes out first
+            responses = [response for response in batch if response is not None]
+            if responses:
+                yield coalesce(responses, kind)
+            if failure is not None:
+                raise failure
         self.finished = True
         logger.debug("request %s finished: %s", group.streams[0].plan.request_id, group.usage())
 
-    def _handle(self, index: int, event: RequestEvent, batch: list[pb.GenerateResponse]) -> None:
+    def _handle(self, index: int, event: RequestEvent) -> pb.GenerateResponse | None:
         self._observer.on_event(event)
         response = self.group.handle(index, event)
         stopped = self.group.take_stopped_request_ids()
         if stopped:
             self._state.engines.abort(stopped, "stop string")
-        if response is not None:
-            batch.append(response)
+        return response
 
 
 class GenerateCalls:

@@ -25,7 +25,12 @@ from collections.abc import Callable
 import msgspec
 
 from switchboard.api.v1 import generation_service_pb2 as pb
-from switchboard.gateway.engines.types import EngineHandle, RequestChannel, RequestEvent
+from switchboard.gateway.engines.types import (
+    EngineHandle,
+    RequestChannel,
+    RequestEvent,
+    StepOutput,
+)
 from switchboard.gateway.observability.request_timeline import RequestTimeline
 from switchboard.gateway.pipeline.generate_stream import GenerateStream
 from switchboard.wire.engine_msgs import EngineCoreRequest
@@ -105,6 +110,14 @@ class SequenceGroup:
         await asyncio.wait(self._pending.values(), return_when=asyncio.FIRST_COMPLETED)
         index = min(i for i, task in self._pending.items() if task.done())
         return index, self._pending.pop(index).result()
+
+    def ready_event(self) -> tuple[int, StepOutput] | None:
+        """The next step output if it is already queued and the call has one sequence (its
+        caller sends the steps that queued up as one message); None otherwise, without waiting."""
+        if len(self.channels) != 1 or self.finished:
+            return None
+        step = self.channels[0].take_ready_step()
+        return None if step is None else (0, step)
 
     def close(self) -> None:
         for task in self._pending.values():
