@@ -3,18 +3,21 @@
 
 from __future__ import annotations
 
+import random
 import shutil
 
 import pytest
 import torch
 
-from switchboard.models import cpu_decode_kernel
+from switchboard.models import attention, cpu_decode_kernel
 from switchboard.models.attention import (
     AttentionMetadata,
     DecodeBatch,
     gathered_decode_attention,
+    new_kv_cache,
     paged_attention,
 )
+from tests.models.paged_reference import dense_attention, lay_out_step
 
 pytestmark = pytest.mark.skipif(
     shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"
@@ -98,3 +101,74 @@ def test_without_a_compiler_the_torch_path_stays(tmp_path, monkeypatch):
     assert not cpu_decode_kernel.load()
     assert cpu_decode_kernel.status().startswith("unavailable")
     cpu_decode_kernel.unload()
+
+
+def _mixed_step(shapes: list[tuple[int, int]], seed: int):
+    """A step of ``(tokens cached, tokens this step)`` sequences (decodes first): the cache,
+    metadata, this step's q/k/v and each sequence's whole k/v."""
+    heads, kv_heads, dim, block = 4, 2, 8, 4
+    torch.manual_seed(seed)
+    free = list(range(200))
+    random.Random(seed).shuffle(free)
+    cache = new_kv_cache(200, block, kv_heads, dim, torch.float32, "cpu")
+    full = [
+        (torch.randn(c + n, kv_heads, dim), torch.randn(c + n, kv_heads, dim)) for c, n in shapes
+    ]
+    tables = [[free.pop() for _ in range(-(-(c + n) // block))] for c, n in shapes]
+    queries, keys, values, slots, spans = lay_out_step(cache, shapes, full, tables, heads)
+    decodes = [i for i, (_, n) in enumerate(shapes) if n == 1]
+    width = max(len(tables[i]) for i in decodes)
+    decode = DecodeBatch(
+        block_table=torch.tensor([tables[i] + [0] * (width - len(tables[i])) for i in decodes]),
+        context_lens=torch.tensor([sum(shapes[i]) for i in decodes]),
+        max_context_len=max(sum(shapes[i]) for i in decodes),
+    )
+    metadata = AttentionMetadata(torch.tensor(slots), decode=decode, prefills=spans)
+    return cache, metadata, (queries, keys, values), full
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_prompt_tokens_are_kernel_rows_of_their_own_context(kernel, monkeypatch, window):
+    """A float32 CPU step with prompt chunks goes to the kernel in one call, every prompt token
+    a row that sees the keys up to its own position: decodes, new prompts of one length and of
+    another, a chunk after a cached prefix all equal dense causal attention, window or not."""
+    calls = []
+    real = cpu_decode_kernel.paged_decode
+    monkeypatch.setattr(
+        cpu_decode_kernel, "paged_decode", lambda q, *a: calls.append(q.shape[0]) or real(q, *a)
+    )
+    shapes = [(9, 1), (2, 1), (0, 6), (0, 6), (6, 5), (0, 7)]
+    cache, metadata, (queries, keys, values), full = _mixed_step(shapes, seed=3)
+    out = paged_attention(
+        torch.cat(queries), torch.cat(keys), torch.cat(values), cache, metadata, 8**-0.5, window
+    )
+    expected = torch.cat(
+        [dense_attention(q, k, v, window) for q, (k, v) in zip(queries, full, strict=True)]
+    )
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert calls == [sum(n for _, n in shapes)]
+    block_table, context_lens = metadata.token_rows
+    assert context_lens.tolist() == [10, 3] + [*range(1, 7)] * 2 + [*range(7, 12), *range(1, 8)]
+    assert block_table.shape == (26, 3)
+
+
+def test_a_long_prompt_chunk_takes_sdpa(kernel, monkeypatch):
+    """Past ``KERNEL_MAX_CHUNK_TOKENS`` query tokens a chunk is attended by SDPA (it reuses each
+    key across queries); the decodes of that step still go to the kernel."""
+    calls = []
+    real = cpu_decode_kernel.paged_decode
+    monkeypatch.setattr(
+        cpu_decode_kernel, "paged_decode", lambda q, *a: calls.append(q.shape[0]) or real(q, *a)
+    )
+    monkeypatch.setattr(attention, "KERNEL_MAX_CHUNK_TOKENS", 6)
+    shapes = [(5, 1), (0, 6), (0, 7)]
+    cache, metadata, (queries, keys, values), full = _mixed_step(shapes, seed=4)
+    out = paged_attention(
+        torch.cat(queries), torch.cat(keys), torch.cat(values), cache, metadata, 8**-0.5
+    )
+    expected = torch.cat(
+        [dense_attention(q, k, v) for q, (k, v) in zip(queries, full, strict=True)]
+    )
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert calls == [1]  # the decode row only
+    assert metadata.token_rows == ()

@@ -11,9 +11,13 @@ block_size + p % block_size``. Each step first writes the new tokens' K/V into t
 (``slot_mapping``), then every request attends over its own blocks. Decoding requests (one
 query token each) are attended in one batch: on CPU in float32 by a C kernel that reads the
 blocks in place (``cpu_decode_kernel.py``), elsewhere gathered through their block tables into
-one padded batch for SDPA. Requests with several query tokens (prefill chunks) go one at a
-time: a chunk with nothing cached before it attends over its own new keys and values, one after
-a cached prefix gathers its blocks and uses a causal mask shifted by the tokens already cached.
+one padded batch for SDPA. Requests with several query tokens (prefill chunks): on CPU in
+float32, while every chunk is short (``KERNEL_MAX_CHUNK_TOKENS``), each of their tokens is one
+more row of that same kernel call, a row whose context ends at the token's own position (the
+causal mask; SDPA's per-call cost was most of the attention time of a step of short prompts).
+Otherwise they go one at a time through SDPA: a chunk with nothing cached before it attends
+over its own new keys and values, one after a cached prefix gathers its blocks and uses a
+causal mask shifted by the tokens already cached.
 
 A sliding-window layer (Mistral, some Qwen2 layers) masks keys more than ``sliding_window - 1``
 positions behind each query, as transformers does (``kv_pos > q_pos - window``). The blocks
@@ -113,6 +117,9 @@ class AttentionMetadata:
     # Set by AttentionBackend.prepare (once per step); None = the reference backend.
     backend: AttentionBackend | None = None
     prepared: Any = None  # the backend's own per-step metadata
+    # The reference backend's CPU kernel rows (``_token_rows``): None = not built yet,
+    # () = the kernel does not take this step.
+    token_rows: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
 
 
 class AttentionBackend:
@@ -155,6 +162,13 @@ class ReferenceBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
+        if cpu_decode_kernel.usable_for(query, kv_cache):
+            rows = _token_rows(metadata, query.shape[0])
+            if rows is not None:
+                block_table, context_lens = rows
+                return cpu_decode_kernel.paged_decode(
+                    query, kv_cache, block_table, context_lens, scale, sliding_window
+                )
         output = torch.empty_like(query)
         if metadata.decode is not None:
             decode = metadata.decode
@@ -168,6 +182,50 @@ class ReferenceBackend(AttentionBackend):
 
 
 REFERENCE = ReferenceBackend()
+
+# Prompt chunks of up to this many query tokens go through the decode kernel, one query row
+# per token; a longer chunk takes SDPA, whose blocked kernel reuses each key across queries.
+# Measured per layer on a 2-core EPYC, two threads (8 heads of 32 / 9 heads of 64): 8 prompts
+# of 32 tokens 586 / 442 us against SDPA's 691 / 542, one of 256 1,182 / 1,860 against 1,597 /
+# 2,197, one of 512 3,683 / 7,407 against 3,411 / 7,010.
+KERNEL_MAX_CHUNK_TOKENS = 256
+
+
+def _token_rows(
+    metadata: AttentionMetadata, num_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Every query token of the step as a decode-kernel row: ``[num_tokens, max_blocks]``
+    block table and ``[num_tokens]`` context lengths (a prompt token at position ``p`` sees
+    ``p + 1`` keys, its own included: the causal mask). None when a chunk is too long for the
+    kernel to be the faster or the spans do not cover the rows. Built once per step (the first
+    layer) and kept on the metadata."""
+    if metadata.token_rows is not None:
+        built = metadata.token_rows
+        return (built[0], built[1]) if built else None
+    metadata.token_rows = ()
+    spans = metadata.prefills
+    if any(span.num_tokens > KERNEL_MAX_CHUNK_TOKENS for span in spans):
+        return None
+    decode = metadata.decode
+    decoded = 0 if decode is None else decode.size
+    if decoded + sum(span.num_tokens for span in spans) != num_tokens:
+        return None
+    device = metadata.slot_mapping.device
+    width = max([span.block_ids.shape[0] for span in spans] + [0])
+    if decode is not None:
+        width = max(width, decode.block_table.shape[1])
+    table = torch.zeros(num_tokens, width, dtype=torch.long, device=device)
+    lens = torch.empty(num_tokens, dtype=torch.long, device=device)
+    if decode is not None:
+        table[:decoded, : decode.block_table.shape[1]] = decode.block_table
+        lens[:decoded] = decode.context_lens
+    for span in spans:
+        rows = slice(span.token_start, span.token_start + span.num_tokens)
+        table[rows, : span.block_ids.shape[0]] = span.block_ids
+        first = span.context_len - span.num_tokens + 1
+        torch.arange(first, span.context_len + 1, out=lens[rows])
+    metadata.token_rows = (table, lens)
+    return metadata.token_rows
 
 
 def new_kv_cache(

@@ -111,7 +111,12 @@ struct silu_task {
     int64_t ldx, I;
 };
 
-static void silu_rows(void *arg, int64_t r0, int64_t r1) {
+/* no-tree-pre: gcc's partial-redundancy pass otherwise splits the division over exp_f32's
+   clamp and computes gate / (1 + e^88.3) for every element as well, a denormal quotient that
+   takes a microcode assist: 3x slower on a Zen 3 EPYC (256 x 688: 1.7 -> 0.65 ns an element).
+   The values computed are the same. */
+__attribute__((optimize("no-tree-pre"))) static void silu_rows(void *arg, int64_t r0,
+                                                              int64_t r1) {
     const struct silu_task *t = arg;
     const int64_t I = t->I;
     for (int64_t r = r0; r < r1; r++) {
