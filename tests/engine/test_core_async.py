@@ -5,11 +5,14 @@ steps, and a stop token ends its request with nothing after it."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 from test_core_frames import PROMPT, EngineUnderTest, greedy
+from test_scheduler import make_request, make_scheduler, prompt
 
 from switchboard.config import SchedulerConfig
+from switchboard.engine.core import EngineCore
 from switchboard.wire.engine_msgs import (
     EngineCoreOutput,
     EngineCoreRequest,
@@ -87,3 +90,19 @@ def test_a_stop_token_ends_the_request_at_once_when_scheduled_ahead(engines) -> 
     assert tokens(outputs["beside"]) == reference  # its neighbour is undisturbed
     stats = engine.call_utility(900, "get_stats").result
     assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_no_step_is_scheduled_ahead_while_requests_wait_for_one() -> None:
+    """The engine's decision, on a real scheduler: ahead while every request runs; not while
+    an arrival waits that the next step could take (it joins that step, not the one after);
+    ahead again while the waiting ones wait for a sequence slot."""
+    sched = make_scheduler(max_num_seqs=1)
+    engine = SimpleNamespace(
+        config=SimpleNamespace(scheduler=SchedulerConfig(async_scheduling=True)), scheduler=sched
+    )
+    sched.add_request(make_request("a", prompt(5), 8))
+    assert not EngineCore._may_schedule_ahead(engine)  # type: ignore[arg-type]
+    sched.schedule()
+    assert EngineCore._may_schedule_ahead(engine)  # type: ignore[arg-type]
+    sched.add_request(make_request("b", prompt(5), 8))
+    assert EngineCore._may_schedule_ahead(engine)  # type: ignore[arg-type]  # no free slot

@@ -139,3 +139,21 @@ def test_ahead_and_in_turn_give_the_same_tokens():
         runs[ahead] = {rid: d.tokens(rid) for rid in ("r0", "r1", "r2")}
         assert sched.kv.usage() == 0.0
     assert runs[True] == runs[False]
+
+
+def test_requests_waiting_for_a_step_are_told_from_those_waiting_for_a_slot():
+    """``has_admissible_waiting``: the engine does not schedule a step ahead while it is true
+    (a burst of arrivals joins the next step instead of the one after)."""
+    sched = make_scheduler(max_num_seqs=2)
+    d = driver(sched)
+    assert not sched.has_admissible_waiting()
+    sched.add_request(make_request("a", prompt(5), 8))
+    assert sched.has_admissible_waiting()  # arrived, a slot free
+    d.submit()
+    assert not sched.has_admissible_waiting()  # admitted
+    sched.add_request(make_request("b", prompt(6), 8))
+    sched.add_request(make_request("c", prompt(6), 8))
+    assert sched.has_admissible_waiting()
+    step, _ = d.submit()
+    assert set(step.num_scheduled_tokens) == {"a", "b"}
+    assert sched.num_waiting == 1 and not sched.has_admissible_waiting()  # c waits for a slot

@@ -294,7 +294,8 @@ class EngineCore:
         next and the engine's turn (outputs, input, scheduling) overlaps their computing. The
         next step counts on the tokens in flight (``scheduler.py``, "scheduling ahead"). Not
         ahead of a constrained request (its grammar must see its last token before the mask
-        of the next one) or of a utility call (its reply comes after the step's).
+        of the next one) or of a utility call (its reply comes after the step's), nor while
+        requests wait that a step could take (``_may_schedule_ahead``).
         """
         # Idle from the start: the coordinator lists us before any request.
         self._publish_stats(self.scheduler.make_stats())
@@ -409,8 +410,16 @@ class EngineCore:
         return _SentStep(scheduler_output, None)
 
     def _may_schedule_ahead(self) -> bool:
+        """Not while requests wait that a step could take: arrivals come in bursts (clients
+        whose requests ended together send their next ones together), and a step scheduled
+        ahead now would make the rest of the burst wait a whole step more. The next step is
+        scheduled when this one ends instead, with every request that arrived meanwhile
+        (tiny-llama, 32 streams, alternated runs: TTFT p50 73 -> 63 ms mean of 4, 87 -> 83 ms
+        mean of 6 in a slower spell of the VM; throughput level)."""
         scheduler = self.scheduler
         if not self.config.scheduler.async_scheduling or not scheduler.has_unfinished_requests():
+            return False
+        if scheduler.has_admissible_waiting():
             return False
         return not any(request.grammar is not None for request in scheduler.running)
 

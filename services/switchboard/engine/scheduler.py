@@ -170,6 +170,11 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    def has_admissible_waiting(self) -> bool:
+        """Whether requests wait that a step could take now: a sequence slot is free. (Waiting
+        for a slot, they cannot join the next step whenever it is scheduled.)"""
+        return bool(self.waiting) and len(self.running) < self.config.max_num_seqs
+
     # ------------------------------------------------------------------ one step
 
     def schedule(self) -> SchedulerOutput:
