@@ -152,16 +152,17 @@ def test_prompt_tokens_are_kernel_rows_of_their_own_context(kernel, monkeypatch,
     assert block_table.shape == (26, 3)
 
 
-def test_a_long_prompt_chunk_takes_sdpa(kernel, monkeypatch):
-    """Past ``KERNEL_MAX_CHUNK_TOKENS`` query tokens a chunk is attended by SDPA (it reuses each
-    key across queries); the decodes of that step still go to the kernel."""
+def test_a_prompt_chunk_with_a_long_context_takes_sdpa(kernel, monkeypatch):
+    """A chunk whose context (cached tokens and its own) passes ``KERNEL_MAX_CONTEXT`` is
+    attended by SDPA (it reuses each key across queries), here a short chunk after a cached
+    prefix; the decodes of that step still go to the kernel."""
     calls = []
     real = cpu_decode_kernel.paged_decode
     monkeypatch.setattr(
         cpu_decode_kernel, "paged_decode", lambda q, *a: calls.append(q.shape[0]) or real(q, *a)
     )
-    monkeypatch.setattr(attention, "KERNEL_MAX_CHUNK_TOKENS", 6)
-    shapes = [(5, 1), (0, 6), (0, 7)]
+    monkeypatch.setattr(attention, "KERNEL_MAX_CONTEXT", 6)
+    shapes = [(5, 1), (0, 6), (4, 3)]
     cache, metadata, (queries, keys, values), full = _mixed_step(shapes, seed=4)
     out = paged_attention(
         torch.cat(queries), torch.cat(keys), torch.cat(values), cache, metadata, 8**-0.5

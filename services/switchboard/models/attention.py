@@ -12,9 +12,10 @@ block_size + p % block_size``. Each step first writes the new tokens' K/V into t
 query token each) are attended in one batch: on CPU in float32 by a C kernel that reads the
 blocks in place (``cpu_decode_kernel.py``), elsewhere gathered through their block tables into
 one padded batch for SDPA. Requests with several query tokens (prefill chunks): on CPU in
-float32, while every chunk is short (``KERNEL_MAX_CHUNK_TOKENS``), each of their tokens is one
-more row of that same kernel call, a row whose context ends at the token's own position (the
-causal mask; SDPA's per-call cost was most of the attention time of a step of short prompts).
+float32, while every chunk's context is short (``KERNEL_MAX_CONTEXT``), each of their tokens
+is one more row of that same kernel call, a row whose context ends at the token's own position
+(the causal mask; SDPA's per-call cost was most of the attention time of a step of short
+prompts).
 Otherwise they go one at a time through SDPA: a chunk with nothing cached before it attends
 over its own new keys and values, one after a cached prefix gathers its blocks and uses a
 causal mask shifted by the tokens already cached.
@@ -183,12 +184,15 @@ class ReferenceBackend(AttentionBackend):
 
 REFERENCE = ReferenceBackend()
 
-# Prompt chunks of up to this many query tokens go through the decode kernel, one query row
-# per token; a longer chunk takes SDPA, whose blocked kernel reuses each key across queries.
-# Measured per layer on a 2-core EPYC, two threads (8 heads of 32 / 9 heads of 64): 8 prompts
-# of 32 tokens 586 / 442 us against SDPA's 691 / 542, one of 256 1,182 / 1,860 against 1,597 /
-# 2,197, one of 512 3,683 / 7,407 against 3,411 / 7,010.
-KERNEL_MAX_CHUNK_TOKENS = 256
+# Prompt chunks whose context (cached tokens and their own) is at most this long go through
+# the decode kernel, one query row per token; a longer one takes SDPA, whose blocked kernel
+# reuses each key across queries while the kernel reads a row's whole context per row.
+# Measured per layer on a 2-core EPYC, two threads, kernel against SDPA (8 heads of 32 / 9
+# heads of 64): 8 new prompts of 32 tokens 586 / 442 us against 691 / 542; a new one of 256
+# 1,198 / 1,404 against 1,486 / 1,469; 32 tokens after 224 cached 300 / 384 against 420 / 423;
+# 64 after 448 844 / 1,269 against 910 / 1,045; 256 after 1,792 12.7 / 19.5 ms against
+# 8.0 / 11.1 ms.
+KERNEL_MAX_CONTEXT = 256
 
 
 def _token_rows(
@@ -196,15 +200,15 @@ def _token_rows(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Every query token of the step as a decode-kernel row: ``[num_tokens, max_blocks]``
     block table and ``[num_tokens]`` context lengths (a prompt token at position ``p`` sees
-    ``p + 1`` keys, its own included: the causal mask). None when a chunk is too long for the
-    kernel to be the faster or the spans do not cover the rows. Built once per step (the first
-    layer) and kept on the metadata."""
+    ``p + 1`` keys, its own included: the causal mask). None when a chunk's context is too
+    long for the kernel to be the faster, or the spans do not cover the rows. Built once per
+    step (the first layer) and kept on the metadata."""
     if metadata.token_rows is not None:
         built = metadata.token_rows
         return (built[0], built[1]) if built else None
     metadata.token_rows = ()
     spans = metadata.prefills
-    if any(span.num_tokens > KERNEL_MAX_CHUNK_TOKENS for span in spans):
+    if any(span.context_len > KERNEL_MAX_CONTEXT for span in spans):
         return None
     decode = metadata.decode
     decoded = 0 if decode is None else decode.size
