@@ -149,7 +149,8 @@ class AttentionBackend:
 
 
 class ReferenceBackend(AttentionBackend):
-    """Plain torch on any device; decode on CPU in float32 by the C kernel when it is loaded."""
+    """Plain torch on any device; on CPU in float32, with the C kernel loaded, decodes by that
+    kernel, and prompt tokens too while every chunk's context is short (``_token_rows``)."""
 
     name = "reference"
 
