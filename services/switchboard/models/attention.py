@@ -215,6 +215,9 @@ def _token_rows(
     decoded = 0 if decode is None else decode.size
     if decoded + sum(span.num_tokens for span in spans) != num_tokens:
         return None
+    if not spans and decode is not None:  # decodes only: their own table, not a copy
+        metadata.token_rows = (decode.block_table, decode.context_lens)
+        return metadata.token_rows
     device = metadata.slot_mapping.device
     width = max([span.block_ids.shape[0] for span in spans] + [0])
     if decode is not None:
