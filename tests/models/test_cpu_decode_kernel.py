@@ -24,13 +24,19 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(scope="module")
+def kernel_cache(tmp_path_factory):
+    """One cache for the file: the first test compiles the kernel, the others load it."""
+    return tmp_path_factory.mktemp("kernel-cache")
+
+
 @pytest.fixture
-def kernel(tmp_path, monkeypatch):
-    monkeypatch.setenv("SWITCHBOARD_CACHE", str(tmp_path))
+def kernel(kernel_cache, monkeypatch):
+    monkeypatch.setenv("SWITCHBOARD_CACHE", str(kernel_cache))
     monkeypatch.delenv("SWITCHBOARD_CPU_ATTENTION", raising=False)
     cpu_decode_kernel.unload()
     assert cpu_decode_kernel.load(), cpu_decode_kernel.status()
-    assert list((tmp_path / "kernels").glob("paged_decode_*.so"))
+    assert list((kernel_cache / "kernels").glob("paged_decode_*.so"))
     yield
     cpu_decode_kernel.unload()
 
