@@ -1,5 +1,5 @@
-"""The scheduler and KV-cache flags of `switchboard serve`: what the engine runs with, and the
-values refused before anything starts."""
+"""The scheduler and KV-cache flags of `switchboard serve` (and the gateway's stream interval):
+what the engine and gateway run with, and the values refused before anything starts."""
 
 from __future__ import annotations
 
@@ -73,6 +73,7 @@ def test_scheduler_and_kv_flags_reach_the_engine_config() -> None:
         ("--gpu-memory-utilization", "1.5"),
         ("--scheduling-policy", "lottery"),
         ("--torch-threads", "-1"),
+        ("--stream-interval", "0"),
     ],
 )
 def test_bad_values_are_refused(flags: tuple[str, str], capsys: pytest.CaptureFixture) -> None:
@@ -85,3 +86,15 @@ def test_bad_values_are_refused(flags: tuple[str, str], capsys: pytest.CaptureFi
 def test_torch_threads_default_to_auto_and_a_count_is_kept() -> None:
     assert engine_config().worker.torch_threads == 0  # 0: the worker picks its share
     assert engine_config("--torch-threads", "3").worker.torch_threads == 3
+
+
+def test_the_stream_interval_reaches_the_gateway() -> None:
+    def gateway_config(*flags: str):
+        parser = cli.make_parser()
+        args = parser.parse_args(["serve", "--model", "/m", *flags])
+        cli._validate_serve_args(parser, args)
+        gateway, _ = cli.build_configs(args, "/m")
+        return gateway.gateway
+
+    assert gateway_config().stream_interval == 1  # one message per token, as vLLM
+    assert gateway_config("--stream-interval", "4").stream_interval == 4

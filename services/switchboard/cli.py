@@ -167,6 +167,15 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         "RESOURCE_EXHAUSTED with a retry delay (0: no cap)",
     )
 
+    g.add_argument(
+        "--stream-interval",
+        type=int,
+        default=GatewayConfig().stream_interval,
+        help="a streaming call gets its first tokens at once, then one message per this many "
+        "output tokens (and the last); more than 1 sends fewer, larger messages: less work per "
+        "token for the gateway and the client, tokens in groups",
+    )
+
     s = p.add_argument_group("scheduler and KV cache")
     s.add_argument(
         "--max-num-seqs",
@@ -501,6 +510,7 @@ def build_configs(
             metrics_port=args.metrics_port,
             http_port=None if args.http_port < 0 else args.http_port,
             log_stats_interval_s=0.0 if args.disable_log_stats else 10.0,
+            stream_interval=args.stream_interval,
             max_inflight_requests=args.max_inflight_requests,
             max_queued_prompt_tokens=args.max_queued_prompt_tokens,
             ssl_certfile=getattr(args, "ssl_certfile", ""),
@@ -538,6 +548,7 @@ def _validate_serve_args(parser: argparse.ArgumentParser, args: argparse.Namespa
     positive = [
         "max_num_seqs",
         "max_num_batched_tokens",
+        "stream_interval",
         "block_size",
         "tensor_parallel_size",
         "pipeline_parallel_size",

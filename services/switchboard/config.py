@@ -140,6 +140,8 @@ class GatewayConfig(_Config, frozen=True):
     # port; None = off. `serve`/`gateway` default to 8000 (as vLLM); the config itself to off.
     http_port: int | None = None
     log_stats_interval_s: float = 10.0  # the periodic stats log line; 0 = off
+    # A stream's messages after its first: one per this many output tokens (and its last).
+    stream_interval: int = 1
     # Admission control (gateway/admission.py), per gateway process; 0 = no cap.
     max_inflight_requests: int = 1024
     max_queued_prompt_tokens: int = 1 << 22

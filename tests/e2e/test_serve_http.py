@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API of a real `switchboard serve` (tiny Llama with a chat
 template), driven by the official ``openai`` package: the same tokens as gRPC (one request
-path), chat rendered by the template, streaming, and a dropped connection freeing the engine."""
+path), chat rendered by the template, streaming, a dropped connection freeing the engine, and a
+stream interval grouping the tokens of both fronts."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from urllib.parse import urlparse
 import openai
 import pytest
 
+from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
 from tests.e2e import client_calls
 from tests.e2e.server import RunningServer, served
@@ -102,3 +104,40 @@ def test_dropped_connection_frees_the_engine(server: RunningServer) -> None:
     stats = wait_until_idle(server)
     assert stats.get("running", stats.get("num_running")) == 0, stats
     assert "client went away; sent ABORT" in server.log()
+
+
+def test_a_stream_interval_groups_tokens_on_both_fronts(tmp_path) -> None:
+    """--stream-interval 4: a stream's first token comes alone, then groups of 4 (several groups
+    in one message when the call fell behind) and the rest with the end; the tokens and text are
+    those of one final-only message. The HTTP stream groups its chunks the same way."""
+    model = tiny_llama_dir(chat_template=TINY_CHAT_TEMPLATE)
+    max_tokens = 21
+    # served() yields the server once, then checks that it stopped cleanly
+    for server in served(model, tmp_path, "--max-model-len", "256", "--stream-interval", "4"):
+        with server.channel() as channel:
+            stub = pb_grpc.GenerationServiceStub(channel)
+            request = client_calls.greedy_request(PROMPT_IDS, max_tokens, return_token_ids=True)
+            messages = list(stub.Generate(request, timeout=60))
+            request.output.kind = pb.OUTPUT_KIND_FINAL_ONLY
+            (final,) = list(stub.Generate(request, timeout=60))
+        counts = [len(m.outputs[0].token_ids) for m in messages]
+        assert counts[0] == 1 and sum(counts) == max_tokens, counts
+        assert len(counts) > 2 and all(c % 4 == 0 for c in counts[1:-1]), counts
+        assert client_calls.streamed_token_ids(messages) == list(final.outputs[0].token_ids)
+        assert "".join(m.outputs[0].text for m in messages) == final.outputs[0].text
+
+        with openai.OpenAI(base_url=f"{server.http_url}/v1", api_key="none") as client:
+            (served_model,) = client.models.list().data
+            chunks = list(
+                client.completions.create(
+                    model=served_model.id,
+                    prompt=PROMPT_IDS,
+                    max_tokens=max_tokens,
+                    temperature=0,
+                    stream=True,
+                    extra_body={"ignore_eos": True},
+                )
+            )
+        texts = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
+        assert "".join(texts) == final.outputs[0].text
+        assert len(texts) <= 1 + -(-(max_tokens - 1) // 4), texts

@@ -1,4 +1,5 @@
-"""A call that fell behind its engine sends the steps that queued up as one message.
+"""A call that fell behind its engine sends the steps that queued up as one message; with a
+stream interval of k, a stream sends its first token at once, then one message per k tokens.
 
 The gateway here is the real one (its state, engine client, tokenizer, observer), with a
 scripted engine peer that takes the ADD and never answers: the test plays the engine client's
@@ -19,6 +20,7 @@ from gateway_harness import WAIT_S, gateway_config
 from gateway_scripted_engine import ScriptedEngine, fake_logprobs
 
 from switchboard.api.v1 import generation_service_pb2 as pb
+from switchboard.config import GatewayConfig, GatewayRoleConfig
 from switchboard.gateway.engines.types import StepOutput
 from switchboard.gateway.errors import ApiError
 from switchboard.gateway.pipeline.generate_call import GenerateCall, GenerateCalls
@@ -51,7 +53,20 @@ class _TestFront:
 
 @pytest.fixture
 async def calls(checkpoint_dir: Path, run_dir: str) -> AsyncIterator[GenerateCalls]:
-    config = gateway_config(checkpoint_dir, run_dir)
+    async with _serving(gateway_config(checkpoint_dir, run_dir)) as served:
+        yield served
+
+
+@pytest.fixture
+async def calls_every_3(checkpoint_dir: Path, run_dir: str) -> AsyncIterator[GenerateCalls]:
+    """A gateway with ``--stream-interval 3``."""
+    gateway = GatewayConfig(host="127.0.0.1", port=0, stream_interval=3)
+    async with _serving(gateway_config(checkpoint_dir, run_dir, gateway=gateway)) as served:
+        yield served
+
+
+@contextlib.asynccontextmanager
+async def _serving(config: GatewayRoleConfig) -> AsyncIterator[GenerateCalls]:
     server = GatewayServer(config)
     await server.start()
     engine = ScriptedEngine(config.input_address, config.output_address, [0])
@@ -176,3 +191,56 @@ async def test_what_queued_before_a_failed_step_goes_out_before_the_error(
     assert len(received) == 1
     assert list(received[0].outputs[0].token_ids) == ids[:2]
     assert received[0].outputs[0].text == tokenizer.decode(ids[:2])
+
+
+def _output(token_id: int, finish: FinishReason | None = None) -> StepOutput:
+    output = EngineCoreOutput("ignored", [token_id], finish_reason=finish)
+    output.new_logprobs = [fake_logprobs(token_id, 1)]
+    return StepOutput(output, time.monotonic_ns())
+
+
+async def test_a_stream_interval_sends_the_first_token_then_one_message_per_k_tokens(
+    calls_every_3: GenerateCalls,
+) -> None:
+    """Steps handed to the call's stream one by one (as a call that keeps up sees them): what
+    each step gives, message or nothing."""
+    tokenizer = calls_every_3.state.tokenizer
+    ids = tokenizer.encode(TEXT * 2, add_special_tokens=False)[:8]
+    request = _request(logprobs=1)
+    request.stopping.max_tokens = len(ids)
+    async with calls_every_3.open(request, "req-every-3", time.time(), _TestFront()) as call:
+        (stream,) = call.group.streams
+        sent = [
+            stream.handle(_output(t, FinishReason.LENGTH if i == len(ids) - 1 else None))
+            for i, t in enumerate(ids)
+        ]
+
+    held = [response is None for response in sent]
+    assert held == [False, True, True, False, True, True, False, False]
+    messages = [response for response in sent if response is not None]
+    groups = [ids[:1], ids[1:4], ids[4:7], ids[7:]]
+    assert [list(m.outputs[0].token_ids) for m in messages] == groups
+    assert [[e.token_id for e in m.outputs[0].logprobs] for m in messages] == groups
+    assert "".join(m.outputs[0].text for m in messages) == tokenizer.decode(ids)
+    assert [m.HasField("prompt_info") for m in messages] == [True, False, False, False]
+    assert [m.HasField("usage") for m in messages] == [False, False, False, True]
+    assert messages[-1].outputs[0].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+async def test_a_stream_that_ends_inside_an_interval_sends_what_it_held_with_the_end(
+    calls_every_3: GenerateCalls,
+) -> None:
+    tokenizer = calls_every_3.state.tokenizer
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)[:3]
+    async with calls_every_3.open(_request(), "req-short", time.time(), _TestFront()) as call:
+        (stream,) = call.group.streams
+        sent = [
+            stream.handle(_output(t, FinishReason.STOP if i == len(ids) - 1 else None))
+            for i, t in enumerate(ids)
+        ]
+
+    first, held, last = sent
+    assert first is not None and held is None and last is not None
+    assert list(last.outputs[0].token_ids) == ids[1:]
+    assert first.outputs[0].text + last.outputs[0].text == tokenizer.decode(ids)
+    assert last.outputs[0].finish_reason == pb.FINISH_REASON_STOP

@@ -278,7 +278,9 @@ class GenerateCalls:
             child_requests(engine_request, plan.n),
         )
         streams = [
-            GenerateStream(plan, prompt_token_ids, state.tokenizer, index)
+            GenerateStream(
+                plan, prompt_token_ids, state.tokenizer, index, state.config.gateway.stream_interval
+            )
             for index in range(len(channels))
         ]
         return SequenceGroup(streams, channels, observer.timeline)
