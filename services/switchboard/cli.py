@@ -171,9 +171,9 @@ def _add_serve_args(p: argparse.ArgumentParser) -> None:
         "--stream-interval",
         type=int,
         default=GatewayConfig().stream_interval,
-        help="a streaming call gets its first tokens at once, then one message per this many "
-        "output tokens (and the last); more than 1 sends fewer, larger messages: less work per "
-        "token for the gateway and the client, tokens in groups",
+        help="a streaming call gets its first message at once, then one per this many output "
+        "tokens (and the last); more than 1 sends fewer, larger messages: less work per token "
+        "for the gateway and the client, tokens in groups",
     )
 
     s = p.add_argument_group("scheduler and KV cache")
