@@ -17,7 +17,7 @@ import pytest
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
 from tests.e2e import client_calls
-from tests.e2e.server import RunningServer, served
+from tests.e2e.server import RunningServer, served, start_server
 from tests.e2e.test_serve import wait_until_idle
 from tests.tiny_checkpoint import TINY_CHAT_TEMPLATE, tiny_llama_dir
 
@@ -112,8 +112,8 @@ def test_a_stream_interval_groups_tokens_on_both_fronts(tmp_path) -> None:
     those of one final-only message. The HTTP stream groups its chunks the same way."""
     model = tiny_llama_dir(chat_template=TINY_CHAT_TEMPLATE)
     max_tokens = 21
-    # served() yields the server once, then checks that it stopped cleanly
-    for server in served(model, tmp_path, "--max-model-len", "256", "--stream-interval", "4"):
+    server = start_server(model, tmp_path, "--max-model-len", "256", "--stream-interval", "4")
+    try:
         with server.channel() as channel:
             stub = pb_grpc.GenerationServiceStub(channel)
             request = client_calls.greedy_request(PROMPT_IDS, max_tokens, return_token_ids=True)
@@ -141,3 +141,5 @@ def test_a_stream_interval_groups_tokens_on_both_fronts(tmp_path) -> None:
         texts = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
         assert "".join(texts) == final.outputs[0].text
         assert len(texts) <= 1 + -(-(max_tokens - 1) // 4), texts
+    finally:
+        assert server.stop() == 0, server.log()
