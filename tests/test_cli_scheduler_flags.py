@@ -14,12 +14,16 @@ from switchboard.config import (
 )
 
 
-def engine_config(*flags: str):
+def configs(*flags: str):
+    """The gateway's and the engine's configs of `serve` with ``flags``."""
     parser = cli.make_parser()
     args = parser.parse_args(["serve", "--model", "/m", *flags])
     cli._validate_serve_args(parser, args)
-    _, engine = cli.build_configs(args, "/m")
-    return engine
+    return cli.build_configs(args, "/m")
+
+
+def engine_config(*flags: str):
+    return configs(*flags)[1]
 
 
 def test_defaults_prefix_caching_on_fcfs_no_chunk_cap() -> None:
@@ -89,12 +93,5 @@ def test_torch_threads_default_to_auto_and_a_count_is_kept() -> None:
 
 
 def test_the_stream_interval_reaches_the_gateway() -> None:
-    def gateway_config(*flags: str):
-        parser = cli.make_parser()
-        args = parser.parse_args(["serve", "--model", "/m", *flags])
-        cli._validate_serve_args(parser, args)
-        gateway, _ = cli.build_configs(args, "/m")
-        return gateway.gateway
-
-    assert gateway_config().stream_interval == 1  # one message per token, as vLLM
-    assert gateway_config("--stream-interval", "4").stream_interval == 4
+    assert configs()[0].gateway.stream_interval == 1  # one message per token, as vLLM
+    assert configs("--stream-interval", "4")[0].gateway.stream_interval == 4

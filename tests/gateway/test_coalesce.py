@@ -13,6 +13,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -90,18 +91,17 @@ def _request(kind: int = pb.OUTPUT_KIND_DELTA, logprobs: int | None = None) -> p
     )
 
 
-def _step(
-    call: GenerateCall,
+def _output(
+    request_id: str,
     token_id: int,
     *,
     first: bool = False,
     finish: FinishReason | None = None,
     logprobs: int | None = None,
-) -> None:
-    """Put one engine step's output for the call's request into its channel."""
-    channel = call.group.channels[0]
+) -> StepOutput:
+    """One engine step's output for a request."""
     now = time.monotonic_ns()
-    output = EngineCoreOutput(channel.request_id, [token_id], finish_reason=finish)
+    output = EngineCoreOutput(request_id, [token_id], finish_reason=finish)
     if first:
         output.events = [
             EngineCoreEvent(EventType.QUEUED, now),
@@ -109,8 +109,14 @@ def _step(
         ]
     if logprobs is not None:
         output.new_logprobs = [fake_logprobs(token_id, logprobs)]
+    return StepOutput(output, now)
+
+
+def _step(call: GenerateCall, token_id: int, **output: Any) -> None:
+    """Put one engine step's output for the call's request into its channel."""
+    channel = call.group.channels[0]
     channel.delivered.append(token_id)
-    channel.put(StepOutput(output, now))
+    channel.put(_output(channel.request_id, token_id, **output))
 
 
 def _steps(call: GenerateCall, token_ids: list[int], logprobs: int | None = None) -> None:
@@ -193,12 +199,6 @@ async def test_what_queued_before_a_failed_step_goes_out_before_the_error(
     assert received[0].outputs[0].text == tokenizer.decode(ids[:2])
 
 
-def _output(token_id: int, finish: FinishReason | None = None) -> StepOutput:
-    output = EngineCoreOutput("ignored", [token_id], finish_reason=finish)
-    output.new_logprobs = [fake_logprobs(token_id, 1)]
-    return StepOutput(output, time.monotonic_ns())
-
-
 async def test_a_stream_interval_sends_the_first_token_then_one_message_per_k_tokens(
     calls_every_3: GenerateCalls,
 ) -> None:
@@ -209,9 +209,12 @@ async def test_a_stream_interval_sends_the_first_token_then_one_message_per_k_to
     request = _request(logprobs=1)
     request.stopping.max_tokens = len(ids)
     async with calls_every_3.open(request, "req-every-3", time.time(), _TestFront()) as call:
-        (stream,) = call.group.streams
+        (stream,), (rid,) = call.group.streams, call.group.request_ids
+        last = len(ids) - 1
         sent = [
-            stream.handle(_output(t, FinishReason.LENGTH if i == len(ids) - 1 else None))
+            stream.handle(
+                _output(rid, t, finish=FinishReason.LENGTH if i == last else None, logprobs=1)
+            )
             for i, t in enumerate(ids)
         ]
 
@@ -233,9 +236,10 @@ async def test_a_stream_that_ends_inside_an_interval_sends_what_it_held_with_the
     tokenizer = calls_every_3.state.tokenizer
     ids = tokenizer.encode(TEXT, add_special_tokens=False)[:3]
     async with calls_every_3.open(_request(), "req-short", time.time(), _TestFront()) as call:
-        (stream,) = call.group.streams
+        (stream,), (rid,) = call.group.streams, call.group.request_ids
+        last = len(ids) - 1
         sent = [
-            stream.handle(_output(t, FinishReason.STOP if i == len(ids) - 1 else None))
+            stream.handle(_output(rid, t, finish=FinishReason.STOP if i == last else None))
             for i, t in enumerate(ids)
         ]
 

@@ -120,7 +120,9 @@ class AttentionMetadata:
     prepared: Any = None  # the backend's own per-step metadata
     # The reference backend's CPU kernel rows (``_token_rows``): None = not built yet,
     # () = the kernel does not take this step.
-    token_rows: tuple[torch.Tensor, ...] | None = field(default=None, repr=False)
+    token_rows: tuple[torch.Tensor, torch.Tensor] | tuple[()] | None = field(
+        default=None, repr=False
+    )
 
 
 class AttentionBackend:
@@ -205,8 +207,7 @@ def _token_rows(
     long for the kernel to be the faster, or the spans do not cover the rows. Built once per
     step (the first layer) and kept on the metadata."""
     if metadata.token_rows is not None:
-        built = metadata.token_rows
-        return (built[0], built[1]) if built else None
+        return metadata.token_rows or None
     metadata.token_rows = ()
     spans = metadata.prefills
     if any(span.context_len > KERNEL_MAX_CONTEXT for span in spans):
