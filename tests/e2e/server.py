@@ -122,11 +122,16 @@ class RunningServer:
 
 
 def start_server(
-    model_dir: str | None, workdir: Path, *extra_args: str, ready_timeout: float = 180.0
+    model_dir: str | None,
+    workdir: Path,
+    *extra_args: str,
+    ready_timeout: float = 180.0,
+    python: str = sys.executable,
 ) -> RunningServer:
     """Start `switchboard serve` (model_dir None: the built-in default model) on a free port and
     wait until it reports SERVING for generation. The HTTP API gets a free port too (unless
-    ``extra_args`` choose one): never the default 8000, which parallel runs would share."""
+    ``extra_args`` choose one): never the default 8000, which parallel runs would share.
+    ``python``: the interpreter that runs it (another virtual environment's, say)."""
     port = free_port()
     http_args: list[str] = []
     if "--http-port" not in extra_args:
@@ -138,7 +143,7 @@ def start_server(
     log_path = workdir / "server.log"
     env = dict(os.environ, SWITCHBOARD_RPC_BASE_PATH=str(run_base), PYTHONUNBUFFERED="1")
     model_args = ["--model", model_dir] if model_dir else []
-    cmd = [sys.executable, "-m", "switchboard.cli", "serve", *model_args,
+    cmd = [python, "-m", "switchboard.cli", "serve", *model_args,
            "--host", "127.0.0.1", "--port", str(port), *args]  # fmt: skip
     with open(log_path, "wb") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

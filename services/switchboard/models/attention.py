@@ -132,6 +132,11 @@ class AttentionBackend:
 
     name = "base"
 
+    def decode_graphs_supported(self, block_size: int) -> bool:
+        """Whether a decode step over ``block_size``-token blocks can be captured in a CUDA graph
+        (no host reads, no data-dependent shapes): only a backend of device kernels can."""
+        return False
+
     def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
         metadata.backend = self
         return metadata

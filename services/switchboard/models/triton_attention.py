@@ -259,6 +259,9 @@ class TritonBackend(AttentionBackend):
     def __init__(self) -> None:
         self._warned: set[str] = set()
 
+    def decode_graphs_supported(self, block_size: int) -> bool:
+        return decode_supported(block_size)
+
     def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
         prepared = TritonPrepared()
         decode = metadata.decode

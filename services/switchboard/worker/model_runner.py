@@ -86,7 +86,6 @@ class ModelRunner:
         )
         self.model = as_causal_lm(model)
         self.attention_backend = select_backend(self.device)
-        logger.info("attention backend: %s", self.attention_backend.name)
         if self.device.type == "cpu":
             cpu_decode_kernel.load()
             logger.info("decode attention: CPU paged kernel %s", cpu_decode_kernel.status())
@@ -141,11 +140,9 @@ class ModelRunner:
             self._capture_decode_graphs(num_blocks, block_size)
 
     def _graphs_wanted(self, block_size: int) -> bool:
-        from switchboard.models.triton_attention import decode_supported
-
         return cuda_graphs.enabled(
             self.device, self.attention_backend, self.parallel.world_size
-        ) and decode_supported(block_size)
+        ) and self.attention_backend.decode_graphs_supported(block_size)
 
     def _capture_decode_graphs(self, num_blocks: int, block_size: int) -> None:
         """One CUDA graph per decode batch-size bucket (``worker/cuda_graphs.py``)."""
