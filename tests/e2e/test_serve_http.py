@@ -121,8 +121,12 @@ def test_a_stream_interval_groups_tokens_on_both_fronts(tmp_path) -> None:
             request.output.kind = pb.OUTPUT_KIND_FINAL_ONLY
             (final,) = list(stub.Generate(request, timeout=60))
         counts = [len(m.outputs[0].token_ids) for m in messages]
-        assert counts[0] == 1 and sum(counts) == max_tokens, counts
-        assert len(counts) > 2 and all(c % 4 == 0 for c in counts[1:-1]), counts
+        assert sum(counts) == max_tokens, counts
+        # Every message but the last ends on a group boundary: after the first token, after
+        # 1 + 4k. (How many groups share a message depends on timing: a call that fell behind
+        # sends what queued up at once, the first message included.)
+        ends = [sum(counts[: i + 1]) for i in range(len(counts) - 1)]
+        assert all(end % 4 == 1 for end in ends), counts
         assert client_calls.streamed_token_ids(messages) == list(final.outputs[0].token_ids)
         assert "".join(m.outputs[0].text for m in messages) == final.outputs[0].text
 
