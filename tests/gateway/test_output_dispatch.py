@@ -5,7 +5,6 @@ order per request, with finished requests forgotten."""
 from __future__ import annotations
 
 import asyncio
-
 from typing import Any
 
 from switchboard.gateway.engines.membership import EngineMembership
