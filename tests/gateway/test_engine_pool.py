@@ -10,7 +10,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from switchboard.gateway.engines.client import EngineClient
+from switchboard.gateway.engines.engine_client import EngineClient
 from switchboard.gateway.engines.pool import (
     LoadSubscriber,
     apply_load_report,
@@ -126,7 +126,7 @@ def client_with(engines: dict[int, EngineHandle], resume_timeout_s: float) -> En
     client = EngineClient(
         "ipc:///unused-in", "ipc:///unused-out", resume_timeout_s=resume_timeout_s
     )
-    client.engines = engines
+    client.engines.update(engines)
     return client
 
 
@@ -177,7 +177,7 @@ async def test_an_add_that_cannot_be_sent_fails_over_like_a_cut_off_stream(tmp_p
         )
         await client.start()
         try:
-            client.engines = {0: handle(0)}  # READY once, no longer connected
+            client.engines[0] = handle(0)  # READY once, no longer connected
             request = EngineCoreRequest(request_id="r1", prompt_token_ids=[1, 2, 3])
             channel = client.add_request(request)
             assert not client.engines[0].alive

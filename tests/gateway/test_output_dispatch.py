@@ -5,36 +5,48 @@ order per request, with finished requests forgotten."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
-from switchboard.gateway.engines.client import EngineClient
+from switchboard.gateway.engines.membership import EngineMembership
+from switchboard.gateway.engines.routing import RequestRouter
 from switchboard.gateway.engines.types import EngineHandle, RequestChannel, StepOutput
 from switchboard.wire.engine_msgs import (
     EngineCoreOutput,
     EngineCoreOutputs,
+    EngineCoreRequest,
     EngineReady,
     FinishReason,
+    RequestType,
 )
 
 
-def _client_with_engine() -> tuple[EngineClient, EngineHandle]:
-    client = EngineClient("inproc://unused-in", "inproc://unused-out")
+def _router_with_engine() -> tuple[RequestRouter, EngineHandle]:
+    """A router over one READY engine; its sends go nowhere (the hand-off back is under test)."""
+    membership = EngineMembership(
+        heartbeat_timeout_s=10.0,
+        resume_timeout_s=0.0,
+        on_changed=lambda: None,
+        on_dead=lambda _engine, _why: None,
+    )
     engine = EngineHandle(identity=b"e0", ready=EngineReady("e0", 0, 64, 8, 16, 128, 0, 0))
-    client.engines[0] = engine
-    return client, engine
+    membership.engines[0] = engine
+
+    def send(_engine: EngineHandle, _type: RequestType, _body: Any) -> bool:
+        return True
+
+    return RequestRouter(membership, send), engine
 
 
-def _open(client: EngineClient, engine: EngineHandle, request_id: str) -> RequestChannel:
-    channel = RequestChannel(request_id, engine)
-    client._requests[request_id] = channel
-    return channel
+def _open(router: RequestRouter, request_id: str) -> RequestChannel:
+    return router.add_request(EngineCoreRequest(request_id=request_id, prompt_token_ids=[1]))
 
 
 async def test_first_tokens_wake_their_streams_before_the_running_ones() -> None:
-    client, engine = _client_with_engine()
-    running = [_open(client, engine, f"run-{i}") for i in range(3)]
+    router, engine = _router_with_engine()
+    running = [_open(router, f"run-{i}") for i in range(3)]
     for channel in running:
         channel.delivered = [1, 2]  # already streaming
-    new = [_open(client, engine, f"new-{i}") for i in range(2)]
+    new = [_open(router, f"new-{i}") for i in range(2)]
     woken: list[str] = []
 
     async def stream(channel: RequestChannel) -> None:
@@ -46,7 +58,7 @@ async def test_first_tokens_wake_their_streams_before_the_running_ones() -> None
     await asyncio.sleep(0)  # every stream waits on its channel
     # The engine lists running requests first and new ones last, as its scheduler does.
     outputs = [EngineCoreOutput(c.request_id, [7]) for c in running + new]
-    client._dispatch(EngineCoreOutputs(engine_index=0, timestamp_ns=1, outputs=outputs))
+    router.deliver(engine, EngineCoreOutputs(engine_index=0, timestamp_ns=1, outputs=outputs))
     await asyncio.gather(*tasks)
 
     assert woken == ["new-0", "new-1", "run-0", "run-1", "run-2"]
@@ -55,19 +67,20 @@ async def test_first_tokens_wake_their_streams_before_the_running_ones() -> None
 
 
 async def test_a_step_delivers_every_output_and_forgets_finished_requests() -> None:
-    client, engine = _client_with_engine()
-    first = _open(client, engine, "first")
-    done = _open(client, engine, "done")
+    router, engine = _router_with_engine()
+    first = _open(router, "first")
+    done = _open(router, "done")
     done.delivered = [3]
     outputs = [
         EngineCoreOutput("done", [4], finish_reason=FinishReason.LENGTH),
         EngineCoreOutput("first", [9]),
         EngineCoreOutput("unknown", [1]),  # finished or aborted here already: dropped
     ]
-    client._dispatch(EngineCoreOutputs(engine_index=0, timestamp_ns=5, outputs=outputs))
+    router.deliver(engine, EngineCoreOutputs(engine_index=0, timestamp_ns=5, outputs=outputs))
 
     event = await done.get()
     assert isinstance(event, StepOutput) and event.output.finish_reason == FinishReason.LENGTH
     assert event.timestamp_ns == 5
     assert (await first.get()).output.new_token_ids == [9]
-    assert "done" not in client._requests and "first" in client._requests
+    assert not router.is_live("done") and router.is_live("first")
+    assert engine.num_requests == 1  # the finished request no longer counts in its load

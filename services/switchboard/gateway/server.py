@@ -40,7 +40,7 @@ from switchboard.config import GatewayConfig, GatewayRoleConfig
 from switchboard.gateway.admission import Admission
 from switchboard.gateway.auth import AuthInterceptor, Credentials
 from switchboard.gateway.chat.template import ChatTemplate, load_chat_template
-from switchboard.gateway.engines.client import EngineClient
+from switchboard.gateway.engines.engine_client import EngineClient
 from switchboard.gateway.http.server import HttpServer
 from switchboard.gateway.model_facts import ModelFacts
 from switchboard.gateway.observability.observer import Observability

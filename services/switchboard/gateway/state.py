@@ -12,7 +12,7 @@ from typing import TypeVar
 from switchboard.config import GatewayRoleConfig
 from switchboard.gateway.admission import Admission
 from switchboard.gateway.chat.template import ChatTemplate
-from switchboard.gateway.engines.client import EngineClient
+from switchboard.gateway.engines.engine_client import EngineClient
 from switchboard.gateway.model_facts import ModelFacts
 from switchboard.gateway.observability.observer import Observability
 from switchboard.gateway.text import Tokenizer

@@ -10,14 +10,32 @@ an undisturbed run gives. The outputs keep coming on the same channel, so the cl
 unbroken stream.
 
 Not resumable (``resume_plan`` says why) once tokens were delivered: a structured-output
-request (its grammar matcher would start over) and a request with prompt embeddings.
+request (its grammar matcher would start over) and a request with prompt embeddings. A request
+that is not resumed, or that no engine takes within ``resume_timeout_s`` (``Failover``), fails
+with UNAVAILABLE saying how many tokens it had delivered.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
 import msgspec
 
-from switchboard.wire.engine_msgs import EngineCoreRequest
+from switchboard.gateway.engines.membership import EngineMembership
+from switchboard.gateway.engines.routing import RequestRouter
+from switchboard.gateway.engines.types import (
+    EngineHandle,
+    RequestChannel,
+    RequestFailed,
+    SendRequest,
+)
+from switchboard.gateway.errors import ApiError, unavailable
+from switchboard.wire.engine_msgs import EngineCoreRequest, RequestType
+
+logger = logging.getLogger(__name__)
 
 
 def resume_plan(
@@ -38,3 +56,82 @@ def resume_plan(
     if len(delivered) >= params.max_tokens:
         return None, "it had no tokens left to generate"
     return msgspec.structs.replace(request, output_token_ids=list(delivered)), ""
+
+
+class Failover:
+    """What happens to the requests of an engine that died: each is resumed elsewhere or fails."""
+
+    def __init__(
+        self,
+        membership: EngineMembership,
+        router: RequestRouter,
+        send: SendRequest,
+        resume_timeout_s: float,
+    ) -> None:
+        self._membership = membership
+        self._router = router
+        self._send = send
+        self.resume_timeout_s = resume_timeout_s
+        self.on_resumed: Callable[[EngineHandle], None] = lambda _engine: None
+        self.resuming: set[asyncio.Task] = set()  # requests waiting for an engine to take them
+
+    def engine_died(self, engine: EngineHandle, why: str) -> None:
+        failed = self._router.channels_on(engine)
+        logger.error(
+            "engine %s (DP rank %d) is dead: %s; failing its %d in-flight request(s)",
+            engine.engine_id,
+            engine.ready.data_parallel_rank,
+            why,
+            len(failed),
+        )
+        for channel in failed:
+            self.fail_over(channel, f"engine {engine.engine_id} died: {why}")
+
+    def fail_over(self, channel: RequestChannel, why: str) -> None:
+        """The engine of ``channel`` died: resume the request elsewhere, or fail it."""
+        resumed, not_resumable = resume_plan(channel.request, channel.delivered)
+        if self.resume_timeout_s <= 0:
+            not_resumable = "resume is off (--no-resume)"
+        if resumed is None or not_resumable:
+            self._fail(channel, f"{why}; not resumed: {not_resumable}")
+            return
+        self._router.uncount(channel)  # it waits on no engine
+        task = asyncio.get_running_loop().create_task(self._resume(channel, resumed, why))
+        self.resuming.add(task)
+        task.add_done_callback(self.resuming.discard)
+
+    def _fail(self, channel: RequestChannel, why: str) -> None:
+        self._router.forget(channel.request_id)
+        delivered = len(channel.delivered)
+        channel.put(RequestFailed(unavailable(f"{why} ({delivered} tokens were delivered)")))
+
+    async def _resume(self, channel: RequestChannel, request: EngineCoreRequest, why: str) -> None:
+        """Send ``request`` (the cut-off one, continued) to the first engine that takes it
+        within ``resume_timeout_s``; fail the stream if none does."""
+        deadline = time.monotonic() + self.resume_timeout_s
+        while self._router.channel(channel.request_id) is channel:  # not aborted meanwhile
+            try:
+                engine = self._membership.choose(request.data_parallel_rank)
+            except ApiError:
+                if time.monotonic() >= deadline:
+                    self._fail(
+                        channel,
+                        f"{why}; not resumed: no engine core was ready within "
+                        f"{self.resume_timeout_s:g}s",
+                    )
+                    return
+                await asyncio.sleep(0.05)
+                continue
+            self._router.count_on(channel, engine)
+            channel.resumes += 1
+            logger.warning(
+                "request %s resumed on engine %s (DP rank %d) after %d tokens (%s)",
+                channel.request_id,
+                engine.engine_id,
+                engine.ready.data_parallel_rank,
+                len(channel.delivered),
+                why,
+            )
+            self.on_resumed(engine)
+            self._send(engine, RequestType.ADD, request)  # a failed send fails it over again
+            return

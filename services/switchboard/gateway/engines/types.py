@@ -12,6 +12,8 @@ import collections
 import dataclasses
 import enum
 import functools
+from collections.abc import Callable
+from typing import Any
 
 from switchboard.gateway.engines.clock import EngineClock
 from switchboard.gateway.errors import ApiError
@@ -20,6 +22,7 @@ from switchboard.wire.engine_msgs import (
     EngineCoreRequest,
     EngineLoad,
     EngineReady,
+    RequestType,
     SchedulerStats,
 )
 
@@ -67,7 +70,7 @@ class EngineHandle:
     @functools.cached_property
     def clock(self) -> EngineClock:
         """This engine's clock placed on the gateway's wall clock: READY's anchor, kept within
-        what the gateway observes (engine_clock.py)."""
+        what the gateway observes (clock.py)."""
         ready = self.ready
         return EngineClock(ready.engine_id, ready.wall_clock_ns, ready.monotonic_ns)
 
@@ -93,6 +96,9 @@ class RequestAborted:
 
 
 RequestEvent = StepOutput | RequestFailed | RequestAborted
+
+# Sends one request frame to an engine; False (and the engine is marked dead) if it cannot go out.
+SendRequest = Callable[[EngineHandle, RequestType, Any], bool]
 
 
 class RequestChannel:

@@ -42,7 +42,7 @@ from switchboard.gateway.observability.tracing_config import tracing_settings
 from switchboard.wire.engine_msgs import EngineCoreRequest, EventType, FinishReason
 
 if TYPE_CHECKING:
-    from switchboard.gateway.engines.client import EngineClient
+    from switchboard.gateway.engines.engine_client import EngineClient
     from switchboard.gateway.observability.metrics import GatewayMetrics
     from switchboard.gateway.observability.tracing import GatewayTracer, RequestSpans
     from switchboard.gateway.pipeline.validation import GeneratePlan
