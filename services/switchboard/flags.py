@@ -80,7 +80,8 @@ FIELD_DEFAULT: Any = _FieldDefault()
 class Flag:
     """How the command line sets one field. The flag's value type is the field's (``X | None``:
     X; ``bool``: a switch, with ``--no-...`` when it defaults to on; ``list[str]``: repeatable).
-    An unset flag whose value is None leaves the field its default."""
+    A parsed value of None (a flag left at a default of None, or None from ``to_config``) leaves
+    the field its own default."""
 
     help: str
     group: Group
