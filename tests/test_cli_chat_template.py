@@ -8,13 +8,14 @@ from pathlib import Path
 import pytest
 
 from switchboard import cli
+from switchboard.cli import serve
 
 
 def _check(command: str, *flags: str, model: str = "/m"):
     parser = cli.make_parser()
     args = parser.parse_args([command, "--model", model, *flags])
-    cli._check_chat_template(parser, args, model)
-    return cli.build_configs(args, model)
+    serve.check_chat_template(parser, args, model)
+    return serve.build_configs(args, model)
 
 
 @pytest.mark.parametrize("command", ["serve", "gateway"])

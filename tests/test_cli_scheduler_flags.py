@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from switchboard import cli
+from switchboard.cli import serve
 from switchboard.config import (
     CPU_SHARED_STEP_TOKENS,
     MAX_NUM_BATCHED_TOKENS,
@@ -16,10 +17,8 @@ from switchboard.config import (
 
 def configs(*flags: str):
     """The gateway's and the engine's configs of `serve` with ``flags``."""
-    parser = cli.make_parser()
-    args = parser.parse_args(["serve", "--model", "/m", *flags])
-    cli._validate_serve_args(parser, args)
-    return cli.build_configs(args, "/m")
+    args = cli.make_parser().parse_args(["serve", "--model", "/m", *flags])
+    return serve.build_configs(args, "/m")
 
 
 def engine_config(*flags: str):

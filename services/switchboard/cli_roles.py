@@ -25,28 +25,105 @@ import os
 import random
 import re
 import socket
+from typing import Annotated
 
 import msgspec
 
-from switchboard.config import EngineConfig, GatewayRoleConfig, encode_config
+from switchboard.cli.serve import FRONT_SECTIONS, SHARED_SECTIONS, SHARED_STRUCTS
+from switchboard.cli.struct_flags import Layout, build
+from switchboard.config import (
+    CoordinatorConfig,
+    EngineConfig,
+    GatewayRoleConfig,
+    encode_config,
+)
+from switchboard.flags import Flag, Group
 from switchboard.wire.zmq_channel import tcp_address
 
 DEFAULT_HANDSHAKE_PORT = 50052
-DEFAULT_DISCOVERY_INTERVAL_S = 5.0
 DEFAULT_COORDINATOR_LOAD_PORT = 50053  # engines push EngineLoad here
 DEFAULT_COORDINATOR_REPORT_PORT = 50054  # gateways subscribe to LoadReport here
 
 logger = logging.getLogger("switchboard.cli")
 
 
-CURVE_HELP = (
-    "CURVE on every tcp:// ZeroMQ socket, keys from this directory (`switchboard keys "
-    "generate DIR`; docs/architecture.md, Trust) (default: none: plain TCP, unauthenticated)"
+class GatewayRoleFlags(msgspec.Struct, frozen=True, kw_only=True):
+    """`switchboard gateway`'s flags that the gateway's addresses are made of."""
+
+    engine_host: Annotated[
+        str,
+        Flag(
+            "address the handshake port and the data sockets bind on (default: %(default)s, "
+            "every interface)",
+            Group.ENGINES_ELSEWHERE,
+        ),
+    ] = "0.0.0.0"
+    handshake_port: Annotated[
+        int,
+        Flag(
+            "fixed TCP port engines say hello to; the data sockets bind on port 0",
+            Group.ENGINES_ELSEWHERE,
+        ),
+    ] = DEFAULT_HANDSHAKE_PORT
+    coordinator_address: Annotated[
+        str,
+        Flag(
+            "DP > 1: the `switchboard coordinator` whose load reports steer routing (PORT: "
+            f"its --report-port, default {DEFAULT_COORDINATOR_REPORT_PORT}) (default: none; "
+            "route on this gateway's own in-flight counts)",
+            Group.ENGINES_ELSEWHERE,
+            metavar="NAME[:PORT]",
+        ),
+    ] = ""
+
+
+class EngineRoleFlags(msgspec.Struct, frozen=True, kw_only=True):
+    """`switchboard engine`'s flag that an address is made of."""
+
+    coordinator_address: Annotated[
+        str,
+        Flag(
+            "DP > 1: the `switchboard coordinator` this engine reports its load to (PORT: its "
+            f"--load-port, default {DEFAULT_COORDINATOR_LOAD_PORT}) (default: the one a "
+            "gateway's handshake answer names, if any)",
+            Group.GATEWAYS_ELSEWHERE,
+            metavar="NAME[:PORT]",
+        ),
+    ] = ""
+
+
+class CoordinatorFlags(msgspec.Struct, frozen=True, kw_only=True):
+    """`switchboard coordinator`'s flags that its two addresses are made of."""
+
+    host: Annotated[
+        str,
+        Flag(
+            "address both ports bind on (default: %(default)s, every interface)",
+            Group.COORDINATOR,
+        ),
+    ] = "0.0.0.0"
+    load_port: Annotated[
+        int,
+        Flag("engines push their waiting/running counts and KV usage here", Group.COORDINATOR),
+    ] = DEFAULT_COORDINATOR_LOAD_PORT
+    report_port: Annotated[
+        int,
+        Flag("gateways subscribe to the table of every engine's load here", Group.COORDINATOR),
+    ] = DEFAULT_COORDINATOR_REPORT_PORT
+
+
+GATEWAY = Layout(
+    (*SHARED_STRUCTS, GatewayRoleFlags, GatewayRoleConfig),
+    (*FRONT_SECTIONS, Group.ENGINES_ELSEWHERE),
+    frozenset({Group.CHAT_TEMPLATE}),
 )
-
-
-def _add_curve_arg(g: argparse._ActionsContainer) -> None:
-    g.add_argument("--curve-keys-dir", default="", metavar="DIR", help=CURVE_HELP)
+ENGINE = Layout(
+    (*SHARED_STRUCTS, GatewayRoleConfig, EngineConfig, EngineRoleFlags),
+    (*SHARED_SECTIONS, Group.GATEWAYS_ELSEWHERE),
+)
+COORDINATOR = Layout(
+    (CoordinatorFlags, CoordinatorConfig), (Group.COORDINATOR,), frozenset({Group.COORDINATOR})
+)
 
 
 def add_keys_args(p: argparse.ArgumentParser) -> None:
@@ -74,105 +151,6 @@ def cmd_keys(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_gateway_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engines on other hosts")
-    g.add_argument(
-        "--engine-host",
-        default="0.0.0.0",
-        help="address the handshake port and the data sockets bind on (default: %(default)s, "
-        "every interface)",
-    )
-    g.add_argument(
-        "--handshake-port",
-        type=int,
-        default=DEFAULT_HANDSHAKE_PORT,
-        help="fixed TCP port engines say hello to; the data sockets bind on port 0",
-    )
-    g.add_argument(
-        "--client-index",
-        type=int,
-        default=None,
-        help="this gateway's index on the engines' wire (default: random, unique in practice)",
-    )
-    g.add_argument(
-        "--engine-heartbeat-timeout",
-        type=float,
-        default=10.0,
-        metavar="S",
-        help="an engine silent this long (no output, no heartbeat) is dead",
-    )
-    _add_curve_arg(g)
-    g.add_argument(
-        "--coordinator-address",
-        default="",
-        metavar="NAME[:PORT]",
-        help="DP > 1: the `switchboard coordinator` whose load reports steer routing (PORT: "
-        f"its --report-port, default {DEFAULT_COORDINATOR_REPORT_PORT}) (default: none; route "
-        "on this gateway's own in-flight counts)",
-    )
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("gateways on other hosts")
-    g.add_argument(
-        "--gateway-address",
-        required=True,
-        help="NAME:PORT: a DNS name listing every gateway (e.g. a headless Service) and their "
-        "handshake port; re-resolved periodically",
-    )
-    g.add_argument(
-        "--data-parallel-rank",
-        type=int,
-        default=None,
-        help="this engine's DP rank (default: the ordinal ending the host name, as in a "
-        "StatefulSet pod 'engine-3', else 0)",
-    )
-    g.add_argument(
-        "--discovery-interval",
-        type=float,
-        default=DEFAULT_DISCOVERY_INTERVAL_S,
-        metavar="S",
-        help="seconds between two resolutions of --gateway-address (new gateways join then)",
-    )
-    _add_curve_arg(g)
-    g.add_argument(
-        "--coordinator-address",
-        default="",
-        metavar="NAME[:PORT]",
-        help="DP > 1: the `switchboard coordinator` this engine reports its load to (PORT: its "
-        f"--load-port, default {DEFAULT_COORDINATOR_LOAD_PORT}) (default: the one a gateway's "
-        "handshake answer names, if any)",
-    )
-
-
-def add_coordinator_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--host",
-        default="0.0.0.0",
-        help="address both ports bind on (default: %(default)s, every interface)",
-    )
-    p.add_argument(
-        "--load-port",
-        type=int,
-        default=DEFAULT_COORDINATOR_LOAD_PORT,
-        help="engines push their waiting/running counts and KV usage here",
-    )
-    p.add_argument(
-        "--report-port",
-        type=int,
-        default=DEFAULT_COORDINATOR_REPORT_PORT,
-        help="gateways subscribe to the table of every engine's load here",
-    )
-    p.add_argument(
-        "-dp",
-        "--data-parallel-size",
-        type=int,
-        default=1,
-        help="engines expected (the deployment's DP size; for its log lines)",
-    )
-    _add_curve_arg(p)
-
-
 def coordinator_tcp_address(target: str, default_port: int) -> str:
     """``tcp://`` of ``NAME``, ``NAME:PORT``, ``[v6]`` or ``[v6]:PORT`` ("" stays "")."""
     if not target:
@@ -186,14 +164,11 @@ def coordinator_tcp_address(target: str, default_port: int) -> str:
     return tcp_address(host, int(port))
 
 
-def _keys_dir(args: argparse.Namespace) -> str:
-    """``--curve-keys-dir`` as an absolute path ("" when not given); exits on a missing one."""
-    path = str(args.curve_keys_dir or "")
-    if not path:
-        return ""
-    if not os.path.isdir(path):
+def _check_keys_dir(args: argparse.Namespace) -> None:
+    """Exits on a ``--curve-keys-dir`` that is not a directory."""
+    path = args.curve_keys_dir
+    if path and not os.path.isdir(path):
         raise SystemExit(f"--curve-keys-dir {path}: no such directory")
-    return os.path.abspath(path)
 
 
 def hostname_ordinal() -> int:
@@ -202,24 +177,24 @@ def hostname_ordinal() -> int:
 
 
 def cmd_gateway(args: argparse.Namespace, gateway: GatewayRoleConfig) -> int:
-    """Run one gateway in this process (``gateway``: the GatewayRoleConfig of the serve flags)."""
+    """Run one gateway in this process (``gateway``: the GatewayRoleConfig of its flags)."""
     from switchboard.gateway.__main__ import main as gateway_main
 
+    _check_keys_dir(args)
+    flags = build(GatewayRoleFlags, args)
     client_index = args.client_index
     if client_index is None:
         client_index = random.SystemRandom().randrange(1 << 31)
     config = msgspec.structs.replace(
         gateway,
         client_index=client_index,
-        input_address=tcp_address(args.engine_host, 0),
-        output_address=tcp_address(args.engine_host, 0),
-        handshake_address=tcp_address(args.engine_host, args.handshake_port),
+        input_address=tcp_address(flags.engine_host, 0),
+        output_address=tcp_address(flags.engine_host, 0),
+        handshake_address=tcp_address(flags.engine_host, flags.handshake_port),
         exit_when_engines_dead=False,
-        heartbeat_timeout_s=args.engine_heartbeat_timeout,
         coordinator_publish_address=coordinator_tcp_address(
-            args.coordinator_address, DEFAULT_COORDINATOR_REPORT_PORT
+            flags.coordinator_address, DEFAULT_COORDINATOR_REPORT_PORT
         ),
-        curve_keys_dir=_keys_dir(args),
     )
     return gateway_main(["--config-json", encode_config(config)])
 
@@ -229,32 +204,31 @@ def cmd_engine(args: argparse.Namespace, engine: EngineConfig) -> int:
     from switchboard.engine.__main__ import main as engine_main
     from switchboard.engine.handshake import split_host_port
 
-    split_host_port(args.gateway_address)  # fail now on a malformed address
+    split_host_port(engine.gateway_discovery)  # fail now on a malformed address
+    _check_keys_dir(args)
     rank = args.data_parallel_rank
     if rank is None:
         rank = hostname_ordinal()
     config = msgspec.structs.replace(
         engine,
         data_parallel_rank=rank,
-        gateway_discovery=args.gateway_address,
-        discovery_interval_s=args.discovery_interval,
         coordinator_address=coordinator_tcp_address(
-            args.coordinator_address, DEFAULT_COORDINATOR_LOAD_PORT
+            build(EngineRoleFlags, args).coordinator_address, DEFAULT_COORDINATOR_LOAD_PORT
         ),
-        curve_keys_dir=_keys_dir(args),
     )
     return engine_main(["--config-json", encode_config(config), "--log-level", args.log_level])
 
 
 def cmd_coordinator(args: argparse.Namespace) -> int:
     """Run the coordinator in this process (DP > 1 across hosts): both ports on fixed TCP."""
-    from switchboard.config import CoordinatorConfig
     from switchboard.coordinator.__main__ import main as coordinator_main
 
-    config = CoordinatorConfig(
-        input_address=tcp_address(args.host, args.load_port),
-        publish_address=tcp_address(args.host, args.report_port),
-        num_engines=args.data_parallel_size,
-        curve_keys_dir=_keys_dir(args),
+    _check_keys_dir(args)
+    flags = build(CoordinatorFlags, args)
+    config = build(
+        CoordinatorConfig,
+        args,
+        input_address=tcp_address(flags.host, flags.load_port),
+        publish_address=tcp_address(flags.host, flags.report_port),
     )
     return coordinator_main(["--config-json", encode_config(config), "--log-level", args.log_level])

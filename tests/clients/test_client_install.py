@@ -44,8 +44,9 @@ err = io.StringIO()
 with contextlib.redirect_stderr(err):
     generate_code = cli.main(["generate", "hello", "--target", "127.0.0.1:{port}"])
     serve_code = cli.main(["serve", "--port", "1"])
+    topology_code = cli.main(["topology", "-tp", "2"])
 print(json.dumps({{"loaded": loaded, "generate": generate_code, "serve": serve_code,
-                  "stderr": err.getvalue()}}))
+                  "topology": topology_code, "stderr": err.getvalue()}}))
 """
 
 
@@ -73,8 +74,9 @@ def test_the_client_side_runs_without_the_server_dependencies() -> None:
     # generate ran and reached the (absent) server: an RPC error, not an ImportError
     assert result["generate"] == 1, result["stderr"]
     assert "UNAVAILABLE" in result["stderr"]
-    # serve says what to install
-    assert result["serve"] == 2
+    # serve, and topology (its flags are the server's config fields), say what to install
+    assert result["serve"] == result["topology"] == 2
+    assert "switchboard topology: the server is not installed" in result["stderr"]
     assert "pip install 'switchboard[server]'" in result["stderr"]
 
 

@@ -6,15 +6,14 @@ import msgspec
 import pytest
 
 from switchboard import cli
+from switchboard.cli import serve
 from switchboard.config import GatewayConfig, GatewayRoleConfig, ModelConfig
 from switchboard.gateway.http.server import http_port
 
 
 def _gateway_config(*flags: str) -> GatewayConfig:
-    parser = cli.make_parser()
-    args = parser.parse_args(["serve", "--model", "/m", *flags])
-    cli._validate_serve_args(parser, args)
-    gateway, _ = cli.build_configs(args, "/m")
+    args = cli.make_parser().parse_args(["serve", "--model", "/m", *flags])
+    gateway, _ = serve.build_configs(args, "/m")
     return gateway.gateway
 
 

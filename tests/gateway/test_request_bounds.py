@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from switchboard import cli
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
+from switchboard.cli import serve
 from switchboard.config import GatewayConfig
 from switchboard.gateway.admission import Admission
 from switchboard.gateway.errors import status_details
@@ -274,10 +275,10 @@ def test_flags_reach_the_gateway_config() -> None:
     args = cli.make_parser().parse_args(
         ["serve", "--max-inflight-requests", "7", "--max-queued-prompt-tokens", "0"]
     )
-    gateway, _ = cli.build_configs(args, "/models/x")
+    gateway, _ = serve.build_configs(args, "/models/x")
     assert gateway.gateway.max_inflight_requests == 7
     assert gateway.gateway.max_queued_prompt_tokens == 0
-    defaults = cli.build_configs(cli.make_parser().parse_args(["serve"]), "/models/x")[0]
+    defaults = serve.build_configs(cli.make_parser().parse_args(["serve"]), "/models/x")[0]
     assert defaults.gateway.max_inflight_requests == 1024
 
 

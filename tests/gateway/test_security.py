@@ -28,6 +28,7 @@ from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
 from switchboard.api.v1 import model_service_pb2 as model_pb
 from switchboard.api.v1 import model_service_pb2_grpc as model_grpc
+from switchboard.cli import serve
 from switchboard.config import API_KEYS_ENV, GatewayConfig
 from switchboard.gateway.auth import Credentials, bearer_token, identity_of
 from switchboard.gateway.errors import status_details
@@ -370,7 +371,7 @@ def test_cli_checks_security_flags(
         monkeypatch.setenv("SWITCHBOARD_ADMIN_TOKEN", "")
         args = parser.parse_args(["gateway", *flags])
         with pytest.raises(SystemExit):
-            cli._apply_security_args(parser, args)
+            serve.apply_security_args(parser, args)
         return capsys.readouterr().err
 
     assert "go together" in error_of("--ssl-certfile", str(certs.server_cert))
@@ -384,7 +385,7 @@ def test_cli_checks_security_flags(
     monkeypatch.setenv(API_KEYS_ENV, "")
     monkeypatch.setenv("SWITCHBOARD_ADMIN_TOKEN", "")
     args = parser.parse_args(["gateway", "--api-key", "k1", "--api-key", "k2"])
-    cli._apply_security_args(parser, args)
+    serve.apply_security_args(parser, args)
     import os
 
     assert os.environ[API_KEYS_ENV] == "k1\nk2"  # the children's environment, not a config

@@ -1,0 +1,206 @@
+"""`switchboard serve`, and what `gateway` and `engine` share with it: their flags (declared on
+the configs, and on ``ServeFlags`` for those that set no config field), the checks run before
+anything starts, and the configs built from the parsed flags."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Annotated
+
+import msgspec
+
+from switchboard.cli.struct_flags import Layout, build
+from switchboard.config import (
+    CacheConfig,
+    EngineConfig,
+    GatewayConfig,
+    GatewayRoleConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    WorkerConfig,
+)
+from switchboard.flags import AT_LEAST_0, POSITIVE, Flag, Group
+
+
+class ServeFlags(msgspec.Struct, frozen=True, kw_only=True):
+    """The flags that set no config field: the supervisor's restart policy, whether cut-off
+    streams resume, and the gateway's secrets (they reach it in the environment, never in a
+    config: configs are on children's command lines)."""
+
+    restart_policy: Annotated[
+        str,
+        Flag(
+            "serve: restart an engine core that dies (backoff; at most --max-restarts within "
+            "--restart-window-s, then the whole server stops); never: a dead engine stops the "
+            "whole server",
+            Group.FAILURES,
+            choices=("always", "never"),
+        ),
+    ] = "always"
+    max_restarts: Annotated[
+        int, Flag("engine restarts per window", Group.FAILURES, accepts=AT_LEAST_0)
+    ] = 5
+    restart_window_s: Annotated[
+        float, Flag("the restart window", Group.FAILURES, accepts=POSITIVE)
+    ] = 300.0
+    resume: Annotated[
+        bool,  # off: the gateway's resume_timeout_s is 0
+        Flag(
+            "re-submit a stream cut off by an engine's death (prompt + the tokens sent) to a "
+            "live or restarted engine (--no-resume: UNAVAILABLE at once)",
+            Group.FAILURES,
+        ),
+    ] = True
+    api_key: Annotated[
+        list[str],
+        Flag(
+            "a key clients send as 'authorization: Bearer KEY' (gRPC metadata, HTTP header); "
+            "repeat for more (default: no key needed; also $SWITCHBOARD_API_KEYS, one per line)",
+            Group.SECURITY,
+            metavar="KEY",
+        ),
+    ] = []
+    admin_token: Annotated[
+        str,
+        Flag(
+            "the bearer token AdminService asks for, instead of the API keys (default: "
+            "$SWITCHBOARD_ADMIN_TOKEN; unset: AdminService is as open as the data plane)",
+            Group.SECURITY,
+            metavar="TOKEN",
+        ),
+    ] = ""
+
+
+# What serve, gateway and engine take (in this order within a --help section); the role
+# commands add theirs (cli_roles.py).
+SHARED_STRUCTS = (
+    ModelConfig,
+    GatewayConfig,
+    SchedulerConfig,
+    CacheConfig,
+    ParallelConfig,
+    WorkerConfig,
+    ServeFlags,
+)
+SHARED_SECTIONS = (
+    Group.MODEL,
+    Group.GATEWAY,
+    Group.SCHEDULER,
+    Group.PARALLEL,
+    Group.FAILURES,
+    Group.OBSERVABILITY,
+)
+# The gateway's own: only serve and gateway render chat messages and have fronts to secure.
+FRONT_SECTIONS = (*SHARED_SECTIONS, Group.CHAT_TEMPLATE, Group.SECURITY)
+SERVE = Layout(
+    (*SHARED_STRUCTS, GatewayRoleConfig), FRONT_SECTIONS, frozenset({Group.CHAT_TEMPLATE})
+)
+
+
+def build_configs(
+    args: argparse.Namespace, model_dir: str
+) -> tuple[GatewayRoleConfig, EngineConfig]:
+    """The gateway's and the engine's configs of serve, gateway or engine's flags, for the
+    checkpoint in ``model_dir``."""
+    model = build(ModelConfig, args, model=model_dir)
+    parallel = build(ParallelConfig, args, api_servers=args.api_servers or args.data_parallel_size)
+    engine = build(EngineConfig, args, model=model, parallel=parallel)
+    never_resume = {} if build(ServeFlags, args).resume else {"resume_timeout_s": 0.0}
+    gateway = build(
+        GatewayRoleConfig,
+        args,
+        model=model,
+        num_engines=parallel.data_parallel_size,
+        **never_resume,
+    )
+    return gateway, engine
+
+
+def resolve_model_arg(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str:
+    """The checkpoint directory for ``serve MODEL`` / ``--model``; a model found in the Hugging
+    Face cache is served under its id unless ``--served-model-name`` says otherwise."""
+    from switchboard.checkpoint import hub_model_id, resolve_model
+
+    positional = getattr(args, "model_tag", None)
+    if positional is not None and args.model is not None and positional != args.model:
+        parser.error(f"two models given: {positional!r} and --model {args.model!r}")
+    model = positional if positional is not None else args.model
+    try:
+        model_dir = resolve_model(model)
+    except FileNotFoundError as exc:
+        parser.error(str(exc))
+    if not args.served_model_name:
+        args.served_model_name = hub_model_id(model, model_dir) or ""
+    return model_dir
+
+
+def check_chat_template(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, model: str
+) -> None:
+    """Fail now, not in the gateway child, on a missing or broken --chat-template file."""
+    path = getattr(args, "chat_template", "")  # engine: no chat template
+    if not path:
+        return
+    if not os.path.isfile(path):
+        parser.error(f"--chat-template {path}: no such file")
+    from switchboard.gateway.chat.template import ChatTemplateError, load_chat_template
+
+    try:
+        load_chat_template(model, path)
+    except ChatTemplateError as error:
+        parser.error(f"--chat-template {path}: {error}")
+
+
+def apply_security_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Check the TLS files and keys now; hand the keys given on the command line to the
+    gateway through the environment (configs travel on children's command lines)."""
+    if not hasattr(args, "api_key"):
+        return  # engine: no front
+    from switchboard.config import ADMIN_TOKEN_ENV, API_KEYS_ENV
+    from switchboard.gateway.auth import Credentials, parse_keys
+    from switchboard.tls import check_tls_files
+
+    for flag in ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs", "api_key_file"):
+        path = getattr(args, flag)
+        if path and not os.path.isfile(path):
+            parser.error(f"--{flag.replace('_', '-')} {path}: no such file")
+    gateway = build(GatewayConfig, args)
+    try:
+        check_tls_files(gateway)
+    except (ValueError, OSError) as error:  # ssl.SSLError is an OSError
+        parser.error(f"TLS: {error}")
+    keys = [key.strip() for key in args.api_key if key.strip()]
+    if len(keys) != len(args.api_key):
+        parser.error("--api-key must not be empty")
+    if keys:
+        os.environ[API_KEYS_ENV] = "\n".join([*parse_keys(os.environ.get(API_KEYS_ENV, "")), *keys])
+    if args.admin_token:
+        os.environ[ADMIN_TOKEN_ENV] = args.admin_token.strip()
+    try:
+        credentials = Credentials.load(gateway)
+    except (ValueError, OSError) as error:
+        parser.error(str(error))
+    if credentials.admin_token and credentials.admin_token in credentials.api_keys:
+        parser.error("--admin-token must differ from every API key")
+
+
+def prepare(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> tuple[GatewayRoleConfig, EngineConfig]:
+    """The configs of serve, gateway or engine, after every check that can fail before
+    anything starts."""
+    model_dir = resolve_model_arg(parser, args)
+    check_chat_template(parser, args, model_dir)
+    apply_security_args(parser, args)
+    return build_configs(args, model_dir)
+
+
+def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from switchboard.launcher import RestartPolicy, serve
+
+    gateway, engine = prepare(parser, args)
+    flags = build(ServeFlags, args)
+    restarts = RestartPolicy(flags.restart_policy, flags.max_restarts, flags.restart_window_s)
+    return serve(gateway, engine, restart=restarts)

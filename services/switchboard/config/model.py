@@ -1,0 +1,68 @@
+"""The model a server serves: shared by the gateway (tokenizer, chat template) and the engine."""
+
+import os
+from typing import Annotated
+
+from switchboard.config.struct import Config
+from switchboard.flags import AT_LEAST_1, Flag, Group
+
+
+class ModelConfig(Config, frozen=True):
+    model: Annotated[
+        str,  # the checkpoint directory (config.json + safetensors + tokenizer.json)
+        Flag(
+            "a Hugging Face checkpoint directory, a .gguf file, or a Hugging Face model id "
+            "(org/name) already in the local Hugging Face cache (HF_HUB_CACHE, HF_HOME; never "
+            "downloaded) (default: the built-in SmolLM2-135M-Instruct, converted on first use)",
+            Group.MODEL,
+            default=None,
+        ),
+    ]
+    served_model_name: Annotated[
+        str,
+        Flag(
+            "the model's name in the API (ListModels, GenerateRequest.model) "
+            "(default: the checkpoint directory's name)",
+            Group.MODEL,
+        ),
+    ] = ""
+    dtype: Annotated[
+        str,
+        Flag(
+            "weights and activations; auto: float32 on CPU, the checkpoint's dtype on a GPU",
+            Group.MODEL,
+            choices=("auto", "float32", "bfloat16", "float16"),
+        ),
+    ] = "auto"
+    max_model_len: Annotated[
+        int | None,
+        Flag(
+            "tokens per request at most, prompt and output together (default: the model's "
+            "positions, capped by what the KV cache holds)",
+            Group.MODEL,
+            accepts=AT_LEAST_1,
+        ),
+    ] = None
+    seed: Annotated[
+        int,
+        Flag(
+            "the workers' torch seed: the draws of requests that set no seed of their own",
+            Group.MODEL,
+        ),
+    ] = 0
+    # Read by the gateway only: engines never see chat messages.
+    chat_template: Annotated[
+        str,
+        Flag(
+            "a Jinja chat template for GenerateRequest.messages, instead of the checkpoint's "
+            "(default: the checkpoint's chat_template.jinja, else tokenizer_config.json's "
+            "chat_template; a model with neither refuses messages)",
+            Group.CHAT_TEMPLATE,
+            metavar="FILE",
+            path=True,
+        ),
+    ] = ""
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or os.path.basename(os.path.normpath(self.model))
