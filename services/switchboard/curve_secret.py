@@ -146,7 +146,9 @@ def fresh_keys(engines: int) -> dict[str, bytes]:
         return {path.name: path.read_bytes() for path in keys_dir.iterdir() if path.is_file()}
 
 
-def merge_keys(existing: dict[str, bytes], fresh: dict[str, bytes], engines: int) -> dict[str, bytes]:
+def merge_keys(
+    existing: dict[str, bytes], fresh: dict[str, bytes], engines: int
+) -> dict[str, bytes]:
     """``existing`` plus the pairs of ``fresh`` it lacks; a pair is kept only when both of its
     files are there (half a pair is replaced whole). Entries beyond ``engines`` stay."""
     merged = dict(existing)
