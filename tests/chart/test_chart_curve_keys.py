@@ -5,7 +5,6 @@ rotation and a values rollback; then each role's projected files load as that ro
 
 from __future__ import annotations
 
-import base64
 from pathlib import Path
 
 import pytest
@@ -149,15 +148,10 @@ def test_refusals_say_what_is_wrong(certs, tmp_path, monkeypatch) -> None:
         main(["keys", "kubernetes-secret", SECRET, "--generation", "0"])
 
 
-def test_each_role_loads_its_projected_keys(certs, tmp_path, monkeypatch) -> None:
-    """The Secret the Job made, projected per pod as the chart's volume items say, holds what
-    each role reads: a gateway its pair and the engines' allow-list, each engine rank its pair
-    and the gateway's and coordinator's public keys, the coordinator its pair and both lists."""
-    docs = manifests({"dataParallelSize": 2})
-    with _stub(certs, tmp_path) as api:
-        run_keys_job(docs, api, monkeypatch)
-    data = api.data(SECRET)
-
+def _roles_load_their_keys(docs: list[dict], data: dict[str, bytes], tmp_path: Path) -> None:
+    """The Secret ``data``, projected per pod as the chart's volume items say, holds what each
+    role reads: a gateway its pair and the engines' allow-list, each engine rank its pair and
+    the gateway's and coordinator's public keys, the coordinator its pair and both lists."""
     gateway = str(project_keys(docs, "Deployment", "gateway", data, tmp_path / "gateway"))
     engine = str(project_keys(docs, "StatefulSet", "engine", data, tmp_path / "engine"))
     coordinator = project_keys(docs, "Deployment", "coordinator", data, tmp_path / "coord")
@@ -178,4 +172,23 @@ def test_each_role_loads_its_projected_keys(certs, tmp_path, monkeypatch) -> Non
     gateways = curve.AllowList([str(coordinator / curve.ALLOWED_GATEWAYS)]).names()
     assert list(gateways.values()) == [curve.GATEWAY]
     assert not (tmp_path / "engine" / "gateway.key_secret").exists()  # no other role's secret
-    assert base64.b64encode(data["gateway.key"])  # the Secret stores bytes as base64
+
+
+def test_each_role_loads_the_keys_the_job_made(certs, tmp_path, monkeypatch) -> None:
+    docs = manifests({"dataParallelSize": 2})
+    with _stub(certs, tmp_path) as api:
+        run_keys_job(docs, api, monkeypatch)
+    _roles_load_their_keys(docs, api.data(SECRET), tmp_path / "pods")
+
+
+def test_each_role_loads_an_own_secret_from_keys_generate(tmp_path) -> None:
+    """docs/helm.md's way to bring your own keys: `switchboard keys generate DIR`, then
+    `kubectl create secret generic NAME --from-file=DIR` (the directory's regular files, its
+    subdirectories skipped), then `curve.secretName: NAME`."""
+    keys_dir = tmp_path / "keys"
+    assert main(["keys", "generate", str(keys_dir), "--engines", "2"]) == 0
+    with pytest.raises(SystemExit, match="not overwriting"):
+        main(["keys", "generate", str(keys_dir)])
+    data = {p.name: p.read_bytes() for p in keys_dir.iterdir() if p.is_file()}
+    docs = manifests({"dataParallelSize": 2, "curve": {"secretName": "own-keys"}})
+    _roles_load_their_keys(docs, data, tmp_path / "pods")

@@ -36,7 +36,23 @@ def test_helm_lint_strict_is_clean() -> None:
         assert all(m["severity"] < 2 for m in report["messages"]), report
 
 
-@pytest.mark.parametrize("values", [{}, BIG_VALUES], ids=["defaults", "dp2-tp2-pp2-gpu"])
+OPEN = {
+    "curve": {"secretName": "own-keys"},
+    "networkPolicy": {
+        "ingress": [
+            {"namespaceSelector": {"matchLabels": {"team": "apps"}},
+             "podSelector": {"matchExpressions": [{"key": "role", "operator": "Exists"}]}},
+            {"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.1.0.0/16"]}},
+        ],
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "values",
+    [{}, BIG_VALUES, OPEN, {"curve": {"insecure": True}, "networkPolicy": {"enabled": False}}],
+    ids=["defaults", "dp2-tp2-pp2-gpu", "own-keys-wider-ingress", "insecure-open"],
+)
 def test_every_object_is_valid_kubernetes(values: dict) -> None:
     docs = manifests(values)
     assert docs
