@@ -129,21 +129,46 @@ COORDINATOR = Layout(
 def add_keys_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "action",
-        choices=["generate"],
+        choices=["generate", "kubernetes-secret"],
         help="generate: write CURVE key pairs (gateway, coordinator, engine-<r> for each rank) "
-        "and the allow-list directories allowed-engines/ and allowed-gateways/ into DIR",
+        "and the allow-list directories allowed-engines/ and allowed-gateways/ into DIR; "
+        "kubernetes-secret: keep the pairs in the Secret SECRET of this pod's namespace, as its "
+        "service account (the Helm chart's hook Job): create it, add the pairs it lacks, "
+        "replace them all when --generation is newer than the Secret's (docs/helm.md)",
     )
-    p.add_argument("dir", metavar="DIR", help="the keys directory (created 0700)")
+    p.add_argument(
+        "target",
+        metavar="DIR|SECRET",
+        help="generate: the keys directory (created 0700); kubernetes-secret: the Secret's name",
+    )
     p.add_argument("--engines", type=int, default=1, help="engine key pairs, one per DP rank")
+    p.add_argument(
+        "--generation",
+        type=int,
+        default=1,
+        help="kubernetes-secret: the keys' generation; a Secret of an older one gets all new "
+        "pairs (rotation)",
+    )
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
     from switchboard.wire import curve
 
     if args.engines < 1:
-        raise SystemExit("switchboard keys generate: --engines must be at least 1")
+        raise SystemExit(f"switchboard keys {args.action}: --engines must be at least 1")
+    if args.generation < 1:
+        raise SystemExit(f"switchboard keys {args.action}: --generation must be at least 1")
+    if args.action == "kubernetes-secret":
+        from switchboard import curve_secret
+
+        try:
+            api = curve_secret.KubeApi.in_cluster()
+            print(curve_secret.store_keys(api, args.target, args.engines, args.generation))
+        except (curve_secret.KeysSecretError, curve.CurveKeyError) as exc:
+            raise SystemExit(f"switchboard keys kubernetes-secret: {exc}") from None
+        return 0
     try:
-        written = curve.generate(args.dir, args.engines)
+        written = curve.generate(args.target, args.engines)
     except curve.CurveKeyError as exc:
         raise SystemExit(f"switchboard keys generate: {exc}") from None
     for path in written:

@@ -31,16 +31,16 @@ BIG_VALUES: dict[str, Any] = {
 }  # fmt: skip
 
 
-def render(values: dict[str, Any] | None = None) -> dict[str, str]:
+def render(values: dict[str, Any] | None = None, release: str = RELEASE) -> dict[str, str]:
     """``{template path: manifest text}`` of the chart under ``values`` (schema-checked)."""
     with helm_python.Chart.load(str(CHART)) as chart:
-        return chart.render(copy.deepcopy(values or {}), name=RELEASE, namespace=NAMESPACE)
+        return chart.render(copy.deepcopy(values or {}), name=release, namespace=NAMESPACE)
 
 
-def manifests(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def manifests(values: dict[str, Any] | None = None, release: str = RELEASE) -> list[dict[str, Any]]:
     """Every rendered Kubernetes object (NOTES.txt left out)."""
     docs = []
-    for path, text in render(values).items():
+    for path, text in render(values, release).items():
         if path.endswith(".yaml"):
             docs.extend(doc for doc in yaml.safe_load_all(text) if doc)
     return docs

@@ -36,7 +36,23 @@ def test_helm_lint_strict_is_clean() -> None:
         assert all(m["severity"] < 2 for m in report["messages"]), report
 
 
-@pytest.mark.parametrize("values", [{}, BIG_VALUES], ids=["defaults", "dp2-tp2-pp2-gpu"])
+OPEN = {
+    "curve": {"secretName": "own-keys"},
+    "networkPolicy": {
+        "ingress": [
+            {"namespaceSelector": {"matchLabels": {"team": "apps"}},
+             "podSelector": {"matchExpressions": [{"key": "role", "operator": "Exists"}]}},
+            {"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.1.0.0/16"]}},
+        ],
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "values",
+    [{}, BIG_VALUES, OPEN, {"curve": {"insecure": True}, "networkPolicy": {"enabled": False}}],
+    ids=["defaults", "dp2-tp2-pp2-gpu", "own-keys-wider-ingress", "insecure-open"],
+)
 def test_every_object_is_valid_kubernetes(values: dict) -> None:
     docs = manifests(values)
     assert docs
@@ -98,11 +114,17 @@ def test_default_topology() -> None:
     assert kinds == [
         ("ConfigMap", "demo-switchboard-dashboard"),
         ("Deployment", "demo-switchboard-gateway"),
+        ("Job", "demo-switchboard-curve-keys"),  # a hook: the CURVE keys Secret
+        ("NetworkPolicy", "demo-switchboard-engine"),
+        ("NetworkPolicy", "demo-switchboard-gateway"),
         ("PodDisruptionBudget", "demo-switchboard-engine"),
         ("PodDisruptionBudget", "demo-switchboard-gateway"),
+        ("Role", "demo-switchboard-curve-keys"),
+        ("RoleBinding", "demo-switchboard-curve-keys"),
         ("Service", "demo-switchboard-engine"),
         ("Service", "demo-switchboard-gateway"),
         ("Service", "demo-switchboard-gateway-discovery"),
+        ("ServiceAccount", "demo-switchboard-curve-keys"),
         ("StatefulSet", "demo-switchboard-engine"),
     ]  # DP = 1: no coordinator; metrics off: no ServiceMonitor
     engine = find(docs, "StatefulSet", "engine")
@@ -202,7 +224,8 @@ def test_big_values_engines_coordinator_gpus_metrics_tracing() -> None:
     assert env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] == "grpc"
     assert env["OTEL_RESOURCE_ATTRIBUTES"] == "env=test"
 
-    assert container(docs, "Deployment", "coordinator")["args"][-1] == "2"  # -dp
+    cargs = container(docs, "Deployment", "coordinator")["args"]
+    assert cargs[cargs.index("--data-parallel-size") + 1] == "2"
     service = find(docs, "Service", "coordinator")
     assert [p["port"] for p in service["spec"]["ports"]] == [50053, 50054]
     monitor = find(docs, "ServiceMonitor", "gateway")

@@ -1,6 +1,8 @@
 """The chart's topology, run here: the rendered coordinator, gateway and engine commands (DP =
 2) as local processes, with the cluster's names rewritten to 127.0.0.1, the model to the tiny
-checkpoint and every port to a free one; one Generate call through the gateway."""
+checkpoint and every port to a free one, and CURVE on as by default: the rendered keys hook Job
+makes the Secret (against tests/chart/kube_api_stub.py) and each process gets the files its
+pod's Secret volume projects; one Generate call through the gateway."""
 
 from __future__ import annotations
 
@@ -18,22 +20,27 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
-from tests.chart.chart_render import argv, container, manifests
+from tests.chart.chart_render import RELEASE, argv, container, manifests
+from tests.chart.curve_keys import hook, project_keys, run_keys_job
+from tests.chart.kube_api_stub import KubeApiStub
 from tests.e2e.client_calls import greedy_request
 from tests.e2e.server import free_port, wait_until
+from tests.gateway.tls_certs import make_certs
 from tests.tiny_checkpoint import tiny_llama_dir
 
 READINESS = "switchboard.v1.GenerationService"
 CLUSTER_SUFFIX = ".svc"  # every in-cluster name the chart renders ends so
 
 
-def local_argv(rendered: list[str], model_dir: str) -> list[str]:
-    """``rendered`` with in-cluster names and 0.0.0.0 turned into 127.0.0.1 and the model
-    directory into ``model_dir``."""
+def local_argv(rendered: list[str], model_dir: str, keys_dir: str) -> list[str]:
+    """``rendered`` with in-cluster names and 0.0.0.0 turned into 127.0.0.1, the model
+    directory into ``model_dir`` and the CURVE keys' mount into ``keys_dir``."""
     out = []
     for previous, arg in zip(["", *rendered], rendered, strict=False):
         if previous == "--model":
             arg = model_dir
+        elif previous == "--curve-keys-dir":
+            arg = keys_dir
         elif arg == "0.0.0.0":
             arg = "127.0.0.1"
         elif CLUSTER_SUFFIX + ":" in arg:
@@ -78,7 +85,9 @@ def serving(target: str) -> bool:
 
 
 @pytest.mark.slow
-def test_rendered_topology_serves_a_generate_call(tmp_path: Path) -> None:
+def test_rendered_topology_serves_a_generate_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     grpc_port, handshake_port = free_port(), free_port()
     load_port, report_port = free_port(), free_port()
     values = {
@@ -88,6 +97,10 @@ def test_rendered_topology_serves_a_generate_call(tmp_path: Path) -> None:
         "engine": {"kvCacheMemoryBytes": 8 << 20, "discoveryIntervalSeconds": 0.5},
     }
     docs = manifests(values)
+    role = hook(docs, "Role")
+    with KubeApiStub(role, make_certs(tmp_path / "certs"), tmp_path) as api:
+        run_keys_job(docs, api, monkeypatch)
+    keys = api.data(f"{RELEASE}-switchboard-curve")
     model_dir = tiny_llama_dir()
     run_base = tempfile.mkdtemp(prefix="sbchart-")  # short: ipc:// paths have a length limit
     env = dict(os.environ, SWITCHBOARD_RPC_BASE_PATH=run_base)
@@ -95,7 +108,9 @@ def test_rendered_topology_serves_a_generate_call(tmp_path: Path) -> None:
     def start(name: str, kind: str, component: str, *extra: str) -> Process:
         spec = container(docs, kind, component)
         env.update({e["name"]: e["value"] for e in spec.get("env", [])})
-        return Process(name, [*local_argv(argv(spec), model_dir), *extra], dict(env), tmp_path)
+        keys_dir = project_keys(docs, kind, component, keys, tmp_path / "keys" / name)
+        args = local_argv(argv(spec), model_dir, str(keys_dir))
+        return Process(name, [*args, *extra], dict(env), tmp_path)
 
     processes = [start("coordinator", "Deployment", "coordinator")]
     processes.append(start("gateway", "Deployment", "gateway"))
@@ -127,3 +142,8 @@ def test_rendered_topology_serves_a_generate_call(tmp_path: Path) -> None:
         codes = [process.stop() for process in reversed(processes)]
         shutil.rmtree(run_base, ignore_errors=True)
     assert codes == [0] * len(processes), "\n".join(p.log() for p in processes)
+    # Every socket between them ran CURVE: the binding sides admitted the rendered keys.
+    logs = {p.log_path.stem: p.log_path.read_text(errors="replace") for p in processes}
+    assert "CURVE on: admitting 2 client key(s)" in logs["gateway"]
+    assert "CURVE on: admitting 3 client key(s)" in logs["coordinator"]  # 2 engines, 1 gateway
+    assert not any("without CURVE keys" in log or "CURVE: refused" in log for log in logs.values())

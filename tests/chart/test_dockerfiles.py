@@ -1,5 +1,5 @@
-"""docker/: both Dockerfiles are hadolint-clean, and what the gateway image runs (gateway and
-coordinator) imports without torch, which that image leaves out."""
+"""docker/: both Dockerfiles are hadolint-clean, and what the gateway image runs (gateway,
+coordinator, the chart's CURVE keys Job) imports without torch, which that image leaves out."""
 
 from __future__ import annotations
 
@@ -36,12 +36,13 @@ def test_images_run_as_a_non_root_user(dockerfile: str) -> None:
 
 
 def test_gateway_image_roles_import_without_torch() -> None:
-    """Every gateway and coordinator module, and the CLI, import with torch made unimportable
-    (as in the gateway image, whose Dockerfile installs every dependency but torch)."""
+    """Every gateway and coordinator module, the CLI and the keys Job's module import with torch
+    made unimportable (as in the gateway image, which installs every dependency but torch)."""
     script = """
 import importlib, pkgutil, sys
 sys.modules["torch"] = None  # any `import torch` now raises ImportError
 import switchboard.cli, switchboard.cli_roles, switchboard.gateway, switchboard.coordinator
+import switchboard.curve_secret
 for package in (switchboard.gateway, switchboard.coordinator):
     for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
         importlib.import_module(info.name)

@@ -1,7 +1,7 @@
 """`switchboard gateway`, `engine` and `coordinator` over TCP with CURVE keys (the Kubernetes
-deployment with curve.enabled): the real engine's client sockets (handshake, DEALER, PUSH, load
-PUSH) and the gateway's coordinator SUB all authenticate, a request is served, and an engine
-without keys is refused."""
+deployment, where the chart turns CURVE on by default): the real engine's client sockets
+(handshake, DEALER, PUSH, load PUSH) and the gateway's coordinator SUB all authenticate, a
+request is served, and an engine without keys is refused."""
 
 from __future__ import annotations
 

@@ -105,8 +105,40 @@ app.kubernetes.io/part-of: switchboard
 {{- list "python" "-c" $script | toJson }}
 {{- end }}
 
-{{/* CURVE keys (included under curve.enabled): `--curve-keys-dir` args, the mount, and a Secret volume that
-projects only the role's files (ctx: dict "root" . "role" gateway|engine|coordinator):
+{{/* CURVE is on unless curve.insecure: "true" or "". */}}
+{{- define "switchboard.curveOn" -}}
+{{- if and .Values.curve.insecure .Values.curve.secretName }}
+{{- fail "curve.insecure=true turns CURVE off: it cannot use curve.secretName (drop one of them)" }}
+{{- end }}
+{{- if not .Values.curve.insecure }}true{{ end }}
+{{- end }}
+
+{{/* The chart makes the keys itself (its hook Job, curve-keys-job.yaml): "true" or "". */}}
+{{- define "switchboard.curveKeysByChart" -}}
+{{- if and (include "switchboard.curveOn" .) (not .Values.curve.secretName) }}true{{ end }}
+{{- end }}
+
+{{/* The Secret holding the keys: curve.secretName, else the one the hook Job keeps. */}}
+{{- define "switchboard.curveSecretName" -}}
+{{- .Values.curve.secretName | default (printf "%s-curve" (include "switchboard.fullname" .)) }}
+{{- end }}
+
+{{/* A pod template's annotations (ctx: dict "root" . "annotations" MAP): MAP, plus the keys'
+generation when the chart makes them, so that a rotation restarts every pod. */}}
+{{- define "switchboard.podAnnotations" -}}
+{{- $annotations := deepCopy (.annotations | default dict) }}
+{{- if include "switchboard.curveKeysByChart" .root }}
+{{- $_ := set $annotations "switchboard.io/curve-generation" (toString .root.Values.curve.generation) }}
+{{- end }}
+{{- with $annotations }}
+annotations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* CURVE keys (included when switchboard.curveOn): `--curve-keys-dir` args, the mount, and a
+Secret volume that projects only the role's files (ctx: dict "root" . "role"
+gateway|engine|coordinator):
 gateway: its pair, the engines' public keys as allowed-engines/, the coordinator's public key;
 engine: every engine pair (each picks engine-<rank>), the gateway's and coordinator's public
 keys; coordinator: its pair, allowed-engines/ and allowed-gateways/. */}}
@@ -126,7 +158,7 @@ keys; coordinator: its pair, allowed-engines/ and allowed-gateways/. */}}
 {{- $dp := int $root.Values.dataParallelSize -}}
 - name: curve-keys
   secret:
-    secretName: {{ required "curve.secretName is required when curve.enabled" $root.Values.curve.secretName }}
+    secretName: {{ include "switchboard.curveSecretName" $root }}
     defaultMode: 0440
     items:
       {{- if eq .role "gateway" }}
