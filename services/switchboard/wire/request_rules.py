@@ -1,34 +1,27 @@
 """The rules an ``EngineCoreRequest`` must keep, for whoever sends or receives one.
 
-The gateway checks the API request field by field (naming API fields in its errors) and uses
-these bounds; the engine core checks every ADD it receives against ``check_engine_request``
-before any of it reaches the scheduler or a worker, because a gateway is not the only process
-that can reach its socket: a request that breaks a rule fails alone (finish reason ERROR, with
-the rule it broke), it never kills the engine. Every check is cheap (list scans at C speed), so
-it costs microseconds per request against the milliseconds of one step.
-
-The caps bound the work one request can ask for: a top-N of logprobs is computed per token, a
-bad word or a stop token id is matched per step.
+The bounds on single fields are data (``field_rules.BOUNDS``), applied here and by the gateway
+to the API fields that feed them; the rules here add what needs the model's numbers (token ids
+in the vocabulary, lengths within max_model_len) and the rules between fields. The engine core
+checks every ADD it receives against ``check_engine_request`` before any of it reaches the
+scheduler or a worker, because a gateway is not the only process that can reach its socket: a
+request that breaks a rule fails alone (finish reason ERROR, with the rule it broke), it never
+kills the engine. Every check is cheap (list scans at C speed), so it costs microseconds per
+request against the milliseconds of one step.
 """
 
 from __future__ import annotations
 
-import math
+from typing import Any
 
 from switchboard.structured_output import KINDS as STRUCTURED_OUTPUT_KINDS
 from switchboard.structured_output import MAX_SPEC_CHARS as MAX_STRUCTURED_SPEC_CHARS
 from switchboard.wire.engine_msgs import EngineCoreRequest, PoolingParams, SamplingParams
-
-MAX_LOGPROBS = 20  # top-N alternatives per output / prompt token (vLLM's default cap)
-MAX_ABS_PENALTY = 2.0  # presence and frequency penalties (OpenAI)
-MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI
-MAX_REPETITION_PATTERN_SIZE = 256
-MAX_REPETITION_COUNT = 256
-MAX_REQUEST_ID_CHARS = 256
-MAX_TOKEN_LIST = 4096  # stop ids, allowed ids, logit-bias entries, bad words (each)
-# A seed is handed to torch's generator, which takes what fits in 64 bits.
-SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
-PRIORITY_RANGE = (-(1 << 31), (1 << 31) - 1)  # the API's int32
+from switchboard.wire.field_rules import (
+    BOUNDS,
+    MAX_ENGINE_REQUEST_ID_CHARS,
+    MAX_REPETITION_PATTERN_SIZE,
+)
 
 
 class RequestRuleError(ValueError):
@@ -43,9 +36,11 @@ def check_engine_request(request: EngineCoreRequest, vocab_size: int, max_model_
     """Raise ``RequestRuleError`` for the first rule ``request`` breaks. ``vocab_size`` 0
     skips the token id range checks (a model that did not say)."""
     if not isinstance(request.request_id, str) or not 0 < len(request.request_id) <= (
-        MAX_REQUEST_ID_CHARS
+        MAX_ENGINE_REQUEST_ID_CHARS
     ):
-        raise RequestRuleError("request_id", f"must be 1 to {MAX_REQUEST_ID_CHARS} characters")
+        raise RequestRuleError(
+            "request_id", f"must be 1 to {MAX_ENGINE_REQUEST_ID_CHARS} characters"
+        )
     prompt = request.prompt_token_ids
     if not 0 < len(prompt) <= max_model_len:
         raise RequestRuleError(
@@ -62,8 +57,7 @@ def check_engine_request(request: EngineCoreRequest, vocab_size: int, max_model_
                 "output_token_ids", f"prompt and output do not fit max_model_len {max_model_len}"
             )
         check_token_ids("output_token_ids", output, vocab_size)
-    if not PRIORITY_RANGE[0] <= request.priority <= PRIORITY_RANGE[1]:
-        raise RequestRuleError("priority", f"must fit a 32-bit integer, got {request.priority}")
+    check_bounds(request)
     for unsupported in ("mm_features", "lora_request", "prompt_embeds"):
         if getattr(request, unsupported) is not None:
             raise RequestRuleError(unsupported, "is not supported by this engine")
@@ -90,15 +84,37 @@ def check_token_ids(field: str, token_ids: list[int], vocab_size: int) -> None:
         )
 
 
+def check_bounds(request: EngineCoreRequest) -> None:
+    """Every rule of ``field_rules.BOUNDS`` on the fields ``request`` sets."""
+    for rule in BOUNDS:
+        value = _wire_value(request, rule.wire)
+        if value is None:
+            continue
+        if not rule.each:
+            entries = [(rule.wire, value)]
+        elif isinstance(value, dict):
+            entries = [(f"{rule.wire}[{key}]", item) for key, item in value.items()]
+        else:
+            entries = [(f"{rule.wire}[{i}]", item) for i, item in enumerate(value)]
+        for field, item in entries:
+            why = rule.violation(item)
+            if why is not None:
+                raise RequestRuleError(field, why)
+
+
+def _wire_value(request: EngineCoreRequest, path: str) -> Any:
+    """The value at a dotted ``path`` of ``request``; None where a struct on the way is unset."""
+    value: Any = request
+    for name in path.split("."):
+        if value is None:
+            return None
+        value = getattr(value, name)
+    return value
+
+
 def check_sampling_params(s: SamplingParams, vocab_size: int, max_model_len: int) -> None:
-    _in_range("sampling_params.temperature", s.temperature, 0.0, math.inf)
-    _in_range("sampling_params.top_p", s.top_p, 0.0, 1.0, low_open=True)
-    _in_range("sampling_params.min_p", s.min_p, 0.0, 1.0)
-    if s.top_k < -1:
-        raise RequestRuleError("sampling_params.top_k", f"must be >= -1, got {s.top_k}")
-    for knob in ("presence_penalty", "frequency_penalty"):
-        _in_range(f"sampling_params.{knob}", getattr(s, knob), -MAX_ABS_PENALTY, MAX_ABS_PENALTY)
-    _in_range("sampling_params.repetition_penalty", s.repetition_penalty, 0.0, math.inf, True)
+    """The rules that need the model's numbers, and those between fields (the bounds on single
+    fields: ``check_bounds``)."""
     if not 1 <= s.max_tokens <= max_model_len:
         raise RequestRuleError(
             "sampling_params.max_tokens", f"must be in [1, {max_model_len}], got {s.max_tokens}"
@@ -108,39 +124,19 @@ def check_sampling_params(s: SamplingParams, vocab_size: int, max_model_len: int
             "sampling_params.min_tokens",
             f"must be in [0, max_tokens = {s.max_tokens}], got {s.min_tokens}",
         )
-    if s.seed is not None and not SEED_RANGE[0] <= s.seed <= SEED_RANGE[1]:
-        raise RequestRuleError("sampling_params.seed", f"must fit 64 bits, got {s.seed}")
     for knob in ("stop_token_ids", "eos_token_ids", "allowed_token_ids"):
         ids = getattr(s, knob)
         if ids is not None:
-            _short(f"sampling_params.{knob}", ids)
             check_token_ids(f"sampling_params.{knob}", ids, vocab_size)
     if s.allowed_token_ids is not None and not s.allowed_token_ids:
         raise RequestRuleError("sampling_params.allowed_token_ids", "must not be empty")
     if s.logit_bias is not None:
-        _short("sampling_params.logit_bias", s.logit_bias)
         check_token_ids("sampling_params.logit_bias", list(s.logit_bias), vocab_size)
-        for token_id, bias in s.logit_bias.items():
-            _in_range(
-                f"sampling_params.logit_bias[{token_id}]",
-                bias,
-                -MAX_ABS_LOGIT_BIAS,
-                MAX_ABS_LOGIT_BIAS,
-            )
-    if s.bad_words_token_ids is not None:
-        _short("sampling_params.bad_words_token_ids", s.bad_words_token_ids)
-        for i, word in enumerate(s.bad_words_token_ids):
-            field = f"sampling_params.bad_words_token_ids[{i}]"
-            if not word:
-                raise RequestRuleError(field, "a bad word has at least one token")
-            _short(field, word)
-            check_token_ids(field, word, vocab_size)
-    for knob in ("logprobs", "prompt_logprobs"):
-        value = getattr(s, knob)
-        if value is not None and not 0 <= value <= MAX_LOGPROBS:
-            raise RequestRuleError(
-                f"sampling_params.{knob}", f"must be in [0, {MAX_LOGPROBS}], got {value}"
-            )
+    for i, word in enumerate(s.bad_words_token_ids or ()):
+        field = f"sampling_params.bad_words_token_ids[{i}]"
+        if not word:
+            raise RequestRuleError(field, "a bad word has at least one token")
+        check_token_ids(field, word, vocab_size)
     so = s.structured_output
     if so is not None:
         field = "sampling_params.structured_output"
@@ -157,26 +153,8 @@ def check_sampling_params(s: SamplingParams, vocab_size: int, max_model_len: int
                 f"needs 1 <= min_pattern_size <= max_pattern_size <= "
                 f"{MAX_REPETITION_PATTERN_SIZE}, got {rd.min_pattern_size}..{rd.max_pattern_size}",
             )
-        if not 2 <= rd.min_count <= MAX_REPETITION_COUNT:
-            raise RequestRuleError(
-                f"{field}.min_count",
-                f"must be in [2, {MAX_REPETITION_COUNT}], got {rd.min_count}",
-            )
 
 
 def check_pooling_params(p: PoolingParams) -> None:
     if p.dimensions is not None and p.dimensions < 1:
         raise RequestRuleError("pooling_params.dimensions", f"must be >= 1, got {p.dimensions}")
-
-
-def _in_range(field: str, value: float, low: float, high: float, low_open: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise RequestRuleError(field, f"must be a finite number, got {value!r}")
-    if value > high or value < low or (low_open and value == low):
-        bracket = "(" if low_open else "["
-        raise RequestRuleError(field, f"must be in {bracket}{low}, {high}], got {value}")
-
-
-def _short(field: str, items: object) -> None:
-    if len(items) > MAX_TOKEN_LIST:  # type: ignore[arg-type]
-        raise RequestRuleError(field, f"at most {MAX_TOKEN_LIST} entries")

@@ -31,7 +31,7 @@ from switchboard.gateway.chat.prompt import chat_prompt_token_ids
 from switchboard.gateway.engines.types import RequestEvent
 from switchboard.gateway.errors import ApiError
 from switchboard.gateway.observability.observer import RequestObserver
-from switchboard.gateway.pipeline.bad_words import tokenize_bad_words
+from switchboard.gateway.pipeline.bad_words import check_bad_word_bytes, tokenize_bad_words
 from switchboard.gateway.pipeline.coalesce import coalesce
 from switchboard.gateway.pipeline.generate_stream import GenerateStream
 from switchboard.gateway.pipeline.request_bounds import (
@@ -238,6 +238,8 @@ class GenerateCalls:
     ) -> SequenceGroup:
         """Tokenize and check; ADD the request's n sequences to the engines."""
         state = self.state
+        if plan.bad_words and state.longest_token_bytes:  # before tokenizing any of them
+            check_bad_word_bytes(plan.bad_words, state.longest_token_bytes)
         if not state.engines.routable_engines and not state.engines.restart_expected:
             state.engines.check_routable()  # UNAVAILABLE, saying why (e.g. a stalled worker)
         if plan.chat is not None and state.chat_template is not None:

@@ -20,7 +20,7 @@ from switchboard.gateway.errors import invalid_argument, model_not_found, not_su
 from switchboard.gateway.model_facts import ModelFacts
 from switchboard.gateway.pipeline.request_bounds import check_model_name
 from switchboard.gateway.pipeline.sampling_validation import (
-    check_logprobs,
+    check_bounds,
     check_repetition_detection,
     check_sampling,
     check_token_ids,
@@ -32,7 +32,7 @@ from switchboard.wire.engine_msgs import (
     SamplingParams,
     StructuredOutputParams,
 )
-from switchboard.wire.request_rules import MAX_REQUEST_ID_CHARS
+from switchboard.wire.field_rules import MAX_REQUEST_ID_CHARS
 
 _OUTPUT_KINDS = frozenset(pb.OutputKind.values())
 
@@ -116,7 +116,6 @@ def _check_stopping(st: pb.StoppingCriteria) -> None:
 def _check_output(o: pb.OutputOptions) -> None:
     if o.kind not in _OUTPUT_KINDS:
         raise invalid_argument("output.kind", f"output.kind: unknown OutputKind value {o.kind}")
-    check_logprobs(o)
 
 
 def _check_prompt(request: pb.GenerateRequest, is_chat: bool) -> None:
@@ -149,6 +148,7 @@ def plan_generate(
     check_model(request.model, facts)
     chat = plan_chat(request, chat_template, facts.name)
     _check_prompt(request, chat is not None)
+    check_bounds(request)
     check_sampling(request.sampling, facts.vocab_size)
     _check_stopping(request.stopping)
     _check_output(request.output)
