@@ -9,7 +9,11 @@ from switchboard.api.v1 import common_pb2
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.gateway.errors import ApiError
 from switchboard.gateway.model_facts import ModelFacts
-from switchboard.gateway.servicers.embedding import plan_embed, resolve_inputs, tokenize_inputs
+from switchboard.gateway.pipeline.embed_validation import (
+    plan_embed,
+    resolve_inputs,
+    tokenize_inputs,
+)
 from switchboard.gateway.text import Tokenizer
 from switchboard.model_tasks import ModelTasks
 from switchboard.wire.engine_msgs import PoolingParams, PoolingType

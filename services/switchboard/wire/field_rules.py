@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sized
+from collections.abc import Mapping, Sequence, Sized
+
+from switchboard.structured_output import MAX_SPEC_CHARS
 
 MAX_LOGPROBS = 20  # top-N alternatives per output / prompt token (vLLM's default cap)
 MAX_ABS_PENALTY = 2.0  # presence and frequency penalties (OpenAI)
@@ -53,6 +55,7 @@ class Range:
     note: str = ""  # what a value means, after the range: "(1 = off)"
     each: bool = False
     api_text: str = ""
+    derived: bool = False
 
     @property
     def text(self) -> str:
@@ -93,7 +96,9 @@ class MaxEntries:
     ``per_api_entry``: how many wire entries one entry of the API field can make (a bad word
     is banned as two token sequences: as it starts the text and after a space), so the API
     allows ``limit // per_api_entry``. ``each``: the rule holds for every entry of the field (a
-    bad word's tokens), and an error names the entry (``sampling.bad_words[3]``)."""
+    bad word's tokens), and an error names the entry (``sampling.bad_words[3]``). ``derived``:
+    the wire value is made from the API field (a word's tokens, a constraint's spec), and the
+    gateway checks it where it makes it."""
 
     wire: str
     api: str | None  # None: no client sets it (the model's own EOS ids)
@@ -101,6 +106,7 @@ class MaxEntries:
     unit: str = "entries"
     per_api_entry: int = 1
     each: bool = False
+    derived: bool = False
 
     @property
     def api_limit(self) -> int:
@@ -113,18 +119,80 @@ class MaxEntries:
         return None if size <= self.api_limit else f"{field}: at most {self.api_limit} {self.unit}"
 
 
+@dataclasses.dataclass(frozen=True)
+class InVocabulary:
+    """Every token id in ``[0, vocab_size)``: the worker indexes its embedding with them (a
+    vocabulary size of 0 says nothing: then only a negative id is refused). A mapping's ids are
+    its keys, and an error names the key (``sampling.logit_bias[7]``); a list's name the index
+    (``stopping.stop_token_ids[2]``). ``each``: a list of lists (every bad word's ids)."""
+
+    wire: str
+    api: str | None
+    each: bool = False
+    derived: bool = False  # as MaxEntries.derived (a word's tokens, the truncated prompt)
+
+    @staticmethod
+    def first_outside(ids: Sequence[int], vocab_size: int) -> tuple[int, int] | None:
+        """(index, id) of the first id outside the vocabulary, if any. min / max first: they
+        scan at C speed, and a prompt can be long."""
+        if not ids or (min(ids) >= 0 and (not vocab_size or max(ids) < vocab_size)):
+            return None
+        for i, token_id in enumerate(ids):
+            if token_id < 0 or (vocab_size and token_id >= vocab_size):
+                return i, token_id
+        return None  # unreachable: min / max said there is one
+
+    def violation(self, ids: Sequence[int] | Mapping[int, object], vocab_size: int) -> str | None:
+        outside = self.first_outside(list(ids), vocab_size)
+        if outside is None:
+            return None
+        token_id = outside[1]
+        if token_id < 0:
+            return f"token id {token_id} is negative"
+        return f"token id {token_id} is out of range: the vocabulary has {vocab_size} tokens"
+
+    def api_error(
+        self, field: str, ids: Sequence[int] | Mapping[int, object], vocab_size: int
+    ) -> tuple[str, str] | None:
+        """(the entry's field, the gateway's message) for the first id outside the vocabulary
+        (the API's ids are unsigned: only the upper end can be broken)."""
+        outside = self.first_outside(list(ids), vocab_size) if vocab_size else None
+        if outside is None:
+            return None
+        index, token_id = outside
+        vocabulary = f"the vocabulary has {vocab_size} tokens"
+        if isinstance(ids, Mapping):
+            entry = f"{field}[{token_id}]"
+            return entry, f"{entry}: token id {token_id} is out of range: {vocabulary}"
+        entry = f"{field}[{index}]"
+        return entry, f"{entry} = {token_id} is out of range: {vocabulary}"
+
+
 Bound = Range | MaxEntries
 
-# A bad word's tokens: the gateway counts them once it has tokenized the word (bad_words.py).
+# Derived on the gateway's side: a bad word's tokens are counted once it is tokenized
+# (bad_words.py), a constraint's spec once it is written (structured_output.py).
 BAD_WORD_TOKENS = MaxEntries(
-    "sampling_params.bad_words_token_ids", "sampling.bad_words", MAX_TOKEN_LIST, "tokens", each=True
+    "sampling_params.bad_words_token_ids",
+    "sampling.bad_words",
+    MAX_TOKEN_LIST,
+    "tokens",
+    each=True,
+    derived=True,
+)
+STRUCTURED_SPEC = MaxEntries(
+    "sampling_params.structured_output.spec",
+    "structured_output",
+    MAX_SPEC_CHARS,
+    "characters",
+    derived=True,
 )
 
-# Every bound on a field of SamplingParams (and priority). The token-id checks (each id in the
-# vocabulary) and the rules between fields (min_tokens <= max_tokens <= max_model_len) are in
-# request_rules.py: they need the model's numbers.
+# Every bound on a single field. The rules between fields (min_tokens <= max_tokens <=
+# max_model_len, min_pattern_size <= max_pattern_size) are in request_rules.py.
 BOUNDS: tuple[Bound, ...] = (
     Range("priority", "priority", *PRIORITY_RANGE),
+    Range("sampling_params.max_tokens", "stopping.max_tokens", 1),
     Range("sampling_params.temperature", "sampling.temperature", 0),
     Range("sampling_params.top_p", "sampling.top_p", 0, 1, low_open=True),
     Range("sampling_params.top_k", "sampling.top_k", -1, note="(0 or -1 = off)"),
@@ -167,6 +235,7 @@ BOUNDS: tuple[Bound, ...] = (
         per_api_entry=2,
     ),
     BAD_WORD_TOKENS,
+    STRUCTURED_SPEC,
     Range(
         "sampling_params.logprobs",
         "output.logprobs",
@@ -193,4 +262,21 @@ BOUNDS: tuple[Bound, ...] = (
         2,
         MAX_REPETITION_COUNT,
     ),
+)
+
+# Derived on the gateway's side: the prompt is checked once truncated (truncate_prompt_tokens
+# keeps the last N), a bad word's ids once it is tokenized.
+PROMPT_IN_VOCABULARY = InVocabulary("prompt_token_ids", "token_ids.ids", derived=True)
+BAD_WORDS_IN_VOCABULARY = InVocabulary(
+    "sampling_params.bad_words_token_ids", "sampling.bad_words", each=True, derived=True
+)
+# Every field of token ids.
+VOCABULARY: tuple[InVocabulary, ...] = (
+    PROMPT_IN_VOCABULARY,
+    InVocabulary("output_token_ids", None),  # a resumed stream's: generated by another engine
+    InVocabulary("sampling_params.stop_token_ids", "stopping.stop_token_ids"),
+    InVocabulary("sampling_params.eos_token_ids", None),  # the model's
+    InVocabulary("sampling_params.allowed_token_ids", "sampling.allowed_token_ids"),
+    InVocabulary("sampling_params.logit_bias", "sampling.logit_bias"),
+    BAD_WORDS_IN_VOCABULARY,
 )

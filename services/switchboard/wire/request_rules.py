@@ -1,13 +1,13 @@
 """The rules an ``EngineCoreRequest`` must keep, for whoever sends or receives one.
 
-The bounds on single fields are data (``field_rules.BOUNDS``), applied here and by the gateway
-to the API fields that feed them; the rules here add what needs the model's numbers (token ids
-in the vocabulary, lengths within max_model_len) and the rules between fields. The engine core
-checks every ADD it receives against ``check_engine_request`` before any of it reaches the
-scheduler or a worker, because a gateway is not the only process that can reach its socket: a
-request that breaks a rule fails alone (finish reason ERROR, with the rule it broke), it never
-kills the engine. Every check is cheap (list scans at C speed), so it costs microseconds per
-request against the milliseconds of one step.
+The rules on single fields are data (``field_rules.py``: the bounds, and the fields of token
+ids), applied here and by the gateway to the API fields that feed them; the rules here add
+those between fields and the request's shape. The engine core checks every ADD it receives
+against ``check_engine_request`` before any of it reaches the scheduler or a worker, because a
+gateway is not the only process that can reach its socket: a request that breaks a rule fails
+alone (finish reason ERROR, with the rule it broke), it never kills the engine. Every check is
+cheap (list scans at C speed), so it costs microseconds per request against the milliseconds
+of one step.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from __future__ import annotations
 from typing import Any
 
 from switchboard.structured_output import KINDS as STRUCTURED_OUTPUT_KINDS
-from switchboard.structured_output import MAX_SPEC_CHARS as MAX_STRUCTURED_SPEC_CHARS
 from switchboard.wire.engine_msgs import EngineCoreRequest, PoolingParams, SamplingParams
 from switchboard.wire.field_rules import (
     BOUNDS,
     MAX_ENGINE_REQUEST_ID_CHARS,
     MAX_REPETITION_PATTERN_SIZE,
+    VOCABULARY,
 )
 
 
@@ -41,81 +41,67 @@ def check_engine_request(request: EngineCoreRequest, vocab_size: int, max_model_
         raise RequestRuleError(
             "request_id", f"must be 1 to {MAX_ENGINE_REQUEST_ID_CHARS} characters"
         )
-    prompt = request.prompt_token_ids
+    prompt, output = request.prompt_token_ids, request.output_token_ids
     if not 0 < len(prompt) <= max_model_len:
         raise RequestRuleError(
             "prompt_token_ids",
             f"{len(prompt)} tokens do not fit max_model_len {max_model_len} (or none given)",
         )
-    check_token_ids("prompt_token_ids", prompt, vocab_size)
-    output = request.output_token_ids
-    if output:
-        if request.sampling_params is None:
-            raise RequestRuleError("output_token_ids", "only a sampling request has output")
-        if len(prompt) + len(output) > max_model_len:
-            raise RequestRuleError(
-                "output_token_ids", f"prompt and output do not fit max_model_len {max_model_len}"
-            )
-        check_token_ids("output_token_ids", output, vocab_size)
-    check_bounds(request)
+    if output and request.sampling_params is None:
+        raise RequestRuleError("output_token_ids", "only a sampling request has output")
+    if len(prompt) + len(output) > max_model_len:
+        raise RequestRuleError(
+            "output_token_ids", f"prompt and output do not fit max_model_len {max_model_len}"
+        )
     for unsupported in ("mm_features", "lora_request", "prompt_embeds"):
         if getattr(request, unsupported) is not None:
             raise RequestRuleError(unsupported, "is not supported by this engine")
     if request.sampling_params is not None and request.pooling_params is not None:
         raise RequestRuleError("pooling_params", "a request either samples or pools, not both")
-    if request.sampling_params is not None:
-        check_sampling_params(request.sampling_params, vocab_size, max_model_len)
-    elif request.pooling_params is not None:
-        check_pooling_params(request.pooling_params)
-    else:
+    if request.sampling_params is None and request.pooling_params is None:
         raise RequestRuleError("sampling_params", "a request needs sampling or pooling params")
+    check_fields(request, vocab_size)
+    if request.sampling_params is not None:
+        check_sampling_params(request.sampling_params, max_model_len)
+    if request.pooling_params is not None:
+        check_pooling_params(request.pooling_params)
 
 
-def check_token_ids(field: str, token_ids: list[int], vocab_size: int) -> None:
-    """Every id in ``[0, vocab_size)``: the worker indexes its embedding with them."""
-    if not token_ids:
-        return
-    low, high = min(token_ids), max(token_ids)
-    if low < 0:
-        raise RequestRuleError(field, f"token id {low} is negative")
-    if vocab_size and high >= vocab_size:
-        raise RequestRuleError(
-            field, f"token id {high} is out of range: the vocabulary has {vocab_size} tokens"
-        )
-
-
-def check_bounds(request: EngineCoreRequest) -> None:
-    """Every rule of ``field_rules.BOUNDS`` on the fields ``request`` sets."""
+def check_fields(request: EngineCoreRequest, vocab_size: int) -> None:
+    """Every rule of ``field_rules`` on the fields ``request`` sets: the bounds, then the
+    token ids."""
     for rule in BOUNDS:
-        value = _wire_value(request, rule.wire)
-        if value is None:
-            continue
-        if not rule.each:
-            entries = [(rule.wire, value)]
-        elif isinstance(value, dict):
-            entries = [(f"{rule.wire}[{key}]", item) for key, item in value.items()]
-        else:
-            entries = [(f"{rule.wire}[{i}]", item) for i, item in enumerate(value)]
-        for field, item in entries:
-            why = rule.violation(item)
+        for field, value in _wire_values(request, rule.wire, rule.each):
+            why = rule.violation(value)
+            if why is not None:
+                raise RequestRuleError(field, why)
+    for ids_rule in VOCABULARY:
+        for field, ids in _wire_values(request, ids_rule.wire, ids_rule.each):
+            why = ids_rule.violation(ids, vocab_size)
             if why is not None:
                 raise RequestRuleError(field, why)
 
 
-def _wire_value(request: EngineCoreRequest, path: str) -> Any:
-    """The value at a dotted ``path`` of ``request``; None where a struct on the way is unset."""
+def _wire_values(request: EngineCoreRequest, path: str, each: bool) -> list[tuple[str, Any]]:
+    """(field, value) at a dotted ``path`` of ``request``: none where it (or a struct on the
+    way) is unset; with ``each``, one per entry (a mapping's values, named by key)."""
     value: Any = request
     for name in path.split("."):
         if value is None:
-            return None
+            return []
         value = getattr(value, name)
-    return value
+    if value is None:
+        return []
+    if not each:
+        return [(path, value)]
+    if isinstance(value, dict):
+        return [(f"{path}[{key}]", item) for key, item in value.items()]
+    return [(f"{path}[{i}]", item) for i, item in enumerate(value)]
 
 
-def check_sampling_params(s: SamplingParams, vocab_size: int, max_model_len: int) -> None:
-    """The rules that need the model's numbers, and those between fields (the bounds on single
-    fields: ``check_bounds``)."""
-    if not 1 <= s.max_tokens <= max_model_len:
+def check_sampling_params(s: SamplingParams, max_model_len: int) -> None:
+    """The rules between fields, and what a list must hold."""
+    if s.max_tokens > max_model_len:
         raise RequestRuleError(
             "sampling_params.max_tokens", f"must be in [1, {max_model_len}], got {s.max_tokens}"
         )
@@ -124,35 +110,25 @@ def check_sampling_params(s: SamplingParams, vocab_size: int, max_model_len: int
             "sampling_params.min_tokens",
             f"must be in [0, max_tokens = {s.max_tokens}], got {s.min_tokens}",
         )
-    for knob in ("stop_token_ids", "eos_token_ids", "allowed_token_ids"):
-        ids = getattr(s, knob)
-        if ids is not None:
-            check_token_ids(f"sampling_params.{knob}", ids, vocab_size)
     if s.allowed_token_ids is not None and not s.allowed_token_ids:
         raise RequestRuleError("sampling_params.allowed_token_ids", "must not be empty")
-    if s.logit_bias is not None:
-        check_token_ids("sampling_params.logit_bias", list(s.logit_bias), vocab_size)
     for i, word in enumerate(s.bad_words_token_ids or ()):
-        field = f"sampling_params.bad_words_token_ids[{i}]"
         if not word:
-            raise RequestRuleError(field, "a bad word has at least one token")
-        check_token_ids(field, word, vocab_size)
-    so = s.structured_output
-    if so is not None:
-        field = "sampling_params.structured_output"
-        if not isinstance(so.kind, str) or so.kind not in STRUCTURED_OUTPUT_KINDS:
-            raise RequestRuleError(f"{field}.kind", f"must be one of {STRUCTURED_OUTPUT_KINDS}")
-        if not isinstance(so.spec, str) or len(so.spec) > MAX_STRUCTURED_SPEC_CHARS:
-            raise RequestRuleError(f"{field}.spec", f"at most {MAX_STRUCTURED_SPEC_CHARS} chars")
-    rd = s.repetition_detection
-    if rd is not None:
-        field = "sampling_params.repetition_detection"
-        if not 1 <= rd.min_pattern_size <= rd.max_pattern_size <= MAX_REPETITION_PATTERN_SIZE:
             raise RequestRuleError(
-                field,
-                f"needs 1 <= min_pattern_size <= max_pattern_size <= "
-                f"{MAX_REPETITION_PATTERN_SIZE}, got {rd.min_pattern_size}..{rd.max_pattern_size}",
+                f"sampling_params.bad_words_token_ids[{i}]", "a bad word has at least one token"
             )
+    so = s.structured_output
+    if so is not None and so.kind not in STRUCTURED_OUTPUT_KINDS:
+        raise RequestRuleError(
+            "sampling_params.structured_output.kind", f"must be one of {STRUCTURED_OUTPUT_KINDS}"
+        )
+    rd = s.repetition_detection
+    if rd is not None and not 1 <= rd.min_pattern_size <= rd.max_pattern_size:
+        raise RequestRuleError(
+            "sampling_params.repetition_detection",
+            f"needs 1 <= min_pattern_size <= max_pattern_size <= "
+            f"{MAX_REPETITION_PATTERN_SIZE}, got {rd.min_pattern_size}..{rd.max_pattern_size}",
+        )
 
 
 def check_pooling_params(p: PoolingParams) -> None:

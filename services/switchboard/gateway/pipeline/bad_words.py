@@ -5,8 +5,9 @@ of the text and one in the middle are different tokens in most vocabularies. The
 is kept only when it is a different word token of the same length (otherwise it would ban
 something else). The sampler bans a sequence's last token when the others end the output.
 
-A word has at most ``MAX_TOKEN_LIST`` tokens (the engine's bound, ``wire/field_rules.py``): one
-whose text is too long to fit is refused before it is tokenized (``check_bad_word_bytes``).
+A word's tokens keep the engine's rules (``wire/field_rules.py``: at most ``MAX_TOKEN_LIST`` of
+them, each in the vocabulary), checked as it is tokenized; a word whose text is too long to fit
+is refused before (``check_bad_word_bytes``).
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from switchboard.gateway.errors import invalid_argument
-from switchboard.gateway.pipeline.sampling_validation import check_token_ids
+from switchboard.gateway.pipeline.api_field_rules import check_ids
 from switchboard.gateway.text import Tokenizer
 from switchboard.wire.field_rules import BAD_WORD_TOKENS as WORD_TOKENS
+from switchboard.wire.field_rules import BAD_WORDS_IN_VOCABULARY as WORD_IDS
 
 
 def check_bad_word_bytes(bad_words: Sequence[str], token_bytes: int) -> None:
@@ -48,10 +50,10 @@ def tokenize_bad_words(
         error = WORD_TOKENS.api_message(field, len(plain))
         if error is not None:
             raise invalid_argument(field, error)
-        check_token_ids(field, plain, vocab_size)
+        check_ids(WORD_IDS, field, plain, vocab_size)
         sequences.append(plain)
         spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
         if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
-            check_token_ids(field, spaced, vocab_size)
+            check_ids(WORD_IDS, field, spaced, vocab_size)
             sequences.append(spaced)
     return sequences
