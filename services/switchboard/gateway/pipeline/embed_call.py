@@ -1,6 +1,7 @@
 """One Embed call: texts or token ids in, one pooled vector per input out.
 
-    EmbedRequest -> request id, model name, text bytes (before anything is echoed or tokenized)
+    EmbedRequest -> request id, model name, how many inputs and each text's bytes (before
+                    anything is echoed or tokenized)
                  -> plan_embed (checks that need no tokens, on the event loop)
                  -> tokenize the texts (one call in the tokenizer pool, special tokens added)
                  -> resolve_inputs (truncate_prompt_tokens, lengths, vocabulary)
@@ -28,15 +29,12 @@ from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.gateway.engines.types import RequestAborted, RequestChannel, RequestFailed
 from switchboard.gateway.errors import ApiError, unavailable
 from switchboard.gateway.pipeline.embed_validation import (
+    check_input_sizes,
     plan_embed,
     resolve_inputs,
     tokenize_inputs,
 )
-from switchboard.gateway.pipeline.request_bounds import (
-    check_model_name,
-    check_request_id,
-    check_text_bytes,
-)
+from switchboard.gateway.pipeline.request_bounds import check_model_name, check_request_id
 from switchboard.gateway.state import GatewayState
 from switchboard.wire.engine_msgs import EngineCoreOutput, EngineCoreRequest, FinishReason
 
@@ -55,11 +53,7 @@ async def embed(
     try:
         check_request_id(request_id)
         check_model_name(request.model)
-        if state.longest_token_bytes:
-            for i, item in enumerate(request.inputs):
-                if item.WhichOneof("input") == "text":
-                    size = len(item.text.encode())
-                    check_text_bytes(f"inputs[{i}].text", size, state.max_prompt_bytes)
+        check_input_sizes(request, state.max_prompt_bytes if state.longest_token_bytes else 0)
         plan = plan_embed(request, request_id, state.facts)
         if not state.engines.live_engines and not state.engines.restart_expected:
             raise unavailable("no engine core is ready")

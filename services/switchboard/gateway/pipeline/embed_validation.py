@@ -1,7 +1,12 @@
-"""The checks of an Embed call, in the order it runs them (``embed_call.py``): ``plan_embed``
-checks what needs no tokens (on the event loop); ``resolve_inputs`` truncates and checks every
+"""The checks of an Embed call, in the order it runs them (``embed_call.py``):
+``check_input_sizes`` bounds the work first (how many inputs, each text's bytes), ``plan_embed``
+checks what needs no tokens (on the event loop), ``resolve_inputs`` truncates and checks every
 input's tokens (the wire's rules on the prompt: ``wire/field_rules.py``, with the API's field
-names)."""
+names).
+
+Each input is one engine request, so a call is at most ``MAX_EMBED_INPUTS`` of them (OpenAI's
+embeddings cap): ten thousand inputs kept the gateway's event loop busy for seconds, and a
+hundred thousand ran past any reasonable deadline."""
 
 from __future__ import annotations
 
@@ -12,12 +17,29 @@ from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.gateway.errors import invalid_argument, not_supported
 from switchboard.gateway.model_facts import ModelFacts
 from switchboard.gateway.pipeline.api_field_rules import check_ids
+from switchboard.gateway.pipeline.request_bounds import check_text_bytes
 from switchboard.gateway.pipeline.validation import check_model
 from switchboard.gateway.text import Tokenizer
 from switchboard.wire.engine_msgs import PoolingParams
 from switchboard.wire.field_rules import MAX_REQUEST_ID_CHARS, PROMPT_IN_VOCABULARY
 
 _EMBED_TASKS = (common_pb2.MODEL_TASK_UNSPECIFIED, common_pb2.MODEL_TASK_EMBED)
+MAX_EMBED_INPUTS = 2048
+
+
+def check_input_sizes(request: pb.EmbedRequest, max_text_bytes: int) -> None:
+    """At most ``MAX_EMBED_INPUTS`` inputs; each text no longer than ``max_text_bytes`` (what
+    max_model_len tokens can cover; 0: unknown, not checked)."""
+    if len(request.inputs) > MAX_EMBED_INPUTS:
+        raise invalid_argument(
+            "inputs",
+            f"inputs: at most {MAX_EMBED_INPUTS} per call, got {len(request.inputs)}",
+        )
+    if not max_text_bytes:
+        return
+    for i, item in enumerate(request.inputs):
+        if item.WhichOneof("input") == "text":
+            check_text_bytes(f"inputs[{i}].text", len(item.text.encode()), max_text_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
