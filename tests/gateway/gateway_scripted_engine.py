@@ -2,8 +2,10 @@
 
 It connects a DEALER and a PUSH like an engine core, sends READY, and answers each ADD by pushing
 one token per step from a fixed script until max_tokens (finish LENGTH), sending heartbeats in
-between. When a request asks for logprobs it makes some up (``fake_logprobs``). Tests steer it
-with ``mode`` and inspect what it received (adds, aborts, utility calls).
+between. As an engine core does, it checks each ADD against the wire's request rules first and
+fails one that breaks a rule with ERROR, naming the rule. When a request asks for logprobs it
+makes some up (``fake_logprobs``). Tests steer it with ``mode`` and inspect what it received
+(adds, aborts, utility calls).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from switchboard.wire.engine_msgs import (
     TokenLogprobs,
     UtilityOutput,
 )
+from switchboard.wire.request_rules import RequestRuleError, check_engine_request
 
 
 def fake_logprobs(token_id: int, num_top: int) -> TokenLogprobs:
@@ -71,6 +74,7 @@ class ScriptedEngine:
         self.preempt_at_step: dict[str, int] = {}
         self.added: dict[str, EngineCoreRequest] = {}
         self.aborted: list[str] = []
+        self.rejected: dict[str, str] = {}  # request id -> the wire rule it broke
         self.utility_calls: list[tuple[str, list]] = []
         self._tasks: list[asyncio.Task] = []
         self._ctx = zmq.asyncio.Context()
@@ -140,6 +144,14 @@ class ScriptedEngine:
             request_type, body, _ = zmq_channel.parse_request_frames(frames)
             if request_type is RequestType.ADD:
                 self.added[body.request_id] = body
+                try:
+                    check_engine_request(body, self.vocab_size, self.max_model_len)
+                except RequestRuleError as error:  # as the engine core's _reject
+                    self.rejected[body.request_id] = str(error)
+                    failed = EngineCoreOutput(body.request_id, [], finish_reason=FinishReason.ERROR)
+                    failed.stop_reason = str(error)
+                    await self._push_outputs(EngineCoreOutputs(self.rank, outputs=[failed]))
+                    continue
                 self._tasks.append(asyncio.create_task(self._generate(body)))
             elif request_type is RequestType.ABORT:
                 self.aborted.extend(body)

@@ -9,7 +9,13 @@ from switchboard.api.v1 import common_pb2
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.gateway.errors import ApiError
 from switchboard.gateway.model_facts import ModelFacts
-from switchboard.gateway.servicers.embedding import plan_embed, resolve_inputs, tokenize_inputs
+from switchboard.gateway.pipeline.embed_validation import (
+    MAX_EMBED_INPUTS,
+    check_input_sizes,
+    plan_embed,
+    resolve_inputs,
+    tokenize_inputs,
+)
 from switchboard.gateway.text import Tokenizer
 from switchboard.model_tasks import ModelTasks
 from switchboard.wire.engine_msgs import PoolingParams, PoolingType
@@ -113,3 +119,11 @@ def test_texts_get_the_tokenizers_special_tokens(tmp_path) -> None:
     hf.enable_truncation(max_length=3)
     tokenizer = Tokenizer(hf)
     assert tokenize_inputs(tokenizer, ["hello world", [4, 4]]) == [[1, 3, 4, 2], [4, 4]]
+
+
+def test_the_inputs_of_one_call_are_bounded() -> None:
+    check_input_sizes(request(*["a"] * MAX_EMBED_INPUTS), 0)
+    too_many = request(*["a"] * (MAX_EMBED_INPUTS + 1))
+    error = rejected(lambda: check_input_sizes(too_many, 0), "inputs")
+    assert f"at most {MAX_EMBED_INPUTS}" in error.message
+    rejected(lambda: check_input_sizes(request("a", "b" * 65), 64), "inputs[1].text")

@@ -1,8 +1,12 @@
 """A fuzz of every method of GenerationService and ModelService against an in-process gateway
 with the scripted engine: messages built from the descriptors with random and boundary field
-values, plus random bytes sent raw (identity serializers). No call may end UNKNOWN or INTERNAL
-or hang past its deadline; the gateway keeps serving and answers a valid request afterwards as
-it did before. The count of cases per status code is printed (``-s`` shows it)."""
+values, plus random bytes sent raw (identity serializers), plus oversized repeated fields: every
+repeated field (and map) of every request message, at any depth, with 10^4 to 10^5 entries or
+with one entry of 1 MiB, in an otherwise valid request. No call may end UNKNOWN or INTERNAL (the
+scripted engine applies the wire's request rules as an engine core does: what the gateway lets
+through that the engine refuses ends INTERNAL) or hang past its deadline; the gateway keeps
+serving and answers a valid request afterwards as it did before. The count of cases per status
+code is printed (``-s`` shows it)."""
 
 from __future__ import annotations
 
@@ -32,6 +36,10 @@ SEED = int(os.environ.get("SWITCHBOARD_FUZZ_SEED", "20261201"))  # another seed:
 CASES_PER_METHOD = 300  # structured messages per method
 RAW_CASES_PER_METHOD = 120  # random and mutated bytes per method
 CONCURRENCY = 32
+OVERSIZED_PER_FIELD = 2  # per repeated field: of each kind (many entries, one huge entry)
+OVERSIZED_CONCURRENCY = 4
+MANY_ENTRIES = (10**4, 3 * 10**4, 10**5)
+HUGE_ENTRY_CHARS = 1 << 20
 DEADLINE_S = 5.0
 # UNKNOWN/INTERNAL: an unhandled error; DEADLINE_EXCEEDED: a hang; RESOURCE_EXHAUSTED: none of
 # these calls may hit admission (32 at once) or a size limit (e.g. an oversized trailer).
@@ -127,6 +135,139 @@ def _valid_generate(rng: random.Random) -> pb.GenerateRequest:
     if request.stopping.max_tokens > 8:
         request.stopping.max_tokens = 3  # keep the calls short
     return request
+
+
+def _valid_request(request_class: type[message.Message]) -> message.Message:
+    """A request the method serves, for the oversized field to go into."""
+    if request_class is pb.GenerateRequest:
+        request = pb.GenerateRequest(text="Hello")
+        request.stopping.max_tokens = 2
+        return request
+    if request_class is pb.EmbedRequest:
+        return pb.EmbedRequest(inputs=[pb.EmbedInput(text="Hello")])
+    if request_class is pb.TokenizeRequest:
+        return pb.TokenizeRequest(text="Hello")
+    return request_class()
+
+
+def repeated_paths(msg: descriptor.Descriptor, depth: int = 0) -> list[list[str]]:
+    """The path to every repeated field and map under ``msg`` (through nested messages and
+    the entries of repeated ones), to depth 3."""
+    paths: list[list[str]] = []
+    for field in msg.fields:
+        is_message = field.type == F.TYPE_MESSAGE
+        is_map = is_message and field.message_type.GetOptions().map_entry
+        if field.is_repeated:
+            paths.append([field.name])
+        if is_message and not is_map and depth < 3:
+            paths += [[field.name, *sub] for sub in repeated_paths(field.message_type, depth + 1)]
+    return paths
+
+
+def _entry(field: descriptor.FieldDescriptor, rng: random.Random, huge: bool) -> Any:
+    """One plausible entry of a repeated scalar field (1 MiB for a huge string), or None."""
+    if field.type == F.TYPE_STRING:
+        return rng.choice("ab<{ ") * HUGE_ENTRY_CHARS if huge else rng.choice(["one", "a", "7"])
+    if field.type == F.TYPE_BYTES:
+        return rng.randbytes(64) * (HUGE_ENTRY_CHARS // 64) if huge else b"x"
+    if huge:
+        return None
+    if field.type in (F.TYPE_FLOAT, F.TYPE_DOUBLE):
+        return rng.choice([0.0, 1.0, -5.0])
+    return _scalar(field, rng) if field.type != F.TYPE_UINT32 else rng.choice([1, 5, 7, 299])
+
+
+def _small_entry(msg: message.Message, rng: random.Random) -> None:
+    """Fill ``msg`` with at most ~256 bytes: many of them stay under the message size limit."""
+    for _ in range(20):
+        msg.Clear()
+        fill(msg, rng, depth=3)
+        if msg.ByteSize() <= 256:
+            return
+
+
+def _huge_entry(msg: message.Message, rng: random.Random) -> bool:
+    """Fill ``msg`` (an entry of a repeated message) with one 1 MiB string; False if it has
+    no string field."""
+    fill(msg, rng, depth=3)
+    strings = [f for f in msg.DESCRIPTOR.fields if f.type == F.TYPE_STRING and not f.is_repeated]
+    if not strings:
+        return False
+    setattr(msg, rng.choice(strings).name, _entry(strings[0], rng, huge=True))
+    return True
+
+
+def oversized(
+    request: message.Message, path: list[str], rng: random.Random, huge: bool, first: bool
+) -> bool:
+    """Set the repeated field at ``path`` of ``request`` to many entries (or to one huge one);
+    messages on the way get one entry / are set. ``first``: many copies of the valid request's
+    own first entry, if it has one (not random ones). False where the field cannot hold it."""
+    target = request
+    for name in path[:-1]:
+        field = target.DESCRIPTOR.fields_by_name[name]
+        target = getattr(target, name)
+        if field.is_repeated:
+            del target[:]
+            target = target.add()
+        else:
+            target.SetInParent()
+    field = target.DESCRIPTOR.fields_by_name[path[-1]]
+    container = getattr(target, path[-1])
+    count = 1 if huge else rng.choice(MANY_ENTRIES)
+    if field.message_type is not None and field.message_type.GetOptions().map_entry:
+        container.clear()
+        key_field, value_field = field.message_type.fields
+        keys = [f"k{i}" if key_field.type == F.TYPE_STRING else i for i in range(count)]
+        if value_field.type == F.TYPE_MESSAGE:  # e.g. a Struct's values
+            entry = value_field.message_type._concrete_class()
+            if huge and not _huge_entry(entry, rng):
+                return False
+            if not huge:
+                _small_entry(entry, rng)
+            for key in keys:
+                container[key].CopyFrom(entry)
+            return True
+        value = _entry(value_field, rng, huge)
+        if value is None:
+            return False
+        container.update(dict.fromkeys(keys, value))
+        return True
+    template = container[0] if first and len(container) else None
+    entries = [] if template is None else [type(template)()]
+    for entry in entries:
+        entry.CopyFrom(template)
+    del container[:]
+    if field.type == F.TYPE_MESSAGE:
+        entry = entries[0] if entries and not huge else container.add()
+        if huge:
+            return _huge_entry(entry, rng)
+        if not entries:
+            _small_entry(entry, rng)
+        container.extend([entry] * (count - len(container)))
+        return True
+    value = _entry(field, rng, huge)
+    if value is None:
+        return False
+    container.extend([value] * count)
+    return True
+
+
+def _oversized_cases(rng: random.Random) -> list[tuple[str, bool, bytes, str]]:
+    """(method path, streaming, request, what is oversized) for every repeated field."""
+    cases = []
+    for path, method in _methods():
+        module = generation_service_pb2 if "Generation" in path else model_service_pb2
+        request_class = getattr(module, method.input_type.name)
+        for fields in repeated_paths(method.input_type):
+            for huge in (False, True):
+                for i in range(OVERSIZED_PER_FIELD):
+                    request = _valid_request(request_class)
+                    if oversized(request, fields, rng, huge, first=i == 0):
+                        what = f"{'.'.join(fields)} {'huge' if huge else 'many'}"
+                        raw = request.SerializeToString()
+                        cases.append((path, method.server_streaming, raw, what))
+    return cases
 
 
 def _methods() -> list[tuple[str, descriptor.MethodDescriptor]]:
@@ -231,20 +372,32 @@ async def test_grpc_fuzz(gateway: _Harness) -> None:
     counts: collections.Counter[str] = collections.Counter()
     per_method: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     bad: list[tuple[str, str, bytes]] = []
+    max_message_bytes = gateway.server.config.gateway.max_message_bytes
     async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.server.port}") as channel:
         before = await _reference(channel)
         limit = asyncio.Semaphore(CONCURRENCY)
 
-        async def run(path: str, streaming: bool, raw: bytes) -> None:
+        async def run(path: str, streaming: bool, raw: bytes, what: str = "") -> None:
             async with limit:
                 code = await _call(channel, path, streaming, raw)
             counts[code] += 1
-            per_method[path.rsplit("/", 1)[1]][code] += 1
-            if code in FORBIDDEN_NAMES:
-                bad.append((path, code, raw))
+            per_method[f"{path.rsplit('/', 1)[1]} {what}".strip()][code] += 1
+            # grpc's own answer to a message over the gateway's size limit, and only to one
+            too_big = len(raw) > max_message_bytes
+            if code in FORBIDDEN_NAMES - ({"RESOURCE_EXHAUSTED"} if too_big else set()):
+                bad.append((f"{path} {what}", code, raw))
 
         await asyncio.wait_for(asyncio.gather(*(run(*case) for case in cases)), timeout=90)
         print(f"\ngRPC fuzz: {len(cases)} cases; per status code: {dict(counts.most_common())}")
+        for name, method_counts in sorted(per_method.items()):
+            print(f"  {name}: {dict(method_counts.most_common())}")
+        assert not bad, [(p, c, r[:200]) for p, c, r in bad[:5]]
+        big = _oversized_cases(rng)
+        counts.clear()
+        per_method.clear()
+        limit = asyncio.Semaphore(OVERSIZED_CONCURRENCY)
+        await asyncio.wait_for(asyncio.gather(*(run(*case) for case in big)), timeout=120)
+        print(f"oversized: {len(big)} cases; per status code: {dict(counts.most_common())}")
         for name, method_counts in sorted(per_method.items()):
             print(f"  {name}: {dict(method_counts.most_common())}")
         assert not bad, [(p, c, r[:200]) for p, c, r in bad[:5]]

@@ -12,12 +12,13 @@ from switchboard.wire.engine_msgs import (
     RepetitionDetectionParams,
     SamplingParams,
 )
-from switchboard.wire.request_rules import (
+from switchboard.wire.field_rules import (
+    MAX_ENGINE_REQUEST_ID_CHARS,
     MAX_LOGPROBS,
+    MAX_REQUEST_ID_CHARS,
     MAX_TOKEN_LIST,
-    RequestRuleError,
-    check_engine_request,
 )
+from switchboard.wire.request_rules import RequestRuleError, check_engine_request
 
 VOCAB, MAX_LEN = 1000, 128
 
@@ -49,6 +50,11 @@ def test_a_gateway_built_request_passes() -> None:
     )
     pooled = EngineCoreRequest("e", [1, 2], pooling_params=PoolingParams(dimensions=8))
     check_engine_request(pooled, VOCAB, MAX_LEN)
+    # The gateway's ids for the sequences of a call with the longest id the API takes.
+    child_id = f"63_{'r' * MAX_REQUEST_ID_CHARS}"
+    check_engine_request(
+        EngineCoreRequest(child_id, [1], sampling_params=SamplingParams()), VOCAB, MAX_LEN
+    )
 
 
 @pytest.mark.parametrize(
@@ -62,7 +68,12 @@ def test_a_gateway_built_request_passes() -> None:
             EngineCoreRequest("r", [1] * (MAX_LEN + 1), sampling_params=SamplingParams()),
         ),
         ("request_id", EngineCoreRequest("", [1], sampling_params=SamplingParams())),
-        ("request_id", EngineCoreRequest("x" * 257, [1], sampling_params=SamplingParams())),
+        (
+            "request_id",
+            EngineCoreRequest(
+                "x" * (MAX_ENGINE_REQUEST_ID_CHARS + 1), [1], sampling_params=SamplingParams()
+            ),
+        ),
         ("sampling_params", EngineCoreRequest("r", [1])),
         ("priority", EngineCoreRequest("r", [1], sampling_params=SamplingParams(), priority=2**40)),
         (
@@ -92,6 +103,16 @@ def test_a_gateway_built_request_passes() -> None:
         ("sampling_params.logit_bias[3]", _request(logit_bias={3: 101.0})),
         ("sampling_params.bad_words_token_ids[0]", _request(bad_words_token_ids=[[]])),
         ("sampling_params.bad_words_token_ids[1]", _request(bad_words_token_ids=[[1], [VOCAB]])),
+        (
+            "sampling_params.bad_words_token_ids",
+            _request(bad_words_token_ids=[[1]] * (MAX_TOKEN_LIST + 1)),
+        ),
+        (
+            "sampling_params.bad_words_token_ids[1]",
+            _request(bad_words_token_ids=[[1], [2] * (MAX_TOKEN_LIST + 1)]),
+        ),
+        ("sampling_params.stop_token_ids", _request(stop_token_ids=[1] * (MAX_TOKEN_LIST + 1))),
+        ("sampling_params.logit_bias", _request(logit_bias=dict.fromkeys(range(5000), 0.0))),
         ("sampling_params.logprobs", _request(logprobs=10**6)),
         ("sampling_params.logprobs", _request(logprobs=-1)),
         ("sampling_params.prompt_logprobs", _request(prompt_logprobs=MAX_LOGPROBS + 1)),

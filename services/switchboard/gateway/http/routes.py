@@ -30,8 +30,8 @@ from switchboard.gateway.http.openai_request import (
 from switchboard.gateway.http.openai_response import ChatShaper, CompletionShaper, Shaper
 from switchboard.gateway.http.sse import open_stream, send_done, send_event
 from switchboard.gateway.pipeline.generate_call import GenerateCalls
-from switchboard.gateway.pipeline.validation import MAX_REQUEST_ID_CHARS
 from switchboard.gateway.state import GatewayState
+from switchboard.wire.field_rules import MAX_REQUEST_ID_CHARS
 
 REQUEST_ID_HEADER = "X-Request-Id"
 # GenerateRequest field -> OpenAI parameter, where the names differ (errors/openai_param).

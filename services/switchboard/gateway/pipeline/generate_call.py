@@ -3,11 +3,12 @@
 Both fronts turn their request into a ``pb.GenerateRequest`` and run it here, so validation,
 tokenization, the engine client, ``n`` > 1 grouping, metrics and spans are one code path::
 
-    async with calls.open(request, request_id, arrival_time, context) as call:  # plan + ADD
+    async with calls.open(request, request_id, arrival_time, context) as call:  # check + ADD
         async for response in call.responses():
             ...
 
-``open`` raises ``ApiError`` before anything reaches an engine when the request is invalid.
+``open`` checks the request in one pass (``prepare.py``) and raises ``ApiError`` before anything
+reaches an engine when it is invalid.
 However the block is left (normally, an ``ApiError``, the client cancelling or disconnecting,
 the front's own error), the call is reported to the observer, and unless it ran to its end its
 sequences are ABORTed in the engine at once. ``GenerateCalls`` also remembers the calls in
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import AsyncIterator, Iterable
 from typing import Any, Protocol
@@ -27,29 +29,16 @@ import grpc
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.gateway.admission import Ticket
 from switchboard.gateway.auth import Credentials
-from switchboard.gateway.chat.prompt import chat_prompt_token_ids
 from switchboard.gateway.engines.types import RequestEvent
 from switchboard.gateway.errors import ApiError
 from switchboard.gateway.observability.observer import RequestObserver
-from switchboard.gateway.pipeline.bad_words import tokenize_bad_words
 from switchboard.gateway.pipeline.coalesce import coalesce
 from switchboard.gateway.pipeline.generate_stream import GenerateStream
-from switchboard.gateway.pipeline.request_bounds import (
-    check_data_parallel_rank,
-    check_text_bytes,
-    prompt_bytes,
-)
+from switchboard.gateway.pipeline.prepare import PreparedGenerate, prepare_generate
 from switchboard.gateway.pipeline.sequence_group import (
     SequenceGroup,
     child_requests,
     submit_children,
-)
-from switchboard.gateway.pipeline.structured_output import check_structured_output_plan
-from switchboard.gateway.pipeline.validation import (
-    GeneratePlan,
-    build_engine_request,
-    plan_generate,
-    resolve_prompt,
 )
 from switchboard.gateway.state import GatewayState
 
@@ -81,14 +70,7 @@ class _LiveRequest:
 class GenerateCall:
     """A submitted call: its sequence group and the responses it makes."""
 
-    def __init__(
-        self,
-        calls: GenerateCalls,
-        group: SequenceGroup,
-        observer: RequestObserver,
-        ticket: Ticket,
-    ) -> None:
-        self._state = calls.state
+    def __init__(self, group: SequenceGroup, observer: RequestObserver, ticket: Ticket) -> None:
         self.group = group
         self._observer = observer
         self._ticket = ticket
@@ -118,11 +100,7 @@ class GenerateCall:
 
     def _handle(self, index: int, event: RequestEvent) -> pb.GenerateResponse | None:
         self._observer.on_event(event)
-        response = self.group.handle(index, event)
-        stopped = self.group.take_stopped_request_ids()
-        if stopped:
-            self._state.engines.abort(stopped, "stop string")
-        return response
+        return self.group.handle(index, event)
 
 
 class GenerateCalls:
@@ -144,7 +122,8 @@ class GenerateCalls:
         arrival_time: float,
         context: CallContext,
     ) -> AsyncIterator[GenerateCall]:
-        """Plan, tokenize and ADD the request; yield the call (see the module docstring)."""
+        """Check the request (``prepare.py``) and ADD it; yield the call (see the module
+        docstring)."""
         if request_id in self._live:
             raise ApiError(
                 grpc.StatusCode.ALREADY_EXISTS,
@@ -161,22 +140,19 @@ class GenerateCalls:
         failed = False
         observer = state.observability.begin(request_id, arrival_time, context)
         try:
-            if not state.facts.tasks.can_generate:
-                raise ApiError(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"model {state.facts.name!r} is an encoder: it serves Embed only",
-                    reason="TASK_NOT_SUPPORTED",
-                )
-            self._check_bounds(request)
-            plan = plan_generate(request, request_id, state.facts, state.chat_template)
-            group = await self._submit(
-                plan, arrival_time, context, observer=observer, ticket=ticket
+            prepared = await prepare_generate(
+                request,
+                request_id,
+                state,
+                arrival_time=arrival_time,
+                trace_context=_trace_context(context),
             )
+            group = await self._submit(prepared, context, observer=observer, ticket=ticket)
             observer.submitted(group.engine)
             live.engine_request_ids = group.request_ids
             if live.aborted:  # the Abort RPC came while the prompt was being tokenized
                 state.engines.abort(group.request_ids, "Abort RPC")
-            call = GenerateCall(self, group, observer, ticket)
+            call = GenerateCall(group, observer, ticket)
             yield call
         except ApiError:
             failed = True  # the engine client already forgot a failed request
@@ -193,20 +169,6 @@ class GenerateCalls:
                 # Cancelled, disconnected or past its deadline: free the engine's slot now.
                 state.engines.abort(group.request_ids, "client cancelled or deadline")
                 logger.info("request %s: client went away; sent ABORT", request_id)
-
-    def _check_bounds(self, request: pb.GenerateRequest) -> None:
-        """What bounds the work before any of it: the prompt's bytes, the pinned rank."""
-        state = self.state
-        if state.longest_token_bytes:
-            check_text_bytes(
-                "messages" if request.messages else "text",
-                prompt_bytes(request),
-                state.max_prompt_bytes,
-            )
-        if request.HasField("data_parallel_rank"):
-            check_data_parallel_rank(
-                request.data_parallel_rank, state.config.num_engines, state.engines.engines
-            )
 
     def abort(
         self, request_ids: Iterable[str], reason: str, context: CallContext | None = None
@@ -229,58 +191,41 @@ class GenerateCalls:
 
     async def _submit(
         self,
-        plan: GeneratePlan,
-        arrival_time: float,
+        prepared: PreparedGenerate,
         context: CallContext,
         *,
         observer: RequestObserver,
         ticket: Ticket,
     ) -> SequenceGroup:
-        """Tokenize and check; ADD the request's n sequences to the engines."""
+        """ADD the checked request's n sequences to the engines."""
         state = self.state
-        if not state.engines.routable_engines and not state.engines.restart_expected:
-            state.engines.check_routable()  # UNAVAILABLE, saying why (e.g. a stalled worker)
-        if plan.chat is not None and state.chat_template is not None:
-            token_ids = await state.in_pool(
-                chat_prompt_token_ids, state.chat_template, state.tokenizer, plan.chat
-            )
-        elif plan.prompt_text is not None:
-            token_ids = await state.in_pool(state.tokenizer.encode, plan.prompt_text)
-        else:
-            token_ids = plan.prompt_token_ids or []
-        facts = state.facts
-        prompt_token_ids = resolve_prompt(plan, token_ids, facts)
-        if plan.structured_output is not None:  # a bad grammar is refused before ADD
-            await state.in_pool(check_structured_output_plan, plan.structured_output)
+        plan, prompt_token_ids = prepared.plan, prepared.prompt_token_ids
         ticket.queue_prompt(len(prompt_token_ids) * plan.n)  # admission: waits for prefill now
-        bad_words_token_ids = None
-        if plan.bad_words:
-            bad_words_token_ids = await state.in_pool(
-                tokenize_bad_words, state.tokenizer, plan.bad_words, facts.vocab_size
-            )
-        metadata = dict(context.invocation_metadata() or ())
-        trace_context = {k: metadata[k] for k in _TRACE_HEADERS if k in metadata} or None
-        engine_request = build_engine_request(
-            plan,
-            prompt_token_ids,
-            facts,
-            client_index=state.config.client_index,
-            arrival_time=arrival_time,
-            trace_context=trace_context,
-            bad_words_token_ids=bad_words_token_ids,
-        )
         # an engine that died is being restarted: wait for it (bounded by the call's deadline)
         await state.engines.wait_until_routable(context.time_remaining())
-        observer.submitting(plan, engine_request)  # with tracing: the engine's trace context
+        observer.submitting(plan, prepared.engine_request)  # tracing: the engine's context
         channels = submit_children(
             state.engines.add_request,
             state.engines.abort,
-            child_requests(engine_request, plan.n),
+            child_requests(prepared.engine_request, plan.n),
         )
         streams = [
             GenerateStream(
-                plan, prompt_token_ids, state.tokenizer, index, state.config.gateway.stream_interval
+                plan,
+                prompt_token_ids,
+                state.tokenizer,
+                index,
+                state.config.gateway.stream_interval,
+                abort_engine=functools.partial(
+                    state.engines.abort, [channel.request_id], "stop string"
+                ),
             )
-            for index in range(len(channels))
+            for index, channel in enumerate(channels)
         ]
         return SequenceGroup(streams, channels, observer.timeline)
+
+
+def _trace_context(context: CallContext) -> dict[str, str] | None:
+    """The caller's W3C trace headers, for the engine's spans."""
+    metadata = dict(context.invocation_metadata() or ())
+    return {k: metadata[k] for k in _TRACE_HEADERS if k in metadata} or None

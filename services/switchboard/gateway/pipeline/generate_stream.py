@@ -1,7 +1,8 @@
 """One Generate call: engine outputs in, GenerateResponse messages out.
 
 Holds the per-request state (text so far, token counts, engine event timestamps) and decides,
-per engine step, what the client gets according to its OutputKind:
+per engine step, what the client gets according to its OutputKind (and when a stop string ends
+the sequence, in the gateway, sends the engine its ABORT):
 
 * DELTA: the new text / token ids of each step (steps with nothing new send nothing);
 * CUMULATIVE: everything so far, whenever something is new;
@@ -18,6 +19,8 @@ connection and the client.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import grpc
 
@@ -51,8 +54,11 @@ class GenerateStream:
         tokenizer: Tokenizer,
         index: int = 0,
         stream_interval: int = 1,
+        *,
+        abort_engine: Callable[[], object],
     ) -> None:
         self.plan = plan
+        self._abort_engine = abort_engine  # ABORT this sequence in the engine
         self._stream_interval = stream_interval
         # What the interval holds back since the last message sent (stream_interval > 1).
         self._held_text = ""
@@ -82,11 +88,6 @@ class GenerateStream:
     def finished(self) -> bool:
         return self.finish_reason != pb.FINISH_REASON_UNSPECIFIED
 
-    @property
-    def stopped_by_string(self) -> bool:
-        """The gateway ended it (stop string): the engine still runs it and needs an ABORT."""
-        return self._text is not None and self._text.stopped
-
     def handle(self, event: RequestEvent) -> pb.GenerateResponse | None:
         """Feed one event of the request's channel; return the message to send, if any."""
         if isinstance(event, RequestFailed):
@@ -112,7 +113,9 @@ class GenerateStream:
                 f"the engine failed request {self.plan.request_id!r}{why}",
                 reason="ENGINE_REQUEST_ERROR",
             )
-        if self.stopped_by_string:
+        if self._text is not None and self._text.stopped:
+            # A stop string ended the sequence here, in the gateway: the engine still runs it.
+            self._abort_engine()
             return self._finish(pb.FINISH_REASON_STOP, new_text, new_ids, new_logprobs)
         if output.finish_reason is not None:
             if isinstance(output.stop_reason, int):

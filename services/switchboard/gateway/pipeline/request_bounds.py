@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.gateway.errors import invalid_argument
 from switchboard.gateway.text import Tokenizer
-from switchboard.wire.request_rules import MAX_REQUEST_ID_CHARS
+from switchboard.wire.field_rules import MAX_REQUEST_ID_CHARS
 
 MAX_MODEL_CHARS = 256
 MAX_LABELS = 64

@@ -87,7 +87,6 @@ class SequenceGroup:
         self._kind = streams[0].plan.output_kind
         self._sent_first = False
         self._finals: dict[int, pb.GenerateResponse] = {}
-        self._stop_aborted: set[int] = set()
         self._pending: dict[int, asyncio.Task] = {}
 
     @property
@@ -123,15 +122,6 @@ class SequenceGroup:
         for task in self._pending.values():
             task.cancel()
         self._pending.clear()
-
-    def take_stopped_request_ids(self) -> list[str]:
-        """Sequences a stop string ended since the last call: the engine needs an ABORT."""
-        stopped = []
-        for i, stream in enumerate(self.streams):
-            if stream.stopped_by_string and i not in self._stop_aborted:
-                self._stop_aborted.add(i)
-                stopped.append(self.request_ids[i])
-        return stopped
 
     # -- responses out ------------------------------------------------------------------------
 

@@ -21,11 +21,11 @@ from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.gateway.errors import invalid_argument
 from switchboard.structured_output import (
     MAX_CHOICES,
-    MAX_SPEC_CHARS,
     StructuredOutputError,
     check_structured_output,
 )
 from switchboard.wire.engine_msgs import StructuredOutputParams
+from switchboard.wire.field_rules import STRUCTURED_SPEC
 
 FIELD = "structured_output"
 
@@ -54,14 +54,20 @@ def plan_structured_output(so: pb.StructuredOutput) -> StructuredOutputParams | 
         spec = getattr(so, kind)
         if not spec.strip():
             raise invalid_argument(field, f"{field}: must not be empty")
-    if len(spec) > MAX_SPEC_CHARS:
-        raise invalid_argument(field, f"{field}: at most {MAX_SPEC_CHARS} characters")
+    _check_spec_size(field, spec)
     if kind in ("json_schema", "structural_tag"):
         try:
             json.loads(spec)
         except ValueError as exc:
             raise invalid_argument(field, f"{field}: not valid JSON ({exc})") from None
     return StructuredOutputParams(kind, spec)
+
+
+def _check_spec_size(field: str, spec: str) -> None:
+    """The engine's bound on a spec (``wire/field_rules.py``), on the field it was made from."""
+    error = STRUCTURED_SPEC.api_message(field, len(spec))
+    if error is not None:
+        raise invalid_argument(field, error)
 
 
 def check_structured_output_plan(params: StructuredOutputParams) -> None:
@@ -99,11 +105,7 @@ def from_openai_response_format(response_format: Any) -> StructuredOutputParams 
                 "response_format.json_schema.schema: a JSON Schema object",
             )
         spec = json.dumps(schema)
-        if len(spec) > MAX_SPEC_CHARS:
-            raise invalid_argument(
-                "response_format.json_schema.schema",
-                f"response_format.json_schema.schema: at most {MAX_SPEC_CHARS} characters",
-            )
+        _check_spec_size("response_format.json_schema.schema", spec)
         return StructuredOutputParams("json_schema", spec)
     raise invalid_argument(
         "response_format.type",

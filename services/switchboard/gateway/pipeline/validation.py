@@ -1,10 +1,11 @@
-"""GenerateRequest -> EngineCoreRequest, or INVALID_ARGUMENT naming the field and the rule.
+"""The steps of ``prepare.py`` that need no gateway state: GenerateRequest -> GeneratePlan ->
+EngineCoreRequest, or INVALID_ARGUMENT naming the field and the rule.
 
-Validation runs in two halves around tokenization: ``plan_generate`` checks everything that does
-not need the prompt's tokens (cheap, on the event loop), ``build_engine_request`` checks lengths
-and token ids once the prompt is tokenized. The rules of the sampling knobs themselves live in
-``sampling_validation.py``; those of structured output in ``structured_output.py`` (whose
-grammar check runs in the thread pool before ADD). Knobs the engine cannot honour yet
+``plan_generate`` checks everything that does not need the prompt's tokens: the wire's rules on
+single fields and the API's own (``api_field_rules.py``), structured output's
+(``structured_output.py``, whose grammar check runs in the thread pool later). Once the prompt
+is tokenized, ``resolve_prompt`` truncates and checks it, and ``build_engine_request`` fits
+max_tokens / min_tokens into the room it leaves. Knobs the engine cannot honour yet
 (extra_args) are rejected, not silently ignored.
 """
 
@@ -18,13 +19,13 @@ from switchboard.gateway.chat.prompt import ChatPrompt, plan_chat
 from switchboard.gateway.chat.template import ChatTemplate
 from switchboard.gateway.errors import invalid_argument, model_not_found, not_supported
 from switchboard.gateway.model_facts import ModelFacts
-from switchboard.gateway.pipeline.request_bounds import check_model_name
-from switchboard.gateway.pipeline.sampling_validation import (
-    check_logprobs,
+from switchboard.gateway.pipeline.api_field_rules import (
+    check_fields,
+    check_ids,
     check_repetition_detection,
     check_sampling,
-    check_token_ids,
 )
+from switchboard.gateway.pipeline.request_bounds import check_model_name
 from switchboard.gateway.pipeline.structured_output import plan_structured_output
 from switchboard.wire.engine_msgs import (
     EngineCoreRequest,
@@ -32,7 +33,7 @@ from switchboard.wire.engine_msgs import (
     SamplingParams,
     StructuredOutputParams,
 )
-from switchboard.wire.request_rules import MAX_REQUEST_ID_CHARS
+from switchboard.wire.field_rules import MAX_REQUEST_ID_CHARS, PROMPT_IN_VOCABULARY
 
 _OUTPUT_KINDS = frozenset(pb.OutputKind.values())
 
@@ -98,10 +99,6 @@ def check_model(model: str, facts: ModelFacts) -> None:
 
 
 def _check_stopping(st: pb.StoppingCriteria) -> None:
-    if st.HasField("max_tokens") and st.max_tokens < 1:
-        raise invalid_argument(
-            "stopping.max_tokens", f"stopping.max_tokens must be >= 1, got {st.max_tokens}"
-        )
     if st.HasField("max_tokens") and st.min_tokens > st.max_tokens:
         raise invalid_argument(
             "stopping.min_tokens",
@@ -116,7 +113,6 @@ def _check_stopping(st: pb.StoppingCriteria) -> None:
 def _check_output(o: pb.OutputOptions) -> None:
     if o.kind not in _OUTPUT_KINDS:
         raise invalid_argument("output.kind", f"output.kind: unknown OutputKind value {o.kind}")
-    check_logprobs(o)
 
 
 def _check_prompt(request: pb.GenerateRequest, is_chat: bool) -> None:
@@ -149,7 +145,8 @@ def plan_generate(
     check_model(request.model, facts)
     chat = plan_chat(request, chat_template, facts.name)
     _check_prompt(request, chat is not None)
-    check_sampling(request.sampling, facts.vocab_size)
+    check_fields(request, facts.vocab_size)
+    check_sampling(request.sampling)
     _check_stopping(request.stopping)
     _check_output(request.output)
     structured_output = plan_structured_output(request.structured_output)
@@ -167,7 +164,6 @@ def plan_generate(
         if st.HasField("repetition_detection")
         else None
     )
-    check_token_ids("stopping.stop_token_ids", list(st.stop_token_ids), facts.vocab_size)
     return GeneratePlan(
         request_id=request_id,
         prompt_text=request.text if request.WhichOneof("prompt") == "text" else None,
@@ -223,7 +219,7 @@ def resolve_prompt(plan: GeneratePlan, token_ids: list[int], facts: ModelFacts) 
     if not token_ids:
         raise invalid_argument(field, f"{field}: the prompt has no tokens after tokenization")
     if plan.prompt_token_ids is not None:
-        check_token_ids("token_ids.ids", token_ids, facts.vocab_size)
+        check_ids(PROMPT_IN_VOCABULARY, "token_ids.ids", token_ids, facts.vocab_size)
     if len(token_ids) >= facts.max_model_len:
         raise invalid_argument(
             field,

@@ -1,4 +1,5 @@
-"""GenerationService: Generate, Abort, Tokenize, Detokenize; Embed (in ``embedding.py``)."""
+"""GenerationService: Generate, Abort, Embed, Tokenize, Detokenize (the Generate and Embed calls
+themselves run in ``pipeline/``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import grpc
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
 from switchboard.gateway.errors import invalid_argument, maps_api_errors
+from switchboard.gateway.pipeline.embed_call import embed
 from switchboard.gateway.pipeline.generate_call import GenerateCalls
 from switchboard.gateway.pipeline.request_bounds import (
     check_labels,
@@ -22,7 +24,6 @@ from switchboard.gateway.pipeline.request_bounds import (
     check_text_bytes,
 )
 from switchboard.gateway.pipeline.validation import check_model
-from switchboard.gateway.servicers.embedding import Embedder
 from switchboard.gateway.state import GatewayState
 
 logger = logging.getLogger(__name__)
@@ -34,7 +35,6 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     def __init__(self, state: GatewayState, calls: GenerateCalls | None = None) -> None:
         self._state = state
         self._calls = calls if calls is not None else GenerateCalls(state)  # shared with HTTP
-        self._embedder = Embedder(state)
 
     @maps_api_errors
     async def Generate(
@@ -74,10 +74,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             logger.info("Abort RPC (%s): aborted %s", request.reason or "no reason given", aborted)
         return response
 
+    @maps_api_errors
     async def Embed(
         self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext
     ) -> pb.EmbedResponse:
-        return await self._embedder.embed(request, context)
+        return await embed(self._state, request, context.time_remaining())
 
     @maps_api_errors
     async def Tokenize(
