@@ -173,7 +173,8 @@ class GatewayConfig(Config, frozen=True):
     metrics_token_file: Annotated[
         str,
         Flag(
-            "the bearer token /metrics asks for, read from this file (instead of --metrics-token)",
+            "the bearer token /metrics asks for, read from this file (instead of --metrics-token) "
+            "(default: none)",
             Group.SECURITY,
             metavar="FILE",
             path=True,
