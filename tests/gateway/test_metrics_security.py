@@ -19,9 +19,10 @@ from tls_certs import Certs, make_certs
 
 from switchboard import cli
 from switchboard.cli import serve
-from switchboard.config import METRICS_TOKEN_ENV, GatewayConfig
+from switchboard.config import METRICS_TOKEN_ENV, GatewayConfig, GatewayRoleConfig, ModelConfig
 from switchboard.gateway.auth import Credentials
 from switchboard.gateway.server import GatewayServer
+from switchboard.launcher import server_addresses
 
 TOKEN = "scrape-token-0123456789"
 API_KEY = "api-key-0123456789"
@@ -170,3 +171,12 @@ def test_the_metrics_token_reaches_the_gateway(
     assert Credentials.load(gateway).metrics_token == TOKEN
     from_file = GatewayConfig(metrics_port=9100, metrics_token_file=str(token_file))
     assert Credentials.load(from_file, {}).metrics_token == TOKEN
+
+
+def test_the_ready_line_names_https_metrics_under_tls(certs: Certs) -> None:
+    gateway = GatewayConfig(host="127.0.0.1", port=1, metrics_port=9100, **tls_fields(certs))
+    config = GatewayRoleConfig(model=ModelConfig(model="/m"), gateway=gateway)
+    assert server_addresses([config]) == [
+        ("gRPC", "127.0.0.1:1"),
+        ("metrics", "https://127.0.0.1:9100/metrics"),
+    ]
