@@ -65,7 +65,7 @@ from switchboard.wire.request_rules import check_engine_request
 from switchboard.wire.step_msgs import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-warnings = WarningLimit(logger)  # a client can have its requests refused on purpose
+limited = WarningLimit(logger)  # a client can have its requests refused on purpose
 
 T = TypeVar("T")
 
@@ -246,7 +246,7 @@ class EngineCore:
 
     def _reject(self, request_id: str, client_index: int, error: Exception) -> None:
         """End one request with ERROR (called from the input thread or the busy loop)."""
-        warnings.warning("rejected request", "Rejected request %.300r: %s", request_id, error)
+        limited.warning("rejected request", "Rejected request %.300r: %s", request_id, error)
         failed = EngineCoreOutput(
             request_id, finish_reason=FinishReason.ERROR, stop_reason=str(error)[:1000]
         )

@@ -50,7 +50,7 @@ from switchboard.wire.engine_msgs import (
 )
 
 logger = logging.getLogger(__name__)
-warnings = WarningLimit(logger)
+limited = WarningLimit(logger)
 
 POLL_INTERVAL_MS = 100  # how often an idle input thread checks whether it should stop
 DEAD_LINGER_MS = 4000  # a PUSH keeps unsent frames this long at close, so the last word arrives
@@ -190,7 +190,7 @@ class InputThread(_GatewaySocketThread):
                 [frame.buffer for frame in frames]
             )
         except zmq_channel.BadFrame as exc:
-            warnings.warning("bad request frame", "Dropped a bad request frame: %s", exc)
+            limited.warning("bad request frame", "Dropped a bad request frame: %s", exc)
             return
         if request_type == RequestType.ADD:
             prepared = self._prepare_add(body)
@@ -202,7 +202,7 @@ class InputThread(_GatewaySocketThread):
         elif request_type == RequestType.UTILITY:
             self._input_queue.put((RequestType.UTILITY, body))
         else:
-            warnings.warning(
+            limited.warning(
                 "bad request frame",
                 "Dropped a %s frame: not handled by this engine",
                 request_type.name,

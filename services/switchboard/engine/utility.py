@@ -24,7 +24,7 @@ from switchboard.log_limits import WarningLimit
 from switchboard.wire.engine_msgs import UtilityCall, UtilityOutput
 
 logger = logging.getLogger(__name__)
-warnings = WarningLimit(logger)
+limited = WarningLimit(logger)
 
 
 class UtilityTarget(Protocol):
@@ -96,7 +96,7 @@ def run_utility(core: UtilityTarget, call: UtilityCall) -> UtilityOutput:
     """Run one allow-listed utility; every failure becomes a failure reply."""
     method = UTILITIES.get(call.method_name)
     if method is None:
-        warnings.warning(
+        limited.warning(
             "refused utility call",
             "Refused UTILITY call %r: not on the allow-list",
             call.method_name,

@@ -35,7 +35,7 @@ from switchboard.gateway.errors import ApiError
 from switchboard.log_limits import WarningLimit
 
 logger = logging.getLogger(__name__)
-warnings = WarningLimit(logger)
+limited = WarningLimit(logger)
 
 AUTHORIZATION = "authorization"
 _BEARER = "bearer "
@@ -178,7 +178,7 @@ def log_refusal(what: str, error: ApiError) -> None:
     if error.message.startswith("missing"):
         logger.debug("refused %s: %s", what, error.message)
     else:
-        warnings.warning(error.message, "refused %s: %s", what, error.message)
+        limited.warning(error.message, "refused %s: %s", what, error.message)
 
 
 def _refusal(error: ApiError, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:

@@ -19,7 +19,7 @@ import grpc
 from switchboard.log_limits import WarningLimit
 
 logger = logging.getLogger(__name__)
-warnings = WarningLimit(logger)
+limited = WarningLimit(logger)
 
 
 class _Malformed:
@@ -29,7 +29,7 @@ class _Malformed:
 
 
 async def _reject(method: str, request: _Malformed, context: grpc.aio.ServicerContext) -> None:
-    warnings.warning(
+    limited.warning(
         "malformed request",
         "malformed request to %s from %s (%d bytes): %s",
         method,

@@ -27,7 +27,7 @@ from switchboard.wire.curve import CurveKeys
 from switchboard.wire.engine_msgs import GatewayAddresses
 
 logger = logging.getLogger(__name__)
-warnings = WarningLimit(logger)  # anyone who reaches the port can send anything
+limited = WarningLimit(logger)  # anyone who reaches the port can send anything
 
 
 def port_of(address: str) -> int:
@@ -60,7 +60,7 @@ class HandshakeServer:
             while True:
                 frames = await self._sock.recv_multipart()
                 if len(frames) != 2:
-                    warnings.warning(
+                    limited.warning(
                         "bad GatewayHello", "dropped a handshake message of %d frames", len(frames)
                     )
                     continue
@@ -68,7 +68,7 @@ class HandshakeServer:
                 try:
                     hello = GATEWAY_HELLO.decode(body)
                 except DecodeError as exc:
-                    warnings.warning("bad GatewayHello", "dropped a bad GatewayHello: %s", exc)
+                    limited.warning("bad GatewayHello", "dropped a bad GatewayHello: %s", exc)
                     continue
                 if self._engines_seen.get(hello.engine_index) != hello.engine_id:
                     self._engines_seen[hello.engine_index] = hello.engine_id

@@ -22,7 +22,7 @@ from switchboard.log_limits import WarningLimit
 from switchboard.wire.engine_msgs import EngineCoreOutputs, EngineDead, EngineReady
 
 logger = logging.getLogger(__name__)
-warnings = WarningLimit(logger)
+limited = WarningLimit(logger)
 
 
 class EngineMembership:
@@ -136,7 +136,7 @@ class EngineMembership:
         (the outputs are dropped) unless it is ready here."""
         engine = self.engines.get(outputs.engine_index)
         if engine is None or not engine.alive:
-            warnings.warning(
+            limited.warning(
                 "outputs of an engine not ready",
                 "dropped outputs from engine index %d: not ready",
                 outputs.engine_index,

@@ -38,7 +38,7 @@ from switchboard.wire.engine_msgs import (
 )
 
 logger = logging.getLogger(__name__)
-warnings = WarningLimit(logger)  # what arrives may come from anyone who reaches the ports
+limited = WarningLimit(logger)  # what arrives may come from anyone who reaches the ports
 
 
 class EngineSockets:
@@ -185,7 +185,7 @@ class EngineSockets:
         while True:
             frames = await self._router.recv_multipart(copy=False)
             if len(frames) != 2:
-                warnings.warning(
+                limited.warning(
                     "bad READY",
                     "dropped a ROUTER message of %d frames (want 2: READY)",
                     len(frames),
@@ -195,7 +195,7 @@ class EngineSockets:
             try:
                 ready = zmq_channel.parse_ready(body.buffer)
             except zmq_channel.BadFrame as exc:
-                warnings.warning("bad READY", "dropped a bad READY from %r: %s", identity, exc)
+                limited.warning("bad READY", "dropped a bad READY from %r: %s", identity, exc)
                 continue
             if self._key_may_be(body, ready.data_parallel_rank, "READY"):
                 on_ready(identity, ready)
@@ -214,7 +214,7 @@ class EngineSockets:
             try:
                 outputs, _ = zmq_channel.parse_output_frames(frames)
             except zmq_channel.BadFrame as exc:
-                warnings.warning("bad output frame", "dropped a bad output frame: %s", exc)
+                limited.warning("bad output frame", "dropped a bad output frame: %s", exc)
                 continue
             if outputs is None:
                 dead = zmq_channel.parse_engine_dead(frames)
