@@ -21,7 +21,6 @@ this gateway sees it, and one INFO line once none is paused any more.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -31,13 +30,6 @@ from switchboard.gateway.engines.types import EngineHandle, RequestChannel
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
-class _Pause:
-    """Streams of one engine paused since the WARNING: how many in all."""
-
-    streams: int
-
-
 class StreamStalls:
     def __init__(
         self, stall_warn_s: float, channels: Callable[[], Iterable[RequestChannel]]
@@ -45,7 +37,9 @@ class StreamStalls:
         self.stall_warn_s = stall_warn_s
         self.on_stalled: Callable[[EngineHandle], None] = lambda _engine: None
         self._channels = channels
-        self._pauses: dict[str, _Pause] = {}  # by engine id
+        # By engine id, while any of its streams is paused: how many have paused since the
+        # WARNING that opened it.
+        self._pauses: dict[str, int] = {}
 
     async def run(self) -> None:
         if self.stall_warn_s <= 0:
@@ -72,18 +66,16 @@ class StreamStalls:
                 newly[engine.engine_id] = newly.get(engine.engine_id, 0) + 1
                 self.on_stalled(engine)
         for engine_id, channels in paused.items():
-            pause = self._pauses.get(engine_id)
-            if pause is not None:
-                pause.streams += newly.get(engine_id, 0)
-                continue
-            self._pauses[engine_id] = _Pause(len(channels))
-            _warn(channels, now, self.stall_warn_s)
+            if engine_id in self._pauses:
+                self._pauses[engine_id] += newly.get(engine_id, 0)
+            else:
+                self._pauses[engine_id] = len(channels)
+                _warn(channels, now, self.stall_warn_s)
         for engine_id in [e for e in self._pauses if e not in paused]:
-            pause = self._pauses.pop(engine_id)
             logger.info(
                 "engine %s: no stream is paused any more (%d stream(s) paused in all)",
                 engine_id,
-                pause.streams,
+                self._pauses.pop(engine_id),
             )
 
 
