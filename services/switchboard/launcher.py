@@ -158,7 +158,8 @@ def server_addresses(gateways: list[GatewayRoleConfig]) -> list[tuple[str, str]]
     if first.metrics_port:  # (0: ephemeral ports, which the gateways log themselves)
         for cfg in gateways:  # gateway i serves /metrics on --metrics-port + i
             port = first.metrics_port + cfg.client_index
-            addresses.append(("metrics", f"http://{_host_port(first.host, port)}/metrics"))
+            scheme = "https" if tls_enabled(first) else "http"
+            addresses.append(("metrics", f"{scheme}://{_host_port(first.host, port)}/metrics"))
     return addresses
 
 

@@ -60,9 +60,12 @@ def utility(
     return json_format.MessageToDict(result.result) if result.HasField("result") else None
 
 
-def scrape(port: int) -> dict[tuple[str, frozenset], float]:
-    """One scrape of ``/metrics``: (sample name, labels) -> value."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
+def scrape(port: int, token: str = "") -> dict[tuple[str, frozenset], float]:
+    """One scrape of ``/metrics`` (with the metrics ``token`` if given): (sample name, labels)
+    -> value."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers=headers)
+    with urllib.request.urlopen(request, timeout=30) as reply:
         text = reply.read().decode()
     return {
         (sample.name, frozenset(sample.labels.items())): sample.value

@@ -7,13 +7,19 @@ One real server (`switchboard serve`, tiny checkpoint) for the module, with:
   (every engine timestamp, READY's anchor included, is 30 hours ahead of the real clock): the
   spans must still fall where the request really spent its time;
 * 10 KV blocks, so that requests sent together preempt one another;
-* ``--metrics-port`` for /metrics, and the admin service to hold requests while the engine
-  sleeps (the only way to make "all at once" certain).
+* ``--metrics-port`` for /metrics behind ``--metrics-token``, and the admin service to hold
+  requests while the engine sleeps (the only way to make "all at once" certain);
+* ``--stall-warn-s 0.5``: a stream held up by a frozen engine is counted and logged.
 """
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,6 +40,8 @@ pytestmark = pytest.mark.slow
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "observability.md"
 RPC_TIMEOUT_S = 120.0
 CLOCK_OFFSET_NS = 30 * 3600 * 10**9  # the engine's clock runs 30 h ahead
+METRICS_TOKEN = "e2e-metrics-token"
+STALL_WARN_S = 0.5
 MS = 1_000_000
 GENERATE = "switchboard.v1.GenerationService/Generate"
 TILING = [
@@ -78,6 +86,8 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Observed]:
             "--num-gpu-blocks-override", "10",
             "--otlp-traces-endpoint", receiver.endpoint,
             "--metrics-port", str(metrics_port),
+            "--metrics-token", METRICS_TOKEN,
+            "--stall-warn-s", str(STALL_WARN_S),
         )  # fmt: skip
     try:
         with server.channel() as channel:
@@ -281,18 +291,31 @@ def test_an_invalid_request_is_not_a_server_error(observed: Observed) -> None:
 # ---------------------------------------------------------------- metrics
 
 
+def metrics(observed: Observed) -> dict[tuple[str, frozenset], float]:
+    return scrape(observed.metrics_port, METRICS_TOKEN)
+
+
+def test_metrics_need_the_metrics_token(observed: Observed) -> None:
+    url = f"http://127.0.0.1:{observed.metrics_port}/metrics"
+    for headers in ({}, {"Authorization": "Bearer not-it"}):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=30)
+        assert refused.value.code == 401
+        assert refused.value.headers["WWW-Authenticate"] == "Bearer"
+    assert metric_sum(metrics(observed), "process_cpu_seconds_total") > 0
+
+
 def test_metrics_deltas_of_a_known_workload(observed: Observed) -> None:
-    port = observed.metrics_port
     running = "switchboard:num_requests_running"
-    wait_until(lambda: metric_sum(scrape(port), running) == 0, "the engine idles")
-    before = scrape(port)
+    wait_until(lambda: metric_sum(metrics(observed), running) == 0, "the engine idles")
+    before = metrics(observed)
     finals = [generate(observed.channel, greedy(p, f"metrics-{i}")) for i, p in enumerate(PROMPTS)]
     prompt_tokens = sum(f.usage.prompt_tokens for f in finals)
     cached = sum(f.usage.cached_prompt_tokens for f in finals)
     n, out = len(finals), 8 * len(finals)
 
     def settled() -> bool:
-        now = scrape(port)
+        now = metrics(observed)
         return (
             metric_sum(now, "switchboard:num_requests_running") == 0
             and metric_sum(now, "switchboard:iteration_tokens_total_count")
@@ -301,7 +324,7 @@ def test_metrics_deltas_of_a_known_workload(observed: Observed) -> None:
         )
 
     wait_until(settled, "the engine's stats arrive")
-    after = scrape(port)
+    after = metrics(observed)
 
     def delta(name: str, **labels: str) -> float:
         return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
@@ -340,6 +363,62 @@ def test_metrics_deltas_of_a_known_workload(observed: Observed) -> None:
     assert delta("gen_ai_server_time_to_first_token_seconds_count") == n
     assert delta("gen_ai_client_token_usage_sum", gen_ai_token_type="output") == out
     assert delta("gen_ai_client_token_usage_sum", gen_ai_token_type="input") == prompt_tokens
+
+
+class Streamed:
+    """A Generate stream on a thread: its tokens as they come, and whether it ended well."""
+
+    def __init__(self, observed: Observed, request_id: str) -> None:
+        self.tokens: list[int] = []
+        self.code: grpc.StatusCode | None = None
+        request = greedy_request(PROMPTS[0], 100, return_token_ids=True, request_id=request_id)
+        stub = pb_grpc.GenerationServiceStub(observed.channel)
+        self._call = stub.Generate(request, timeout=RPC_TIMEOUT_S)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for response in self._call:
+                self.tokens += [t for o in response.outputs for t in o.token_ids]
+            self.code = grpc.StatusCode.OK
+        except grpc.RpcError as error:
+            self.code = error.code()
+
+    def join(self) -> None:
+        self._thread.join(RPC_TIMEOUT_S)
+        assert self.code == grpc.StatusCode.OK
+
+
+def test_a_stream_held_up_by_a_frozen_engine_is_counted_and_logged_once(
+    observed: Observed,
+) -> None:
+    """SIGSTOP the engine core mid-stream for three times --stall-warn-s (far below the
+    heartbeat timeout: the engine stays alive): one pause counted, one WARNING naming the
+    stream with what the gateway knows of the engine, then the stream completes."""
+    stalls = "switchboard:request_stalls_total"
+    before = metric_sum(metrics(observed), stalls)
+    engine = observed.server.titled_processes()["switchboard::EngineCore_DP0"]
+    for attempt in range(5):  # on a loaded machine the stream may end before the stop
+        request_id = f"frozen-{attempt}"
+        stream = Streamed(observed, request_id)
+        wait_until(lambda s=stream: len(s.tokens) >= 3, "the stream is going")
+        os.kill(engine, signal.SIGSTOP)
+        try:
+            time.sleep(STALL_WARN_S * 3)
+        finally:
+            os.kill(engine, signal.SIGCONT)
+        stream.join()
+        if len(stream.tokens) == 100 and request_id in observed.server.log():
+            break
+    else:
+        raise AssertionError("every stream ended before the engine could be stopped")
+    assert metric_sum(metrics(observed), stalls) - before == 1
+    lines = [line for line in observed.server.log().splitlines() if repr(request_id) in line]
+    assert len(lines) == 1, lines
+    assert f"1 stream(s) got no token for more than {STALL_WARN_S:g}s" in lines[0]
+    assert "while the engine is alive; last heard from" in lines[0]
+    assert "its latest stats: running 1" in lines[0]
 
 
 # ---------------------------------------------------------------- first contact

@@ -72,6 +72,9 @@ class ScriptedEngine:
         # it is preempted (PREEMPTED, one step away, SCHEDULED again with the next token).
         self.schedule_delay_s: dict[str, float] = {}
         self.preempt_at_step: dict[str, int] = {}
+        # Every request waits before its step ``k`` until ``holds[k]`` is set; heartbeats go on
+        # meanwhile (an engine alive whose streams pause).
+        self.holds: dict[int, asyncio.Event] = {}
         self.added: dict[str, EngineCoreRequest] = {}
         self.aborted: list[str] = []
         self.rejected: dict[str, str] = {}  # request id -> the wire rule it broke
@@ -183,6 +186,8 @@ class ScriptedEngine:
             await asyncio.sleep(self.step_s)
             if request.request_id in self.aborted:
                 return
+            if step in self.holds:
+                await self.holds[step].wait()
             resumed = None
             if step == self.preempt_at_step.get(request.request_id):
                 preempted = EngineCoreEvent(EventType.PREEMPTED, time.monotonic_ns())

@@ -33,6 +33,7 @@ def exported_samples() -> set[str]:
     phases = {"queue": 0.1, "prefill": 0.1, "decode": 0.1, "inference": 0.2}
     requests.finished("0", ["stop"], 1.0, phases, 1, 3)
     requests.gen_ai("", 1.0, 0.1, 0.1, 1, 3)
+    requests.stalls.labels(*requests.labels("0")).inc()
     text = generate_latest(metrics.registry).decode()
     return {
         sample.name

@@ -71,6 +71,16 @@ class ServeFlags(msgspec.Struct, frozen=True, kw_only=True):
             metavar="TOKEN",
         ),
     ] = ""
+    metrics_token: Annotated[
+        str,
+        Flag(
+            "the bearer token /metrics (--metrics-port) asks for: scrapers send "
+            "'authorization: Bearer TOKEN', others get 401 (default: $SWITCHBOARD_METRICS_TOKEN; "
+            "unset: /metrics is open to whoever reaches its port)",
+            Group.SECURITY,
+            metavar="TOKEN",
+        ),
+    ] = ""
 
 
 # What serve, gateway and engine take (in this order within a --help section); the role
@@ -158,11 +168,12 @@ def apply_security_args(parser: argparse.ArgumentParser, args: argparse.Namespac
     gateway through the environment (configs travel on children's command lines)."""
     if not hasattr(args, "api_key"):
         return  # engine: no front
-    from switchboard.config import ADMIN_TOKEN_ENV, API_KEYS_ENV
+    from switchboard.config import ADMIN_TOKEN_ENV, API_KEYS_ENV, METRICS_TOKEN_ENV
     from switchboard.gateway.auth import Credentials, parse_keys
     from switchboard.tls import check_tls_files
 
-    for flag in ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs", "api_key_file"):
+    files = ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs", "api_key_file", "metrics_token_file")
+    for flag in files:
         path = getattr(args, flag)
         if path and not os.path.isfile(path):
             parser.error(f"--{flag.replace('_', '-')} {path}: no such file")
@@ -178,6 +189,15 @@ def apply_security_args(parser: argparse.ArgumentParser, args: argparse.Namespac
         os.environ[API_KEYS_ENV] = "\n".join([*parse_keys(os.environ.get(API_KEYS_ENV, "")), *keys])
     if args.admin_token:
         os.environ[ADMIN_TOKEN_ENV] = args.admin_token.strip()
+    if args.metrics_token or args.metrics_token_file:
+        if args.metrics_token and args.metrics_token_file:
+            parser.error("--metrics-token and --metrics-token-file: give one")
+        if gateway.metrics_port is None:
+            parser.error("--metrics-token/--metrics-token-file need --metrics-port")
+        if args.metrics_token:
+            if not args.metrics_token.strip():
+                parser.error("--metrics-token must not be empty")
+            os.environ[METRICS_TOKEN_ENV] = args.metrics_token.strip()
     try:
         credentials = Credentials.load(gateway)
     except (ValueError, OSError) as error:

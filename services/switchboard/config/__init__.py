@@ -21,6 +21,7 @@ from switchboard.config.gateway import (
     ADMIN_TOKEN_ENV,
     API_KEYS_ENV,
     DEFAULT_SHUTDOWN_GRACE_S,
+    METRICS_TOKEN_ENV,
     GatewayConfig,
     GatewayRoleConfig,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "CPU_SHARED_STEP_TOKENS",
     "DEFAULT_SHUTDOWN_GRACE_S",
     "MAX_NUM_BATCHED_TOKENS",
+    "METRICS_TOKEN_ENV",
     "CacheConfig",
     "Config",
     "CoordinatorConfig",

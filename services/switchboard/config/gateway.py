@@ -8,10 +8,12 @@ from switchboard.defaults import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT
 from switchboard.flags import AT_LEAST_0, AT_LEAST_1, NO_CAP_OR_MORE, POSITIVE, Accepts, Flag, Group
 
 DEFAULT_SHUTDOWN_GRACE_S = 30.0  # SIGTERM: how long in-flight streams get (the chart matches it)
-# The gateway's secrets, from the environment (never in a config): API keys one per line, and
-# the AdminService token.
+# The gateway's secrets, from the environment (never in a config): API keys one per line, the
+# AdminService token and the token /metrics asks for.
 API_KEYS_ENV = "SWITCHBOARD_API_KEYS"
 ADMIN_TOKEN_ENV = "SWITCHBOARD_ADMIN_TOKEN"
+METRICS_TOKEN_ENV = "SWITCHBOARD_METRICS_TOKEN"
+DEFAULT_STALL_WARN_S = 5.0
 
 
 def _log_stats_off(disabled: bool) -> float | None:
@@ -105,6 +107,16 @@ class GatewayConfig(Config, frozen=True):
             Group.OBSERVABILITY,
         ),
     ] = None
+    stall_warn_s: Annotated[
+        float,  # 0 = off
+        Flag(
+            "count (switchboard:request_stalls_total) and log a stream that has started and then "
+            "got no token for this many seconds while its engine is alive (0: off)",
+            Group.OBSERVABILITY,
+            metavar="S",
+            accepts=AT_LEAST_0,
+        ),
+    ] = DEFAULT_STALL_WARN_S
     log_stats_interval_s: Annotated[
         float,  # 0 = off
         Flag(
@@ -115,13 +127,13 @@ class GatewayConfig(Config, frozen=True):
             to_config=_log_stats_off,
         ),
     ] = 10.0
-    # TLS on both fronts (tls.py): certificate chain and key; with a CA bundle, client
-    # certificates are required and verified (mTLS). "" = plaintext.
+    # TLS on both fronts and /metrics (tls.py): certificate chain and key; with a CA bundle,
+    # client certificates are required and verified (mTLS). "" = plaintext.
     ssl_certfile: Annotated[
         str,
         Flag(
-            "serve gRPC and HTTP over TLS with this PEM certificate chain (read once at start) "
-            "(default: plaintext)",
+            "serve gRPC, HTTP and /metrics over TLS with this PEM certificate chain (read once "
+            "at start) (default: plaintext)",
             Group.SECURITY,
             metavar="FILE",
             path=True,
@@ -153,6 +165,16 @@ class GatewayConfig(Config, frozen=True):
         str,
         Flag(
             "API keys, one per line (with --api-key: both count) (default: none)",
+            Group.SECURITY,
+            metavar="FILE",
+            path=True,
+        ),
+    ] = ""
+    metrics_token_file: Annotated[
+        str,
+        Flag(
+            "the bearer token /metrics asks for, read from this file (instead of --metrics-token) "
+            "(default: none)",
             Group.SECURITY,
             metavar="FILE",
             path=True,

@@ -47,6 +47,7 @@ from switchboard.engine.scheduler import Scheduler
 from switchboard.engine.shutdown import ShutdownRequest
 from switchboard.engine.structured_output import StructuredOutputManager, attach_bitmask
 from switchboard.engine.utility import run_utility
+from switchboard.log_limits import WarningLimit, report_suppressed
 from switchboard.model_tasks import read_model_tasks
 from switchboard.wire import zmq_channel
 from switchboard.wire.engine_msgs import (
@@ -64,6 +65,7 @@ from switchboard.wire.request_rules import check_engine_request
 from switchboard.wire.step_msgs import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+limited = WarningLimit(logger)  # a client can have its requests refused on purpose
 
 T = TypeVar("T")
 
@@ -244,7 +246,7 @@ class EngineCore:
 
     def _reject(self, request_id: str, client_index: int, error: Exception) -> None:
         """End one request with ERROR (called from the input thread or the busy loop)."""
-        logger.warning("Rejected request %.300r: %s", request_id, error)
+        limited.warning("rejected request", "Rejected request %.300r: %s", request_id, error)
         failed = EngineCoreOutput(
             request_id, finish_reason=FinishReason.ERROR, stop_reason=str(error)[:1000]
         )
@@ -500,6 +502,7 @@ class EngineCore:
         if self._own_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
         gc.unfreeze()
+        report_suppressed()
         logger.info("EngineCore_DP%d shut down", self.engine_index)
 
 

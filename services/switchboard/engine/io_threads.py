@@ -36,6 +36,7 @@ from typing import Any
 import zmq
 
 from switchboard.engine import clock
+from switchboard.log_limits import WarningLimit
 from switchboard.wire import zmq_channel
 from switchboard.wire.codec import ENGINE_CORE_OUTPUTS, ENGINE_READY
 from switchboard.wire.curve import CurveKeys
@@ -49,6 +50,7 @@ from switchboard.wire.engine_msgs import (
 )
 
 logger = logging.getLogger(__name__)
+limited = WarningLimit(logger)
 
 POLL_INTERVAL_MS = 100  # how often an idle input thread checks whether it should stop
 DEAD_LINGER_MS = 4000  # a PUSH keeps unsent frames this long at close, so the last word arrives
@@ -188,7 +190,7 @@ class InputThread(_GatewaySocketThread):
                 [frame.buffer for frame in frames]
             )
         except zmq_channel.BadFrame as exc:
-            logger.warning("Dropped a bad request frame: %s", exc)
+            limited.warning("bad request frame", "Dropped a bad request frame: %s", exc)
             return
         if request_type == RequestType.ADD:
             prepared = self._prepare_add(body)
@@ -200,7 +202,11 @@ class InputThread(_GatewaySocketThread):
         elif request_type == RequestType.UTILITY:
             self._input_queue.put((RequestType.UTILITY, body))
         else:
-            logger.warning("Dropped a %s frame: not handled by this engine", request_type.name)
+            limited.warning(
+                "bad request frame",
+                "Dropped a %s frame: not handled by this engine",
+                request_type.name,
+            )
 
 
 class _BufferPool:

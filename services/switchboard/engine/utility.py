@@ -20,9 +20,11 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from switchboard.log_limits import WarningLimit
 from switchboard.wire.engine_msgs import UtilityCall, UtilityOutput
 
 logger = logging.getLogger(__name__)
+limited = WarningLimit(logger)
 
 
 class UtilityTarget(Protocol):
@@ -94,7 +96,11 @@ def run_utility(core: UtilityTarget, call: UtilityCall) -> UtilityOutput:
     """Run one allow-listed utility; every failure becomes a failure reply."""
     method = UTILITIES.get(call.method_name)
     if method is None:
-        logger.warning("Refused UTILITY call %r: not on the allow-list", call.method_name)
+        limited.warning(
+            "refused utility call",
+            "Refused UTILITY call %r: not on the allow-list",
+            call.method_name,
+        )
         return UtilityOutput(
             call.call_id, failure_message=f"method {call.method_name} is not allowed"
         )

@@ -7,8 +7,12 @@
 * ``switchboard.v1.AdminService``: with ``--admin-token`` only that token opens it (API keys do
   not); without one it is as open as the data plane is without keys (and the gateway warns).
 * gRPC health and reflection, HTTP ``/health`` and ``/ready`` stay open: probes carry no key.
+* ``/metrics`` (its own port): with a metrics token (``--metrics-token``,
+  ``--metrics-token-file``) only that token opens it (401 otherwise); without one it is open.
 
 Keys are compared with ``hmac.compare_digest`` against every key (no early exit on a match).
+A wrong key or token is logged at WARNING (rate-limited per cause, ``log_limits``), a missing
+one at DEBUG.
 A call's *identity* is a short sha256 prefix of its key (never the key itself): the Abort RPC
 reaches only the requests made with the same key (``GenerateCalls.abort``).
 """
@@ -26,10 +30,12 @@ from typing import Any
 
 import grpc
 
-from switchboard.config import ADMIN_TOKEN_ENV, API_KEYS_ENV, GatewayConfig
+from switchboard.config import ADMIN_TOKEN_ENV, API_KEYS_ENV, METRICS_TOKEN_ENV, GatewayConfig
 from switchboard.gateway.errors import ApiError
+from switchboard.log_limits import WarningLimit
 
 logger = logging.getLogger(__name__)
+limited = WarningLimit(logger)
 
 AUTHORIZATION = "authorization"
 _BEARER = "bearer "
@@ -37,6 +43,7 @@ ADMIN_SERVICE_PREFIX = "/switchboard.v1.AdminService/"
 # Services open without a key: probes and service discovery.
 API_KEY_REASON = "INVALID_API_KEY"  # OpenAI's error code (lower case) in the HTTP body
 ADMIN_REASON = "INVALID_ADMIN_TOKEN"
+METRICS_REASON = "INVALID_METRICS_TOKEN"
 OPEN_SERVICE_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
@@ -69,11 +76,13 @@ class Credentials:
 
     api_keys: tuple[str, ...] = ()
     admin_token: str = ""
+    metrics_token: str = ""
 
     @classmethod
     def load(cls, gateway: GatewayConfig, environ: Mapping[str, str] | None = None) -> Credentials:
-        """From ``$SWITCHBOARD_API_KEYS``, ``gateway.api_key_file`` and
-        ``$SWITCHBOARD_ADMIN_TOKEN``; ValueError on a key file with no key in it."""
+        """From ``$SWITCHBOARD_API_KEYS``, ``gateway.api_key_file``,
+        ``$SWITCHBOARD_ADMIN_TOKEN``, and ``gateway.metrics_token_file`` or else
+        ``$SWITCHBOARD_METRICS_TOKEN``; ValueError on a key or token file with none in it."""
         env = os.environ if environ is None else environ
         keys = parse_keys(env.get(API_KEYS_ENV, ""))
         if gateway.api_key_file:
@@ -81,7 +90,14 @@ class Credentials:
             if not from_file:
                 raise ValueError(f"--api-key-file {gateway.api_key_file}: no key in it")
             keys += from_file
-        return cls(tuple(dict.fromkeys(keys)), env.get(ADMIN_TOKEN_ENV, "").strip())
+        metrics_token = env.get(METRICS_TOKEN_ENV, "").strip()
+        if gateway.metrics_token_file:
+            metrics_token = Path(gateway.metrics_token_file).read_text().strip()
+            if not metrics_token or "\n" in metrics_token:
+                raise ValueError(
+                    f"--metrics-token-file {gateway.metrics_token_file}: want one token in it"
+                )
+        return cls(tuple(dict.fromkeys(keys)), env.get(ADMIN_TOKEN_ENV, "").strip(), metrics_token)
 
     @property
     def keys_required(self) -> bool:
@@ -129,6 +145,19 @@ class Credentials:
             return None
         return self.check_data_plane(metadata)
 
+    def check_metrics(self, metadata: Iterable[tuple[str, Any]] | None) -> ApiError | None:
+        """A scrape of /metrics: None when it may have them (no token set, or the token)."""
+        if not self.metrics_token:
+            return None
+        token = bearer_token(metadata)
+        if token is None:
+            return unauthenticated(
+                "missing metrics token: send 'authorization: Bearer <token>'", METRICS_REASON
+            )
+        if not hmac.compare_digest(token.encode(), self.metrics_token.encode()):
+            return unauthenticated("invalid metrics token", METRICS_REASON)
+        return None
+
     def check_method(
         self, method: str, metadata: Iterable[tuple[str, Any]] | None
     ) -> ApiError | None:
@@ -141,6 +170,15 @@ class Credentials:
 
 def unauthenticated(message: str, reason: str = API_KEY_REASON) -> ApiError:
     return ApiError(grpc.StatusCode.UNAUTHENTICATED, message, reason=reason)
+
+
+def log_refusal(what: str, error: ApiError) -> None:
+    """A call refused for its key: someone holding a wrong key or token is worth a WARNING
+    (its message is the cause: a few fixed words); a call without one, a DEBUG line."""
+    if error.message.startswith("missing"):
+        logger.debug("refused %s: %s", what, error.message)
+    else:
+        limited.warning(error.message, "refused %s: %s", what, error.message)
 
 
 def _refusal(error: ApiError, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
@@ -182,5 +220,5 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         error = self._credentials.check_method(method, handler_call_details.invocation_metadata)
         if error is None:
             return handler
-        logger.debug("refused %s: %s", method, error.message)
+        log_refusal(method, error)
         return _refusal(error, handler)

@@ -1,4 +1,5 @@
-"""Malformed protobuf requests end with INVALID_ARGUMENT and one WARNING line.
+"""Malformed protobuf requests end with INVALID_ARGUMENT and one WARNING line (at most
+``log_limits.DEFAULT_BURST`` a minute, then a count: a client cannot flood the log).
 
 grpc.aio deserializes a request before any servicer code runs; when the bytes do not parse, it
 logs the DecodeError's traceback at ERROR and answers UNKNOWN. This server interceptor gives
@@ -15,7 +16,10 @@ from typing import Any
 
 import grpc
 
+from switchboard.log_limits import WarningLimit
+
 logger = logging.getLogger(__name__)
+limited = WarningLimit(logger)
 
 
 class _Malformed:
@@ -25,7 +29,8 @@ class _Malformed:
 
 
 async def _reject(method: str, request: _Malformed, context: grpc.aio.ServicerContext) -> None:
-    logger.warning(
+    limited.warning(
+        "malformed request",
         "malformed request to %s from %s (%d bytes): %s",
         method,
         context.peer(),

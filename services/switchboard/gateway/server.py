@@ -52,6 +52,7 @@ from switchboard.gateway.servicers.generation import GenerationServicer
 from switchboard.gateway.servicers.model_service import ModelServicer
 from switchboard.gateway.state import GatewayState
 from switchboard.gateway.text import Tokenizer
+from switchboard.log_limits import report_suppressed
 from switchboard.tls import grpc_server_credentials, tls_enabled
 
 logger = logging.getLogger(__name__)
@@ -134,6 +135,7 @@ class GatewayServer:
             handshake_address=config.handshake_address,
             curve_keys_dir=config.curve_keys_dir,
             resume_timeout_s=config.resume_timeout_s,
+            stall_warn_s=config.gateway.stall_warn_s,
         )
         tokenizer = Tokenizer.from_model_dir(config.model.model)
         self.state = GatewayState(
@@ -144,7 +146,7 @@ class GatewayServer:
             executor=ThreadPoolExecutor(
                 max_workers=config.gateway.tokenizer_threads, thread_name_prefix="tokenizer"
             ),
-            observability=Observability(config, tokenizer, self._engines),
+            observability=Observability(config, tokenizer, self._engines, self.credentials),
             chat_template=_load_chat_template(config),
             longest_token_bytes=longest_token_bytes(tokenizer),
             admission=Admission(
@@ -157,6 +159,7 @@ class GatewayServer:
             interceptors=[AuthInterceptor(self.credentials), MalformedRequestGuard()],
         )
         self._engines.on_resumed = self.state.observability.request_resumed
+        self._engines.on_stream_stalled = self.state.observability.stream_stalled
         # One call path and registry for gRPC and HTTP.
         self._calls = GenerateCalls(self.state, self.credentials)
         self.ready = False  # what the readiness service says (gRPC health and HTTP /ready)
@@ -245,6 +248,7 @@ class GatewayServer:
         await self._engines.close()
         await self.state.observability.stop()
         self.state.executor.shutdown(wait=False, cancel_futures=True)
+        report_suppressed()
         logger.info("gateway stopped")
 
     async def _watch_startup(self) -> None:

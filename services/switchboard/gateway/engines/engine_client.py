@@ -5,6 +5,7 @@ passes what arrives to the part it is for.
 * ``membership.py``: READY admission, the heartbeat watchdog, stalls, deaths, readiness;
 * ``routing.py``: ADD (to the engine ``pool.py`` picks), ABORT, outputs to the requests' channels;
 * ``resume.py``: a dead engine's requests resumed on another (or the restarted) engine, or failed;
+* ``stream_stalls.py``: streams that got no token for a while from an engine that is alive;
 * ``utility_calls.py``: utility calls and their replies.
 """
 
@@ -18,6 +19,7 @@ from switchboard.gateway.engines.membership import EngineMembership
 from switchboard.gateway.engines.resume import Failover
 from switchboard.gateway.engines.routing import RequestRouter
 from switchboard.gateway.engines.sockets import EngineSockets
+from switchboard.gateway.engines.stream_stalls import StreamStalls
 from switchboard.gateway.engines.types import EngineHandle, RequestChannel
 from switchboard.gateway.engines.utility_calls import UtilityCalls
 from switchboard.gateway.errors import unavailable
@@ -37,6 +39,7 @@ class EngineClient:
         handshake_address: str = "",
         curve_keys_dir: str = "",
         resume_timeout_s: float = 0.0,
+        stall_warn_s: float = 0.0,
     ) -> None:
         self._membership = EngineMembership(
             heartbeat_timeout_s=heartbeat_timeout_s,
@@ -58,6 +61,7 @@ class EngineClient:
             self._membership, self._router, self._sockets.send, resume_timeout_s
         )
         self._utility_calls = UtilityCalls(self._sockets.send, client_index)
+        self._stalls = StreamStalls(stall_warn_s, self._router.channels)
         self._tasks: list[asyncio.Task] = []
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -72,6 +76,7 @@ class EngineClient:
                 name="engine-output-loop",
             ),
             asyncio.create_task(membership.watch_heartbeats(), name="engine-heartbeat-watchdog"),
+            asyncio.create_task(self._stalls.run(), name="stream-stall-watch"),
         ]
 
     async def close(self) -> None:
@@ -161,6 +166,15 @@ class EngineClient:
     @on_resumed.setter
     def on_resumed(self, on_resumed: Callable[[EngineHandle], None]) -> None:
         self._failover.on_resumed = on_resumed
+
+    @property
+    def on_stream_stalled(self) -> Callable[[EngineHandle], None]:
+        """Called with the engine each time one of its streams pauses (``stream_stalls.py``)."""
+        return self._stalls.on_stalled
+
+    @on_stream_stalled.setter
+    def on_stream_stalled(self, on_stalled: Callable[[EngineHandle], None]) -> None:
+        self._stalls.on_stalled = on_stalled
 
     async def call_utility(
         self, engine: EngineHandle, method: str, args: list[Any], timeout_s: float = 30.0

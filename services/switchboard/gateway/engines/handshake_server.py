@@ -20,12 +20,14 @@ import logging
 import zmq
 import zmq.asyncio
 
+from switchboard.log_limits import WarningLimit
 from switchboard.wire import zmq_channel
 from switchboard.wire.codec import GATEWAY_ADDRESSES, GATEWAY_HELLO, DecodeError
 from switchboard.wire.curve import CurveKeys
 from switchboard.wire.engine_msgs import GatewayAddresses
 
 logger = logging.getLogger(__name__)
+limited = WarningLimit(logger)  # anyone who reaches the port can send anything
 
 
 def port_of(address: str) -> int:
@@ -58,13 +60,15 @@ class HandshakeServer:
             while True:
                 frames = await self._sock.recv_multipart()
                 if len(frames) != 2:
-                    logger.warning("dropped a handshake message of %d frames", len(frames))
+                    limited.warning(
+                        "bad GatewayHello", "dropped a handshake message of %d frames", len(frames)
+                    )
                     continue
                 identity, body = frames
                 try:
                     hello = GATEWAY_HELLO.decode(body)
                 except DecodeError as exc:
-                    logger.warning("dropped a bad GatewayHello: %s", exc)
+                    limited.warning("bad GatewayHello", "dropped a bad GatewayHello: %s", exc)
                     continue
                 if self._engines_seen.get(hello.engine_index) != hello.engine_id:
                     self._engines_seen[hello.engine_index] = hello.engine_id

@@ -18,9 +18,11 @@ from collections.abc import Callable
 from switchboard.gateway.engines.pool import choose_engine
 from switchboard.gateway.engines.types import EngineHandle, EngineState
 from switchboard.gateway.errors import ApiError, unavailable
+from switchboard.log_limits import WarningLimit
 from switchboard.wire.engine_msgs import EngineCoreOutputs, EngineDead, EngineReady
 
 logger = logging.getLogger(__name__)
+limited = WarningLimit(logger)
 
 
 class EngineMembership:
@@ -134,7 +136,11 @@ class EngineMembership:
         (the outputs are dropped) unless it is ready here."""
         engine = self.engines.get(outputs.engine_index)
         if engine is None or not engine.alive:
-            logger.warning("dropped outputs from engine index %d: not ready", outputs.engine_index)
+            limited.warning(
+                "outputs of an engine not ready",
+                "dropped outputs from engine index %d: not ready",
+                outputs.engine_index,
+            )
             return None
         engine.last_seen = time.monotonic()
         if outputs.scheduler_stats is not None:

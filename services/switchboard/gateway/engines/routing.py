@@ -4,6 +4,8 @@ hand-off of each engine step's outputs to the requests' channels."""
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Iterable
 
 import grpc
 import msgspec
@@ -39,6 +41,9 @@ class RequestRouter:
 
     def channel(self, request_id: str) -> RequestChannel | None:
         return self._requests.get(request_id)
+
+    def channels(self) -> Iterable[RequestChannel]:
+        return self._requests.values()
 
     def channels_on(self, engine: EngineHandle) -> list[RequestChannel]:
         return [c for c in self._requests.values() if c.engine is engine]
@@ -88,9 +93,12 @@ class RequestRouter:
 
     @staticmethod
     def count_on(channel: RequestChannel, engine: EngineHandle) -> None:
-        """``channel``'s request now runs on ``engine``: it counts in that engine's load."""
+        """``channel``'s request now runs on ``engine``: it counts in that engine's load, and
+        waits for its first token there."""
         channel.engine = engine
         channel.counted = True
+        channel.last_token_at = None
+        channel.stalled = False
         engine.num_requests += 1
         engine.added_since_load += 1
 
@@ -121,6 +129,7 @@ class RequestRouter:
         # stream's task runs in the order it is woken, so a new request's first token would
         # otherwise wait for every other stream of the step to go through this loop and gRPC.
         later: list[tuple[RequestChannel, EngineCoreOutput]] = []
+        now = time.monotonic()
         for output in outputs.outputs:
             channel = self._requests.get(output.request_id)
             if channel is None or channel.engine is not engine:
@@ -128,15 +137,18 @@ class RequestRouter:
             if channel.delivered:
                 later.append((channel, output))
             else:
-                self._deliver(channel, output, outputs.timestamp_ns)
+                self._deliver(channel, output, outputs.timestamp_ns, now)
         for channel, output in later:
-            self._deliver(channel, output, outputs.timestamp_ns)
+            self._deliver(channel, output, outputs.timestamp_ns, now)
 
     def _deliver(
-        self, channel: RequestChannel, output: EngineCoreOutput, timestamp_ns: int
+        self, channel: RequestChannel, output: EngineCoreOutput, timestamp_ns: int, now: float
     ) -> None:
         if channel.resumes and output.num_cached_tokens:  # a hit on its own output
             output = msgspec.structs.replace(output, num_cached_tokens=0)
+        if output.new_token_ids:
+            channel.last_token_at = now
+            channel.stalled = False
         channel.delivered += output.new_token_ids
         channel.put(StepOutput(output, timestamp_ns))
         if output.finish_reason is not None:

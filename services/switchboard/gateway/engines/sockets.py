@@ -26,6 +26,7 @@ import zmq.asyncio
 from switchboard.gateway.engines.handshake_server import HandshakeServer, port_of
 from switchboard.gateway.engines.pool import LoadSubscriber
 from switchboard.gateway.engines.types import EngineHandle
+from switchboard.log_limits import WarningLimit
 from switchboard.wire import curve, zmq_channel
 from switchboard.wire.curve import CurveKeys
 from switchboard.wire.engine_msgs import (
@@ -37,6 +38,7 @@ from switchboard.wire.engine_msgs import (
 )
 
 logger = logging.getLogger(__name__)
+limited = WarningLimit(logger)  # what arrives may come from anyone who reaches the ports
 
 
 class EngineSockets:
@@ -183,13 +185,17 @@ class EngineSockets:
         while True:
             frames = await self._router.recv_multipart(copy=False)
             if len(frames) != 2:
-                logger.warning("dropped a ROUTER message of %d frames (want 2: READY)", len(frames))
+                limited.warning(
+                    "bad READY",
+                    "dropped a ROUTER message of %d frames (want 2: READY)",
+                    len(frames),
+                )
                 continue
             identity, body = frames[0].bytes, frames[1]
             try:
                 ready = zmq_channel.parse_ready(body.buffer)
             except zmq_channel.BadFrame as exc:
-                logger.warning("dropped a bad READY from %r: %s", identity, exc)
+                limited.warning("bad READY", "dropped a bad READY from %r: %s", identity, exc)
                 continue
             if self._key_may_be(body, ready.data_parallel_rank, "READY"):
                 on_ready(identity, ready)
@@ -208,7 +214,7 @@ class EngineSockets:
             try:
                 outputs, _ = zmq_channel.parse_output_frames(frames)
             except zmq_channel.BadFrame as exc:
-                logger.warning("dropped a bad output frame: %s", exc)
+                limited.warning("bad output frame", "dropped a bad output frame: %s", exc)
                 continue
             if outputs is None:
                 dead = zmq_channel.parse_engine_dead(frames)

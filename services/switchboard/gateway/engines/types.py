@@ -116,6 +116,10 @@ class RequestChannel:
         self.delivered: list[int] = []  # output token ids handed out so far
         self.counted = True  # in engine.num_requests (not while it waits to resume)
         self.resumes = 0
+        # time.monotonic() of the latest output with tokens from its engine (None: none yet
+        # from this engine), and whether it has been counted as paused since (stream_stalls.py).
+        self.last_token_at: float | None = None
+        self.stalled = False
         self._events: collections.deque[RequestEvent] = collections.deque()
         self._arrived = asyncio.Event()
 

@@ -18,7 +18,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from switchboard.config import GatewayRoleConfig
-from switchboard.gateway.auth import Credentials
+from switchboard.gateway.auth import Credentials, log_refusal
 from switchboard.gateway.errors import ApiError
 from switchboard.gateway.http.errors import error_response, json_response
 from switchboard.gateway.http.routes import OpenAIRoutes, internal_error
@@ -74,6 +74,7 @@ def _api_keys(credentials: Credentials) -> Middleware:
         if request.path not in _OPEN_PATHS:
             error = credentials.check_data_plane(request.headers.items())
             if error is not None:
+                log_refusal(f"HTTP {request.method} {request.path!r} from {request.remote}", error)
                 response = error_response(error)
                 response.headers["WWW-Authenticate"] = "Bearer"
                 return response

@@ -1,4 +1,5 @@
-"""Prometheus metrics of one gateway, served as text on ``http://<host>:<metrics port>/metrics``.
+"""Prometheus metrics of one gateway, served as text on ``http(s)://<host>:<metrics port>/metrics``
+(``metrics_server.py``: HTTPS when the fronts have TLS, and a bearer token when one is set).
 
 Names and meanings are vLLM V1's under the prefix ``switchboard:`` (docs/observability.md lists
 every one), plus the OpenTelemetry GenAI histograms under their Prometheus names.
@@ -21,17 +22,11 @@ from __future__ import annotations
 
 import logging
 import math
+import ssl
 from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
-from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Histogram,
-    disable_created_metrics,
-    start_http_server,
-)
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -44,6 +39,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from switchboard.gateway.engines.types import EngineHandle
+from switchboard.gateway.observability.metrics_server import CheckScrape, MetricsServer
 from switchboard.wire.engine_msgs import ITERATION_TOKENS_BUCKETS
 
 logger = logging.getLogger(__name__)
@@ -112,6 +108,11 @@ class RequestMetrics:
         self.resumed = counter(
             "requests_resumed",
             "Streams cut off by an engine's death and resumed, by the engine that took them.",
+        )
+        self.stalls = counter(
+            "request_stalls",
+            "Streams that got no token for longer than --stall-warn-s while their engine was "
+            "alive, once per pause.",
         )
         self.request_success = counter(
             "request_success", "Finished requests, by finish reason.", ("finished_reason",)
@@ -342,18 +343,27 @@ class GatewayMetrics:
             collector(registry=self.registry)
         self.requests = RequestMetrics(self.registry, model_name, max_model_len)
         self.registry.register(EngineStatsCollector(model_name, engines))
-        self._server: WSGIServer | None = None
+        self._server: MetricsServer | None = None
         self.port = 0
 
-    def serve(self, host: str, port: int) -> int:
-        """Serve ``/metrics`` on a daemon thread; returns the bound port."""
-        self._server, _ = start_http_server(port, addr=host, registry=self.registry)
-        self.port = self._server.server_port
-        logger.info("Prometheus metrics on http://%s:%d/metrics", host, self.port)
+    def serve(
+        self,
+        host: str,
+        port: int,
+        ssl_context: ssl.SSLContext | None = None,
+        check: CheckScrape | None = None,
+    ) -> int:
+        """Serve ``/metrics`` on daemon threads (HTTPS with ``ssl_context``; only to scrapes
+        ``check`` passes); returns the bound port."""
+        self._server = MetricsServer(self.registry, ssl_context, check)
+        self.port = self._server.start(host, port)
+        shown = f"[{host}]" if ":" in host else host
+        guarded = ", bearer token required" if check is not None else ""
+        scheme = self._server.scheme
+        logger.info("Prometheus metrics on %s://%s:%d/metrics%s", scheme, shown, self.port, guarded)
         return self.port
 
     def stop(self) -> None:
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            self._server.stop()
             self._server = None

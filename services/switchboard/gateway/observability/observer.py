@@ -9,7 +9,8 @@ The request path calls, per Generate::
     observer.end(stream)                        # in ``finally``: however the call ended
 
 Each piece costs nothing when off: no tracer without an OTLP endpoint (OpenTelemetry is not even
-imported), no Prometheus registry without ``--metrics-port``. What is always kept is the
+imported), no Prometheus registry without ``--metrics-port`` (served over TLS when the fronts
+have it, behind the metrics token when there is one). What is always kept is the
 request's timeline (a few integers per engine step) and two token counters for the log line.
 """
 
@@ -26,6 +27,7 @@ import grpc
 
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.config import GatewayRoleConfig
+from switchboard.gateway.auth import Credentials
 from switchboard.gateway.engines.clock import EngineClock
 from switchboard.gateway.engines.types import (
     EngineHandle,
@@ -39,6 +41,7 @@ from switchboard.gateway.observability.request_timeline import RequestTimeline, 
 from switchboard.gateway.observability.stats_log import StatsLogger, TokenCounts
 from switchboard.gateway.observability.trace_phases import request_phases
 from switchboard.gateway.observability.tracing_config import tracing_settings
+from switchboard.tls import server_ssl_context, tls_enabled
 from switchboard.wire.engine_msgs import EngineCoreRequest, EventType, FinishReason
 
 if TYPE_CHECKING:
@@ -75,9 +78,14 @@ class Observability:
     """Owned by the gateway server; ``start``/``stop`` with it."""
 
     def __init__(
-        self, config: GatewayRoleConfig, tokenizer: Tokenizer, engines: EngineClient
+        self,
+        config: GatewayRoleConfig,
+        tokenizer: Tokenizer,
+        engines: EngineClient,
+        credentials: Credentials | None = None,
     ) -> None:
         self.config = config
+        self._credentials = credentials or Credentials()
         self.model_name = config.model.name
         self._tokenizer = tokenizer
         self._engines = engines
@@ -109,11 +117,24 @@ class Observability:
             labels = requests.labels(str(engine.ready.data_parallel_rank))
             requests.resumed.labels(*labels).inc()
 
+    def stream_stalled(self, engine: EngineHandle) -> None:
+        """A stream on ``engine`` got no token for longer than ``--stall-warn-s``."""
+        if self.metrics is not None:
+            requests = self.metrics.requests
+            labels = requests.labels(str(engine.ready.data_parallel_rank))
+            requests.stalls.labels(*labels).inc()
+
     def start(self) -> None:
         """Serve /metrics and start the stats log line (inside the event loop)."""
         port = metrics_port(self.config)
         if self.metrics is not None and port is not None:
-            self.metrics.serve(self.config.gateway.host, port)
+            gateway, credentials = self.config.gateway, self._credentials
+            self.metrics.serve(
+                gateway.host,
+                port,
+                server_ssl_context(gateway) if tls_enabled(gateway) else None,
+                credentials.check_metrics if credentials.metrics_token else None,
+            )
         interval = self.config.gateway.log_stats_interval_s
         if interval > 0:
             stats = StatsLogger(
