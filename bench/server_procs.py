@@ -24,7 +24,7 @@ import vllm_http  # bench/vllm_http.py, beside this file
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from serving_clients import HOST
 
-from switchboard.processes import descendants
+from switchboard.supervisor.processes import descendants
 
 READY_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 60.0

@@ -7,7 +7,8 @@ import pytest
 import switchboard.coordinator.__main__ as coordinator_main
 import switchboard.engine.__main__ as engine_main
 import switchboard.gateway.__main__ as gateway_main
-from switchboard import cli, cli_roles
+from switchboard import cli
+from switchboard.cli import role_commands
 from switchboard.config import (
     CoordinatorConfig,
     EngineConfig,
@@ -44,13 +45,13 @@ def test_gateway_client_index_defaults_to_random(captured: dict[str, list[str]])
     cli.main(["gateway", "--model", "/m", "--engine-host", "::"])
     config = decode_config(captured["gateway"][1], GatewayRoleConfig)
     assert 0 <= config.client_index < 2**31
-    assert config.handshake_address == f"tcp://[::]:{cli_roles.DEFAULT_HANDSHAKE_PORT}"
+    assert config.handshake_address == f"tcp://[::]:{role_commands.DEFAULT_HANDSHAKE_PORT}"
 
 
 def test_engine_command_config(
     captured: dict[str, list[str]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(cli_roles.socket, "gethostname", lambda: "sb-engine-3")
+    monkeypatch.setattr(role_commands.socket, "gethostname", lambda: "sb-engine-3")
     cli.main(["engine", "--model", "/m", "--gateway-address", "gw.ns.svc:7001", "-tp", "2",
               "--discovery-interval", "1.5"])  # fmt: skip
     config = decode_config(captured["engine"][1], EngineConfig)
@@ -80,7 +81,9 @@ def test_coordinator_command_binds_its_two_fixed_ports(captured: dict[str, list[
     cli.main(["coordinator", "--host", "10.0.0.9", "--load-port", "7100", "-dp", "4"])
     config = decode_config(captured["coordinator"][1], CoordinatorConfig)
     assert config.input_address == "tcp://10.0.0.9:7100"
-    assert config.publish_address == f"tcp://10.0.0.9:{cli_roles.DEFAULT_COORDINATOR_REPORT_PORT}"
+    assert (
+        config.publish_address == f"tcp://10.0.0.9:{role_commands.DEFAULT_COORDINATOR_REPORT_PORT}"
+    )
     assert config.num_engines == 4
 
 
@@ -92,7 +95,7 @@ def test_engines_push_to_the_load_port_and_gateways_subscribe_to_the_report_port
     cli.main(["gateway", "--model", "/m", "--coordinator-address", "[fd00::7]:7200"])
     engine = decode_config(captured["engine"][1], EngineConfig)
     gateway = decode_config(captured["gateway"][1], GatewayRoleConfig)
-    load_port = cli_roles.DEFAULT_COORDINATOR_LOAD_PORT
+    load_port = role_commands.DEFAULT_COORDINATOR_LOAD_PORT
     assert engine.coordinator_address == f"tcp://sb-coordinator.ns.svc:{load_port}"
     assert gateway.coordinator_publish_address == "tcp://[fd00::7]:7200"
 
@@ -109,10 +112,10 @@ def test_engines_push_to_the_load_port_and_gateways_subscribe_to_the_report_port
     ],
 )
 def test_coordinator_addresses(target: str, address: str) -> None:
-    assert cli_roles.coordinator_tcp_address(target, 9) == address
+    assert role_commands.coordinator_tcp_address(target, 9) == address
 
 
 @pytest.mark.parametrize("target", ["coord:port", ":7", "[]:7"])
 def test_bad_coordinator_addresses_are_refused(target: str) -> None:
     with pytest.raises(ValueError, match="NAME\\[:PORT\\]"):
-        cli_roles.coordinator_tcp_address(target, 9)
+        role_commands.coordinator_tcp_address(target, 9)

@@ -12,16 +12,16 @@ from typing import Any
 import msgspec
 import pytest
 
-from switchboard import cli, cli_roles
-from switchboard.cli import serve, server_commands
+from switchboard import cli
+from switchboard.cli import role_commands, serve, server_commands
 from switchboard.cli.struct_flags import FieldFlag, Layout, build, field_flags
 from switchboard.config import Config, CoordinatorConfig
 
 LAYOUTS: dict[str, Layout] = {
     "serve": serve.SERVE,
-    "gateway": cli_roles.GATEWAY,
-    "engine": cli_roles.ENGINE,
-    "coordinator": cli_roles.COORDINATOR,
+    "gateway": role_commands.GATEWAY,
+    "engine": role_commands.ENGINE,
+    "coordinator": role_commands.COORDINATOR,
     "topology": server_commands.TOPOLOGY,
 }
 REQUIRED = {"engine": ["--gateway-address", "gw:1"]}

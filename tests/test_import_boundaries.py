@@ -118,8 +118,8 @@ def test_the_gateways_engine_side_imports_only_errors_and_wire() -> None:
     allowed = (
         "switchboard.wire",
         "switchboard.gateway.engines",
-        "switchboard.gateway.errors",
-        "switchboard.log_limits",
+        "switchboard.gateway.api_errors",
+        "switchboard.common.log_limits",
     )
     breaches = [
         f"{path.relative_to(PACKAGE)} imports {module}"

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from switchboard.launcher import Child, RestartPolicy, Supervisor
+from switchboard.supervisor.launcher import Child, RestartPolicy, Supervisor
 
 
 def dead_child(role: str) -> Child:
@@ -42,7 +42,7 @@ def test_never_and_other_roles_stop_the_server(tmp_path: Path) -> None:
 def test_a_restart_waits_for_the_dead_engines_workers_then_kills_them(tmp_path: Path) -> None:
     """A killed engine's worker still holds its device memory: no restart while it lives; past
     the deadline it is killed (by pid), then the restart may go."""
-    from switchboard.launcher import _start_time
+    from switchboard.supervisor.launcher import _start_time
 
     supervisor = Supervisor([], [], str(tmp_path), restart=RestartPolicy("always"))
     worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

@@ -1,4 +1,4 @@
-"""Rate-limited warnings (switchboard/log_limits.py): a burst per cause and window, then a count."""
+"""Rate-limited warnings (common/log_limits.py): a burst per cause and window, then a count."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from switchboard.log_limits import WarningLimit, report_suppressed
+from switchboard.common.log_limits import WarningLimit, report_suppressed
 
 LOGGER = "tests.log_limits"
 

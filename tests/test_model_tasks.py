@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from switchboard.model_tasks import read_model_tasks
+from switchboard.common.model_tasks import read_model_tasks
 from switchboard.wire.engine_msgs import PoolingType
 
 _TRANSFORMER = {

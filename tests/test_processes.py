@@ -3,7 +3,7 @@
 import pytest
 
 from switchboard.cli import main
-from switchboard.processes import Topology
+from switchboard.supervisor.processes import Topology
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from switchboard.start_method import MissingMainGuard, require_main_process
+from switchboard.supervisor.start_method import MissingMainGuard, require_main_process
 
 
 def test_the_main_process_may_start_a_server() -> None:
@@ -23,7 +23,7 @@ def test_a_script_without_the_guard_fails_in_its_spawned_children(tmp_path: Path
             """
             import multiprocessing
 
-            from switchboard.start_method import require_main_process
+            from switchboard.supervisor.start_method import require_main_process
 
             require_main_process()  # stands for serve(...): called at import time
             print("started a server", flush=True)

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from switchboard import cli, curve_secret
+from switchboard import cli
+from switchboard.cli import curve_secret
 from tests.chart.chart_render import argv, container, find
 from tests.chart.kube_api_stub import KubeApiStub
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from switchboard.cli import make_parser
-from switchboard.cli_roles import coordinator_tcp_address
+from switchboard.cli.role_commands import coordinator_tcp_address
 from tests.chart.chart_render import BIG_VALUES, argv, container, manifests
 
 WORKLOADS = [("Deployment", "gateway"), ("StatefulSet", "engine")]

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from switchboard import curve_secret
-from switchboard.cli import main, make_parser
+from switchboard.cli import curve_secret, main, make_parser
 from switchboard.wire import curve
 from tests.chart.chart_render import NAMESPACE, argv, container, manifests
 from tests.chart.curve_keys import hook, project_keys, run_keys_job

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from switchboard.cli import make_parser
-from switchboard.probe import main as probe_main
+from switchboard.cli.probe import main as probe_main
 from tests.chart.chart_render import BIG_VALUES, argv, container, find, manifests, render
 
 TLS = {"enabled": True, "secretName": "sb-tls", "clientAuth": True}
@@ -44,7 +44,7 @@ def test_gateway_serves_tls_with_keys_from_secrets() -> None:
         ("readinessProbe", "switchboard.v1.GenerationService"),
     ):
         command = gateway[probe]["exec"]["command"]
-        assert command[:3] == ["python", "-m", "switchboard.probe"]
+        assert command[:3] == ["python", "-m", "switchboard.cli.probe"]
         assert command[command.index("--service") + 1] == service
         assert command[command.index("--ssl-ca-certs") + 1] == "/etc/switchboard/tls/ca.crt"
     # The engine and coordinator pods carry none of it.

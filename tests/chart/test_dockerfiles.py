@@ -41,8 +41,8 @@ def test_gateway_image_roles_import_without_torch() -> None:
     script = """
 import importlib, pkgutil, sys
 sys.modules["torch"] = None  # any `import torch` now raises ImportError
-import switchboard.cli, switchboard.cli_roles, switchboard.gateway, switchboard.coordinator
-import switchboard.curve_secret
+import switchboard.cli, switchboard.cli.role_commands, switchboard.gateway, switchboard.coordinator
+import switchboard.cli.curve_secret
 for package in (switchboard.gateway, switchboard.coordinator):
     for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
         importlib.import_module(info.name)

@@ -102,7 +102,9 @@ def test_a_local_directory_wins_over_the_cache(hub: Path, tmp_path: Path) -> Non
 @pytest.fixture
 def served(monkeypatch: pytest.MonkeyPatch) -> list:
     calls: list = []
-    monkeypatch.setattr("switchboard.launcher.serve", lambda g, e, **_: calls.append((g, e)) or 0)
+    monkeypatch.setattr(
+        "switchboard.supervisor.launcher.serve", lambda g, e, **_: calls.append((g, e)) or 0
+    )
     return calls
 
 

@@ -33,7 +33,8 @@ class Block(importlib.abc.MetaPathFinder):
         return None
 
 sys.meta_path.insert(0, Block())
-from switchboard import cli, client
+from switchboard import cli
+from switchboard.cli import client
 from switchboard.api.v1 import (
     admin_service_pb2, common_pb2, generation_service_pb2, generation_service_pb2_grpc,
     model_service_pb2, model_service_pb2_grpc,

@@ -10,7 +10,7 @@ import pytest
 import zmq
 
 from switchboard.config import CoordinatorConfig
-from switchboard.coordinator.coordinator import Coordinator
+from switchboard.coordinator.load_table import Coordinator
 from switchboard.wire import zmq_channel
 from switchboard.wire.engine_msgs import EngineLoad, LoadReport
 

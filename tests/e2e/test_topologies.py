@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
-from switchboard.processes import Topology, list_processes
+from switchboard.supervisor.processes import Topology, list_processes
 from switchboard.wire.shm_ring import unlink_orphaned_segments
 from tests.e2e.client_calls import greedy_request
 from tests.e2e.server import RunningServer, free_port, start_server, wait_until

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import zmq
 
+from switchboard.common.log_limits import DEFAULT_BURST
 from switchboard.config import (
     CPU_SHARED_STEP_TOKENS,
     MAX_NUM_BATCHED_TOKENS,
@@ -28,7 +29,6 @@ from switchboard.config import (
     encode_config,
     ipc_address,
 )
-from switchboard.log_limits import DEFAULT_BURST
 from switchboard.wire import zmq_channel
 from switchboard.wire.engine_msgs import (
     EngineCoreOutput,

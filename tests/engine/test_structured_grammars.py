@@ -15,9 +15,9 @@ from test_scheduler import BS, expected_tokens, make_request, make_scheduler, pr
 from tokenizers import Tokenizer
 
 from switchboard.config import EngineConfig, ModelConfig
+from switchboard.engine.constrained_decoding import StructuredOutputManager, attach_bitmask
 from switchboard.engine.core import GRAMMAR_READY, EngineCore
 from switchboard.engine.shutdown import ShutdownRequest
-from switchboard.engine.structured_output import StructuredOutputManager, attach_bitmask
 from switchboard.wire.engine_msgs import (
     EngineCoreRequest,
     EngineReady,

@@ -20,10 +20,10 @@ from google.protobuf import struct_pb2
 
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
-from switchboard.chat_client import run_chat
+from switchboard.cli.chat_client import run_chat
 from switchboard.config import ModelConfig
-from switchboard.gateway.errors import status_details
-from switchboard.gateway.server import GatewayServer
+from switchboard.gateway.api_errors import status_details
+from switchboard.gateway.grpc_server import GatewayServer
 from tests.gateway.conftest import build_byte_level_tokenizer, write_checkpoint_dir
 
 SCRIPT_TEXT = " one two three four five six"

@@ -11,6 +11,7 @@ import jsonschema
 import pytest
 
 from switchboard.api.v1 import generation_service_pb2 as pb
+from switchboard.gateway.api_errors import ApiError
 from switchboard.gateway.chat.prompt import plan_chat, render_chat
 from switchboard.gateway.chat.template import load_chat_template
 from switchboard.gateway.chat.tools import (
@@ -21,7 +22,6 @@ from switchboard.gateway.chat.tools import (
     parse_forced_call,
     parse_tool_calls,
 )
-from switchboard.gateway.errors import ApiError
 from switchboard.gateway.http.openai_request import chat_request
 from tests.tiny_checkpoint import TINY_TOOLS_CHAT_TEMPLATE, tiny_llama_dir
 

@@ -22,10 +22,10 @@ from gateway_scripted_engine import ScriptedEngine, fake_logprobs
 
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.config import GatewayConfig, GatewayRoleConfig
+from switchboard.gateway.api_errors import ApiError
 from switchboard.gateway.engines.types import StepOutput
-from switchboard.gateway.errors import ApiError
+from switchboard.gateway.grpc_server import GatewayServer
 from switchboard.gateway.pipeline.generate_call import GenerateCall, GenerateCalls
-from switchboard.gateway.server import GatewayServer
 from switchboard.wire.engine_msgs import (
     EngineCoreEvent,
     EngineCoreOutput,

@@ -7,7 +7,8 @@ import pytest
 
 from switchboard.api.v1 import common_pb2
 from switchboard.api.v1 import generation_service_pb2 as pb
-from switchboard.gateway.errors import ApiError
+from switchboard.common.model_tasks import ModelTasks
+from switchboard.gateway.api_errors import ApiError
 from switchboard.gateway.model_facts import ModelFacts
 from switchboard.gateway.pipeline.embed_validation import (
     MAX_EMBED_INPUTS,
@@ -17,7 +18,6 @@ from switchboard.gateway.pipeline.embed_validation import (
     tokenize_inputs,
 )
 from switchboard.gateway.text import Tokenizer
-from switchboard.model_tasks import ModelTasks
 from switchboard.wire.engine_msgs import PoolingParams, PoolingType
 
 FACTS = ModelFacts(

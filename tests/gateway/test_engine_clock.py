@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from switchboard.gateway.engines.clock import EngineClock
+from switchboard.gateway.engines.engine_clock import EngineClock
 
 WALL = 1_700_000_000_000_000_000  # the gateway's wall clock at the anchor
 MONO = 42_000_000_000  # the engine's monotonic clock at the anchor

@@ -10,6 +10,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from switchboard.gateway.api_errors import ApiError
 from switchboard.gateway.engines.engine_client import EngineClient
 from switchboard.gateway.engines.pool import (
     LoadSubscriber,
@@ -18,7 +19,6 @@ from switchboard.gateway.engines.pool import (
     engine_score,
 )
 from switchboard.gateway.engines.types import EngineHandle, EngineState, RequestFailed
-from switchboard.gateway.errors import ApiError
 from switchboard.wire import zmq_channel
 from switchboard.wire.engine_msgs import (
     EngineCoreRequest,

@@ -20,7 +20,7 @@ from switchboard.api.v1 import admin_service_pb2 as admin_pb
 from switchboard.api.v1 import admin_service_pb2_grpc as admin_grpc
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
-from switchboard.gateway.server import GENERATION_SERVICE, GatewayServer
+from switchboard.gateway.grpc_server import GENERATION_SERVICE, GatewayServer
 from switchboard.wire import zmq_channel
 from switchboard.wire.engine_msgs import (
     EngineLoad,

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
 from switchboard.config import GatewayConfig
-from switchboard.gateway.server import GatewayServer
+from switchboard.gateway.grpc_server import GatewayServer
 from tests.otlp_receiver import OtlpGrpcReceiver
 
 SKEW_NS = 5_000_000_000

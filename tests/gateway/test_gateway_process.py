@@ -21,7 +21,7 @@ from switchboard.config import (
     encode_config,
     ipc_address,
 )
-from switchboard.gateway.server import GENERATION_SERVICE, GatewayServer
+from switchboard.gateway.grpc_server import GENERATION_SERVICE, GatewayServer
 
 WAIT_S = 30.0
 

@@ -9,7 +9,7 @@ from gateway_harness import WAIT_S, until
 from test_gateway_server import StartGateway, _collect, _generate, start_gateway
 
 from switchboard.api.v1 import generation_service_pb2 as pb
-from switchboard.gateway.errors import ApiError
+from switchboard.gateway.api_errors import ApiError
 from switchboard.gateway.pipeline.bad_words import tokenize_bad_words
 
 __all__ = ["start_gateway"]  # the fixture, imported for its side effect

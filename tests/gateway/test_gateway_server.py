@@ -28,10 +28,10 @@ from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
 from switchboard.api.v1 import model_service_pb2 as model_pb
 from switchboard.api.v1 import model_service_pb2_grpc as model_grpc
-from switchboard.client import run_generate
+from switchboard.cli.client import run_generate
 from switchboard.config import GatewayConfig
-from switchboard.gateway.errors import status_details
-from switchboard.gateway.server import GENERATION_SERVICE, GatewayServer
+from switchboard.gateway.api_errors import status_details
+from switchboard.gateway.grpc_server import GENERATION_SERVICE, GatewayServer
 from switchboard.gateway.text import Tokenizer
 
 SCRIPT_TEXT = " one two three four five six seven eight nine ten"

@@ -11,7 +11,7 @@ import pytest
 from google.rpc import error_details_pb2
 
 from switchboard.api.v1 import generation_service_pb2 as pb
-from switchboard.gateway.errors import ApiError
+from switchboard.gateway.api_errors import ApiError
 from switchboard.gateway.model_facts import ModelFacts
 from switchboard.gateway.pipeline.validation import (
     build_engine_request,

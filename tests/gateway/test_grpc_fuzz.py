@@ -29,7 +29,7 @@ from switchboard.api.v1 import generation_service_pb2, model_service_pb2
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
 from switchboard.config import GatewayConfig
-from switchboard.gateway.server import GatewayServer
+from switchboard.gateway.grpc_server import GatewayServer
 
 F = descriptor.FieldDescriptor
 SEED = int(os.environ.get("SWITCHBOARD_FUZZ_SEED", "20261201"))  # another seed: another run

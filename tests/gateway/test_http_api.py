@@ -20,7 +20,7 @@ from gateway_harness import WAIT_S, gateway_config, until
 from gateway_scripted_engine import ScriptedEngine
 
 from switchboard.config import GatewayConfig
-from switchboard.gateway.server import GatewayServer
+from switchboard.gateway.grpc_server import GatewayServer
 from tests.gateway.conftest import build_byte_level_tokenizer, write_checkpoint_dir
 
 SCRIPT_TEXT = " one two three four five six seven eight nine ten"

@@ -8,7 +8,7 @@ import pytest
 from switchboard import cli
 from switchboard.cli import serve
 from switchboard.config import GatewayConfig, GatewayRoleConfig, ModelConfig
-from switchboard.gateway.http.server import http_port
+from switchboard.gateway.http.aiohttp_server import http_port
 
 
 def _gateway_config(*flags: str) -> GatewayConfig:

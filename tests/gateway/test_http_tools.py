@@ -23,7 +23,7 @@ from gateway_scripted_engine import ScriptedEngine
 
 from switchboard.config import GatewayConfig
 from switchboard.gateway.chat.tools import forced_call_schema
-from switchboard.gateway.server import GatewayServer
+from switchboard.gateway.grpc_server import GatewayServer
 from tests.gateway.conftest import EOS, build_byte_level_tokenizer, write_checkpoint_dir
 from tests.tiny_checkpoint import TINY_TOOLS_CHAT_TEMPLATE
 

@@ -16,10 +16,10 @@ from gateway_scripted_engine import ScriptedEngine
 
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
+from switchboard.common.log_limits import DEFAULT_BURST, report_suppressed
 from switchboard.config import GatewayConfig
 from switchboard.gateway.auth import Credentials
-from switchboard.gateway.server import GatewayServer
-from switchboard.log_limits import DEFAULT_BURST, report_suppressed
+from switchboard.gateway.grpc_server import GatewayServer
 
 KEY = "the-one-key-0123456789"
 GENERATE = "/switchboard.v1.GenerationService/Generate"

@@ -21,8 +21,8 @@ from switchboard import cli
 from switchboard.cli import serve
 from switchboard.config import METRICS_TOKEN_ENV, GatewayConfig, GatewayRoleConfig, ModelConfig
 from switchboard.gateway.auth import Credentials
-from switchboard.gateway.server import GatewayServer
-from switchboard.launcher import server_addresses
+from switchboard.gateway.grpc_server import GatewayServer
+from switchboard.supervisor.launcher import server_addresses
 
 TOKEN = "scrape-token-0123456789"
 API_KEY = "api-key-0123456789"

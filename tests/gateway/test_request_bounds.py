@@ -25,9 +25,9 @@ from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
 from switchboard.cli import serve
 from switchboard.config import GatewayConfig
 from switchboard.gateway.admission import Admission
-from switchboard.gateway.errors import status_details
+from switchboard.gateway.api_errors import status_details
+from switchboard.gateway.grpc_server import GatewayServer
 from switchboard.gateway.pipeline.request_bounds import longest_token_bytes
-from switchboard.gateway.server import GatewayServer
 
 GENERATE = "/switchboard.v1.GenerationService/Generate"
 TOKENIZE = "/switchboard.v1.GenerationService/Tokenize"

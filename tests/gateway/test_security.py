@@ -1,4 +1,4 @@
-"""TLS, mTLS and keys on the gateway's fronts (switchboard/tls.py, gateway/auth.py), in-process
+"""TLS, mTLS and keys on the gateway's fronts (common/tls.py, gateway/auth.py), in-process
 over real gRPC and HTTP with a scripted engine and certificates made for the test."""
 
 from __future__ import annotations
@@ -21,18 +21,19 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tls_certs import Certs, make_certs
 
-from switchboard import cli, launcher, probe
+from switchboard import cli
 from switchboard.api.v1 import admin_service_pb2 as admin_pb
 from switchboard.api.v1 import admin_service_pb2_grpc as admin_grpc
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
 from switchboard.api.v1 import model_service_pb2 as model_pb
 from switchboard.api.v1 import model_service_pb2_grpc as model_grpc
-from switchboard.cli import serve
+from switchboard.cli import probe, serve
 from switchboard.config import API_KEYS_ENV, GatewayConfig
+from switchboard.gateway.api_errors import status_details
 from switchboard.gateway.auth import Credentials, bearer_token, identity_of
-from switchboard.gateway.errors import status_details
-from switchboard.gateway.server import GENERATION_SERVICE, GatewayServer
+from switchboard.gateway.grpc_server import GENERATION_SERVICE, GatewayServer
+from switchboard.supervisor import launcher
 
 KEY_A, KEY_B, ADMIN = "key-a-0123456789", "key-b-9876543210", "admin-secret-token"
 
@@ -197,7 +198,7 @@ async def test_launcher_probe_speaks_tls(start: StartGateway, certs: Certs, mtls
 
 async def test_probe_checks_the_certificates_own_name(start: StartGateway, certs: Certs) -> None:
     """A certificate for a Service name (not 127.0.0.1) still passes the probe from the pod,
-    also as ``python -m switchboard.probe`` (the chart's exec probe)."""
+    also as ``python -m switchboard.cli.probe`` (the chart's exec probe)."""
     fields = {"ssl_certfile": str(certs.elsewhere_cert), "ssl_keyfile": str(certs.elsewhere_key)}
     gw = await start(**fields)
     config = gw.server.config
@@ -232,7 +233,7 @@ async def test_launcher_probe_gives_up_on_a_failed_handshake(
     assert launcher.tls_handshake_failed(failed.value), failed.value.details()
     # The supervisor gives up on it and logs why, instead of polling until the server stops.
     supervisor = launcher.Supervisor([config], [], run_dir="")
-    with caplog.at_level(logging.WARNING, logger="switchboard.launcher"):
+    with caplog.at_level(logging.WARNING, logger="switchboard.supervisor.launcher"):
         await asyncio.wait_for(asyncio.to_thread(supervisor._announce_ready), WAIT_S)
     assert "cannot verify" in caplog.text or "TLS handshake" in caplog.text
 

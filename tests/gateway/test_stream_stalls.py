@@ -18,7 +18,7 @@ from gateway_scripted_engine import ScriptedEngine
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
 from switchboard.config import GatewayConfig
-from switchboard.gateway.server import GatewayServer
+from switchboard.gateway.grpc_server import GatewayServer
 
 STALL_WARN_S = 0.3
 STALLS = "switchboard:request_stalls_total"

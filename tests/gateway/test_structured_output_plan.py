@@ -9,8 +9,8 @@ import grpc
 import pytest
 
 from switchboard.api.v1 import generation_service_pb2 as pb
-from switchboard.gateway.errors import ApiError
-from switchboard.gateway.pipeline.structured_output import (
+from switchboard.gateway.api_errors import ApiError
+from switchboard.gateway.pipeline.constraint_check import (
     check_structured_output_plan,
     from_openai_response_format,
     plan_structured_output,

@@ -32,9 +32,9 @@ from google.rpc import error_details_pb2
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
 from switchboard.config import GatewayConfig
-from switchboard.gateway.errors import status_details
-from switchboard.gateway.http.errors import openai_param
-from switchboard.gateway.server import GatewayServer
+from switchboard.gateway.api_errors import status_details
+from switchboard.gateway.grpc_server import GatewayServer
+from switchboard.gateway.http.openai_errors import openai_param
 from switchboard.gateway.text import Tokenizer
 from switchboard.wire.engine_msgs import SamplingParams
 from switchboard.wire.field_rules import (

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from switchboard.model_tasks import read_model_tasks
+from switchboard.common.model_tasks import read_model_tasks
 from switchboard.models.bert import BertModel
 from switchboard.models.loader import load_model
 from switchboard.wire.engine_msgs import PoolingParams, PoolingType

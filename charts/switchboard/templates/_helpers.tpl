@@ -205,7 +205,7 @@ keys; coordinator: its pair, allowed-engines/ and allowed-gateways/. */}}
 . "service" NAME. */}}
 {{- define "switchboard.gatewayTlsProbe" -}}
 {{- $root := .root -}}
-{{- $cmd := list "python" "-m" "switchboard.probe" "--port" (toString $root.Values.gateway.port) "--service" .service -}}
+{{- $cmd := list "python" "-m" "switchboard.cli.probe" "--port" (toString $root.Values.gateway.port) "--service" .service -}}
 {{- $cmd = concat $cmd (list "--ssl-certfile" (printf "%s/tls.crt" $root.Values.tls.mountPath) "--ssl-keyfile" (printf "%s/tls.key" $root.Values.tls.mountPath)) -}}
 {{- if $root.Values.tls.clientAuth }}
 {{- $cmd = concat $cmd (list "--ssl-ca-certs" (printf "%s/ca.crt" $root.Values.tls.mountPath)) -}}

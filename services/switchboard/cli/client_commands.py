@@ -3,7 +3,7 @@ library at the top: their modules are imported when they run."""
 
 import argparse
 
-from switchboard.defaults import DEFAULT_GRPC_PORT
+from switchboard.common.defaults import DEFAULT_GRPC_PORT
 
 
 def _add_client_args(
@@ -29,7 +29,7 @@ def add_generate(parser: argparse.ArgumentParser) -> None:
 
 
 def run_generate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from switchboard import client
+    from switchboard.cli import client
 
     return client.run_generate(
         args.target,
@@ -56,7 +56,7 @@ def add_chat(parser: argparse.ArgumentParser) -> None:
 
 
 def run_chat(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from switchboard import chat_client
+    from switchboard.cli import chat_client
 
     return chat_client.run_chat(
         args.target,
@@ -78,7 +78,7 @@ def add_ps(parser: argparse.ArgumentParser) -> None:
 
 
 def run_ps(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from switchboard.processes import format_ps, list_processes
+    from switchboard.supervisor.processes import format_ps, list_processes
 
     print(format_ps(list_processes(args.pid)))
     return 0

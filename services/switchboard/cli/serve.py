@@ -11,6 +11,7 @@ from typing import Annotated
 import msgspec
 
 from switchboard.cli.struct_flags import Layout, build
+from switchboard.common.flags import AT_LEAST_0, POSITIVE, Flag, Group
 from switchboard.config import (
     CacheConfig,
     EngineConfig,
@@ -21,7 +22,6 @@ from switchboard.config import (
     SchedulerConfig,
     WorkerConfig,
 )
-from switchboard.flags import AT_LEAST_0, POSITIVE, Flag, Group
 
 
 class ServeFlags(msgspec.Struct, frozen=True, kw_only=True):
@@ -84,7 +84,7 @@ class ServeFlags(msgspec.Struct, frozen=True, kw_only=True):
 
 
 # What serve, gateway and engine take (in this order within a --help section); the role
-# commands add theirs (cli_roles.py).
+# commands add theirs (cli/role_commands.py).
 SHARED_STRUCTS = (
     ModelConfig,
     GatewayConfig,
@@ -168,9 +168,9 @@ def apply_security_args(parser: argparse.ArgumentParser, args: argparse.Namespac
     gateway through the environment (configs travel on children's command lines)."""
     if not hasattr(args, "api_key"):
         return  # engine: no front
+    from switchboard.common.tls import check_tls_files
     from switchboard.config import ADMIN_TOKEN_ENV, API_KEYS_ENV, METRICS_TOKEN_ENV
     from switchboard.gateway.auth import Credentials, parse_keys
-    from switchboard.tls import check_tls_files
 
     files = ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs", "api_key_file", "metrics_token_file")
     for flag in files:
@@ -218,7 +218,7 @@ def prepare(
 
 
 def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from switchboard.launcher import RestartPolicy, serve
+    from switchboard.supervisor.launcher import RestartPolicy, serve
 
     gateway, engine = prepare(parser, args)
     flags = build(ServeFlags, args)

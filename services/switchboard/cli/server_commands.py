@@ -7,11 +7,10 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from switchboard import cli_roles
-from switchboard.cli import serve
+from switchboard.cli import role_commands, serve
 from switchboard.cli.struct_flags import Layout, add_flags
+from switchboard.common.flags import Group
 from switchboard.config import ParallelConfig
-from switchboard.flags import Group
 
 # `switchboard topology` sizes a deployment by its parallel sizes and gateway count.
 TOPOLOGY = Layout(
@@ -31,16 +30,16 @@ def add_server_commands(command: Callable[[str], argparse.ArgumentParser]) -> No
     )
     add_flags(parser, serve.SERVE)
     parser.set_defaults(run=serve.run_serve)
-    for name, layout in (("gateway", cli_roles.GATEWAY), ("engine", cli_roles.ENGINE)):
+    for name, layout in (("gateway", role_commands.GATEWAY), ("engine", role_commands.ENGINE)):
         parser = command(name)
         add_flags(parser, layout)
         parser.set_defaults(run=run_role)
     parser = command("coordinator")
-    add_flags(parser, cli_roles.COORDINATOR)
-    parser.set_defaults(run=lambda _, args: cli_roles.cmd_coordinator(args))
+    add_flags(parser, role_commands.COORDINATOR)
+    parser.set_defaults(run=lambda _, args: role_commands.cmd_coordinator(args))
     parser = command("keys")
-    cli_roles.add_keys_args(parser)
-    parser.set_defaults(run=lambda _, args: cli_roles.cmd_keys(args))
+    role_commands.add_keys_args(parser)
+    parser.set_defaults(run=lambda _, args: role_commands.cmd_keys(args))
     parser = command("topology")
     add_flags(parser, TOPOLOGY)
     parser.set_defaults(run=run_topology)
@@ -50,12 +49,12 @@ def run_role(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """`switchboard gateway` / `switchboard engine`: one role in this process."""
     gateway, engine = serve.prepare(parser, args)
     if args.command == "gateway":
-        return cli_roles.cmd_gateway(args, gateway)
-    return cli_roles.cmd_engine(args, engine)
+        return role_commands.cmd_gateway(args, gateway)
+    return role_commands.cmd_engine(args, engine)
 
 
 def run_topology(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from switchboard.processes import Topology, format_topology
+    from switchboard.supervisor.processes import Topology, format_topology
 
     topology = Topology(
         api_servers=args.api_servers or args.data_parallel_size,

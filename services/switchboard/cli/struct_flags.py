@@ -1,4 +1,4 @@
-"""Parsers built from the flags that struct fields declare (``switchboard.flags``), and the
+"""Parsers built from the flags that struct fields declare (``switchboard.common.flags``), and the
 structs built back from what was parsed: nothing here names a flag."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Annotated, Any, TypeVar, get_args, get_origin
 
 import msgspec
 
-from switchboard.flags import FIELD_DEFAULT, Accepts, Flag, Group
+from switchboard.common.flags import FIELD_DEFAULT, Accepts, Flag, Group
 
 S = TypeVar("S", bound=msgspec.Struct)
 

@@ -3,7 +3,7 @@
 Configs are msgspec structs so that a launcher can hand them to a child process as JSON
 (``encode_config`` / ``decode_config``) without pickle. No process mutates its config.
 A field the command line sets declares its flag, help included, on itself
-(``switchboard.flags``); the CLI is built from these declarations.
+(``switchboard.common.flags``); the CLI is built from these declarations.
 """
 
 from switchboard.config.coordinator import CoordinatorConfig

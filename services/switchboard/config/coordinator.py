@@ -2,8 +2,8 @@
 
 from typing import Annotated
 
+from switchboard.common.flags import AT_LEAST_1, Flag, Group
 from switchboard.config.struct import Config, curve_keys_flag
-from switchboard.flags import AT_LEAST_1, Flag, Group
 
 
 class CoordinatorConfig(Config, frozen=True):

@@ -4,9 +4,17 @@ from typing import Annotated
 
 import msgspec
 
+from switchboard.common.flags import (
+    AT_LEAST_0,
+    AT_LEAST_1,
+    NO_CAP_OR_MORE,
+    POSITIVE,
+    Accepts,
+    Flag,
+    Group,
+)
 from switchboard.config.model import ModelConfig
 from switchboard.config.struct import Config, curve_keys_flag
-from switchboard.flags import AT_LEAST_0, AT_LEAST_1, NO_CAP_OR_MORE, POSITIVE, Accepts, Flag, Group
 
 
 class CacheConfig(Config, frozen=True):
@@ -224,7 +232,7 @@ class EngineConfig(Config, frozen=True):
     parallel: ParallelConfig = ParallelConfig()
     worker: WorkerConfig = WorkerConfig()
     data_parallel_rank: Annotated[
-        int,  # `switchboard engine` without the flag: its host name's ordinal (cli_roles.py)
+        int,  # `switchboard engine` without the flag: its host name's ordinal (cli/role_commands.py)
         Flag(
             "this engine's DP rank (default: the ordinal ending the host name, as in a "
             "StatefulSet pod 'engine-3', else 0)",

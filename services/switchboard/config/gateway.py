@@ -2,10 +2,18 @@
 
 from typing import Annotated
 
+from switchboard.common.defaults import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT
+from switchboard.common.flags import (
+    AT_LEAST_0,
+    AT_LEAST_1,
+    NO_CAP_OR_MORE,
+    POSITIVE,
+    Accepts,
+    Flag,
+    Group,
+)
 from switchboard.config.model import ModelConfig
 from switchboard.config.struct import Config, curve_keys_flag
-from switchboard.defaults import DEFAULT_GRPC_PORT, DEFAULT_HTTP_PORT
-from switchboard.flags import AT_LEAST_0, AT_LEAST_1, NO_CAP_OR_MORE, POSITIVE, Accepts, Flag, Group
 
 DEFAULT_SHUTDOWN_GRACE_S = 30.0  # SIGTERM: how long in-flight streams get (the chart matches it)
 # The gateway's secrets, from the environment (never in a config): API keys one per line, the
@@ -188,7 +196,7 @@ class GatewayRoleConfig(Config, frozen=True):
     model: ModelConfig
     gateway: GatewayConfig = GatewayConfig()
     client_index: Annotated[
-        int,  # `switchboard gateway` without the flag: a random one (cli_roles.py)
+        int,  # `switchboard gateway` without the flag: a random one (cli/role_commands.py)
         Flag(
             "this gateway's index on the engines' wire (default: random, unique in practice)",
             Group.ENGINES_ELSEWHERE,

@@ -3,8 +3,8 @@
 import os
 from typing import Annotated
 
+from switchboard.common.flags import AT_LEAST_1, Flag, Group
 from switchboard.config.struct import Config
-from switchboard.flags import AT_LEAST_1, Flag, Group
 
 
 class ModelConfig(Config, frozen=True):

@@ -4,7 +4,7 @@ from typing import TypeVar
 
 import msgspec
 
-from switchboard.flags import Flag, Group
+from switchboard.common.flags import Flag, Group
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -15,7 +15,7 @@ import sys
 import setproctitle
 
 from switchboard.config import CoordinatorConfig, decode_config
-from switchboard.coordinator.coordinator import Coordinator
+from switchboard.coordinator.load_table import Coordinator
 
 logger = logging.getLogger("switchboard.coordinator")
 

@@ -31,8 +31,11 @@ import msgspec
 import zmq
 
 from switchboard import __version__
+from switchboard.common.log_limits import WarningLimit, report_suppressed
+from switchboard.common.model_tasks import read_model_tasks
 from switchboard.config import EngineConfig, new_run_dir, with_step_budget
 from switchboard.engine import clock
+from switchboard.engine.constrained_decoding import StructuredOutputManager, attach_bitmask
 from switchboard.engine.executor import MultiprocExecutor, Stall, SubmittedStep
 from switchboard.engine.io_threads import (
     InputQueue,
@@ -45,10 +48,7 @@ from switchboard.engine.peers import EnginePeers, engine_curve_keys
 from switchboard.engine.request import Request
 from switchboard.engine.scheduler import Scheduler
 from switchboard.engine.shutdown import ShutdownRequest
-from switchboard.engine.structured_output import StructuredOutputManager, attach_bitmask
 from switchboard.engine.utility import run_utility
-from switchboard.log_limits import WarningLimit, report_suppressed
-from switchboard.model_tasks import read_model_tasks
 from switchboard.wire import zmq_channel
 from switchboard.wire.engine_msgs import (
     ENGINE_CORE_DEAD,

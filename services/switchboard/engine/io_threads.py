@@ -35,8 +35,8 @@ from typing import Any
 
 import zmq
 
+from switchboard.common.log_limits import WarningLimit
 from switchboard.engine import clock
-from switchboard.log_limits import WarningLimit
 from switchboard.wire import zmq_channel
 from switchboard.wire.codec import ENGINE_CORE_OUTPUTS, ENGINE_READY
 from switchboard.wire.curve import CurveKeys

@@ -106,7 +106,7 @@ class Request:
         self.num_pending_samples = 0
         # Set for an embedding request: prefill only, finished with its pooled vector.
         self.pooling_params = pooling_params
-        # Set for a constrained request (structured output): engine/structured_output.py's
+        # Set for a constrained request (structured output): engine/constrained_decoding.py's
         # RequestGrammar, advanced with every accepted output token.
         self.grammar: Any = None
         self.update_block_hashes()

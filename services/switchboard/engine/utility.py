@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from switchboard.log_limits import WarningLimit
+from switchboard.common.log_limits import WarningLimit
 from switchboard.wire.engine_msgs import UtilityCall, UtilityOutput
 
 logger = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO,
         format=f"%(asctime)s %(levelname)s Gateway_{config.client_index} %(name)s: %(message)s",
     )
-    from switchboard.gateway.server import serve  # after logging: imports grpc
+    from switchboard.gateway.grpc_server import serve  # after logging: imports grpc
 
     try:
         return asyncio.run(serve(config))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import grpc
 
-from switchboard.gateway.errors import ApiError
+from switchboard.gateway.api_errors import ApiError
 
 RETRY_AFTER_S = 1.0
 

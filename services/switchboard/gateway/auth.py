@@ -30,9 +30,9 @@ from typing import Any
 
 import grpc
 
+from switchboard.common.log_limits import WarningLimit
 from switchboard.config import ADMIN_TOKEN_ENV, API_KEYS_ENV, METRICS_TOKEN_ENV, GatewayConfig
-from switchboard.gateway.errors import ApiError
-from switchboard.log_limits import WarningLimit
+from switchboard.gateway.api_errors import ApiError
 
 logger = logging.getLogger(__name__)
 limited = WarningLimit(logger)

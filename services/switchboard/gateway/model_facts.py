@@ -21,8 +21,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from switchboard.common.model_tasks import ModelTasks, read_model_tasks
 from switchboard.config import ModelConfig
-from switchboard.model_tasks import ModelTasks, read_model_tasks
 from switchboard.wire.engine_msgs import EngineReady
 
 logger = logging.getLogger(__name__)

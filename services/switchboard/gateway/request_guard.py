@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from switchboard.log_limits import WarningLimit
+from switchboard.common.log_limits import WarningLimit
 
 logger = logging.getLogger(__name__)
 limited = WarningLimit(logger)

@@ -97,7 +97,7 @@ class SamplingParams(_Wire):
 
 
 class StructuredOutputParams(_Wire):
-    """A constraint on the output (``switchboard/structured_output.py`` lists the kinds):
+    """A constraint on the output (``switchboard/common/constraint_grammar.py`` lists the kinds):
     the engine compiles it, masks the logits each step and ends the request with STOP when the
     output is complete."""
 

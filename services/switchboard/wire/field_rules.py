@@ -21,7 +21,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence, Sized
 
-from switchboard.structured_output import MAX_SPEC_CHARS
+from switchboard.common.constraint_grammar import MAX_SPEC_CHARS
 
 MAX_LOGPROBS = 20  # top-N alternatives per output / prompt token (vLLM's default cap)
 MAX_ABS_PENALTY = 2.0  # presence and frequency penalties (OpenAI)
@@ -171,7 +171,7 @@ class InVocabulary:
 Bound = Range | MaxEntries
 
 # Derived on the gateway's side: a bad word's tokens are counted once it is tokenized
-# (bad_words.py), a constraint's spec once it is written (structured_output.py).
+# (bad_words.py), a constraint's spec once it is written (constraint_check.py).
 BAD_WORD_TOKENS = MaxEntries(
     "sampling_params.bad_words_token_ids",
     "sampling.bad_words",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from switchboard.structured_output import KINDS as STRUCTURED_OUTPUT_KINDS
+from switchboard.common.constraint_grammar import KINDS as STRUCTURED_OUTPUT_KINDS
 from switchboard.wire.engine_msgs import EngineCoreRequest, PoolingParams, SamplingParams
 from switchboard.wire.field_rules import (
     BOUNDS,

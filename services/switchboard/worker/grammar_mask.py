@@ -1,7 +1,7 @@
 """Apply the engine's structured-output bitmask to the logits, before sampling (torch).
 
 The engine core computes, for each constrained request that samples in the step, which tokens
-its grammar allows next (``engine/structured_output.py``) and sends the rows packed in the step
+its grammar allows next (``engine/constrained_decoding.py``) and sends the rows packed in the step
 (``SchedulerOutput.grammar_bitmask``: ceil(vocab / 32) little-endian int32 words per row, bit
 ``t % 32`` of word ``t // 32`` = token ``t`` allowed, rows in ``structured_request_ids`` order).
 Here every disallowed token's logit becomes -inf on the matching logits rows; unconstrained rows

@@ -19,8 +19,8 @@ from typing import Protocol
 
 import torch
 
+from switchboard.common.model_tasks import read_model_tasks
 from switchboard.config import EngineConfig
-from switchboard.model_tasks import read_model_tasks
 from switchboard.models.loader import resolve_device
 from switchboard.wire.codec import RPC_CALL, RPC_REPLY
 from switchboard.wire.step_msgs import ModelRunnerOutput, ModelSummary, SchedulerOutput

@@ -18,8 +18,8 @@ import grpc
 from google.protobuf import json_format
 
 from switchboard.api.v1 import generation_service_pb2 as pb
+from switchboard.gateway.api_errors import ApiError, invalid_argument
 from switchboard.gateway.chat.template import RESERVED_VARIABLES, ChatTemplate, ChatTemplateError
-from switchboard.gateway.errors import ApiError, invalid_argument
 from switchboard.gateway.text import Tokenizer
 
 NO_TEMPLATE_HINT = (

@@ -15,6 +15,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+from switchboard.gateway.api_errors import unavailable
 from switchboard.gateway.engines.membership import EngineMembership
 from switchboard.gateway.engines.resume import Failover
 from switchboard.gateway.engines.routing import RequestRouter
@@ -22,7 +23,6 @@ from switchboard.gateway.engines.sockets import EngineSockets
 from switchboard.gateway.engines.stream_stalls import StreamStalls
 from switchboard.gateway.engines.types import EngineHandle, RequestChannel
 from switchboard.gateway.engines.utility_calls import UtilityCalls
-from switchboard.gateway.errors import unavailable
 from switchboard.wire.engine_msgs import EngineCoreOutputs, EngineCoreRequest
 
 

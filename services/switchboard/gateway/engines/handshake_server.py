@@ -20,7 +20,7 @@ import logging
 import zmq
 import zmq.asyncio
 
-from switchboard.log_limits import WarningLimit
+from switchboard.common.log_limits import WarningLimit
 from switchboard.wire import zmq_channel
 from switchboard.wire.codec import GATEWAY_ADDRESSES, GATEWAY_HELLO, DecodeError
 from switchboard.wire.curve import CurveKeys

@@ -15,10 +15,10 @@ import random
 import time
 from collections.abc import Callable
 
+from switchboard.common.log_limits import WarningLimit
+from switchboard.gateway.api_errors import ApiError, unavailable
 from switchboard.gateway.engines.pool import choose_engine
 from switchboard.gateway.engines.types import EngineHandle, EngineState
-from switchboard.gateway.errors import ApiError, unavailable
-from switchboard.log_limits import WarningLimit
 from switchboard.wire.engine_msgs import EngineCoreOutputs, EngineDead, EngineReady
 
 logger = logging.getLogger(__name__)

@@ -29,8 +29,8 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
+from switchboard.gateway.api_errors import unavailable
 from switchboard.gateway.engines.types import EngineHandle
-from switchboard.gateway.errors import unavailable
 from switchboard.wire import zmq_channel
 from switchboard.wire.codec import LOAD_REPORT, DecodeError
 from switchboard.wire.curve import CurveKeys

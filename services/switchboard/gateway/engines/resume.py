@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from switchboard.gateway.api_errors import ApiError, unavailable
 from switchboard.gateway.engines.membership import EngineMembership
 from switchboard.gateway.engines.routing import RequestRouter
 from switchboard.gateway.engines.types import (
@@ -32,7 +33,6 @@ from switchboard.gateway.engines.types import (
     RequestFailed,
     SendRequest,
 )
-from switchboard.gateway.errors import ApiError, unavailable
 from switchboard.wire.engine_msgs import EngineCoreRequest, RequestType
 
 logger = logging.getLogger(__name__)

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 import grpc
 import msgspec
 
+from switchboard.gateway.api_errors import ApiError, unavailable
 from switchboard.gateway.engines.membership import EngineMembership
 from switchboard.gateway.engines.types import (
     EngineHandle,
@@ -19,7 +20,6 @@ from switchboard.gateway.engines.types import (
     SendRequest,
     StepOutput,
 )
-from switchboard.gateway.errors import ApiError, unavailable
 from switchboard.wire.engine_msgs import (
     EngineCoreOutput,
     EngineCoreOutputs,

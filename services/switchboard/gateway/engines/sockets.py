@@ -23,10 +23,10 @@ from typing import Any, cast
 import zmq
 import zmq.asyncio
 
+from switchboard.common.log_limits import WarningLimit
 from switchboard.gateway.engines.handshake_server import HandshakeServer, port_of
 from switchboard.gateway.engines.pool import LoadSubscriber
 from switchboard.gateway.engines.types import EngineHandle
-from switchboard.log_limits import WarningLimit
 from switchboard.wire import curve, zmq_channel
 from switchboard.wire.curve import CurveKeys
 from switchboard.wire.engine_msgs import (

@@ -15,8 +15,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from switchboard.gateway.engines.clock import EngineClock
-from switchboard.gateway.errors import ApiError
+from switchboard.gateway.api_errors import ApiError
+from switchboard.gateway.engines.engine_clock import EngineClock
 from switchboard.wire.engine_msgs import (
     EngineCoreOutput,
     EngineCoreRequest,
@@ -70,7 +70,7 @@ class EngineHandle:
     @functools.cached_property
     def clock(self) -> EngineClock:
         """This engine's clock placed on the gateway's wall clock: READY's anchor, kept within
-        what the gateway observes (clock.py)."""
+        what the gateway observes (engine_clock.py)."""
         ready = self.ready
         return EngineClock(ready.engine_id, ready.wall_clock_ns, ready.monotonic_ns)
 

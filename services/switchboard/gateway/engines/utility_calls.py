@@ -14,8 +14,8 @@ from typing import Any
 
 import grpc
 
+from switchboard.gateway.api_errors import ApiError, unavailable
 from switchboard.gateway.engines.types import EngineHandle, SendRequest
-from switchboard.gateway.errors import ApiError, unavailable
 from switchboard.wire.engine_msgs import RequestType, UtilityCall, UtilityOutput
 
 logger = logging.getLogger(__name__)

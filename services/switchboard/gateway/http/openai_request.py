@@ -15,9 +15,9 @@ import re
 from typing import Any
 
 from switchboard.api.v1 import generation_service_pb2 as pb
+from switchboard.gateway.api_errors import invalid_argument, not_supported
 from switchboard.gateway.chat.tools import ToolPlan, forced_call_schema
-from switchboard.gateway.errors import invalid_argument, not_supported
-from switchboard.gateway.pipeline.structured_output import from_openai_response_format
+from switchboard.gateway.pipeline.constraint_check import from_openai_response_format
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 _UINT32_MAX = (1 << 32) - 1

@@ -18,9 +18,9 @@ import grpc
 from aiohttp import web
 
 from switchboard.api.v1 import generation_service_pb2 as pb
-from switchboard.gateway.errors import ApiError, invalid_argument
+from switchboard.gateway.api_errors import ApiError, invalid_argument
 from switchboard.gateway.http.context import HttpCallContext
-from switchboard.gateway.http.errors import error_body, error_response, json_response
+from switchboard.gateway.http.openai_errors import error_body, error_response, json_response
 from switchboard.gateway.http.openai_request import (
     OpenAIOptions,
     chat_request,

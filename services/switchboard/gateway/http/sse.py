@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from switchboard.gateway.http.errors import dumps
+from switchboard.gateway.http.openai_errors import dumps
 
 
 async def open_stream(request: web.Request, headers: dict[str, str]) -> web.StreamResponse:

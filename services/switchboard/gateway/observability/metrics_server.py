@@ -23,8 +23,8 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
+from switchboard.gateway.api_errors import ApiError
 from switchboard.gateway.auth import log_refusal
-from switchboard.gateway.errors import ApiError
 
 logger = logging.getLogger(__name__)
 

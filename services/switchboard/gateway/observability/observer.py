@@ -26,9 +26,11 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from switchboard.api.v1 import generation_service_pb2 as pb
+from switchboard.common.tls import server_ssl_context, tls_enabled
 from switchboard.config import GatewayRoleConfig
+from switchboard.gateway.api_errors import ApiError
 from switchboard.gateway.auth import Credentials
-from switchboard.gateway.engines.clock import EngineClock
+from switchboard.gateway.engines.engine_clock import EngineClock
 from switchboard.gateway.engines.types import (
     EngineHandle,
     RequestAborted,
@@ -36,12 +38,10 @@ from switchboard.gateway.engines.types import (
     RequestFailed,
     StepOutput,
 )
-from switchboard.gateway.errors import ApiError
 from switchboard.gateway.observability.request_timeline import RequestTimeline, RequestTimes
 from switchboard.gateway.observability.stats_log import StatsLogger, TokenCounts
 from switchboard.gateway.observability.trace_phases import request_phases
 from switchboard.gateway.observability.tracing_config import tracing_settings
-from switchboard.tls import server_ssl_context, tls_enabled
 from switchboard.wire.engine_msgs import EngineCoreRequest, EventType, FinishReason
 
 if TYPE_CHECKING:

@@ -18,7 +18,7 @@ from typing import Any
 from google.protobuf import message
 
 from switchboard.api.v1 import generation_service_pb2 as pb
-from switchboard.gateway.errors import invalid_argument
+from switchboard.gateway.api_errors import invalid_argument
 from switchboard.wire.engine_msgs import RepetitionDetectionParams
 from switchboard.wire.field_rules import (
     BOUNDS,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from switchboard.gateway.errors import invalid_argument
+from switchboard.gateway.api_errors import invalid_argument
 from switchboard.gateway.pipeline.api_field_rules import check_ids
 from switchboard.gateway.text import Tokenizer
 from switchboard.wire.field_rules import BAD_WORD_TOKENS as WORD_TOKENS

@@ -26,8 +26,8 @@ import uuid
 import grpc
 
 from switchboard.api.v1 import generation_service_pb2 as pb
+from switchboard.gateway.api_errors import ApiError, unavailable
 from switchboard.gateway.engines.types import RequestAborted, RequestChannel, RequestFailed
-from switchboard.gateway.errors import ApiError, unavailable
 from switchboard.gateway.pipeline.embed_validation import (
     check_input_sizes,
     plan_embed,

@@ -14,7 +14,7 @@ import dataclasses
 
 from switchboard.api.v1 import common_pb2
 from switchboard.api.v1 import generation_service_pb2 as pb
-from switchboard.gateway.errors import invalid_argument, not_supported
+from switchboard.gateway.api_errors import invalid_argument, not_supported
 from switchboard.gateway.model_facts import ModelFacts
 from switchboard.gateway.pipeline.api_field_rules import check_ids
 from switchboard.gateway.pipeline.request_bounds import check_text_bytes

@@ -28,9 +28,9 @@ import grpc
 
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.gateway.admission import Ticket
+from switchboard.gateway.api_errors import ApiError
 from switchboard.gateway.auth import Credentials
 from switchboard.gateway.engines.types import RequestEvent
-from switchboard.gateway.errors import ApiError
 from switchboard.gateway.observability.observer import RequestObserver
 from switchboard.gateway.pipeline.coalesce import coalesce
 from switchboard.gateway.pipeline.generate_stream import GenerateStream

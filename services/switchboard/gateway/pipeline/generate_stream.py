@@ -25,13 +25,13 @@ from collections.abc import Callable
 import grpc
 
 from switchboard.api.v1 import generation_service_pb2 as pb
+from switchboard.gateway.api_errors import ApiError
 from switchboard.gateway.engines.types import (
     RequestAborted,
     RequestEvent,
     RequestFailed,
     StepOutput,
 )
-from switchboard.gateway.errors import ApiError
 from switchboard.gateway.pipeline.api_logprobs import to_api_logprobs
 from switchboard.gateway.pipeline.validation import GeneratePlan
 from switchboard.gateway.text import IncrementalDetokenizer, TextStream, Tokenizer

@@ -8,7 +8,7 @@
     3. the bad words' text can fit their token bound (bad_words.py); an engine can serve it
     4. the prompt, tokenized in the thread pool, then ``validation.resolve_prompt``: truncation,
        vocabulary, room for output
-    5. thread pool: the grammar compiles (structured_output.py); the bad words' tokens
+    5. thread pool: the grammar compiles (constraint_check.py); the bad words' tokens
     6. ``validation.build_engine_request``: max_tokens / min_tokens in the room the prompt leaves
 
 A step that fails raises ``ApiError`` (mostly INVALID_ARGUMENT naming the field); nothing is
@@ -22,15 +22,15 @@ import dataclasses
 import grpc
 
 from switchboard.api.v1 import generation_service_pb2 as pb
+from switchboard.gateway.api_errors import ApiError
 from switchboard.gateway.chat.prompt import chat_prompt_token_ids
-from switchboard.gateway.errors import ApiError
 from switchboard.gateway.pipeline.bad_words import check_bad_word_bytes, tokenize_bad_words
+from switchboard.gateway.pipeline.constraint_check import check_structured_output_plan
 from switchboard.gateway.pipeline.request_bounds import (
     check_data_parallel_rank,
     check_text_bytes,
     prompt_bytes,
 )
-from switchboard.gateway.pipeline.structured_output import check_structured_output_plan
 from switchboard.gateway.pipeline.validation import (
     GeneratePlan,
     build_engine_request,

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from switchboard.api.v1 import generation_service_pb2 as pb
-from switchboard.gateway.errors import invalid_argument
+from switchboard.gateway.api_errors import invalid_argument
 from switchboard.gateway.text import Tokenizer
 from switchboard.wire.field_rules import MAX_REQUEST_ID_CHARS
 

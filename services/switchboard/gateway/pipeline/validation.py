@@ -3,7 +3,7 @@ EngineCoreRequest, or INVALID_ARGUMENT naming the field and the rule.
 
 ``plan_generate`` checks everything that does not need the prompt's tokens: the wire's rules on
 single fields and the API's own (``api_field_rules.py``), structured output's
-(``structured_output.py``, whose grammar check runs in the thread pool later). Once the prompt
+(``constraint_check.py``, whose grammar check runs in the thread pool later). Once the prompt
 is tokenized, ``resolve_prompt`` truncates and checks it, and ``build_engine_request`` fits
 max_tokens / min_tokens into the room it leaves. Knobs the engine cannot honour yet
 (extra_args) are rejected, not silently ignored.
@@ -15,9 +15,9 @@ import dataclasses
 import time
 
 from switchboard.api.v1 import generation_service_pb2 as pb
+from switchboard.gateway.api_errors import invalid_argument, model_not_found, not_supported
 from switchboard.gateway.chat.prompt import ChatPrompt, plan_chat
 from switchboard.gateway.chat.template import ChatTemplate
-from switchboard.gateway.errors import invalid_argument, model_not_found, not_supported
 from switchboard.gateway.model_facts import ModelFacts
 from switchboard.gateway.pipeline.api_field_rules import (
     check_fields,
@@ -25,8 +25,8 @@ from switchboard.gateway.pipeline.api_field_rules import (
     check_repetition_detection,
     check_sampling,
 )
+from switchboard.gateway.pipeline.constraint_check import plan_structured_output
 from switchboard.gateway.pipeline.request_bounds import check_model_name
-from switchboard.gateway.pipeline.structured_output import plan_structured_output
 from switchboard.wire.engine_msgs import (
     EngineCoreRequest,
     RepetitionDetectionParams,

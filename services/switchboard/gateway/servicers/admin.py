@@ -18,8 +18,8 @@ from google.rpc import status_pb2
 
 from switchboard.api.v1 import admin_service_pb2 as pb
 from switchboard.api.v1 import admin_service_pb2_grpc as pb_grpc
+from switchboard.gateway.api_errors import ApiError, invalid_argument, maps_api_errors, unavailable
 from switchboard.gateway.engines.types import EngineHandle
-from switchboard.gateway.errors import ApiError, invalid_argument, maps_api_errors, unavailable
 from switchboard.gateway.state import GatewayState
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import grpc
 
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
-from switchboard.gateway.errors import invalid_argument, maps_api_errors
+from switchboard.gateway.api_errors import invalid_argument, maps_api_errors
 from switchboard.gateway.pipeline.embed_call import embed
 from switchboard.gateway.pipeline.generate_call import GenerateCalls
 from switchboard.gateway.pipeline.request_bounds import (

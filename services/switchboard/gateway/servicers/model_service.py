@@ -9,8 +9,8 @@ import switchboard
 from switchboard.api.v1 import common_pb2
 from switchboard.api.v1 import model_service_pb2 as pb
 from switchboard.api.v1 import model_service_pb2_grpc as pb_grpc
+from switchboard.gateway.api_errors import maps_api_errors
 from switchboard.gateway.engines.types import EngineHandle
-from switchboard.gateway.errors import maps_api_errors
 from switchboard.gateway.pipeline.validation import check_model
 from switchboard.gateway.state import GatewayState
 

@@ -36,12 +36,14 @@ from switchboard.api.v1 import (
     model_service_pb2,
     model_service_pb2_grpc,
 )
+from switchboard.common.log_limits import report_suppressed
+from switchboard.common.tls import grpc_server_credentials, tls_enabled
 from switchboard.config import GatewayConfig, GatewayRoleConfig
 from switchboard.gateway.admission import Admission
 from switchboard.gateway.auth import AuthInterceptor, Credentials
 from switchboard.gateway.chat.template import ChatTemplate, load_chat_template
 from switchboard.gateway.engines.engine_client import EngineClient
-from switchboard.gateway.http.server import HttpServer
+from switchboard.gateway.http.aiohttp_server import HttpServer
 from switchboard.gateway.model_facts import ModelFacts
 from switchboard.gateway.observability.observer import Observability
 from switchboard.gateway.pipeline.generate_call import GenerateCalls
@@ -52,8 +54,6 @@ from switchboard.gateway.servicers.generation import GenerationServicer
 from switchboard.gateway.servicers.model_service import ModelServicer
 from switchboard.gateway.state import GatewayState
 from switchboard.gateway.text import Tokenizer
-from switchboard.log_limits import report_suppressed
-from switchboard.tls import grpc_server_credentials, tls_enabled
 
 logger = logging.getLogger(__name__)
 

@@ -31,13 +31,13 @@ import msgspec
 
 from switchboard.cli.serve import FRONT_SECTIONS, SHARED_SECTIONS, SHARED_STRUCTS
 from switchboard.cli.struct_flags import Layout, build
+from switchboard.common.flags import Flag, Group
 from switchboard.config import (
     CoordinatorConfig,
     EngineConfig,
     GatewayRoleConfig,
     encode_config,
 )
-from switchboard.flags import Flag, Group
 from switchboard.wire.zmq_channel import tcp_address
 
 DEFAULT_HANDSHAKE_PORT = 50052
@@ -159,7 +159,7 @@ def cmd_keys(args: argparse.Namespace) -> int:
     if args.generation < 1:
         raise SystemExit(f"switchboard keys {args.action}: --generation must be at least 1")
     if args.action == "kubernetes-secret":
-        from switchboard import curve_secret
+        from switchboard.cli import curve_secret
 
         try:
             api = curve_secret.KubeApi.in_cluster()

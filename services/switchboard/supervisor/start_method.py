@@ -11,7 +11,7 @@ re-imports the script as ``__mp_main__``, and a script that starts a server at i
 would start one more server per helper, each starting more. A library entry point therefore
 calls :func:`require_main_process` first, and a script must keep its start-up under the guard::
 
-    from switchboard.launcher import serve
+    from switchboard.supervisor.launcher import serve
 
     if __name__ == "__main__":
         raise SystemExit(serve(gateway_config, engine_config))

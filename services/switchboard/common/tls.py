@@ -55,7 +55,7 @@ def server_ssl_context(gateway: GatewayConfig) -> ssl.SSLContext:
 
 def probe_channel(gateway: GatewayConfig, target: str) -> grpc.Channel:
     """A channel from this host to a gateway's gRPC port, as its own probes use it (the
-    launcher's ready line, ``python -m switchboard.probe`` in the chart's pods): plaintext,
+    launcher's ready line, ``python -m switchboard.cli.probe`` in the chart's pods): plaintext,
     or TLS trusting ``--ssl-ca-certs`` (else the server's own certificate file: a leaf is
     accepted as its own anchor) and, under mTLS, showing the server's certificate as the
     client's. The name checked is the certificate's own (its first DNS name when it does not

@@ -43,6 +43,8 @@ import msgspec
 import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from switchboard.common.tls import probe_channel as tls_probe_channel
+from switchboard.common.tls import tls_enabled, tls_handshake_failed
 from switchboard.config import (
     CoordinatorConfig,
     EngineConfig,
@@ -51,14 +53,12 @@ from switchboard.config import (
     ipc_address,
     new_run_dir,
 )
-from switchboard.processes import descendants
-from switchboard.start_method import require_main_process
-from switchboard.tls import probe_channel as tls_probe_channel
-from switchboard.tls import tls_enabled, tls_handshake_failed
+from switchboard.supervisor.processes import descendants
+from switchboard.supervisor.start_method import require_main_process
 from switchboard.wire import zmq_channel
 from switchboard.wire.shm_ring import unlink_orphaned_segments
 
-logger = logging.getLogger("switchboard.launcher")
+logger = logging.getLogger("switchboard.supervisor.launcher")
 
 STOP_GRACE_S = 15.0  # engines and the coordinator, after the gateways stopped
 GATEWAY_STOP_MARGIN_S = 10.0  # on top of the gateways' own --shutdown-grace

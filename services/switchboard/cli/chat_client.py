@@ -24,7 +24,7 @@ import grpc
 
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
-from switchboard.client import EXIT_INTERRUPTED, EXIT_OK, finish_answer, report_rpc_error
+from switchboard.cli.client import EXIT_INTERRUPTED, EXIT_OK, finish_answer, report_rpc_error
 
 USER_PROMPT = ">>> "
 

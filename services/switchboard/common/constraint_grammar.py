@@ -2,7 +2,7 @@
 
 The gateway checks a request's constraint with ``check_structured_output`` before it is queued
 (no tokenizer needed: syntax, schema keywords, regex and grammar errors), the engine core
-compiles it against the model's tokenizer (``engine/structured_output.py``). Both start from
+compiles it against the model's tokenizer (``engine/constrained_decoding.py``). Both start from
 ``to_grammar``, so what the gateway accepts is exactly what the engine compiles.
 
 Kinds (``wire.engine_msgs.StructuredOutputParams.kind``) and their ``spec``:

@@ -4,7 +4,7 @@
 nothing (empty values, sizes, JSON that does not parse); ``check_structured_output_plan`` (in
 the gateway's thread pool, before ADD) has llguidance validate the grammar it compiles to, so a
 bad schema, regex or grammar is INVALID_ARGUMENT naming the problem and nothing is queued. The
-engine compiles it against the tokenizer (``engine/structured_output.py``).
+engine compiles it against the tokenizer (``engine/constrained_decoding.py``).
 
 ``from_openai_response_format`` serves the OpenAI HTTP front (``gateway/http/openai_request.py``
 sets the request's ``structured_output`` from it): ``response_format``
@@ -18,12 +18,12 @@ import json
 from typing import Any
 
 from switchboard.api.v1 import generation_service_pb2 as pb
-from switchboard.gateway.errors import invalid_argument
-from switchboard.structured_output import (
+from switchboard.common.constraint_grammar import (
     MAX_CHOICES,
     StructuredOutputError,
     check_structured_output,
 )
+from switchboard.gateway.api_errors import invalid_argument
 from switchboard.wire.engine_msgs import StructuredOutputParams
 from switchboard.wire.field_rules import STRUCTURED_SPEC
 

@@ -17,14 +17,14 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from switchboard.common.tls import server_ssl_context, tls_enabled
 from switchboard.config import GatewayRoleConfig
+from switchboard.gateway.api_errors import ApiError
 from switchboard.gateway.auth import Credentials, log_refusal
-from switchboard.gateway.errors import ApiError
-from switchboard.gateway.http.errors import error_response, json_response
+from switchboard.gateway.http.openai_errors import error_response, json_response
 from switchboard.gateway.http.routes import OpenAIRoutes, internal_error
 from switchboard.gateway.pipeline.generate_call import GenerateCalls
 from switchboard.gateway.state import GatewayState
-from switchboard.tls import server_ssl_context, tls_enabled
 
 logger = logging.getLogger(__name__)
 

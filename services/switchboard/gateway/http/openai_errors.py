@@ -14,7 +14,7 @@ import re
 import grpc
 from aiohttp import web
 
-from switchboard.gateway.errors import ApiError
+from switchboard.gateway.api_errors import ApiError
 
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,

@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from switchboard.common.constraint_grammar import StructuredOutputError, to_grammar
 from switchboard.engine.request import Request
-from switchboard.structured_output import StructuredOutputError, to_grammar
 from switchboard.wire.engine_msgs import StructuredOutputParams
 from switchboard.wire.step_msgs import SchedulerOutput
 

@@ -1,4 +1,4 @@
-"""``python -m switchboard.probe``: ask a gateway's gRPC health service from its own host, over
+"""``python -m switchboard.cli.probe``: ask a gateway's gRPC health service from its own host, over
 TLS when it serves TLS (the chart's exec probes: the kubelet's native gRPC probe has no TLS).
 Exit 0 when the service is SERVING, 1 otherwise (the answer, or why none came, on stderr)."""
 
@@ -10,12 +10,12 @@ import sys
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from switchboard.common.tls import probe_channel
 from switchboard.config import GatewayConfig
-from switchboard.tls import probe_channel
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m switchboard.probe", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m switchboard.cli.probe", description=__doc__)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--service", default="", help='"" = the process; or a service name')

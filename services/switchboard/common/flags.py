@@ -5,7 +5,7 @@ type, its default and its help are written once, there. ``switchboard.cli.struct
 the server commands' parsers from these declarations and maps the parsed values back onto the
 configs. A flag that sets no config field (the supervisor's restart policy, the gateway's
 secrets, addresses put together from several flags) is declared the same way on a struct of its
-command (``cli/serve.py``, ``cli_roles.py``).
+command (``cli/serve.py``, ``cli/role_commands.py``).
 
 A ``Flag`` rides in ``Annotated`` rather than in ``msgspec.Meta(description=...)``: a flag needs
 more than a description (its section of --help, a short form, choices, the values it accepts),
