@@ -232,7 +232,7 @@ class EngineConfig(Config, frozen=True):
     parallel: ParallelConfig = ParallelConfig()
     worker: WorkerConfig = WorkerConfig()
     data_parallel_rank: Annotated[
-        int,  # `switchboard engine` without the flag: its host name's ordinal (cli/role_commands.py)
+        int,  # `switchboard engine` without the flag: the host name's ordinal (role_commands.py)
         Flag(
             "this engine's DP rank (default: the ordinal ending the host name, as in a "
             "StatefulSet pod 'engine-3', else 0)",
