@@ -88,6 +88,52 @@ def test_reports_update_engines_but_not_a_restarted_one() -> None:
     assert engines[1].load is None and engines[1].added_since_load == 2
 
 
+def test_an_engine_a_report_does_not_cover_is_scored_on_own_counts() -> None:
+    """A restarted coordinator has not heard from every engine yet: the load its predecessor
+    reported for the others must not stay behind."""
+    engines = {0: handle(0, num_requests=1), 1: handle(1, num_requests=2)}
+    apply_load_report(
+        engines, LoadReport(1, [EngineLoad(0, 0, 9, 0.1, "e0"), EngineLoad(1, 0, 9, 0.1, "e1")])
+    )
+    assert engine_score(engines[1]) == 9
+    apply_load_report(engines, LoadReport(1, [EngineLoad(0, 0, 5, 0.1, "e0")]))
+    assert engine_score(engines[0]) == 5
+    assert engines[1].load is None and engine_score(engines[1]) == 2
+
+
+async def test_loads_are_forgotten_as_soon_as_the_coordinator_goes_away() -> None:
+    """The coordinator's process dies (its PUB closes): the gateway routes on its own counts at
+    once, not after the staleness timeout, and uses the reports of the restarted coordinator
+    (the same address) as they come."""
+    engines = {0: handle(0), 1: handle(1)}
+    ctx = zmq.asyncio.Context()
+    pub = zmq_channel.make_socket(ctx, zmq.PUB, "tcp://127.0.0.1:0", bind=True)
+    address = zmq_channel.bound_address(pub)
+    subscriber = LoadSubscriber(ctx, address, lambda: engines, stale_after_s=3600.0)
+    task = asyncio.create_task(subscriber.run())
+    busy = LoadReport(1, [EngineLoad(0, 5, 9, 0.1, "e0"), EngineLoad(1, 0, 1, 0.1, "e1")])
+    try:
+        async with asyncio.timeout(WAIT_S):
+            while engines[0].load is None:  # PUB drops messages until the SUB has joined
+                await pub.send(zmq_channel.encode(busy))
+                await asyncio.sleep(0.05)
+            pub.close(linger=0)  # the coordinator died
+            while subscriber.fresh:
+                await asyncio.sleep(0.05)
+        assert engines[0].load is None and engines[1].load is None
+        pub = zmq_channel.make_socket(ctx, zmq.PUB, address, bind=True)  # restarted
+        async with asyncio.timeout(WAIT_S):
+            while engines[0].load is None:
+                await pub.send(zmq_channel.encode(busy))
+                await asyncio.sleep(0.05)
+        assert subscriber.fresh and engine_score(engines[0]) == 14
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        pub.close(linger=0)
+        ctx.term()
+
+
 async def test_loads_are_forgotten_when_the_coordinator_goes_quiet() -> None:
     """A coordinator that stops publishing (dead, restarting) must not leave its last counts
     behind: they would grow with every request sent and skew the choice for good."""

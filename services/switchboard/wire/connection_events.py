@@ -1,0 +1,54 @@
+"""Whether the peer of a connecting socket went away, and whether it came back.
+
+A connecting ZeroMQ socket reconnects on its own when its peer restarts at the same address
+(the supervisor restarts a dead gateway or coordinator there), but nothing in the messages says
+so: the engine must send READY again to a restarted gateway (its ROUTER has never heard of the
+engine) and abort the requests of the dead one, and a gateway must stop trusting the loads of a
+dead coordinator. The socket's monitor says it: one ``LOST`` when the connection drops (the
+peer's process died or closed the socket), one ``BACK`` when a connection is made after that.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Generic, TypeVar
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+# A socket of a plain context (zmq.SyncSocket) or of an asyncio one (zmq.asyncio.Socket).
+S = TypeVar("S", bound="zmq.Socket[Any]")
+
+
+class PeerChange(enum.Enum):
+    LOST = "lost"
+    BACK = "back"
+
+
+class ConnectionEvents(Generic[S]):
+    """The monitor of one connecting socket (a plain or an asyncio one: ``monitor`` is of the
+    same kind); poll ``monitor`` and hand what it received to :meth:`change`."""
+
+    def __init__(self, sock: S) -> None:
+        self._sock = sock
+        self.monitor: S = sock.get_monitor_socket(_EVENTS)
+        self._lost = False
+
+    def change(self, frames: list[Any]) -> PeerChange | None:
+        """What one monitor message (its frames) means: LOST once per dropped connection, BACK
+        once per connection made after that; None for the first connection and repeats."""
+        event = parse_monitor_message(frames)["event"]
+        if event == zmq.EVENT_DISCONNECTED and not self._lost:
+            self._lost = True
+            return PeerChange.LOST
+        if event == zmq.EVENT_CONNECTED and self._lost:
+            self._lost = False
+            return PeerChange.BACK
+        return None
+
+    def close(self) -> None:
+        """Stop monitoring (before the socket itself is closed)."""
+        if not self._sock.closed:
+            self._sock.disable_monitor()
+        self.monitor.close(linger=0)
