@@ -168,9 +168,14 @@ async def test_loads_are_forgotten_when_the_coordinator_goes_quiet() -> None:
         ctx.term()
 
 
-def client_with(engines: dict[int, EngineHandle], resume_timeout_s: float) -> EngineClient:
+def client_with(
+    engines: dict[int, EngineHandle], resume_timeout_s: float, engines_restart: bool = False
+) -> EngineClient:
     client = EngineClient(
-        "ipc:///unused-in", "ipc:///unused-out", resume_timeout_s=resume_timeout_s
+        "ipc:///unused-in",
+        "ipc:///unused-out",
+        resume_timeout_s=resume_timeout_s,
+        engines_restart=engines_restart,
     )
     client.engines.update(engines)
     return client
@@ -186,6 +191,23 @@ async def test_a_new_request_waits_for_a_dead_engine_to_come_back() -> None:
     engines[0].state = EngineState.READY  # the restarted engine's READY re-admits it
     await asyncio.wait_for(waiting, WAIT_S)
     assert not client.restart_expected
+
+
+async def test_a_restarted_gateway_waits_for_its_engines_first_ready() -> None:
+    """Under serve (engines_restart) a request that reaches a restarted gateway before its
+    engines' READY waits for them; elsewhere (a gateway of its own) it is refused at once."""
+    waits = client_with({}, resume_timeout_s=WAIT_S, engines_restart=True)
+    assert waits.restart_expected
+    waiting = asyncio.ensure_future(waits.wait_until_routable(WAIT_S))
+    await asyncio.sleep(0.3)
+    assert not waiting.done()
+    waits.engines[0] = handle(0)  # READY
+    await asyncio.wait_for(waiting, WAIT_S)
+    alone = client_with({}, resume_timeout_s=WAIT_S)
+    assert not alone.restart_expected
+    with pytest.raises(ApiError) as error:
+        await asyncio.wait_for(alone.wait_until_routable(WAIT_S), 1.0)
+    assert error.value.message == "no engine core is ready"
 
 
 async def test_the_wait_for_a_restart_is_bounded_and_says_so() -> None:

@@ -134,6 +134,7 @@ class GatewayServer:
             handshake_address=config.handshake_address,
             curve_keys_dir=config.curve_keys_dir,
             resume_timeout_s=config.resume_timeout_s,
+            engines_restart=config.engines_restart,
         )
         tokenizer = Tokenizer.from_model_dir(config.model.model)
         self.state = GatewayState(
