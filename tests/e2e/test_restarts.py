@@ -311,7 +311,7 @@ def test_the_coordinator_dies_under_load_and_rebuilds_its_table(
     server = start_server(tiny_model, tmp_path, "-dp", "2", *SMALL_KV)
     try:
         expected = [generate_tokens(server, prompt, MAX_TOKENS) for prompt in PROMPTS]
-        wait_until(lambda: "Load table complete" in server.log(), "the first table", 30)
+        wait_until(lambda: "2 of 2 engines heard from" in server.log(), "the first table", 30)
         coordinator = server.titled_processes()["switchboard::Coordinator"]
         streams = [Stream(server, p, MAX_TOKENS, delay_s=0.005) for p in PROMPTS for _ in (0, 1)]
         wait_for_tokens(streams, 3)

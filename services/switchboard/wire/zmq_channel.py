@@ -4,7 +4,8 @@ Frame layouts (see ``engine_msgs`` for the bodies)::
 
     gateway ROUTER -> engine DEALER   [identity][type byte][body][tensor frame]...
                                        (the DEALER receives it without the identity frame)
-    engine DEALER -> gateway ROUTER   [body: EngineReady]            (first message, once)
+    engine DEALER -> gateway ROUTER   [body: EngineReady]            (first message; again
+                                                                      when the gateway restarts)
     engine PUSH -> gateway PULL       [body: EngineCoreOutputs][tensor frame]...
                                       | [b"ENGINE_CORE_DEAD"][body: EngineDead]  (last message;
                                         older engines send the first frame alone)
