@@ -168,13 +168,19 @@ class InputThread(_GatewaySocketThread):
 
     def _connect(self, client_index: int, address: str) -> None:
         self._disconnect(client_index)
+        events: ConnectionEvents[zmq.SyncSocket] = ConnectionEvents()
         sock = zmq_channel.make_socket(
-            self._ctx, zmq.DEALER, address, bind=False, identity=self._identity, curve=self._curve
+            self._ctx,
+            zmq.DEALER,
+            address,
+            bind=False,
+            identity=self._identity,
+            curve=self._curve,
+            before_connect=events.watch,
         )
         sock.send(ENGINE_READY.encode(self._make_ready()))
         self._sockets[client_index] = sock
         self._poller.register(sock, zmq.POLLIN)
-        events = ConnectionEvents(sock)
         self._watches[events.monitor] = (client_index, events)
         self._poller.register(events.monitor, zmq.POLLIN)
 

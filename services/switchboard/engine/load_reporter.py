@@ -74,6 +74,7 @@ class LoadReporter(threading.Thread):
             self.join(timeout_s)
 
     def run(self) -> None:
+        events: ConnectionEvents[zmq.SyncSocket] = ConnectionEvents()
         sock = zmq_channel.make_socket(
             self._ctx,
             zmq.PUSH,
@@ -81,8 +82,8 @@ class LoadReporter(threading.Thread):
             bind=False,
             linger_ms=SEND_LINGER_MS,
             curve=self._curve,
+            before_connect=events.watch,
         )
-        events = ConnectionEvents(sock)
         logger.info("Reporting load to the coordinator at %s", self._address)
         try:
             while not self._stop_event.is_set():

@@ -28,12 +28,23 @@ class PeerChange(enum.Enum):
 
 class ConnectionEvents(Generic[S]):
     """The monitor of one connecting socket (a plain or an asyncio one: ``monitor`` is of the
-    same kind); poll ``monitor`` and hand what it received to :meth:`change`."""
+    same kind). Attach it before the socket connects (``zmq_channel.make_socket(...,
+    before_connect=events.watch)``), or a peer that goes away at once goes unseen; then poll
+    ``monitor`` and hand what it received to :meth:`change`."""
 
-    def __init__(self, sock: S) -> None:
-        self._sock = sock
-        self.monitor: S = sock.get_monitor_socket(_EVENTS)
+    def __init__(self) -> None:
+        self._sock: S | None = None
+        self._monitor: S | None = None
         self._lost = False
+
+    def watch(self, sock: S) -> None:
+        self._sock = sock
+        self._monitor = sock.get_monitor_socket(_EVENTS)
+
+    @property
+    def monitor(self) -> S:
+        assert self._monitor is not None, "watch() a socket first"
+        return self._monitor
 
     def change(self, frames: list[Any]) -> PeerChange | None:
         """What one monitor message (its frames) means: LOST once per dropped connection, BACK
@@ -49,6 +60,7 @@ class ConnectionEvents(Generic[S]):
 
     def close(self) -> None:
         """Stop monitoring (before the socket itself is closed)."""
-        if not self._sock.closed:
+        if self._sock is not None and not self._sock.closed:
             self._sock.disable_monitor()
-        self.monitor.close(linger=0)
+        if self._monitor is not None:
+            self._monitor.close(linger=0)

@@ -111,9 +111,12 @@ class LoadSubscriber:
     ) -> None:
         self._engines = engines
         self._stale_after_ms = int(stale_after_s * 1000)
-        self._sock = zmq_channel.make_socket(ctx, zmq.SUB, publish_address, bind=False, curve=curve)
+        events: ConnectionEvents[zmq.asyncio.Socket] = ConnectionEvents()
+        self._sock = zmq_channel.make_socket(
+            ctx, zmq.SUB, publish_address, bind=False, curve=curve, before_connect=events.watch
+        )
+        self._events = events
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self._events = ConnectionEvents(self._sock)
         self.fresh = False  # a report came within stale_after_s, from a connected coordinator
         self.reported_ranks: list[int] = []  # the engines the latest report covered
         logger.info("subscribed to engine load reports at %s", publish_address)
