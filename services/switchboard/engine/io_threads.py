@@ -169,15 +169,19 @@ class InputThread(_GatewaySocketThread):
     def _connect(self, client_index: int, address: str) -> None:
         self._disconnect(client_index)
         events: ConnectionEvents[zmq.SyncSocket] = ConnectionEvents()
-        sock = zmq_channel.make_socket(
-            self._ctx,
-            zmq.DEALER,
-            address,
-            bind=False,
-            identity=self._identity,
-            curve=self._curve,
-            before_connect=events.watch,
-        )
+        try:
+            sock = zmq_channel.make_socket(
+                self._ctx,
+                zmq.DEALER,
+                address,
+                bind=False,
+                identity=self._identity,
+                curve=self._curve,
+                before_connect=events.watch,
+            )
+        except BaseException:
+            events.close()  # an open monitor would hold the context's term() forever
+            raise
         sock.send(ENGINE_READY.encode(self._make_ready()))
         self._sockets[client_index] = sock
         self._poller.register(sock, zmq.POLLIN)

@@ -75,15 +75,19 @@ class LoadReporter(threading.Thread):
 
     def run(self) -> None:
         events: ConnectionEvents[zmq.SyncSocket] = ConnectionEvents()
-        sock = zmq_channel.make_socket(
-            self._ctx,
-            zmq.PUSH,
-            self._address,
-            bind=False,
-            linger_ms=SEND_LINGER_MS,
-            curve=self._curve,
-            before_connect=events.watch,
-        )
+        try:
+            sock = zmq_channel.make_socket(
+                self._ctx,
+                zmq.PUSH,
+                self._address,
+                bind=False,
+                linger_ms=SEND_LINGER_MS,
+                curve=self._curve,
+                before_connect=events.watch,
+            )
+        except BaseException:
+            events.close()  # an open monitor would hold the context's term() forever
+            raise
         logger.info("Reporting load to the coordinator at %s", self._address)
         try:
             while not self._stop_event.is_set():

@@ -112,9 +112,13 @@ class LoadSubscriber:
         self._engines = engines
         self._stale_after_ms = int(stale_after_s * 1000)
         events: ConnectionEvents[zmq.asyncio.Socket] = ConnectionEvents()
-        self._sock = zmq_channel.make_socket(
-            ctx, zmq.SUB, publish_address, bind=False, curve=curve, before_connect=events.watch
-        )
+        try:
+            self._sock = zmq_channel.make_socket(
+                ctx, zmq.SUB, publish_address, bind=False, curve=curve, before_connect=events.watch
+            )
+        except BaseException:
+            events.close()  # an open monitor would hold the context's term() forever
+            raise
         self._events = events
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
         self.fresh = False  # a report came within stale_after_s, from a connected coordinator
