@@ -1,10 +1,14 @@
-"""The supervisor's restart budget: backoff doubling, then fail-stop past the cap."""
+"""The supervisor's restart budget, per process (engine cores, gateways, the coordinator):
+backoff doubling, then fail-stop past the cap."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from switchboard.supervisor.launcher import Child, RestartPolicy, Supervisor
 
@@ -31,12 +35,34 @@ def test_an_engine_is_restarted_with_backoff_until_the_cap(tmp_path: Path) -> No
     assert not supervisor._schedule_restart(child), "the third death within the window stops"
 
 
-def test_never_and_other_roles_stop_the_server(tmp_path: Path) -> None:
+def test_never_stops_the_server_on_any_death(tmp_path: Path) -> None:
     never = Supervisor([], [], str(tmp_path), restart=RestartPolicy("never"))
-    assert not never._schedule_restart(dead_child("EngineCore_DP0"))
-    always = Supervisor([], [], str(tmp_path), restart=RestartPolicy("always"))
-    assert not always._schedule_restart(dead_child("Gateway_0"))
-    assert not always._schedule_restart(dead_child("Coordinator"))
+    for role in ("EngineCore_DP0", "Gateway_0", "Coordinator"):
+        assert not never._schedule_restart(dead_child(role))
+
+
+def test_a_gateway_and_the_coordinator_are_restarted_each_on_its_own_budget(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each process has its own budget, and a gateway or the coordinator needs no engine-side
+    cleanup (no ENGINE_CORE_DEAD, rings or workers to wait for)."""
+    supervisor = Supervisor([], [], str(tmp_path), restart=RestartPolicy("always", 1, 300.0))
+    with caplog.at_level(logging.ERROR, logger="switchboard.supervisor.launcher"):
+        for role in ("Gateway_1", "Gateway_0", "Coordinator"):
+            child = dead_child(role)
+            supervisor._children.append(child)
+            assert supervisor._schedule_restart(child), role
+            assert child not in supervisor._children and role in supervisor._due
+            line = (
+                f"{role} (pid {child.process.pid}) exited with code 0: restarting it in 1.0 s "
+                "(restart 1 of 1 within 300 s)"
+            )
+            assert line in caplog.text
+    assert supervisor._dead_pids == [] and supervisor._orphans == {}
+    again = dead_child("Gateway_1")
+    supervisor._children.append(again)
+    assert not supervisor._schedule_restart(again), "past its cap the server stops"
+    assert supervisor._workers_gone("Gateway_0", now=0.0), "no workers to wait for"
 
 
 def test_a_restart_waits_for_the_dead_engines_workers_then_kills_them(tmp_path: Path) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import queue
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 
@@ -123,6 +125,62 @@ def test_input_thread(gateways: Gateways, caplog: pytest.LogCaptureFixture) -> N
         thread.stop()
     assert not thread.is_alive()
     assert failures == []
+
+
+def test_a_gateway_that_restarts_is_reported_lost_then_gets_ready_again() -> None:
+    """A gateway's process dies (its ROUTER closes) and a new one binds the same ipc:// path, as
+    the supervisor restarts it: what it sent before dying is taken in, then its loss is reported
+    (the engine aborts its requests), and the reconnected DEALER sends READY again, so the new
+    gateway admits the engine and its requests arrive."""
+    run_dir = tempfile.mkdtemp(prefix="sb-io-")  # ipc:// paths must stay short
+    address = f"ipc://{run_dir}/gateway0-input"
+    ctx = zmq.Context()
+    input_queue: queue.Queue = queue.Queue()
+    identity = zmq_channel.engine_identity(3)
+
+    def router() -> zmq.Socket:
+        sock = zmq_channel.make_socket(ctx, zmq.ROUTER, address, bind=True)
+        sock.setsockopt(zmq.RCVTIMEO, TIMEOUT_MS)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        return sock
+
+    def send(sock: zmq.Socket, request_id: str) -> None:
+        frames = zmq_channel.request_frames(RequestType.ADD, EngineCoreRequest(request_id, [1]))
+        sock.send_multipart([identity, *frames])
+
+    first = router()
+    thread = InputThread(
+        ctx,
+        [address],
+        identity,
+        lambda: READY,
+        lambda request: request.request_id,
+        input_queue,
+        queue.Queue(),
+        lambda failure: None,
+        on_gateway_lost=lambda index: input_queue.put(("lost", index)),
+    )
+    thread.start()
+    second = None
+    try:
+        assert first.recv_multipart() == [identity, zmq_channel.encode(READY)]
+        send(first, "from-the-dead-one")
+        first.close(linger=TIMEOUT_MS)  # sent before the connection drops
+        assert input_queue.get(timeout=10) == (RequestType.ADD, "from-the-dead-one")
+        assert input_queue.get(timeout=10) == ("lost", 0)
+        second = router()  # the restarted gateway, same address
+        received_identity, body = second.recv_multipart()
+        assert received_identity == identity and zmq_channel.parse_ready(body) == READY
+        send(second, "from-the-new-one")
+        assert input_queue.get(timeout=10) == (RequestType.ADD, "from-the-new-one")
+        assert input_queue.empty()
+    finally:
+        thread.stop()
+        if second is not None:
+            second.close(linger=0)
+        ctx.term()
+        shutil.rmtree(run_dir, ignore_errors=True)
+    assert not thread.is_alive()
 
 
 def outputs_for(request_id: str, num_tokens: int) -> EngineCoreOutputs:

@@ -88,6 +88,52 @@ def test_reports_update_engines_but_not_a_restarted_one() -> None:
     assert engines[1].load is None and engines[1].added_since_load == 2
 
 
+def test_an_engine_a_report_does_not_cover_is_scored_on_own_counts() -> None:
+    """A restarted coordinator has not heard from every engine yet: the load its predecessor
+    reported for the others must not stay behind."""
+    engines = {0: handle(0, num_requests=1), 1: handle(1, num_requests=2)}
+    apply_load_report(
+        engines, LoadReport(1, [EngineLoad(0, 0, 9, 0.1, "e0"), EngineLoad(1, 0, 9, 0.1, "e1")])
+    )
+    assert engine_score(engines[1]) == 9
+    apply_load_report(engines, LoadReport(1, [EngineLoad(0, 0, 5, 0.1, "e0")]))
+    assert engine_score(engines[0]) == 5
+    assert engines[1].load is None and engine_score(engines[1]) == 2
+
+
+async def test_loads_are_forgotten_as_soon_as_the_coordinator_goes_away() -> None:
+    """The coordinator's process dies (its PUB closes): the gateway routes on its own counts at
+    once, not after the staleness timeout, and uses the reports of the restarted coordinator
+    (the same address) as they come."""
+    engines = {0: handle(0), 1: handle(1)}
+    ctx = zmq.asyncio.Context()
+    pub = zmq_channel.make_socket(ctx, zmq.PUB, "tcp://127.0.0.1:0", bind=True)
+    address = zmq_channel.bound_address(pub)
+    subscriber = LoadSubscriber(ctx, address, lambda: engines, stale_after_s=3600.0)
+    task = asyncio.create_task(subscriber.run())
+    busy = LoadReport(1, [EngineLoad(0, 5, 9, 0.1, "e0"), EngineLoad(1, 0, 1, 0.1, "e1")])
+    try:
+        async with asyncio.timeout(WAIT_S):
+            while engines[0].load is None:  # PUB drops messages until the SUB has joined
+                await pub.send(zmq_channel.encode(busy))
+                await asyncio.sleep(0.05)
+            pub.close(linger=0)  # the coordinator died
+            while subscriber.fresh:
+                await asyncio.sleep(0.05)
+        assert engines[0].load is None and engines[1].load is None
+        pub = zmq_channel.make_socket(ctx, zmq.PUB, address, bind=True)  # restarted
+        async with asyncio.timeout(WAIT_S):
+            while engines[0].load is None:
+                await pub.send(zmq_channel.encode(busy))
+                await asyncio.sleep(0.05)
+        assert subscriber.fresh and engine_score(engines[0]) == 14
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        pub.close(linger=0)
+        ctx.term()
+
+
 async def test_loads_are_forgotten_when_the_coordinator_goes_quiet() -> None:
     """A coordinator that stops publishing (dead, restarting) must not leave its last counts
     behind: they would grow with every request sent and skew the choice for good."""
@@ -122,9 +168,14 @@ async def test_loads_are_forgotten_when_the_coordinator_goes_quiet() -> None:
         ctx.term()
 
 
-def client_with(engines: dict[int, EngineHandle], resume_timeout_s: float) -> EngineClient:
+def client_with(
+    engines: dict[int, EngineHandle], resume_timeout_s: float, engines_restart: bool = False
+) -> EngineClient:
     client = EngineClient(
-        "ipc:///unused-in", "ipc:///unused-out", resume_timeout_s=resume_timeout_s
+        "ipc:///unused-in",
+        "ipc:///unused-out",
+        resume_timeout_s=resume_timeout_s,
+        engines_restart=engines_restart,
     )
     client.engines.update(engines)
     return client
@@ -140,6 +191,23 @@ async def test_a_new_request_waits_for_a_dead_engine_to_come_back() -> None:
     engines[0].state = EngineState.READY  # the restarted engine's READY re-admits it
     await asyncio.wait_for(waiting, WAIT_S)
     assert not client.restart_expected
+
+
+async def test_a_restarted_gateway_waits_for_its_engines_first_ready() -> None:
+    """Under serve (engines_restart) a request that reaches a restarted gateway before its
+    engines' READY waits for them; elsewhere (a gateway of its own) it is refused at once."""
+    waits = client_with({}, resume_timeout_s=WAIT_S, engines_restart=True)
+    assert waits.restart_expected
+    waiting = asyncio.ensure_future(waits.wait_until_routable(WAIT_S))
+    await asyncio.sleep(0.3)
+    assert not waiting.done()
+    waits.engines[0] = handle(0)  # READY
+    await asyncio.wait_for(waiting, WAIT_S)
+    alone = client_with({}, resume_timeout_s=WAIT_S)
+    assert not alone.restart_expected
+    with pytest.raises(ApiError) as error:
+        await asyncio.wait_for(alone.wait_until_routable(WAIT_S), 1.0)
+    assert error.value.message == "no engine core is ready"
 
 
 async def test_the_wait_for_a_restart_is_bounded_and_says_so() -> None:

@@ -32,15 +32,15 @@ class ServeFlags(msgspec.Struct, frozen=True, kw_only=True):
     restart_policy: Annotated[
         str,
         Flag(
-            "serve: restart an engine core that dies (backoff; at most --max-restarts within "
-            "--restart-window-s, then the whole server stops); never: a dead engine stops the "
-            "whole server",
+            "serve: restart an engine core, gateway or coordinator that dies (backoff; each "
+            "at most --max-restarts within --restart-window-s, then the whole server stops); "
+            "never: any death stops the whole server",
             Group.FAILURES,
             choices=("always", "never"),
         ),
     ] = "always"
     max_restarts: Annotated[
-        int, Flag("engine restarts per window", Group.FAILURES, accepts=AT_LEAST_0)
+        int, Flag("restarts per process per window", Group.FAILURES, accepts=AT_LEAST_0)
     ] = 5
     restart_window_s: Annotated[
         float, Flag("the restart window", Group.FAILURES, accepts=POSITIVE)

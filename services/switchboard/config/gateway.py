@@ -209,7 +209,8 @@ class GatewayRoleConfig(Config, frozen=True):
     num_engines: int = 1
     exit_when_engines_dead: bool = True  # one machine: the gateway exits with its engine
     # One machine with --restart-policy always: the supervisor restarts a dead engine, so the
-    # gateway waits for its READY instead of exiting when its last engine dies.
+    # gateway waits for its READY instead of exiting when its last engine dies; and a request
+    # that reaches a restarted gateway before its engines' READY waits for them.
     engines_restart: bool = False
     # A stream cut off by an engine's death is re-submitted (prompt + the tokens already sent)
     # to a live or restarted engine within resume_timeout_s; 0 = never (UNAVAILABLE at once,

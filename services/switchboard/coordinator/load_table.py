@@ -13,6 +13,11 @@ It publishes at most every ``publish_interval_s`` when something changed, and ev
 published before a subscriber joined) has the full table within one keep-alive. Gateways use it
 for power-of-two-choices routing; nothing else depends on it, so its loss only makes routing
 rely on each gateway's own in-flight counts.
+
+The table lives in this process only. A restarted coordinator (the supervisor restarts it at the
+same addresses) starts empty and rebuilds it from the engines' next reports: an engine sends its
+load again when its socket reconnects, busy or idle, and the coordinator logs ``load table
+complete`` once every engine has reported. Meanwhile the gateways route on their own counts.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ class Coordinator:
         self._sequence = 0
         self._changed = False
         self._last_publish = 0.0
+        self._started = time.monotonic()
+        self._complete = False  # every engine has reported
         self._ctx = zmq.Context()
         self._authenticator: Any = None
         keys = self._security(config)
@@ -112,6 +119,13 @@ class Coordinator:
             if previous != load:
                 self.loads[load.engine_index] = load
                 self._changed = True
+            if not self._complete and len(self.loads) >= self.config.num_engines:
+                self._complete = True
+                logger.info(
+                    "Load table complete: all %d engines reported, %.1f s after the start",
+                    len(self.loads),
+                    time.monotonic() - self._started,
+                )
 
     def _maybe_publish(self, now: float) -> None:
         since = now - self._last_publish

@@ -72,6 +72,7 @@ T = TypeVar("T")
 DEAD_SEND_TIMEOUT_S = 5.0
 IO_THREAD_FAILED = "io-thread-failed"  # input-queue kind: an I/O thread died, the engine follows
 GRAMMAR_READY = "grammar-ready"  # input-queue kind: a structured-output grammar finished compiling
+GATEWAY_LOST = "gateway-lost"  # input-queue kind: a gateway went away; payload its client_index
 
 
 class EngineCore:
@@ -198,6 +199,7 @@ class EngineCore:
             self.aborts_queue,
             self._on_io_thread_failure,
             curve=self._curve_gateway,
+            on_gateway_lost=lambda client_index: self.input_queue.put((GATEWAY_LOST, client_index)),
         )
         self._output_thread.start()
         self._input_thread.start()
@@ -345,6 +347,8 @@ class EngineCore:
             self._abort(payload)
         elif kind == GRAMMAR_READY:
             self._admit_compiled()
+        elif kind == GATEWAY_LOST:
+            self._abort_requests_of(payload)
         elif kind == RequestType.UTILITY:
             self._run_utility(payload)
         elif kind == RequestType.EXECUTOR_FAILED:
@@ -358,6 +362,17 @@ class EngineCore:
             for rid in (request_ids,) if isinstance(request_ids, str) else request_ids:
                 self._compiling.pop(rid, None)
         self.scheduler.finish_requests(request_ids, FinishReason.ABORT)
+
+    def _abort_requests_of(self, client_index: int) -> None:
+        """A gateway went away: its requests' outputs have no reader, so they end now (their
+        KV blocks are freed) rather than running to their last token."""
+        requests = [*self.scheduler.requests.values(), *self._compiling.values()]
+        ids = [r.request_id for r in requests if r.client_index == client_index]
+        if ids:
+            logger.warning(
+                "Gateway %d went away: aborted its %d request(s)", client_index, len(ids)
+            )
+            self._abort(ids)
 
     def _add_request(self, request: Request) -> None:
         grammar = request.grammar

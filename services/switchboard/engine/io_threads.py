@@ -7,6 +7,10 @@ so decoding a request and encoding a step's outputs overlap with the forward pas
   (a ROUTER can only address peers it has heard from), then decodes request frames and
   prepares each ADD (builds the scheduler's request, hashes its prompt blocks) before queueing
   it. A frame that breaks the contract is logged and dropped: a bad peer never kills the engine.
+  When a gateway's connection drops (its process died) it says so through ``on_gateway_lost``
+  (the busy loop aborts that gateway's requests: nobody reads their outputs any more); when
+  the DEALER connects again (the gateway restarted at the same address) it sends READY again,
+  which re-admits the engine there.
 * Either thread failing is fatal: it reports through ``on_failure`` and the busy loop raises.
 * :class:`OutputThread` connects one PUSH per gateway and sends ``(client_index,
   EngineCoreOutputs)`` items, encoding into reused buffers; it sends heartbeats when a gateway
@@ -39,6 +43,7 @@ from switchboard.common.log_limits import WarningLimit
 from switchboard.engine import clock
 from switchboard.wire import zmq_channel
 from switchboard.wire.codec import ENGINE_CORE_OUTPUTS, ENGINE_READY
+from switchboard.wire.connection_events import ConnectionEvents, PeerChange
 from switchboard.wire.curve import CurveKeys
 from switchboard.wire.engine_msgs import (
     ENGINE_CORE_DEAD,
@@ -101,8 +106,11 @@ class _GatewaySocketThread(threading.Thread):
             logger.exception("Engine %s thread failed", self._role)
             self._on_failure(f"{self._role} thread failed: {exc!r}")
         finally:
-            for sock in self._sockets.values():
-                sock.close(linger=self._close_linger_ms)
+            self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for sock in self._sockets.values():
+            sock.close(linger=self._close_linger_ms)
 
     def _run(self) -> None:
         raise NotImplementedError
@@ -120,6 +128,7 @@ class InputThread(_GatewaySocketThread):
         aborts_queue: queue.Queue[list[str]],
         on_failure: Callable[[str], None],
         curve: CurveKeys | None = None,
+        on_gateway_lost: Callable[[int], None] = lambda client_index: None,
     ) -> None:
         super().__init__("EngineCoreInput", "input", ctx, addresses, on_failure, 0, curve)
         self._identity = identity
@@ -127,14 +136,23 @@ class InputThread(_GatewaySocketThread):
         self._prepare_add = prepare_add
         self._input_queue = input_queue
         self._aborts_queue = aborts_queue
+        self._on_gateway_lost = on_gateway_lost
         self._stop_event = threading.Event()
         self._changes: queue.Queue[tuple[int, str | None]] = queue.Queue()
         self._poller = zmq.Poller()
+        # Each DEALER's connection events, by the monitor socket that carries them.
+        self._watches: dict[zmq.SyncSocket, tuple[int, ConnectionEvents[zmq.SyncSocket]]] = {}
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop_event.set()
         if self.is_alive():
             self.join(timeout_s)
+
+    def _close_sockets(self) -> None:
+        for _, events in self._watches.values():
+            events.close()
+        self._watches.clear()
+        super()._close_sockets()
 
     def add_gateway(self, client_index: int, address: str) -> None:
         """Connect a DEALER to one more gateway's ROUTER and send it READY (thread-safe)."""
@@ -152,18 +170,37 @@ class InputThread(_GatewaySocketThread):
 
     def _connect(self, client_index: int, address: str) -> None:
         self._disconnect(client_index)
-        sock = zmq_channel.make_socket(
-            self._ctx, zmq.DEALER, address, bind=False, identity=self._identity, curve=self._curve
-        )
+        events: ConnectionEvents[zmq.SyncSocket] = ConnectionEvents()
+        try:
+            sock = zmq_channel.make_socket(
+                self._ctx,
+                zmq.DEALER,
+                address,
+                bind=False,
+                identity=self._identity,
+                curve=self._curve,
+                before_connect=events.watch,
+            )
+        except BaseException:
+            events.close()  # an open monitor would hold the context's term() forever
+            raise
         sock.send(ENGINE_READY.encode(self._make_ready()))
         self._sockets[client_index] = sock
         self._poller.register(sock, zmq.POLLIN)
+        self._watches[events.monitor] = (client_index, events)
+        self._poller.register(events.monitor, zmq.POLLIN)
 
     def _disconnect(self, client_index: int) -> None:
         sock = self._sockets.pop(client_index, None)
-        if sock is not None:
-            self._poller.unregister(sock)
-            sock.close(linger=0)
+        if sock is None:
+            return
+        for monitor, (index, events) in list(self._watches.items()):
+            if index == client_index:
+                self._poller.unregister(monitor)
+                events.close()
+                del self._watches[monitor]
+        self._poller.unregister(sock)
+        sock.close(linger=0)
 
     def _apply_changes(self) -> None:
         while True:
@@ -174,6 +211,7 @@ class InputThread(_GatewaySocketThread):
             if address is None:
                 self._disconnect(client_index)
                 logger.info("Disconnected from gateway %d", client_index)
+                self._on_gateway_lost(client_index)
             else:
                 self._connect(client_index, address)
                 logger.info("Sent READY to gateway %d at %s", client_index, address)
@@ -182,7 +220,28 @@ class InputThread(_GatewaySocketThread):
         while not self._stop_event.is_set():
             self._apply_changes()
             for sock, _ in self._poller.poll(POLL_INTERVAL_MS):
+                watch = self._watches.get(sock)
+                if watch is None:
+                    self._handle_frames(sock.recv_multipart(copy=False))
+                else:
+                    client_index, events = watch
+                    self._peer_changed(client_index, events.change(sock.recv_multipart()))
+
+    def _peer_changed(self, client_index: int, change: PeerChange | None) -> None:
+        sock = self._sockets[client_index]
+        if change is PeerChange.LOST:
+            # What the gateway sent before it went is taken in first, then aborted with the rest.
+            while sock.poll(0):
                 self._handle_frames(sock.recv_multipart(copy=False))
+            logger.info(
+                "Gateway %d went away (stopped or died): aborting its requests; READY goes "
+                "again when it is back",
+                client_index,
+            )
+            self._on_gateway_lost(client_index)
+        elif change is PeerChange.BACK:
+            sock.send(ENGINE_READY.encode(self._make_ready()))
+            logger.info("Gateway %d is back: sent READY again", client_index)
 
     def _handle_frames(self, frames: list[zmq.Frame]) -> None:
         try:

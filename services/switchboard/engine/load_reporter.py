@@ -4,6 +4,8 @@ The busy loop calls :meth:`LoadReporter.update` after every turn; that only comp
 numbers (no socket, no encoding), so the loop stays socket-free. A thread of its own sends the
 latest value when it changed, at most once per ``interval_s``: a burst of changes costs one
 message per interval, and the last change is always sent, even if the engine then goes idle.
+When the coordinator comes back after a restart (the socket connects again) the latest load is
+sent again, so that the new coordinator's table has this engine even if it stays idle.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import zmq
 
 from switchboard.wire import zmq_channel
 from switchboard.wire.codec import ENGINE_LOAD
+from switchboard.wire.connection_events import ConnectionEvents, PeerChange
 from switchboard.wire.curve import CurveKeys
 from switchboard.wire.engine_msgs import EngineLoad
 
 logger = logging.getLogger(__name__)
 
 SEND_LINGER_MS = 1000
+PEER_CHECK_S = 0.5  # how often an idle reporter looks whether the coordinator came back
 
 
 class LoadReporter(threading.Thread):
@@ -70,18 +74,27 @@ class LoadReporter(threading.Thread):
             self.join(timeout_s)
 
     def run(self) -> None:
-        sock = zmq_channel.make_socket(
-            self._ctx,
-            zmq.PUSH,
-            self._address,
-            bind=False,
-            linger_ms=SEND_LINGER_MS,
-            curve=self._curve,
-        )
+        events: ConnectionEvents[zmq.SyncSocket] = ConnectionEvents()
+        try:
+            sock = zmq_channel.make_socket(
+                self._ctx,
+                zmq.PUSH,
+                self._address,
+                bind=False,
+                linger_ms=SEND_LINGER_MS,
+                curve=self._curve,
+                before_connect=events.watch,
+            )
+        except BaseException:
+            events.close()  # an open monitor would hold the context's term() forever
+            raise
         logger.info("Reporting load to the coordinator at %s", self._address)
         try:
             while not self._stop_event.is_set():
-                self._changed.wait()
+                if not self._changed.wait(PEER_CHECK_S):
+                    if self._coordinator_back(events):
+                        self._changed.set()  # the same load again, for the new coordinator
+                    continue
                 if self._stop_event.is_set():
                     return
                 self._changed.clear()
@@ -96,4 +109,14 @@ class LoadReporter(threading.Thread):
         except Exception:
             logger.exception("Load reporter failed; the coordinator will not hear from us")
         finally:
+            events.close()
             sock.close()
+
+    @staticmethod
+    def _coordinator_back(events: ConnectionEvents[zmq.SyncSocket]) -> bool:
+        back = False
+        while events.monitor.poll(0):
+            if events.change(events.monitor.recv_multipart()) is PeerChange.BACK:
+                logger.info("The coordinator is back: sending it this engine's load again")
+                back = True
+        return back

@@ -136,6 +136,7 @@ class GatewayServer:
             curve_keys_dir=config.curve_keys_dir,
             resume_timeout_s=config.resume_timeout_s,
             stall_warn_s=config.gateway.stall_warn_s,
+            engines_restart=config.engines_restart,
         )
         tokenizer = Tokenizer.from_model_dir(config.model.model)
         self.state = GatewayState(

@@ -3,11 +3,20 @@
 `switchboard serve` is a supervisor, not a server: it resolves the model, creates a private run
 directory for the ipc:// sockets, starts the gateways (which bind) and the engine cores (which
 connect and start their own workers), and then waits. The fate rule (docs/architecture.md) for
-one machine: an engine core that exits on its own is restarted (``RestartPolicy`` "always", the
-default): the supervisor tells the gateways at once (ENGINE_CORE_DEAD on its behalf, so they
-route around it and resume its streams elsewhere), removes its ring and starts it again after a
-backoff; the gateways re-admit it on READY. More than ``max_restarts`` within ``window_s``, or
-any other child (gateway, coordinator) exiting, or policy "never": the whole server goes down
+one machine: no single death but the supervisor's stops the server. A child that exits on its
+own is started again after a backoff, at the same addresses (``RestartPolicy`` "always", the
+default; each process has its own budget):
+
+* an engine core: the supervisor first tells the gateways (ENGINE_CORE_DEAD on its behalf, so
+  they route around it and resume its streams elsewhere) and removes its ring; the gateways
+  re-admit it on READY;
+* a gateway: its clients' streams ended with its connections; the engines see its connection
+  drop, abort its requests, and send READY again when the restarted gateway binds (with
+  ``--api-servers N`` the others share the gRPC port and are untouched);
+* the coordinator: the gateways route on their own counts until it publishes again; it
+  rebuilds its table from the engines' next reports.
+
+More than ``max_restarts`` within ``window_s``, or policy "never": the whole server goes down
 with a non-zero exit code. SIGINT/SIGTERM stops everything cleanly with exit code 0, the
 gateways first (they drain their streams for ``--shutdown-grace``). The run directory is
 removed at exit.
@@ -66,6 +75,8 @@ RESTART_BACKOFF_S = 1.0  # first restart; doubles with each restart in the windo
 RESTART_BACKOFF_MAX_S = 30.0
 WORKERS_GONE_WAIT_S = 10.0  # a dead engine's workers get this long to exit (then SIGKILL)
 _DESCENDANTS_EVERY_S = 2.0  # how often the engines' worker pids are noted
+# Every role the supervisor restarts under RestartPolicy "always" (each process its own budget).
+RESTARTED_ROLES = ("EngineCore", "Gateway", "Coordinator")
 READINESS_SERVICE = "switchboard.v1.GenerationService"  # the gateway's readiness health name
 READY_POLL_S = 0.25
 PROBE_TLS_FAILURES = 8  # failed TLS handshakes in a row before the ready probe gives up
@@ -81,10 +92,11 @@ class Child:
 
 @dataclass(frozen=True)
 class RestartPolicy:
-    """What the supervisor does when an engine core exits on its own."""
+    """What the supervisor does when a child (engine core, gateway, coordinator) exits on its
+    own."""
 
     mode: str = "never"  # always | never
-    max_restarts: int = 5  # per engine within window_s; one more stops the server
+    max_restarts: int = 5  # per process within window_s; one more stops the server
     window_s: float = 300.0
 
     @property
@@ -350,9 +362,11 @@ class Supervisor:
                 }
 
     def _schedule_restart(self, child: Child) -> bool:
-        """An engine core exited: tell the gateways, and restart it after a backoff if the
-        policy and its restart budget allow (True); False: the server stops."""
-        if not (self._restart.restarts and child.role.startswith("EngineCore")):
+        """A child exited on its own: restart it after a backoff if the policy and its restart
+        budget allow (True); False: the server stops. A dead engine core is first reported to
+        the gateways, its ring removed and its workers awaited; a gateway or the coordinator
+        needs nothing but the restart (their peers reconnect to the same addresses)."""
+        if not (self._restart.restarts and child.role.startswith(RESTARTED_ROLES)):
             return False
         now = time.monotonic()
         window = [
@@ -360,25 +374,26 @@ class Supervisor:
         ]
         if len(window) >= self._restart.max_restarts:
             logger.error(
-                "%s exited again: %d restarts within %.0fs already; stopping the server",
+                "%s exited again: %d restarts within %.0f s already; stopping the server",
                 child.role,
                 len(window),
                 self._restart.window_s,
             )
             return False
         self._children.remove(child)
-        self._dead_pids.append((child.role, child.process.pid))
-        self._tell_gateways_engine_dead(child)
-        self._remove_orphaned_rings()
         backoff = min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** len(window))
         window.append(now)
         self._restart_times[child.role] = window
         self._due[child.role] = (now + backoff, child)
-        workers = self._engine_workers.pop(child.role, {})
-        self._orphans[child.role] = (now + backoff + WORKERS_GONE_WAIT_S, workers)
+        if child.role.startswith("EngineCore"):
+            self._dead_pids.append((child.role, child.process.pid))
+            self._tell_gateways_engine_dead(child)
+            self._remove_orphaned_rings()
+            workers = self._engine_workers.pop(child.role, {})
+            self._orphans[child.role] = (now + backoff + WORKERS_GONE_WAIT_S, workers)
         logger.error(
-            "%s (pid %d) exited with code %s: restarting it in %.1fs (restart %d of %d "
-            "within %.0fs)",
+            "%s (pid %d) exited with code %s: restarting it in %.1f s (restart %d of %d "
+            "within %.0f s)",
             child.role,
             child.process.pid,
             child.process.returncode,

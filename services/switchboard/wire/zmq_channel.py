@@ -4,7 +4,8 @@ Frame layouts (see ``engine_msgs`` for the bodies)::
 
     gateway ROUTER -> engine DEALER   [identity][type byte][body][tensor frame]...
                                        (the DEALER receives it without the identity frame)
-    engine DEALER -> gateway ROUTER   [body: EngineReady]            (first message, once)
+    engine DEALER -> gateway ROUTER   [body: EngineReady]            (first message; again
+                                                                      when the gateway restarts)
     engine PUSH -> gateway PULL       [body: EngineCoreOutputs][tensor frame]...
                                       | [b"ENGINE_CORE_DEAD"][body: EngineDead]  (last message;
                                         older engines send the first frame alone)
@@ -19,7 +20,7 @@ import ipaddress
 import logging
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import zmq
@@ -76,10 +77,13 @@ def make_socket(
     identity: bytes | None = None,
     linger_ms: int = 0,
     curve: CurveKeys | None = None,
+    before_connect: Callable[[S], object] | None = None,
 ) -> S:
     """A socket with unbounded queues (HWM 0): dropping a request or output silently is worse
     than using memory, and both sides drain continuously. ``curve``: the socket's CURVE keys,
-    applied to a tcp:// address (ipc:// is guarded by its directory's permissions)."""
+    applied to a tcp:// address (ipc:// is guarded by its directory's permissions).
+    ``before_connect``: called with the socket before it binds or connects (a monitor attached
+    then sees every connection: ``connection_events.py``)."""
     sock = ctx.socket(socket_type)
     try:
         sock.setsockopt(zmq.SNDHWM, 0)
@@ -91,6 +95,8 @@ def make_socket(
             sock.setsockopt(zmq.IPV6, 1)
         if curve is not None and address.startswith("tcp://"):
             curve.apply(sock)
+        if before_connect is not None:
+            before_connect(sock)
         if bind:
             sock.bind(address)
         else:

@@ -40,12 +40,14 @@ class EngineClient:
         curve_keys_dir: str = "",
         resume_timeout_s: float = 0.0,
         stall_warn_s: float = 0.0,
+        engines_restart: bool = False,
     ) -> None:
         self._membership = EngineMembership(
             heartbeat_timeout_s=heartbeat_timeout_s,
             resume_timeout_s=resume_timeout_s,
             on_changed=on_engines_changed or (lambda: None),
             on_dead=self._engine_died,
+            engines_restart=engines_restart,
         )
         self._sockets = EngineSockets(
             input_address,

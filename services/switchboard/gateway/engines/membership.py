@@ -33,9 +33,12 @@ class EngineMembership:
         resume_timeout_s: float,
         on_changed: Callable[[], None],
         on_dead: Callable[[EngineHandle, str], None],
+        engines_restart: bool = False,
     ) -> None:
         self.engines: dict[int, EngineHandle] = {}  # by data-parallel rank
         self.resume_timeout_s = resume_timeout_s
+        self._engines_restart = engines_restart
+        self._unknown_senders: set[int] = set()  # engines heard from before their READY
         self._heartbeat_timeout_s = heartbeat_timeout_s
         self._on_changed = on_changed
         self._on_dead = on_dead
@@ -64,12 +67,14 @@ class EngineMembership:
     @property
     def restart_expected(self) -> bool:
         """No engine takes new requests, but one that did has died and may be restarted (its
-        supervisor restarts it and its READY re-admits it); with resume off, nothing waits."""
-        return (
-            self.resume_timeout_s > 0
-            and not self.routable_engines
-            and any(not e.alive for e in self.engines.values())
-        )
+        supervisor restarts it and its READY re-admits it), or, with ``engines_restart`` (one
+        machine), none has sent READY yet: this gateway was restarted and its engines, which
+        are up, send READY again within moments. With resume off, nothing waits."""
+        if self.resume_timeout_s <= 0 or self.routable_engines:
+            return False
+        if self._engines_restart and not self.engines:
+            return True
+        return any(not e.alive for e in self.engines.values())
 
     async def wait_until_ready(self, timeout_s: float | None = None) -> bool:
         """True once at least one engine sent READY (False on timeout)."""
@@ -135,7 +140,17 @@ class EngineMembership:
         """The engine that sent ``outputs``, its last sign of life and its stats noted; None
         (the outputs are dropped) unless it is ready here."""
         engine = self.engines.get(outputs.engine_index)
-        if engine is None or not engine.alive:
+        if engine is None:
+            # Once per engine: after this gateway's restart an engine's socket delivers what it
+            # had queued for the dead one (heartbeats, outputs) before its READY comes again.
+            if outputs.engine_index not in self._unknown_senders:
+                self._unknown_senders.add(outputs.engine_index)
+                logger.info(
+                    "dropped outputs from engine index %d: it has not sent READY here (yet)",
+                    outputs.engine_index,
+                )
+            return None
+        if not engine.alive:
             limited.warning(
                 "outputs of an engine not ready",
                 "dropped outputs from engine index %d: not ready",

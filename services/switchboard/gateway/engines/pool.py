@@ -11,8 +11,10 @@ An engine's score is the larger of
   up to ~100 ms old) plus the requests this gateway sent it since that report,
 plus a penalty when the engine has requests waiting while its KV cache is more than half full
 (as vLLM does: those will wait for blocks). Without a coordinator (DP = 1, or a gateway not
-given one), or while its reports have stopped (``REPORTS_STALE_S``: it died or is restarting),
-the first term alone decides.
+given one), from the moment its connection drops (it died or is restarting) until it publishes
+again, or while its reports have stopped (``REPORTS_STALE_S``: it hangs or is unreachable),
+the first term alone decides; so it does for an engine the latest report does not cover (a
+restarted coordinator rebuilds its table from the engines' next reports).
 
 A request may pin a data-parallel rank (``EngineCoreRequest.data_parallel_rank``): it goes to
 that engine if it is ready, and fails with UNAVAILABLE otherwise. An engine whose worker is
@@ -33,6 +35,7 @@ from switchboard.gateway.api_errors import unavailable
 from switchboard.gateway.engines.types import EngineHandle
 from switchboard.wire import zmq_channel
 from switchboard.wire.codec import LOAD_REPORT, DecodeError
+from switchboard.wire.connection_events import ConnectionEvents, PeerChange
 from switchboard.wire.curve import CurveKeys
 from switchboard.wire.engine_msgs import LoadReport
 
@@ -95,7 +98,8 @@ def _stall(engine: EngineHandle) -> str:
 
 class LoadSubscriber:
     """Keeps ``EngineHandle.load`` fresh from the coordinator's LoadReport publications, and
-    forgets every load when no report came for ``stale_after_s`` (the coordinator is gone)."""
+    forgets every load when the coordinator goes away (its connection drops: it died or
+    stopped) or no report came for ``stale_after_s`` (it hangs, or is unreachable)."""
 
     def __init__(
         self,
@@ -107,29 +111,54 @@ class LoadSubscriber:
     ) -> None:
         self._engines = engines
         self._stale_after_ms = int(stale_after_s * 1000)
-        self._sock = zmq_channel.make_socket(ctx, zmq.SUB, publish_address, bind=False, curve=curve)
+        events: ConnectionEvents[zmq.asyncio.Socket] = ConnectionEvents()
+        try:
+            self._sock = zmq_channel.make_socket(
+                ctx, zmq.SUB, publish_address, bind=False, curve=curve, before_connect=events.watch
+            )
+        except BaseException:
+            events.close()  # an open monitor would hold the context's term() forever
+            raise
+        self._events = events
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self.fresh = False  # a report came within stale_after_s
+        self.fresh = False  # a report came within stale_after_s, from a connected coordinator
         self.reported_ranks: list[int] = []  # the engines the latest report covered
         logger.info("subscribed to engine load reports at %s", publish_address)
 
     async def run(self) -> None:
+        poller = zmq.asyncio.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._events.monitor, zmq.POLLIN)
         try:
             while True:
-                if not await self._sock.poll(self._stale_after_ms):  # POLLIN, the default
-                    self._forget_loads()
+                ready = dict(await poller.poll(self._stale_after_ms))
+                if not ready:
+                    self._forget_loads(
+                        f"no load report from the coordinator for {self._stale_after_ms / 1000:g} s"
+                    )
                     continue
-                data = await self._sock.recv()
-                try:
-                    report = LOAD_REPORT.decode(data)
-                except DecodeError as exc:
-                    logger.warning("dropped a bad load report: %s", exc)
-                    continue
-                self._note(report)
-                apply_load_report(self._engines(), report)
+                if self._sock in ready:
+                    await self._receive()
+                if self._events.monitor in ready:
+                    frames = await self._events.monitor.recv_multipart()
+                    if self._events.change(frames) is PeerChange.LOST:
+                        while await self._sock.poll(0):  # what it sent before it went
+                            await self._receive()
+                        self._forget_loads("the coordinator went away")
         except asyncio.CancelledError:
+            self._events.close()
             self._sock.close(linger=0)
             raise
+
+    async def _receive(self) -> None:
+        data = await self._sock.recv()
+        try:
+            report = LOAD_REPORT.decode(data)
+        except DecodeError as exc:
+            logger.warning("dropped a bad load report: %s", exc)
+            return
+        self._note(report)
+        apply_load_report(self._engines(), report)
 
     def _note(self, report: LoadReport) -> None:
         ranks = [load.engine_index for load in report.engines]
@@ -140,12 +169,10 @@ class LoadSubscriber:
         self.fresh = True
         self.reported_ranks = ranks
 
-    def _forget_loads(self) -> None:
+    def _forget_loads(self, why: str) -> None:
         if self.fresh:
             logger.warning(
-                "no load report from the coordinator for %g s: routing on this gateway's own "
-                "in-flight counts until reports resume",
-                self._stale_after_ms / 1000,
+                "%s: routing on this gateway's own in-flight counts until reports resume", why
             )
         self.fresh = False
         self.reported_ranks = []
@@ -155,9 +182,16 @@ class LoadSubscriber:
 
 
 def apply_load_report(engines: dict[int, EngineHandle], report: LoadReport) -> None:
+    """The report's loads onto the engines it covers; an engine it does not cover (a restarted
+    coordinator that has not heard from it yet) is scored on this gateway's counts alone."""
+    covered = set()
     for load in report.engines:
         engine = engines.get(load.engine_index)
         if engine is None or (load.engine_id and load.engine_id != engine.engine_id):
             continue  # not ready here yet, or a report about its previous incarnation
         engine.load = load
         engine.added_since_load = 0
+        covered.add(load.engine_index)
+    for rank, engine in engines.items():
+        if rank not in covered:
+            engine.load = None
