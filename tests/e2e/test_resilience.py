@@ -14,6 +14,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -241,9 +242,11 @@ def test_dp1_a_dead_worker_restarts_its_engine_and_the_stream_resumes(
         seeded_expected = generate_tokens(server, [], 0, request=seeded)
         arriving_expected = generate_tokens(server, PROMPTS[2], 20)
         worker = server.titled_processes()["switchboard::Worker_DP0_PP0_TP0"]
-        greedy_stream = Stream(server, PROMPTS[0], max_tokens)
-        seeded_stream = Stream(server, [], 0, request=seeded)
-        wait_for_tokens([greedy_stream, seeded_stream], 3)
+        # both held mid-stream (a stream of the tiny model could end before the kill on its own)
+        greedy_stream, seeded_stream = held_up_streams(
+            worker,
+            lambda: [Stream(server, PROMPTS[0], max_tokens), Stream(server, [], 0, request=seeded)],
+        )
         os.kill(worker, signal.SIGKILL)
         killed = time.monotonic()
         wait_until(lambda: health(server) == NOT_SERVING, "NOT_SERVING while it restarts", 30)
@@ -278,10 +281,12 @@ def test_no_resume_fails_the_stream_saying_what_it_delivered(
     server = start_server(tiny_model, tmp_path, "--no-resume")
     try:
         engine = server.titled_processes()["switchboard::EngineCore_DP0"]
-        stream = Stream(server, PROMPTS[0], 400)
-        wait_for_tokens([stream], 3)
+        worker = server.titled_processes()["switchboard::Worker_DP0_PP0_TP0"]
+        # held mid-stream: a stream of the tiny model could end before the kill on its own
+        stream = held_up_stream(server, worker, 400)
         os.kill(engine, signal.SIGKILL)
         killed = time.monotonic()
+        os.kill(worker, signal.SIGCONT)  # it sees its engine gone and exits
         stream.join()
         failed_s = time.monotonic() - killed
         assert stream.code == grpc.StatusCode.UNAVAILABLE
@@ -304,17 +309,26 @@ def http_ready(server: RunningServer) -> int | None:
 
 
 def held_up_stream(server: RunningServer, worker: int, max_tokens: int) -> Stream:
-    """A stream that is going (3 tokens seen) and then held up by SIGSTOP of ``worker``. On a
-    loaded machine the stream may finish between the two: then SIGCONT and try again."""
+    """A stream that is going (3 tokens seen) and then held up by SIGSTOP of ``worker``."""
+    (stream,) = held_up_streams(worker, lambda: [Stream(server, PROMPTS[0], max_tokens)])
+    return stream
+
+
+def held_up_streams(worker: int, start: Callable[[], list[Stream]]) -> list[Stream]:
+    """Streams that are going (3 tokens seen each) and then held up by SIGSTOP of ``worker``
+    (the caller kills or continues it). On a loaded machine a stream may finish between the two:
+    then SIGCONT and try again with new streams."""
     for _ in range(5):
-        stream = Stream(server, PROMPTS[0], max_tokens)
-        wait_for_tokens([stream], 3)
+        streams = start()
+        wait_for_tokens(streams, 3)
         os.kill(worker, signal.SIGSTOP)
         time.sleep(0.5)  # tokens made before the stop still reach the client meanwhile
-        if stream.code is None:
-            return stream
+        if all(stream.code is None for stream in streams):
+            return streams
         os.kill(worker, signal.SIGCONT)
-    raise AssertionError("every stream finished before its worker could be stopped")
+        for stream in streams:
+            stream.join()
+    raise AssertionError("every try's streams finished before their worker could be stopped")
 
 
 def test_sigterm_drains_the_streams_in_flight(tiny_model: str, tmp_path: Path) -> None:
