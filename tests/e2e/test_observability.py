@@ -390,6 +390,45 @@ class Streamed:
         assert self.code == grpc.StatusCode.OK
 
 
+def test_vllm_named_series_for_routers_equal_ours_in_one_scrape(observed: Observed) -> None:
+    """What inference routers score pods by, under vLLM's names and labels, scraped while two
+    requests wait on a sleeping engine: every gauge equal to its switchboard: twin, the KV
+    cache described, no LoRA adapters."""
+    gauges = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+    channel = observed.channel
+
+    def two_wait_and_equal() -> bool:
+        now = metrics(observed)
+        for name in gauges:
+            ours = {labels: v for (n, labels), v in now.items() if n == f"switchboard:{name}"}
+            theirs = {labels: v for (n, labels), v in now.items() if n == f"vllm:{name}"}
+            assert ours and theirs == ours, name
+        return metric_sum(now, "vllm:num_requests_waiting", engine="0") == 2
+
+    utility(channel, "sleep", 1)
+    with ThreadPoolExecutor(2) as pool:
+        try:
+            futures = [
+                pool.submit(generate, channel, greedy(PROMPTS[i], f"routers-{i}")) for i in (0, 1)
+            ]
+            wait_until(two_wait_and_equal, "two requests wait, as both names say")
+        finally:
+            utility(channel, "wake_up")
+        for future in futures:
+            future.result(RPC_TIMEOUT_S)
+    before = time.time()
+    now = metrics(observed)
+    (lora,) = [(labels, v) for (n, labels), v in now.items() if n == "vllm:lora_requests_info"]
+    assert dict(lora[0]) == {
+        "max_lora": "0",
+        "running_lora_adapters": "",
+        "waiting_lora_adapters": "",
+    }
+    assert before <= lora[1] <= time.time()  # stamped at the scrape, as vLLM's
+    cache = dict(engine="0", block_size="16", num_gpu_blocks="10", enable_prefix_caching="True")
+    assert metric_sum(now, "vllm:cache_config_info", **cache) == 1
+
+
 def test_a_stream_held_up_by_a_frozen_engine_is_counted_and_logged_once(
     observed: Observed,
 ) -> None:
