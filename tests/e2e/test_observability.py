@@ -27,6 +27,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
@@ -303,6 +304,25 @@ def test_metrics_need_the_metrics_token(observed: Observed) -> None:
         assert refused.value.code == 401
         assert refused.value.headers["WWW-Authenticate"] == "Bearer"
     assert metric_sum(metrics(observed), "process_cpu_seconds_total") > 0
+
+
+def test_the_http_port_serves_the_same_metrics_under_the_same_token(observed: Observed) -> None:
+    """/metrics on the HTTP API's port too, as vLLM (routers scrape the serving port): the
+    same registry, behind the same metrics token."""
+    url = f"{observed.server.http_url}/metrics"
+    wait_until(
+        lambda: any(name == "vllm:num_requests_waiting" for name, _ in metrics(observed)),
+        "the engine's first stats",
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(url, timeout=30)
+    assert refused.value.code == 401
+    headers = {"Authorization": f"Bearer {METRICS_TOKEN}"}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=30) as reply:
+        text = reply.read().decode()
+    names = {s.name for family in text_string_to_metric_families(text) for s in family.samples}
+    assert {"vllm:num_requests_waiting", "switchboard:num_requests_waiting"} <= names
+    assert names == {name for name, _ in metrics(observed)}
 
 
 def test_metrics_deltas_of_a_known_workload(observed: Observed) -> None:
