@@ -260,3 +260,10 @@ def test_the_gateway_grace_period_must_cover_the_drain() -> None:
     pod = find(manifests({"gateway": {"shutdownGraceSeconds": 5}}), "Deployment", "gateway")
     args = pod["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--shutdown-grace") + 1] == "5"
+
+
+def test_the_grpc_port_is_h2c_to_gateways_and_routers_unless_tls() -> None:
+    ports = {p["name"]: p for p in _client_service(manifests())["spec"]["ports"]}
+    assert ports["grpc"]["appProtocol"] == "kubernetes.io/h2c"
+    tls = _client_service(manifests({"tls": {"enabled": True, "secretName": "certs"}}))
+    assert {p["name"]: p for p in tls["spec"]["ports"]}["grpc"]["appProtocol"] == "grpc"

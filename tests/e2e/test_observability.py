@@ -27,6 +27,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
@@ -305,6 +306,25 @@ def test_metrics_need_the_metrics_token(observed: Observed) -> None:
     assert metric_sum(metrics(observed), "process_cpu_seconds_total") > 0
 
 
+def test_the_http_port_serves_the_same_metrics_under_the_same_token(observed: Observed) -> None:
+    """/metrics on the HTTP API's port too, as vLLM (routers scrape the serving port): the
+    same registry, behind the same metrics token."""
+    url = f"{observed.server.http_url}/metrics"
+    wait_until(
+        lambda: any(name == "vllm:num_requests_waiting" for name, _ in metrics(observed)),
+        "the engine's first stats",
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(url, timeout=30)
+    assert refused.value.code == 401
+    headers = {"Authorization": f"Bearer {METRICS_TOKEN}"}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=30) as reply:
+        text = reply.read().decode()
+    names = {s.name for family in text_string_to_metric_families(text) for s in family.samples}
+    assert {"vllm:num_requests_waiting", "switchboard:num_requests_waiting"} <= names
+    assert names == {name for name, _ in metrics(observed)}
+
+
 def test_metrics_deltas_of_a_known_workload(observed: Observed) -> None:
     running = "switchboard:num_requests_running"
     wait_until(lambda: metric_sum(metrics(observed), running) == 0, "the engine idles")
@@ -388,6 +408,45 @@ class Streamed:
     def join(self) -> None:
         self._thread.join(RPC_TIMEOUT_S)
         assert self.code == grpc.StatusCode.OK
+
+
+def test_vllm_named_series_for_routers_equal_ours_in_one_scrape(observed: Observed) -> None:
+    """What inference routers score pods by, under vLLM's names and labels, scraped while two
+    requests wait on a sleeping engine: every gauge equal to its switchboard: twin, the KV
+    cache described, no LoRA adapters."""
+    gauges = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+    channel = observed.channel
+
+    def two_wait_and_equal() -> bool:
+        now = metrics(observed)
+        for name in gauges:
+            ours = {labels: v for (n, labels), v in now.items() if n == f"switchboard:{name}"}
+            theirs = {labels: v for (n, labels), v in now.items() if n == f"vllm:{name}"}
+            assert ours and theirs == ours, name
+        return metric_sum(now, "vllm:num_requests_waiting", engine="0") == 2
+
+    utility(channel, "sleep", 1)
+    with ThreadPoolExecutor(2) as pool:
+        try:
+            futures = [
+                pool.submit(generate, channel, greedy(PROMPTS[i], f"routers-{i}")) for i in (0, 1)
+            ]
+            wait_until(two_wait_and_equal, "two requests wait, as both names say")
+        finally:
+            utility(channel, "wake_up")
+        for future in futures:
+            future.result(RPC_TIMEOUT_S)
+    before = time.time()
+    now = metrics(observed)
+    (lora,) = [(labels, v) for (n, labels), v in now.items() if n == "vllm:lora_requests_info"]
+    assert dict(lora[0]) == {
+        "max_lora": "0",
+        "running_lora_adapters": "",
+        "waiting_lora_adapters": "",
+    }
+    assert before <= lora[1] <= time.time()  # stamped at the scrape, as vLLM's
+    cache = dict(engine="0", block_size="16", num_gpu_blocks="10", enable_prefix_caching="True")
+    assert metric_sum(now, "vllm:cache_config_info", **cache) == 1
 
 
 def test_a_stream_held_up_by_a_frozen_engine_is_counted_and_logged_once(

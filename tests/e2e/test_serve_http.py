@@ -5,8 +5,12 @@ stream interval grouping the tokens of both fronts."""
 
 from __future__ import annotations
 
+import array
+import base64
+import json
 import socket
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from urllib.parse import urlparse
@@ -14,6 +18,7 @@ from urllib.parse import urlparse
 import openai
 import pytest
 
+import switchboard
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
 from tests.e2e import client_calls
@@ -159,3 +164,90 @@ def test_a_stream_interval_groups_tokens_on_both_fronts(tmp_path) -> None:
         assert len(texts) <= 1 + -(-(max_tokens - 1) // 4), texts
     finally:
         assert server.stop() == 0, server.log()
+
+
+# ---------------------------------------------------------------- vLLM's other routes
+
+
+def post_json(server: RunningServer, path: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(
+        f"{server.http_url}{path}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_tokenize_and_detokenize_are_the_grpc_ones(server: RunningServer) -> None:
+    with server.channel() as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        grpc_ids = list(stub.Tokenize(pb.TokenizeRequest(text="hello world"), timeout=60).token_ids)
+        grpc_text = stub.Detokenize(
+            pb.DetokenizeRequest(token_ids=grpc_ids, skip_special_tokens=False), timeout=60
+        ).text
+    status, tokenized = post_json(
+        server, "/tokenize", {"prompt": "hello world", "return_token_strs": True}
+    )
+    assert status == 200
+    assert tokenized["tokens"] == grpc_ids and tokenized["count"] == len(grpc_ids)
+    assert tokenized["max_model_len"] == 256
+    assert len(tokenized["token_strs"]) == len(grpc_ids)
+    status, plain = post_json(server, "/tokenize", {"prompt": "hello world"})
+    assert plain["token_strs"] is None
+    status, bare = post_json(
+        server, "/tokenize", {"prompt": "hello world", "add_special_tokens": False}
+    )
+    assert len(bare["tokens"]) < len(grpc_ids)  # no BOS
+    status, detokenized = post_json(server, "/detokenize", {"tokens": grpc_ids})
+    assert status == 200 and detokenized == {"prompt": grpc_text}
+    status, refused = post_json(server, "/detokenize", {"tokens": [10**9]})
+    assert status == 400 and refused["error"]["param"] == "tokens"
+
+
+def test_tokenize_messages_is_the_chat_prompt(server: RunningServer, client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "hi there"}]
+    status, tokenized = post_json(server, "/tokenize", {"messages": messages})
+    assert status == 200
+    completion = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=messages,
+        max_tokens=1,  # type: ignore[arg-type]
+    )
+    assert completion.usage is not None
+    assert tokenized["count"] == completion.usage.prompt_tokens
+
+
+def test_embeddings_are_the_grpc_embed(server: RunningServer, client: openai.OpenAI) -> None:
+    texts = ["hello world", "the cat sits outside"]
+    with server.channel() as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        request = pb.EmbedRequest(inputs=[pb.EmbedInput(text=t) for t in texts])
+        expected = stub.Embed(request, timeout=60)
+    model = client.models.list().data[0].id
+    created = client.embeddings.create(model=model, input=texts)
+    assert [e.index for e in created.data] == [0, 1]
+    for got, want in zip(created.data, expected.results, strict=True):
+        assert got.embedding == pytest.approx(list(want.data), abs=1e-6)
+    assert created.usage.prompt_tokens == expected.usage.prompt_tokens
+    as_base64 = client.embeddings.create(model=model, input=PROMPT_IDS, encoding_format="base64")
+    as_floats = client.embeddings.create(model=model, input=PROMPT_IDS)
+    # float32, little-endian, base64: the same floats.
+    encoded = as_base64.data[0].embedding
+    assert isinstance(encoded, str)
+    decoded = array.array("f", base64.b64decode(encoded)).tolist()
+    assert decoded == pytest.approx(as_floats.data[0].embedding, abs=1e-6)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.embeddings.create(model=model, input=[])
+    assert refused.value.body["param"] == "input"  # type: ignore[index]
+
+
+def test_version_and_no_metrics_without_a_metrics_port(server: RunningServer) -> None:
+    with urllib.request.urlopen(f"{server.http_url}/version", timeout=10) as reply:
+        assert json.loads(reply.read()) == {"version": switchboard.__version__}
+    with pytest.raises(urllib.error.HTTPError) as missing:
+        urllib.request.urlopen(f"{server.http_url}/metrics", timeout=10)
+    assert missing.value.code == 404

@@ -131,3 +131,30 @@ def test_metrics_are_served_over_http() -> None:
         assert "process_cpu_seconds_total" in text
     finally:
         metrics.stop()
+
+
+def test_vllm_named_series_equal_their_switchboard_twins() -> None:
+    """What inference routers scrape, under vLLM's names and labels, from the same stats."""
+    busy = SchedulerStats(num_running_reqs=3, num_waiting_reqs=2, kv_cache_usage=0.5)
+    engines = [engine(0, busy), engine(1, SchedulerStats()), engine(2, busy, exports=False)]
+    metrics = GatewayMetrics("m", 64, lambda: engines)
+    value = metrics.registry.get_sample_value
+    for rank in ("0", "1"):
+        labels = {"model_name": "m", "engine": rank}
+        for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+            ours = value(f"switchboard:{name}", labels)
+            assert ours is not None and value(f"vllm:{name}", labels) == ours, (name, rank)
+    assert value("vllm:num_requests_waiting", {"model_name": "m", "engine": "0"}) == 2
+    assert value("vllm:num_requests_running", {"model_name": "m", "engine": "2"}) is None
+    cache = {
+        "engine": "0",
+        "block_size": "16",
+        "num_gpu_blocks": "10",
+        "enable_prefix_caching": "True",
+        "cache_dtype": "auto",
+    }
+    assert value("vllm:cache_config_info", cache) == 1
+    assert value("vllm:cache_config_info", {**cache, "engine": "2"}) is None
+    lora = {"max_lora": "0", "running_lora_adapters": "", "waiting_lora_adapters": ""}
+    stamped = value("vllm:lora_requests_info", lora)
+    assert stamped is not None and stamped > 1.7e9  # the scrape's time, as vLLM's

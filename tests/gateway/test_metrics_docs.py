@@ -16,7 +16,7 @@ from switchboard.wire.engine_msgs import ITERATION_TOKENS_BUCKETS, EngineReady, 
 
 ROOT = Path(__file__).resolve().parents[2]
 # A metric name, not a label name (those are followed by =, =~, != or !~).
-METRIC_NAME = re.compile(r"\b(switchboard:[a-z0-9_]+|gen_ai_[a-z0-9_]+)\b(?!\s*[=!~])")
+METRIC_NAME = re.compile(r"\b((?:switchboard|vllm):[a-z0-9_]+|gen_ai_[a-z0-9_]+)\b(?!\s*[=!~])")
 SUFFIXES = ("_bucket", "_count", "_sum")
 
 

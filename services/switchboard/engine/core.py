@@ -158,6 +158,7 @@ class EngineCore:
             tensor_parallel_size=config.parallel.tensor_parallel_size,
             pipeline_parallel_size=config.parallel.pipeline_parallel_size,
             engine_version=__version__,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
         )
         # Everything allocated while loading is permanent: full collections skip it from now on.
         gc.collect()

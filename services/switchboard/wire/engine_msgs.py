@@ -247,6 +247,7 @@ class EngineReady(_Wire):
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     engine_version: str = ""
+    enable_prefix_caching: bool = True  # appended: vllm:cache_config_info
 
 
 # ---- appended for DP > 1 and engines on other hosts: death notice, load, TCP handshake -------

@@ -1,12 +1,15 @@
 """The gateway's HTTP server: aiohttp in the gateway's own event loop, next to grpc.aio.
 
 Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (OpenAI's
-shapes, ``routes.py``), ``GET /health`` (200 while the process serves) and ``GET /ready`` (200
-while the gRPC readiness service is SERVING: an engine core READY and not stopping).
+shapes, ``routes.py``), vLLM's ``POST /v1/embeddings``, ``/tokenize``, ``/detokenize``, ``GET
+/version`` and ``/metrics`` (``vllm_routes.py``), ``GET /health`` (200 while the process
+serves) and ``GET /ready`` (200 while the gRPC readiness service is SERVING: an engine core
+READY and not stopping).
 Handlers are cancelled when their client disconnects, so a dropped request is ABORTed at once.
-With API keys (``gateway/auth.py``) every route but /health and /ready needs ``Authorization:
-Bearer <key>`` (else 401 with an OpenAI error body); with ``--ssl-certfile`` it serves HTTPS
-(``tls.py``; mTLS under ``--ssl-ca-certs``).
+With API keys (``gateway/auth.py``) every route but /health, /ready and /metrics needs
+``Authorization: Bearer <key>`` (else 401 with an OpenAI error body); /metrics needs the
+metrics token when one is set. With ``--ssl-certfile`` it serves HTTPS (``tls.py``; mTLS under
+``--ssl-ca-certs``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from switchboard.gateway.api_errors import ApiError
 from switchboard.gateway.auth import Credentials, log_refusal
 from switchboard.gateway.http.openai_errors import error_response, json_response
 from switchboard.gateway.http.routes import OpenAIRoutes, internal_error
+from switchboard.gateway.http.vllm_routes import METRICS_PATH, VllmRoutes
 from switchboard.gateway.pipeline.generate_call import GenerateCalls
 from switchboard.gateway.state import GatewayState
 
@@ -65,7 +69,8 @@ async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamRe
         return internal_error("internal error (the gateway's log has the traceback)")
 
 
-_OPEN_PATHS = frozenset({"/health", "/ready"})  # probes carry no key
+# Probes carry no key; /metrics asks for the metrics token instead (vllm_routes.py).
+_OPEN_PATHS = frozenset({"/health", "/ready", METRICS_PATH})
 
 
 def _api_keys(credentials: Credentials) -> Middleware:
@@ -106,6 +111,7 @@ class HttpServer:
         app.router.add_get("/v1/models", routes.models)
         app.router.add_post("/v1/completions", routes.completions)
         app.router.add_post("/v1/chat/completions", routes.chat_completions)
+        VllmRoutes(state, credentials).add_to(app.router)
         self._runner: web.AppRunner | None = None
         self._app = app
         self.port: int | None = None

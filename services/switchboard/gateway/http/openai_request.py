@@ -17,10 +17,10 @@ from typing import Any
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.gateway.api_errors import invalid_argument, not_supported
 from switchboard.gateway.chat.tools import ToolPlan, forced_call_schema
+from switchboard.gateway.http.json_body import JsonBody, is_token_id
 from switchboard.gateway.pipeline.constraint_check import from_openai_response_format
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
-_UINT32_MAX = (1 << 32) - 1
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 # vLLM's body fields for constrained decoding -> the StructuredOutput kind each sets.
 _GUIDED_FIELDS = {
@@ -43,89 +43,13 @@ class OpenAIOptions:
     tools: ToolPlan | None = None  # chat: tool calls to parse out of the answer
 
 
-def parse_body(raw: bytes) -> dict[str, Any]:
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as error:
-        raise invalid_argument("body", f"the request body is not valid JSON: {error}") from None
-    if not isinstance(body, dict):
-        raise invalid_argument("body", "the request body must be a JSON object")
-    return body
-
-
-class _Body:
-    """Typed reads of one JSON body; a wrong type is a 400 naming the parameter."""
-
-    def __init__(self, body: dict[str, Any]) -> None:
-        self.body = body
-
-    def _get(self, name: str, types: tuple[type, ...], what: str) -> Any:
-        value = self.body.get(name)
-        if value is None:
-            return None
-        if isinstance(value, bool) and bool not in types:
-            raise invalid_argument(name, f"{name} must be {what}, got {value!r}")
-        if not isinstance(value, types):
-            raise invalid_argument(name, f"{name} must be {what}, got {value!r}")
-        return value
-
-    def number(self, name: str) -> float | None:
-        value = self._get(name, (int, float), "a number")
-        return None if value is None else float(value)
-
-    def integer(self, name: str) -> int | None:
-        return self._get(name, (int,), "an integer")
-
-    def int_in(self, name: str, bits: int) -> int | None:
-        """A signed integer of ``bits`` bits (the proto field's)."""
-        value = self.integer(name)
-        if value is not None and not -(1 << (bits - 1)) <= value < 1 << (bits - 1):
-            raise invalid_argument(name, f"{name} is out of range: {value}")
-        return value
-
-    def uint(self, name: str) -> int | None:
-        value = self.integer(name)
-        if value is not None and not 0 <= value <= _UINT32_MAX:
-            raise invalid_argument(name, f"{name} must be a non-negative integer, got {value}")
-        return value
-
-    def boolean(self, name: str) -> bool | None:
-        return self._get(name, (bool,), "a boolean")
-
-    def string(self, name: str) -> str | None:
-        return self._get(name, (str,), "a string")
-
-    def object(self, name: str) -> dict[str, Any] | None:
-        return self._get(name, (dict,), "an object")
-
-    def array(self, name: str) -> list[Any] | None:
-        return self._get(name, (list,), "an array")
-
-    def uint_list(self, name: str) -> list[int]:
-        values = self.array(name) or []
-        for value in values:
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise invalid_argument(name, f"{name} must be an array of token ids")
-        return values
-
-    def str_list(self, name: str) -> list[str]:
-        value = self.body.get(name)
-        if value is None:
-            return []
-        if isinstance(value, str):
-            return [value]
-        if isinstance(value, list) and all(isinstance(v, str) for v in value):
-            return value
-        raise invalid_argument(name, f"{name} must be a string or an array of strings")
-
-
-def _refuse(body: _Body, *names: str) -> None:
+def _refuse(body: JsonBody, *names: str) -> None:
     for name in names:
         if body.body.get(name) is not None:
             raise not_supported(name, name)
 
 
-def _common(body: _Body, request: pb.GenerateRequest, max_tokens: int | None) -> OpenAIOptions:
+def _common(body: JsonBody, request: pb.GenerateRequest, max_tokens: int | None) -> OpenAIOptions:
     """The parameters /v1/completions and /v1/chat/completions share."""
     b = body
     _refuse(b, "suffix", "guided_whitespace_pattern", "structured_outputs")
@@ -186,7 +110,7 @@ def _common(body: _Body, request: pb.GenerateRequest, max_tokens: int | None) ->
     )
 
 
-def _structured_output(body: _Body, so: pb.StructuredOutput) -> str | None:
+def _structured_output(body: JsonBody, so: pb.StructuredOutput) -> str | None:
     """``response_format`` (OpenAI) or one of vLLM's ``guided_*`` fields -> ``so``; the name of
     the field used (None: unconstrained). Two constraints at once are refused."""
     used = [name for name in _GUIDED_FIELDS if body.body.get(name) is not None]
@@ -219,7 +143,7 @@ def _structured_output(body: _Body, so: pb.StructuredOutput) -> str | None:
     return name
 
 
-def _max_tokens(body: _Body, *names: str) -> int | None:
+def _max_tokens(body: JsonBody, *names: str) -> int | None:
     for name in names:
         value = body.uint(name)
         if value is not None:
@@ -231,7 +155,7 @@ def completion_request(
     raw: dict[str, Any], request_id: str
 ) -> tuple[pb.GenerateRequest, OpenAIOptions]:
     """POST /v1/completions: one prompt (a string or token ids)."""
-    body = _Body(raw)
+    body = JsonBody(raw)
     if body.boolean("echo"):
         raise not_supported("echo", "echo")
     request = pb.GenerateRequest(request_id=request_id)
@@ -244,7 +168,7 @@ def completion_request(
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         request.text = prompt
-    elif isinstance(prompt, list) and prompt and all(_is_token_id(t) for t in prompt):
+    elif isinstance(prompt, list) and prompt and all(is_token_id(t) for t in prompt):
         request.token_ids.ids.extend(prompt)
     elif isinstance(prompt, list) and len(prompt) > 1:
         raise not_supported("prompt", "a batch of several prompts (send one request each)")
@@ -259,7 +183,7 @@ def completion_request(
 def chat_request(raw: dict[str, Any], request_id: str) -> tuple[pb.GenerateRequest, OpenAIOptions]:
     """POST /v1/chat/completions: the messages go into ``GenerateRequest.messages``, rendered by
     the model's chat template on the shared path (``gateway/chat/``), as for gRPC."""
-    body = _Body(raw)
+    body = JsonBody(raw)
     _refuse(body, "functions", "function_call", "audio", "prediction")
     if body.boolean("echo"):
         raise not_supported("echo", "echo")
@@ -287,7 +211,7 @@ def chat_request(raw: dict[str, Any], request_id: str) -> tuple[pb.GenerateReque
     return request, _tools(body, request, options)
 
 
-def _tools(body: _Body, request: pb.GenerateRequest, options: OpenAIOptions) -> OpenAIOptions:
+def _tools(body: JsonBody, request: pb.GenerateRequest, options: OpenAIOptions) -> OpenAIOptions:
     """``tools`` + ``tool_choice``: the tools into the request (rendered by the template) unless
     the choice is ``none``; a forced choice (``required`` / a named function) constrains the
     output to one call's JSON, which then needs every other constraint unset."""
@@ -434,7 +358,3 @@ def _message_tool_calls(i: int, calls: Any) -> list[pb.ToolCall]:
         entry.function.arguments = arguments
         result.append(entry)
     return result
-
-
-def _is_token_id(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -20,12 +20,12 @@ from aiohttp import web
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.gateway.api_errors import ApiError, invalid_argument
 from switchboard.gateway.http.context import HttpCallContext
+from switchboard.gateway.http.json_body import parse_body
 from switchboard.gateway.http.openai_errors import error_body, error_response, json_response
 from switchboard.gateway.http.openai_request import (
     OpenAIOptions,
     chat_request,
     completion_request,
-    parse_body,
 )
 from switchboard.gateway.http.openai_response import ChatShaper, CompletionShaper, Shaper
 from switchboard.gateway.http.sse import open_stream, send_done, send_event

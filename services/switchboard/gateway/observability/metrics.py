@@ -2,7 +2,8 @@
 (``metrics_server.py``: HTTPS when the fronts have TLS, and a bearer token when one is set).
 
 Names and meanings are vLLM V1's under the prefix ``switchboard:`` (docs/observability.md lists
-every one), plus the OpenTelemetry GenAI histograms under their Prometheus names.
+every one), plus the OpenTelemetry GenAI histograms under their Prometheus names, and the few
+series inference routers read under vLLM's own ``vllm:`` names (``vllm_names.py``).
 
 Who exports what, so that sums across gateways and engines are right:
 
@@ -40,6 +41,7 @@ from prometheus_client.registry import Collector
 
 from switchboard.gateway.engines.types import EngineHandle
 from switchboard.gateway.observability.metrics_server import CheckScrape, MetricsServer
+from switchboard.gateway.observability.vllm_names import VllmNamedFamilies
 from switchboard.wire.engine_msgs import ITERATION_TOKENS_BUCKETS
 
 logger = logging.getLogger(__name__)
@@ -250,15 +252,17 @@ class EngineStatsCollector(Collector):
         self._engines = engines
 
     def describe(self) -> Iterable[Metric]:
-        return list(self._families())
+        return [*self._families(), *VllmNamedFamilies(list(LABELS)).families()]
 
     def collect(self) -> Iterable[Metric]:
         families = self._families()
+        vllm_named = VllmNamedFamilies(list(LABELS))
         for engine in self._engines():
             stats = engine.scheduler_stats
             if not engine.alive or stats is None or not engine.exports_engine_stats:
                 continue  # another gateway exports this engine's series
             labels = [self._model_name, str(engine.ready.data_parallel_rank)]
+            vllm_named.add(labels, engine.ready, stats)  # the same record: equal values
             families.running.add_metric(labels, stats.num_running_reqs)
             families.waiting.add_metric(labels, stats.num_waiting_reqs)
             families.kv.add_metric(labels, stats.kv_cache_usage)
@@ -271,7 +275,7 @@ class EngineStatsCollector(Collector):
                 families.iteration.add_metric(
                     labels, list(_cumulative_buckets(counts)), stats.iteration_tokens_sum
                 )
-        return list(families)
+        return [*families, *vllm_named.families()]
 
     def _families(self) -> _EngineFamilies:
         p, labels = PREFIX, list(LABELS)

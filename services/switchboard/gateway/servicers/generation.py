@@ -1,5 +1,5 @@
-"""GenerationService: Generate, Abort, Embed, Tokenize, Detokenize (the Generate and Embed calls
-themselves run in ``pipeline/``)."""
+"""GenerationService: Generate, Abort, Embed, Tokenize, Detokenize (the calls themselves run in
+``pipeline/``, shared with the HTTP front)."""
 
 from __future__ import annotations
 
@@ -14,16 +14,15 @@ import grpc
 
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
-from switchboard.gateway.api_errors import invalid_argument, maps_api_errors
+from switchboard.gateway.api_errors import maps_api_errors
 from switchboard.gateway.pipeline.embed_call import embed
 from switchboard.gateway.pipeline.generate_call import GenerateCalls
 from switchboard.gateway.pipeline.request_bounds import (
     check_labels,
     check_model_name,
     check_request_id,
-    check_text_bytes,
 )
-from switchboard.gateway.pipeline.validation import check_model
+from switchboard.gateway.pipeline.tokenize_call import detokenize, tokenize
 from switchboard.gateway.state import GatewayState
 
 logger = logging.getLogger(__name__)
@@ -84,33 +83,10 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
-        state = self._state
-        check_model_name(request.model)
-        check_model(request.model, state.facts)
-        if state.longest_token_bytes:
-            check_text_bytes("text", len(request.text.encode()), state.max_prompt_bytes)
-        add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        token_ids = await state.in_pool(state.tokenizer.encode, request.text, add_special)
-        response = pb.TokenizeResponse(token_ids=token_ids, max_model_len=state.facts.max_model_len)
-        if request.return_token_strs:
-            response.token_strs.extend(state.tokenizer.token_strs(token_ids))
-        return response
+        return await tokenize(self._state, request)
 
     @maps_api_errors
     async def Detokenize(
         self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.DetokenizeResponse:
-        state = self._state
-        check_model_name(request.model)
-        check_model(request.model, state.facts)
-        vocab_size = state.tokenizer.vocab_size
-        for i, token_id in enumerate(request.token_ids):
-            if token_id >= vocab_size:
-                raise invalid_argument(
-                    f"token_ids[{i}]",
-                    f"token_ids[{i}] = {token_id} is out of range: the tokenizer has "
-                    f"{vocab_size} tokens",
-                )
-        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        text = await state.in_pool(state.tokenizer.decode, list(request.token_ids), skip)
-        return pb.DetokenizeResponse(text=text)
+        return await detokenize(self._state, request)
