@@ -91,4 +91,4 @@ def test_the_server_extra_alone_serves_the_default_model_and_answers_chat(
     assert code == 0, log
     assert server.leftovers == []
     assert "Traceback" not in log, log
-    assert "attention backend: reference" in log, log
+    assert "attention backend: " in log, log  # cpu-kernel, or reference without a compiler

@@ -53,7 +53,8 @@ SMALL_BATCH_MAX_ROWS = 128 if "avx512f" in cpu_flags() else 512
 
 _onednn_linear: Callable[..., torch.Tensor] | None = None
 _onednn_reorder: Callable[..., torch.Tensor] | None = None
-if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+_mkldnn = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+if _mkldnn and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
     _onednn_linear = torch.ops.mkldnn._linear_pointwise.default
     _onednn_reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
 _enabled = _onednn_linear is not None and os.environ.get("SWITCHBOARD_GEMM", "auto") != "torch"

@@ -3,9 +3,10 @@
 A decode step of one request multiplies one row by every weight matrix: the work is reading
 the weights, and oneDNN's kernels (``gemm.py``) read them at about half the memory's speed on a
 2-core EPYC. This kernel streams each weight once, in panels of 16 output columns laid out for
-it (:class:`Panels`, made once at load by ``pack``), and keeps the rows' sums in registers: two AVX2 vectors per row, ``max_rows`` rows at a time (8 where AVX-512's 32
-vector registers hold them, else 6; more rows go in groups over each panel while it is in the
-core's cache, so the weight is still read once). Measured on that machine (it has AVX-512),
+it (:class:`Panels`, made once at load by ``pack``), and keeps the rows' sums in registers: two
+AVX2 vectors per row, ``max_rows`` rows at a time (8 where AVX-512's 32 vector registers hold
+them, else 6; more rows go in groups over each panel while it is in the core's cache, so the
+weight is still read once). Measured on that machine (it has AVX-512),
 two threads, a SmolLM2-135M-shaped stack (30 layers and the LM head, cold weights), ms:
 
     rows            1      2      4      6      8

@@ -1,3 +1,5 @@
+# The @triton.jit kernels' parameters are Triton's (pointers, tl.constexpr), not Python types.
+# mypy: allow-untyped-defs, allow-incomplete-defs, allow-untyped-decorators
 """Paged attention in Triton: kernels that read the KV blocks in place, through the block
 tables (no gather into a padded copy, unlike the torch reference off CPU). The Triton attention
 backend (``models/triton_backend.py``) lays a step's metadata out for them and calls them.

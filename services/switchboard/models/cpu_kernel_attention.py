@@ -67,9 +67,7 @@ class CpuKernelBackend(AttentionBackend):
         sliding_window: int | None,
     ) -> torch.Tensor:
         if not paged_decode.usable_for(query, kv_cache):
-            return REFERENCE.forward(
-                query, key, value, kv_cache, metadata, scale, sliding_window
-            )
+            return REFERENCE.forward(query, key, value, kv_cache, metadata, scale, sliding_window)
         prepared = metadata.prepared
         if not isinstance(prepared, KernelRows):  # not prepared by us: do it now
             prepared = self.prepare(metadata).prepared

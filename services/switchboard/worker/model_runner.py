@@ -85,7 +85,8 @@ class ModelRunner:
             self.model_config, self.device, self.parallel
         )
         self.model = as_causal_lm(model)
-        self.attention_backend = select_backend(self.device)  # on CPU: the decode kernel, if it loads
+        # on CPU this loads the C decode kernel (the backend when it loads)
+        self.attention_backend = select_backend(self.device)
         if self.device.type == "cpu":
             fused_ops.load()
             logger.info("norms, rotary and SiLU: fused CPU kernels %s", fused_ops.status())
