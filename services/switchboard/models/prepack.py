@@ -16,7 +16,9 @@ import time
 from torch import nn
 
 from switchboard.kernels import gemm, small_batch_gemm
+from switchboard.models.gpt2 import GPT2LMHeadModel
 from switchboard.models.layers import Linear
+from switchboard.models.llama import LlamaForCausalLM
 from switchboard.models.parallel_layers import (
     ParallelLMHead,
     RowParallelLinear,
@@ -56,10 +58,9 @@ def prepack_weights(model: nn.Module) -> tuple[int, float]:
 
 def _logits_head(model: nn.Module) -> VocabParallelEmbedding | None:
     """The matrix that computes the logits, on a model (and stage) that has one."""
-    logits_head = getattr(model, "logits_head", None)
-    if logits_head is None:
+    if not isinstance(model, LlamaForCausalLM | GPT2LMHeadModel):
         return None  # an encoder: no logits
     try:
-        return logits_head()
+        return model.logits_head()
     except RuntimeError:
         return None  # a pipeline stage before the last
