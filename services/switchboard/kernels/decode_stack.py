@@ -106,7 +106,8 @@ _Dims = tuple[int, int, int, int, int]  # hidden, heads, KV heads, head_dim, int
 
 @dataclass(frozen=True)
 class _Plan:
-    """The addresses the C stack reads, with the tensors behind them (kept alive here)."""
+    """The addresses the C stack reads, with the layers whose weights they point into (held
+    here, so they live as long)."""
 
     layers: tuple[StackLayer, ...]  # whose weights ``fields`` points into
     cache_ptrs: tuple[int, ...]  # the KV caches it was made for (not held: the worker owns them)
