@@ -6,7 +6,7 @@
 Builds a :class:`ModelRunner` on ``MODEL_DIR``, prefills ``--batch`` requests of ``--context``
 random tokens, then times greedy decode steps (what ``execute_model`` does for a running
 batch). Prints the median step time per batch size for three matmul paths side by side
-(``models/gemm.py``): torch's ``F.linear`` on dense weights, oneDNN on dense weights, and oneDNN
+(``kernels/gemm.py``): torch's ``F.linear`` on dense weights, oneDNN on dense weights, and oneDNN
 on weights packed at load (what the worker serves with); ``--profile`` adds torch's operator
 table of the packed path for the last batch size.
 """
@@ -21,7 +21,7 @@ import time
 import torch
 
 from switchboard.config import ModelConfig
-from switchboard.models import cpu_decode_kernel, gemm
+from switchboard.kernels import gemm
 from switchboard.wire.engine_msgs import SamplingParams
 from switchboard.wire.step_msgs import CachedRequest, NewRequest, SchedulerOutput
 from switchboard.worker.model_runner import ModelRunner
@@ -109,7 +109,7 @@ def main() -> None:
 
     print(
         f"{args.model}: {args.threads} torch threads, context {args.context}, "
-        f"decode attention kernel {cpu_decode_kernel.status()}"
+        f"attention backend {packed.attention_backend.name}"
     )
     print(
         f"{'batch':>5} | {'torch GEMM ms':>13} | {'oneDNN ms':>9} | {'packed ms':>9} "

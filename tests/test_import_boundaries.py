@@ -1,6 +1,7 @@
 """The house rules on imports: process roles never import one another, and only
-``worker/`` and ``models/`` import torch, so the gateway and the engine core start (and test)
-without it. The wires own their codecs: no role builds a msgpack or JSON codec of its own."""
+``worker/``, ``models/`` and ``kernels/`` import torch, so the gateway and the engine core start
+(and test) without it. The wires own their codecs: no role builds a msgpack or JSON codec of its
+own. ``kernels/`` is below ``models/``, and neither has an import circle."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "services" / "switchboard"
 ROLES = ("gateway", "engine", "worker", "coordinator")
-TORCH_ALLOWED = ("worker", "models")
+TORCH_ALLOWED = ("worker", "models", "kernels")
 
 
 def _imported_modules(path: Path) -> set[str]:
@@ -49,7 +50,7 @@ def test_process_roles_never_import_one_another() -> None:
     assert breaches == []
 
 
-def test_only_workers_and_models_import_torch() -> None:
+def test_only_workers_models_and_kernels_import_torch() -> None:
     breaches = [
         f"{path.relative_to(PACKAGE)} imports {module}"
         for path in _sources()
@@ -58,6 +59,45 @@ def test_only_workers_and_models_import_torch() -> None:
         if module.split(".")[0] == "torch"
     ]
     assert breaches == []
+
+
+def test_kernels_know_no_model_and_no_process_role() -> None:
+    """``kernels/`` is below ``models/``: the models hand it tensors, it imports none of theirs."""
+    allowed = ("switchboard.kernels", "switchboard.config")
+    breaches = [
+        f"{path.relative_to(PACKAGE)} imports {module}"
+        for path in (PACKAGE / "kernels").glob("*.py")
+        for module in _switchboard_imports(path)
+        if module != "switchboard" and not module.startswith(allowed)
+    ]
+    assert breaches == []
+
+
+def test_models_and_kernels_import_in_no_circle() -> None:
+    """No module of ``models/`` or ``kernels/`` reaches itself through its imports (lazy ones
+    included)."""
+    modules = {
+        "switchboard." + ".".join(p.relative_to(PACKAGE).with_suffix("").parts): p
+        for folder in ("models", "kernels")
+        for p in (PACKAGE / folder).glob("*.py")
+        if p.name != "__init__.py"
+    }
+    edges = {
+        name: {m for m in _imported_modules(path) if m in modules and m != name}
+        for name, path in modules.items()
+    }
+    circles = []
+    for start in sorted(modules):
+        seen, frontier = set(), set(edges[start])
+        while frontier:
+            name = frontier.pop()
+            if name == start:
+                circles.append(start)
+                break
+            if name not in seen:
+                seen.add(name)
+                frontier |= edges[name]
+    assert circles == []
 
 
 def test_roles_use_the_wires_codecs() -> None:
@@ -95,7 +135,7 @@ def test_gateway_and_engine_load_without_torch() -> None:
         f"for name in {modules!r}:\n"
         "    importlib.import_module(name)\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'"
-        " or m.startswith(('switchboard.worker', 'switchboard.models'))))\n"
+        " or m.startswith(('switchboard.worker', 'switchboard.models', 'switchboard.kernels'))))\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False

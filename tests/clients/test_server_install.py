@@ -136,4 +136,6 @@ def test_the_server_extra_alone_serves_the_default_model_and_answers_chat(
     assert code == 0, log
     assert server.leftovers == []
     assert "Traceback" not in log, log
-    assert "attention backend: reference" in log, log
+    # the kernels' C sources came with the install: built, the decode kernel is the backend
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    assert f"attention backend: {'cpu-kernel' if compiler else 'reference'} (" in log, log

@@ -1,13 +1,12 @@
-"""Paged attention equals plain causal attention over each request's whole sequence."""
+"""Paged attention (the torch reference) equals plain causal attention over each request's whole
+sequence."""
 
 from __future__ import annotations
 
 import random
 
-import pytest
 import torch
 
-from switchboard.models import cpu_decode_kernel
 from switchboard.models.attention import (
     AttentionMetadata,
     DecodeBatch,
@@ -18,13 +17,6 @@ from switchboard.models.attention import (
 from tests.models.paged_reference import dense_attention, lay_out_step
 
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 8, 4
-
-
-@pytest.fixture(autouse=True)
-def torch_path(monkeypatch):
-    """These tests hold the torch path (SDPA, gathered decode); the C kernel, which takes every
-    row of a float32 CPU step when loaded, is tested in test_cpu_decode_kernel.py."""
-    monkeypatch.setattr(cpu_decode_kernel, "_kernel", None)
 
 
 def test_decode_batch_and_prefill_chunks_read_their_own_blocks():

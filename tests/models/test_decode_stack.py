@@ -2,7 +2,7 @@
 decode steps of 1..MAX_ROWS rows (Llama, Qwen2's biases, Mistral's sliding window; the KV cache
 it writes equal too), and equal to rounding where the layers' matmuls are oneDNN's; steps it
 does not take (a prefill chunk in the step, more than MAX_ROWS rows) left to the layers; and
-its off switch."""
+its off switch. It runs on the CPU kernel attention backend only: the reference stays torch."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import random
 import pytest
 import torch
 
-from switchboard.models import decode_stack, gemm, small_batch_gemm
+from switchboard.kernels import decode_stack, gemm, small_batch_gemm
+from switchboard.models.attention import REFERENCE
 from switchboard.wire.engine_msgs import SamplingParams
 from switchboard.wire.step_msgs import CachedRequest, NewRequest, SchedulerOutput
 from tests.tiny_checkpoint import tiny_checkpoint_dir
@@ -57,6 +58,18 @@ def _steps(rows: int, vocab: int, decode_steps: int, seed: int) -> list[Schedule
     return steps
 
 
+def _stack_calls(monkeypatch) -> list[bool]:
+    """Whether the stack ran, for every forward pass from here on."""
+    calls: list[bool] = []
+    real_run = decode_stack.DecodeStack.run
+    monkeypatch.setattr(
+        decode_stack.DecodeStack,
+        "run",
+        lambda *a, **kw: calls.append(real_run(*a, **kw)) or calls[-1],
+    )
+    return calls
+
+
 def _run(runner, steps: list[SchedulerOutput], stack_on: bool, monkeypatch) -> list[torch.Tensor]:
     """Each step's logits, with the stack in use or not."""
     with monkeypatch.context() as patch:
@@ -82,17 +95,14 @@ def test_decode_steps_are_bit_identical_to_the_layers(family, kwargs, monkeypatc
     model_dir = tiny_checkpoint_dir(family, **kwargs)
     stacked, layered = make_runner(model_dir), make_runner(model_dir)
     assert decode_stack.status() == "in use", decode_stack.status()
+    assert stacked.attention_backend.name == "cpu-kernel"
     vocab = stacked.summary().vocab_size
-    calls = []
-    real_run = decode_stack.run
-    monkeypatch.setattr(
-        decode_stack, "run", lambda *a, **kw: calls.append(real_run(*a, **kw)) or calls[-1]
-    )
+    calls = _stack_calls(monkeypatch)
     for rows in sorted({1, 3, small_batch_gemm.max_rows}):
         steps = _steps(rows, vocab, decode_steps=4, seed=rows)
         calls.clear()
         got = _run(stacked, steps, True, monkeypatch)
-        assert calls == [False, True, True, True, True]  # the prefill step: the layers
+        assert calls == [True] * 4  # the decode steps (the prefill step: the layers, unasked)
         expected = _run(layered, steps, False, monkeypatch)
         for a, b in zip(got, expected, strict=True):
             assert torch.equal(a, b)
@@ -112,18 +122,14 @@ def test_beyond_a_register_group_of_rows(layer_matmuls, monkeypatch):
     if layer_matmuls == "oneDNN":
         monkeypatch.setattr(gemm, "SMALL_BATCH_MAX_ROWS", small_batch_gemm.max_rows)
     assert gemm.SMALL_BATCH_MAX_ROWS >= decode_stack.MAX_ROWS or layer_matmuls == "oneDNN"
-    calls = []
-    real_run = decode_stack.run
-    monkeypatch.setattr(
-        decode_stack, "run", lambda *a, **kw: calls.append(real_run(*a, **kw)) or calls[-1]
-    )
+    calls = _stack_calls(monkeypatch)
     for rows in (small_batch_gemm.max_rows + 1, decode_stack.MAX_ROWS):
         stacked = make_runner(model_dir, num_blocks=rows * BLOCK_RANGE)
         layered = make_runner(model_dir, num_blocks=rows * BLOCK_RANGE)
         steps = _steps(rows, stacked.summary().vocab_size, decode_steps=3, seed=5)
         calls.clear()
         got = _run(stacked, steps, True, monkeypatch)
-        assert calls == [False, True, True, True]
+        assert calls == [True] * 3
         expected = _run(layered, steps, False, monkeypatch)
         for a, b in zip(got, expected, strict=True):
             if layer_matmuls == "oneDNN":
@@ -136,13 +142,9 @@ def test_beyond_a_register_group_of_rows(layer_matmuls, monkeypatch):
 def test_more_rows_than_it_takes_go_to_the_layers(monkeypatch):
     runner = make_runner(tiny_checkpoint_dir("llama"))
     monkeypatch.setattr(decode_stack, "MAX_ROWS", 2)
-    calls = []
-    real_run = decode_stack.run
-    monkeypatch.setattr(
-        decode_stack, "run", lambda *a, **kw: calls.append(real_run(*a, **kw)) or calls[-1]
-    )
+    calls = _stack_calls(monkeypatch)
     _run(runner, _steps(3, runner.summary().vocab_size, 2, seed=0), True, monkeypatch)
-    assert calls == [False, False, False]
+    assert calls == [False, False]  # the decode steps: 3 rows, more than it takes
 
 
 def test_can_be_turned_off(monkeypatch):
@@ -154,3 +156,11 @@ def test_can_be_turned_off(monkeypatch):
     finally:
         monkeypatch.delenv("SWITCHBOARD_DECODE_STACK")
         assert decode_stack.load()
+
+
+def test_the_reference_backend_never_takes_it(monkeypatch):
+    runner = make_runner(tiny_checkpoint_dir("llama"))
+    runner.attention_backend = REFERENCE
+    calls = _stack_calls(monkeypatch)
+    _run(runner, _steps(2, runner.summary().vocab_size, 2, seed=0), True, monkeypatch)
+    assert calls == []  # the model does not ask the stack: plain torch

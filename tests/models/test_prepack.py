@@ -1,6 +1,7 @@
 """Packed weights: oneDNN's own layout computes what the dense matrix computes, for any batch,
 and ``prepack_weights`` packs every matmul weight of a loaded model (the tied LM head beside
-the embedding, which keeps its dense rows for the lookup)."""
+the embedding, which keeps its dense rows for the lookup), giving each such layer the
+small-batch kernel's panels when that kernel is in use."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from switchboard.models import gemm
+from switchboard.kernels import gemm, small_batch_gemm
 from switchboard.models.layers import Linear
 from switchboard.models.loader import load_model
 from switchboard.models.parallel_layers import RowParallelLinear
@@ -77,6 +78,22 @@ def test_prepack_packs_every_matmul_weight_and_keeps_the_logits(onednn_on, tied)
     assert count == len(linears) + 1  # the layers and the LM head's matrix
     torch.testing.assert_close(_logits(model, config), before, rtol=1e-5, atol=1e-4)
     assert prepack_weights(model)[0] == 0  # already packed: nothing left to pack
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_prepack_gives_every_packed_matrix_its_panels(onednn_on, tied):
+    small_batch_gemm.unload()
+    assert small_batch_gemm.load(), small_batch_gemm.status()  # this machine has AVX2 and cc
+    model, config = load_model(tiny_llama_dir(tie_word_embeddings=tied), CPU, torch.float32)
+    before = _logits(model, config)
+    linears = [m for m in model.modules() if isinstance(m, Linear | RowParallelLinear)]
+    assert linears and all(m.small_batch is None for m in linears)
+    prepack_weights(model)
+    assert all(m.small_batch is not None for m in linears)
+    assert all(m.small_batch.out_features == m.weight.shape[0] for m in linears)
+    head = model.model.embed_tokens if tied else model.lm_head
+    assert head.logits_weight().is_mkldnn and head.small_batch is not None
+    torch.testing.assert_close(_logits(model, config), before, rtol=1e-5, atol=1e-4)
 
 
 def test_prepack_packs_gpt2_and_an_encoder_without_logits(onednn_on):

@@ -26,9 +26,10 @@ from switchboard.models.attention import (  # noqa: E402
 from switchboard.models.attention_backends import backend_name, select_backend  # noqa: E402
 from tests.models.paged_reference import lay_out_step  # noqa: E402
 
-if "switchboard.models.triton_attention" in sys.modules:
-    importlib.reload(sys.modules["switchboard.models.triton_attention"])
-from switchboard.models import triton_attention  # noqa: E402
+if "switchboard.kernels.triton_paged_attention" in sys.modules:
+    importlib.reload(sys.modules["switchboard.kernels.triton_paged_attention"])
+from switchboard.kernels import triton_paged_attention  # noqa: E402
+from switchboard.models import triton_backend  # noqa: E402
 
 BLOCK = 16
 DIM = 16
@@ -67,7 +68,7 @@ def _step(kv_heads: int, heads: int, dtype: torch.dtype, shapes, seed: int):
 def _compare(kv_heads, heads, dtype, shapes, window=None, seed=0):
     cache, (q, k, v), metadata = _step(kv_heads, heads, dtype, shapes, seed)
     expected = paged_attention(q, k, v, cache.clone(), REFERENCE.prepare(metadata), 0.25, window)
-    backend = triton_attention.TritonBackend()
+    backend = triton_backend.TritonBackend()
     metadata.prepared = None
     got = paged_attention(q, k, v, cache.clone(), backend.prepare(metadata), 0.25, window)
     tol = TOLERANCE[dtype]
@@ -100,12 +101,12 @@ def test_prefill_sliding_window_matches_the_reference():
 
 
 def test_prefill_tiles_cover_every_row():
-    assert triton_attention.prefill_tiles([3, 16, 17], 16) == ([0, 1, 2, 2], [0, 0, 0, 16])
+    assert triton_paged_attention.prefill_tiles([3, 16, 17], 16) == ([0, 1, 2, 2], [0, 0, 0, 16])
 
 
 def test_auto_selects_triton_only_on_cuda(monkeypatch):
     monkeypatch.delenv("SWITCHBOARD_ATTENTION_BACKEND", raising=False)
-    assert backend_name(torch.device("cpu")) == "reference"
+    assert backend_name(torch.device("cpu")) != "triton"
     assert backend_name(torch.device("cuda")) == "triton"
     monkeypatch.setenv("SWITCHBOARD_ATTENTION_BACKEND", "reference")
     assert backend_name(torch.device("cuda")) == "reference"

@@ -90,18 +90,19 @@ def test_upload_on_cpu_is_the_tensor_itself():
 
 
 def _interpreted_triton():
+    """The Triton backend's module, its kernels decorated for the interpreter."""
     os.environ["TRITON_INTERPRET"] = "1"
     pytest.importorskip("triton")
-    name = "switchboard.models.triton_attention"
+    name = "switchboard.kernels.triton_paged_attention"
     if name in sys.modules:
-        return importlib.reload(sys.modules[name])
-    return importlib.import_module(name)
+        importlib.reload(sys.modules[name])
+    return importlib.import_module("switchboard.models.triton_backend")
 
 
 def test_replayed_decode_equals_eager_and_leaves_other_blocks_alone():
     """A one-layer attention "model" through DecodeGraphs (bucket 4 for 3 rows): the real rows
     match the reference backend run eagerly, the padded row wrote only the scratch block."""
-    triton_attention = _interpreted_triton()
+    triton_backend = _interpreted_triton()
     torch.manual_seed(0)
     block, kv_heads, heads, dim, num_blocks = 16, 2, 4, 16, 8
     vocab = 50
@@ -114,7 +115,7 @@ def test_replayed_decode_equals_eager_and_leaves_other_blocks_alone():
     def forward(ids, positions, metadata):
         return paged_attention(q_table[ids], k_table[ids], v_table[ids], cache, metadata, 0.25)
 
-    backend = triton_attention.TritonBackend()
+    backend = triton_backend.TritonBackend()
     graphs = cuda_graphs.DecodeGraphs(
         forward,
         backend,

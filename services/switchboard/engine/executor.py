@@ -59,7 +59,7 @@ from switchboard.wire.step_msgs import (
 logger = logging.getLogger(__name__)
 
 # libgomp reads its wait policy once, when torch loads it: it is the worker's environment, set
-# here. A decode step's loops run on the kernels' own pool (``models/work_pool.py``), so the
+# here. A decode step's loops run on the kernels' own pool (``kernels/csrc/work_pool.c``), so the
 # OpenMP team only runs torch's operators (a prefill's matmuls, a few large copies); spinning
 # after each of those, it took the core the pool's thread and the other processes needed
 # (tiny-llama at 32 streams on 2 cores: 27 % of the worker's cycles in libgomp's spin loop).

@@ -1,4 +1,4 @@
-"""Paged attention over a block-structured KV cache, in plain torch.
+"""Paged attention over a block-structured KV cache, and its reference in plain torch.
 
 One layer's cache is one tensor::
 
@@ -8,17 +8,12 @@ One layer's cache is one tensor::
 
 A token at position ``p`` of a request lives in slot ``block_table[p // block_size] *
 block_size + p % block_size``. Each step first writes the new tokens' K/V into their slots
-(``slot_mapping``), then every request attends over its own blocks. Decoding requests (one
-query token each) are attended in one batch: on CPU in float32 by a C kernel that reads the
-blocks in place (``cpu_decode_kernel.py``), elsewhere gathered through their block tables into
-one padded batch for SDPA. Requests with several query tokens (prefill chunks): on CPU in
-float32, while every chunk's context is short (``KERNEL_MAX_CONTEXT``), each of their tokens
-is one more row of that same kernel call, a row whose context ends at the token's own position
-(the causal mask; SDPA's per-call cost was most of the attention time of a step of short
-prompts).
-Otherwise they go one at a time through SDPA: a chunk with nothing cached before it attends
-over its own new keys and values, one after a cached prefix gathers its blocks and uses a
-causal mask shifted by the tokens already cached.
+(``slot_mapping``; float32 on CPU in one C call, ``kernels/fused_ops.py``), then every request
+attends over its own blocks. In the reference, decoding requests (one query token each) are
+gathered through their block tables into one padded batch for SDPA; requests with several query
+tokens (prefill chunks) go through SDPA too: a run of new prompts of one length in one call, a
+chunk after a cached prefix over its gathered blocks with a causal mask shifted by the tokens
+already cached.
 
 A sliding-window layer (Mistral, some Qwen2 layers) masks keys more than ``sliding_window - 1``
 positions behind each query, as transformers does (``kv_pos > q_pos - window``). The blocks
@@ -27,9 +22,10 @@ behind the window stay allocated: the mask is exact, only the memory saving is n
 Backends. The model files call :func:`paged_attention` only; it writes the new K/V and hands
 the rest to the step's backend (``metadata.backend``), which prepared its own view of the
 metadata once per step (``prepare``; e.g. int32 block tables for a GPU kernel). The code in this
-file is the reference backend (``ReferenceBackend``: torch, plus the CPU C decode kernel);
-``models/triton_attention.py`` is the Triton one, and ``models/attention_backends.py`` picks one
-for a device (``SWITCHBOARD_ATTENTION_BACKEND``). Metadata with no backend runs the reference.
+file is the reference backend (``ReferenceBackend``: plain torch, on any device);
+``cpu_kernel_attention.py`` runs the C decode kernel on CPU, ``triton_backend.py`` the Triton
+kernels, and ``attention_backends.py`` picks one for a device (``SWITCHBOARD_ATTENTION_BACKEND``).
+Metadata with no backend runs the reference.
 """
 
 from __future__ import annotations
@@ -42,7 +38,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from switchboard.models import cpu_decode_kernel, fused_ops
+from switchboard.kernels import fused_ops
 
 
 @dataclass
@@ -118,11 +114,6 @@ class AttentionMetadata:
     # Set by AttentionBackend.prepare (once per step); None = the reference backend.
     backend: AttentionBackend | None = None
     prepared: Any = None  # the backend's own per-step metadata
-    # The reference backend's CPU kernel rows (``_token_rows``): None = not built yet,
-    # () = the kernel does not take this step.
-    token_rows: tuple[torch.Tensor, torch.Tensor] | tuple[()] | None = field(
-        default=None, repr=False
-    )
 
 
 class AttentionBackend:
@@ -156,8 +147,8 @@ class AttentionBackend:
 
 
 class ReferenceBackend(AttentionBackend):
-    """Plain torch on any device; on CPU in float32, with the C kernel loaded, decodes by that
-    kernel, and prompt tokens too while every chunk's context is short (``_token_rows``)."""
+    """Plain torch on any device: decodes gathered out of the cache for one SDPA call, prefill
+    chunks through SDPA (``reference_prefill_attention``)."""
 
     name = "reference"
 
@@ -171,17 +162,10 @@ class ReferenceBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        if cpu_decode_kernel.usable_for(query, kv_cache):
-            rows = _token_rows(metadata, query.shape[0])
-            if rows is not None:
-                block_table, context_lens = rows
-                return cpu_decode_kernel.paged_decode(
-                    query, kv_cache, block_table, context_lens, scale, sliding_window
-                )
         output = torch.empty_like(query)
         if metadata.decode is not None:
             decode = metadata.decode
-            output[: decode.size] = _decode_attention(
+            output[: decode.size] = gathered_decode_attention(
                 query[: decode.size], kv_cache, decode, scale, sliding_window
             )
         reference_prefill_attention(
@@ -191,55 +175,6 @@ class ReferenceBackend(AttentionBackend):
 
 
 REFERENCE = ReferenceBackend()
-
-# Prompt chunks whose context (cached tokens and their own) is at most this long go through
-# the decode kernel, one query row per token; a longer one takes SDPA, whose blocked kernel
-# reuses each key across queries while the kernel reads a row's whole context per row.
-# Measured per layer on a 2-core EPYC, two threads, kernel against SDPA (8 heads of 32 / 9
-# heads of 64): 8 new prompts of 32 tokens 586 / 442 us against 691 / 542; a new one of 256
-# 1,198 / 1,404 against 1,486 / 1,469; 32 tokens after 224 cached 300 / 384 against 420 / 423;
-# 64 after 448 844 / 1,269 against 910 / 1,045; 256 after 1,792 12.7 / 19.5 ms against
-# 8.0 / 11.1 ms.
-KERNEL_MAX_CONTEXT = 256
-
-
-def _token_rows(
-    metadata: AttentionMetadata, num_tokens: int
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Every query token of the step as a decode-kernel row: ``[num_tokens, max_blocks]``
-    block table and ``[num_tokens]`` context lengths (a prompt token at position ``p`` sees
-    ``p + 1`` keys, its own included: the causal mask). None when a chunk's context is too
-    long for the kernel to be the faster, or the spans do not cover the rows. Built once per
-    step (the first layer) and kept on the metadata."""
-    if metadata.token_rows is not None:
-        return metadata.token_rows or None
-    metadata.token_rows = ()
-    spans = metadata.prefills
-    if any(span.context_len > KERNEL_MAX_CONTEXT for span in spans):
-        return None
-    decode = metadata.decode
-    decoded = 0 if decode is None else decode.size
-    if decoded + sum(span.num_tokens for span in spans) != num_tokens:
-        return None
-    if not spans and decode is not None:  # decodes only: their own table, not a copy
-        metadata.token_rows = (decode.block_table, decode.context_lens)
-        return metadata.token_rows
-    device = metadata.slot_mapping.device
-    width = max([span.block_ids.shape[0] for span in spans] + [0])
-    if decode is not None:
-        width = max(width, decode.block_table.shape[1])
-    table = torch.zeros(num_tokens, width, dtype=torch.long, device=device)
-    lens = torch.empty(num_tokens, dtype=torch.long, device=device)
-    if decode is not None:
-        table[:decoded, : decode.block_table.shape[1]] = decode.block_table
-        lens[:decoded] = decode.context_lens
-    for span in spans:
-        rows = slice(span.token_start, span.token_start + span.num_tokens)
-        table[rows, : span.block_ids.shape[0]] = span.block_ids
-        first = span.context_len - span.num_tokens + 1
-        torch.arange(first, span.context_len + 1, out=lens[rows])
-    metadata.token_rows = (table, lens)
-    return metadata.token_rows
 
 
 def new_kv_cache(
@@ -373,20 +308,6 @@ def _batched_causal_attention(
         queries, keys, values, is_causal=True, scale=scale, enable_gqa=True
     )
     return out.transpose(1, 2).reshape(rows, heads, head_dim)
-
-
-def _decode_attention(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    batch: DecodeBatch,
-    scale: float,
-    sliding_window: int | None,
-) -> torch.Tensor:
-    if cpu_decode_kernel.usable_for(query, kv_cache):
-        return cpu_decode_kernel.paged_decode(
-            query, kv_cache, batch.block_table, batch.context_lens, scale, sliding_window
-        )
-    return gathered_decode_attention(query, kv_cache, batch, scale, sliding_window)
 
 
 def gathered_decode_attention(

@@ -1,36 +1,34 @@
 """Which attention backend a worker runs (see ``attention.py``, "Backends").
 
-``SWITCHBOARD_ATTENTION_BACKEND`` = ``auto`` (default) | ``reference`` | ``triton``:
+``SWITCHBOARD_ATTENTION_BACKEND`` = ``auto`` (default) | ``reference`` | ``cpu-kernel`` |
+``triton``:
 
-- ``auto``: on CUDA the Triton backend when ``triton`` imports, else the reference one; on any
-  other device the reference backend (torch, with the CPU C decode kernel on CPU).
-- ``reference``: always the torch path.
-- ``triton``: the Triton kernels; an error at start-up when triton is missing or the device is
-  not CUDA (set ``TRITON_INTERPRET=1`` to run them on CPU tensors, as the tests do).
+- ``auto``: on CPU the C decode kernel's backend when the kernel loads (a compiler at hand, not
+  switched off by ``SWITCHBOARD_CPU_ATTENTION=torch``), else the reference; on CUDA the Triton
+  backend when ``triton`` imports, else the reference; on any other device the reference.
+- ``reference``: plain torch (``attention.py``), on any device.
+- ``cpu-kernel``: the C decode kernel (``cpu_kernel_attention.py``); an error at start-up off
+  CPU or when the kernel does not load.
+- ``triton``: the Triton kernels (``triton_backend.py``); an error at start-up when triton is
+  missing or the device is not CUDA (set ``TRITON_INTERPRET=1`` to run them on CPU tensors, as
+  the tests do). Imported only when chosen: triton is a test extra, not a serving dependency.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 
 import torch
 
+from switchboard.kernels import paged_decode, triton_support
 from switchboard.models.attention import REFERENCE, AttentionBackend
+from switchboard.models.cpu_kernel_attention import CPU_KERNEL
 
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "SWITCHBOARD_ATTENTION_BACKEND"
-CHOICES = ("auto", "reference", "triton")
-
-
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def triton_interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+CHOICES = ("auto", "reference", "cpu-kernel", "triton")
 
 
 def backend_name(device: torch.device, requested: str | None = None) -> str:
@@ -39,23 +37,36 @@ def backend_name(device: torch.device, requested: str | None = None) -> str:
 
 
 def backend_choice(device: torch.device, requested: str | None = None) -> tuple[str, str]:
-    """(backend name, why: a phrase for the worker's log line)."""
+    """(backend name, why: a phrase for the worker's log line). On CPU this loads the C decode
+    kernel (built once per machine) to know whether it can run."""
     requested = (requested or os.environ.get(ENV_VAR) or "auto").strip().lower()
     if requested not in CHOICES:
         raise ValueError(f"{ENV_VAR}={requested!r}: use one of {', '.join(CHOICES)}")
     if requested == "reference":
         return "reference", f"{ENV_VAR}=reference"
+    if requested == "cpu-kernel":
+        if device.type != "cpu":
+            raise ValueError(f"{ENV_VAR}=cpu-kernel runs on CPU, not {device}")
+        if not paged_decode.load():
+            raise ValueError(
+                f"{ENV_VAR}=cpu-kernel but the CPU decode kernel is {paged_decode.status()}"
+            )
+        return "cpu-kernel", f"{ENV_VAR}=cpu-kernel"
     if requested == "triton":
-        if not triton_available():
+        if not triton_support.available():
             raise ValueError(f"{ENV_VAR}=triton but triton is not installed")
-        if device.type != "cuda" and not triton_interpreted():
+        if device.type != "cuda" and not triton_support.interpreted():
             raise ValueError(
                 f"{ENV_VAR}=triton needs a CUDA device (or TRITON_INTERPRET=1), not {device}"
             )
         return "triton", f"{ENV_VAR}=triton"
+    if device.type == "cpu":
+        if paged_decode.load():
+            return "cpu-kernel", "CPU, the C decode kernel loaded"
+        return "reference", f"the CPU decode kernel is {paged_decode.status()}"
     if device.type != "cuda":
-        return "reference", f"the Triton kernels are for CUDA devices, this is {device.type}"
-    if not triton_available():
+        return "reference", f"no attention kernels for {device.type}"
+    if not triton_support.available():
         return "reference", "triton is not installed (pip install triton for the CUDA kernels)"
     return "triton", f"{device} with triton installed"
 
@@ -65,11 +76,11 @@ def select_backend(device: torch.device, requested: str | None = None) -> Attent
     which and why."""
     name, why = backend_choice(device, requested)
     if name == "triton":
-        from switchboard.models.triton_attention import TritonBackend
+        from switchboard.models.triton_backend import TritonBackend
 
         backend: AttentionBackend = TritonBackend()
         logger.info("attention backend: triton (%s); CUDA graphs for decode steps", why)
         return backend
     graphs = "; CUDA graphs off (they need the Triton kernels)" if device.type == "cuda" else ""
-    logger.info("attention backend: reference (%s)%s", why, graphs)
-    return REFERENCE
+    logger.info("attention backend: %s (%s)%s", name, why, graphs)
+    return CPU_KERNEL if name == "cpu-kernel" else REFERENCE

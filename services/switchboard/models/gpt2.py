@@ -158,8 +158,10 @@ class GPT2LMHeadModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[rows, vocab]`` for the given final hidden states (last stage;
         a collective over the TP ranks)."""
-        weight = self.logits_head().logits_weight()
-        return vocab_parallel_logits(hidden, weight, self.parallel, self.config.vocab_size)
+        head = self.logits_head()
+        return vocab_parallel_logits(
+            hidden, head.logits_weight(), self.parallel, self.config.vocab_size, head.small_batch
+        )
 
     def logits_head(self) -> VocabParallelEmbedding:
         """The module whose matrix computes the logits: the LM head, or the embedding it is

@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from switchboard.models import fused_ops
-from switchboard.models.gemm import linear
+from switchboard.kernels import fused_ops
+from switchboard.kernels.gemm import linear
+from switchboard.kernels.small_batch_gemm import Panels
 from switchboard.models.hf_config import RopeConfig
 
 
@@ -79,9 +80,11 @@ class Linear(nn.Module):
         self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        # the weight laid out for the small-batch matmul kernel, beside oneDNN's (``prepack.py``)
+        self.small_batch: Panels | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.small_batch)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
@@ -205,7 +208,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate ``x`` of shape ``[num_tokens, heads, head_dim]`` by half-dimension ``cos``/``sin``
     (``RotaryEmbedding.cos_sin``): the same products and sums as HF's
     ``x * cos + rotate_half(x) * sin`` on duplicated angles, so the same floats. Float32 on
-    CPU rotates ``x`` in place, in one C call (``fused_ops``), and returns it."""
+    CPU rotates ``x`` in place, in one C call (``kernels/fused_ops.py``), and returns it."""
     if fused_ops.rotary_(x, cos, sin):
         return x
     half = x.shape[-1] // 2

@@ -13,6 +13,10 @@ holds its query heads, its KV heads and its MLP columns; a pipeline stage builds
 layers (the others are :class:`MissingLayer`), the embedding only on the first stage and the
 final norm and LM head only on the last. A tied LM head on a last stage that is not also the
 first gets its own copy of the embedding matrix.
+
+On CPU a decode-only step may run all the layers in one C call instead of the loop over them
+(``kernels/decode_stack.py``): the model hands its layers over as the stack's records
+(``decode_stack_layers``) and keeps the stack's plan (``_decode_stack``).
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from switchboard.models import decode_stack
+from switchboard.kernels import decode_stack
+from switchboard.kernels.decode_stack import StackLayer, StackMatmul
 from switchboard.models.attention import AttentionMetadata, paged_attention
+from switchboard.models.cpu_kernel_attention import CpuKernelBackend
 from switchboard.models.hf_config import TransformerConfig
 from switchboard.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul
 from switchboard.models.parallel import SINGLE_PROCESS, ParallelState
@@ -133,6 +139,33 @@ class LlamaDecoderLayer(nn.Module):
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, metadata)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
+    def stack_layer(self) -> StackLayer | None:
+        """This layer as the one-call decode stack reads it; None while a matrix has no
+        small-batch panels (weights not packed, or the kernel not in use)."""
+        attn, mlp = self.self_attn, self.mlp
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        matmuls = []
+        for projection in projections:
+            if projection.small_batch is None:
+                return None
+            matmuls.append(StackMatmul(projection.small_batch, projection.bias))
+        qkv, o, gate_up, down = matmuls
+        return StackLayer(
+            input_norm=self.input_layernorm.weight,
+            input_norm_eps=self.input_layernorm.eps,
+            qkv=qkv,
+            o=o,
+            post_attention_norm=self.post_attention_layernorm.weight,
+            post_attention_norm_eps=self.post_attention_layernorm.eps,
+            gate_up=gate_up,
+            down=down,
+            heads=attn.num_heads,
+            kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim,
+            scale=attn.scale,
+            sliding_window=attn.sliding_window,
+        )
+
 
 class LlamaModel(nn.Module):
     def __init__(
@@ -178,6 +211,7 @@ class LlamaForCausalLM(nn.Module):
         # no lm_head parameter at all (and a checkpoint's copy of it is ignored) -- unless the
         # embedding lives on another pipeline stage.
         self.lm_head = stage_lm_head(config, parallel)
+        self._decode_stack = decode_stack.DecodeStack()
 
     @classmethod
     def attention_layout(cls, config: TransformerConfig, layer_index: int) -> AttentionLayout:
@@ -203,16 +237,60 @@ class LlamaForCausalLM(nn.Module):
         else:
             hidden = previous_stage_hidden(intermediate)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
-        if not decode_stack.run(self, hidden, cos, sin, kv_caches, metadata):  # in place
+        if not self._decode_in_one_call(hidden, cos, sin, kv_caches, metadata):
             for layer, kv_cache in zip(self.model.stage_layers, kv_caches, strict=True):
                 hidden = layer(hidden, cos, sin, kv_cache, metadata)
         return self.model.norm(hidden) if self.parallel.is_last_stage else hidden
 
+    def _decode_in_one_call(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> bool:
+        """A decode-only step on the CPU kernel backend: every layer in one C call, ``hidden``
+        in place. False where the stack does not apply (the caller loops over the layers)."""
+        decode = metadata.decode
+        if (
+            decode is None
+            or metadata.prefills
+            or not isinstance(metadata.backend, CpuKernelBackend)
+        ):
+            return False
+        return self._decode_stack.run(
+            self.decode_stack_layers,
+            hidden,
+            cos,
+            sin,
+            kv_caches,
+            metadata.slot_mapping,
+            decode.block_table,
+            decode.context_lens,
+        )
+
+    def decode_stack_layers(self) -> list[StackLayer] | None:
+        """This stage's layers as the one-call decode stack reads them; None where it cannot run
+        them: one process only (no tensor or pipeline parallelism), every layer a
+        :class:`LlamaDecoderLayer` with its matrices' small-batch panels."""
+        if self.parallel.world_size != 1:
+            return None
+        layers = []
+        for layer in self.model.stage_layers:
+            stacked = layer.stack_layer() if isinstance(layer, LlamaDecoderLayer) else None
+            if stacked is None:
+                return None
+            layers.append(stacked)
+        return layers
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[rows, vocab]`` for the given final hidden states (last stage;
         a collective over the TP ranks)."""
-        weight = self.logits_head().logits_weight()
-        return vocab_parallel_logits(hidden, weight, self.parallel, self.config.vocab_size)
+        head = self.logits_head()
+        return vocab_parallel_logits(
+            hidden, head.logits_weight(), self.parallel, self.config.vocab_size, head.small_batch
+        )
 
     def logits_head(self) -> VocabParallelEmbedding:
         """The module whose matrix computes the logits: the LM head, or the embedding it is

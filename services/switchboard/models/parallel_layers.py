@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from switchboard.models.gemm import linear
+from switchboard.kernels.gemm import linear
+from switchboard.kernels.small_batch_gemm import Panels
 from switchboard.models.hf_config import TransformerConfig
 from switchboard.models.layers import MergedLinear
 from switchboard.models.parallel import ParallelState, Shard
@@ -76,11 +77,13 @@ class RowParallelLinear(nn.Module):
         self.parallel = parallel
         self.weight = nn.Parameter(torch.empty(out_features, inputs.size))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        # the weight laid out for the small-batch matmul kernel, beside oneDNN's (``prepack.py``)
+        self.small_batch: Panels | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel.tp_size == 1:  # one fused op, as a plain linear computes it
-            return linear(x, self.weight, self.bias)
-        y = self.parallel.all_reduce(linear(x, self.weight))
+            return linear(x, self.weight, self.bias, self.small_batch)
+        y = self.parallel.all_reduce(linear(x, self.weight, None, self.small_batch))
         return y if self.bias is None else y + self.bias
 
     def load_param(self, param_name: str, tensor: torch.Tensor) -> None:
@@ -105,8 +108,10 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size = vocab_size
         self.parallel = parallel
         self.weight = nn.Parameter(torch.empty(self.rows.size, hidden_size))
-        # A matmul-ready copy when this matrix also computes the logits (``models/prepack.py``).
+        # A matmul-ready copy when this matrix also computes the logits (``models/prepack.py``),
+        # and the logits matrix laid out for the small-batch matmul kernel.
         self.packed_logits_weight: torch.Tensor | None = None
+        self.small_batch: Panels | None = None
 
     def logits_weight(self) -> torch.Tensor:
         """The matrix the logits multiply by: the packed copy when there is one."""
@@ -169,11 +174,15 @@ def previous_stage_hidden(intermediate: torch.Tensor | None) -> torch.Tensor:
 
 
 def vocab_parallel_logits(
-    hidden: torch.Tensor, weight: torch.Tensor, parallel: ParallelState, vocab_size: int
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    parallel: ParallelState,
+    vocab_size: int,
+    small_batch: Panels | None = None,
 ) -> torch.Tensor:
-    """Float32 logits ``[rows, vocab]`` from this rank's vocabulary rows ``weight``: every TP
-    rank's part, gathered in rank order, padding dropped."""
-    local = linear(hidden, weight)
+    """Float32 logits ``[rows, vocab]`` from this rank's vocabulary rows ``weight`` (and their
+    small-batch panels): every TP rank's part, gathered in rank order, padding dropped."""
+    local = linear(hidden, weight, None, small_batch)
     if parallel.tp_size == 1:
         return local.float()
     return parallel.all_gather_last_dim(local)[:, :vocab_size].float()

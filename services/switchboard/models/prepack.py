@@ -4,9 +4,9 @@ Every linear layer's weight is replaced by its ``gemm.pack``-ed copy, so no dens
 behind; the LM head's matrix is packed in place too when it is its own, and packed beside the
 dense one when it is tied to the token embedding (the embedding lookup needs the dense rows).
 Packing runs after the checkpoint is loaded: a packed weight cannot be loaded into, sliced or
-read back, and every step after it multiplies through oneDNN (``models/gemm.py``). Each packed
-weight also gets the small-batch kernel's panels when that kernel is in use
-(``models/small_batch_gemm.py``: products of up to four rows).
+read back, and every step after it multiplies through oneDNN (``kernels/gemm.py``). Each layer
+with a packed weight also gets the small-batch kernel's panels of it (its ``small_batch``) when
+that kernel is in use (``kernels/small_batch_gemm.py``: decode-sized products).
 """
 
 from __future__ import annotations
@@ -15,8 +15,10 @@ import time
 
 from torch import nn
 
-from switchboard.models import gemm, small_batch_gemm
+from switchboard.kernels import gemm, small_batch_gemm
+from switchboard.models.gpt2 import GPT2LMHeadModel
 from switchboard.models.layers import Linear
+from switchboard.models.llama import LlamaForCausalLM
 from switchboard.models.parallel_layers import (
     ParallelLMHead,
     RowParallelLinear,
@@ -38,7 +40,7 @@ def prepack_weights(model: nn.Module) -> tuple[int, float]:
             dense = module.weight
             module.weight = nn.Parameter(gemm.pack(dense), requires_grad=False)
             if small_batch:
-                gemm.attach_small_batch(module.weight, dense)
+                module.small_batch = small_batch_gemm.pack(dense)
             packed += 1
     head = _logits_head(model)
     if (
@@ -49,17 +51,16 @@ def prepack_weights(model: nn.Module) -> tuple[int, float]:
     ):
         head.packed_logits_weight = gemm.pack(head.weight)
         if small_batch:
-            gemm.attach_small_batch(head.packed_logits_weight, head.weight)
+            head.small_batch = small_batch_gemm.pack(head.weight)
         packed += 1
     return packed, time.monotonic() - started
 
 
 def _logits_head(model: nn.Module) -> VocabParallelEmbedding | None:
     """The matrix that computes the logits, on a model (and stage) that has one."""
-    logits_head = getattr(model, "logits_head", None)
-    if logits_head is None:
+    if not isinstance(model, LlamaForCausalLM | GPT2LMHeadModel):
         return None  # an encoder: no logits
     try:
-        return logits_head()
+        return model.logits_head()
     except RuntimeError:
         return None  # a pipeline stage before the last

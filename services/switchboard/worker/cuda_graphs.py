@@ -189,7 +189,7 @@ class DecodeGraphs:
         return time.monotonic() - started
 
     def _static_metadata(self, bucket: int) -> AttentionMetadata:
-        from switchboard.models.triton_attention import TritonPrepared
+        from switchboard.models.triton_backend import TritonPrepared
 
         table = self.block_table[:bucket]
         lens = self.context_lens[:bucket]

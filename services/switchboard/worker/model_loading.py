@@ -7,7 +7,7 @@ import logging
 import torch
 
 from switchboard.config import ModelConfig
-from switchboard.models import small_batch_gemm
+from switchboard.kernels import small_batch_gemm
 from switchboard.models.hf_config import TransformerConfig, load_transformer_config
 from switchboard.models.loader import load_model, resolve_dtype
 from switchboard.models.parallel import SINGLE_PROCESS, ParallelState

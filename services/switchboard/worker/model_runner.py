@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from switchboard.config import ModelConfig
-from switchboard.models import cpu_decode_kernel, decode_stack, fused_ops, work_pool
+from switchboard.kernels import decode_stack, fused_ops, library
 from switchboard.models.attention import REFERENCE, AttentionBackend, new_kv_cache
 from switchboard.models.attention_backends import select_backend
 from switchboard.models.hf_config import TransformerConfig
@@ -85,15 +85,14 @@ class ModelRunner:
             self.model_config, self.device, self.parallel
         )
         self.model = as_causal_lm(model)
+        # on CPU this loads the C decode kernel (the backend when it loads)
         self.attention_backend = select_backend(self.device)
         if self.device.type == "cpu":
-            cpu_decode_kernel.load()
-            logger.info("decode attention: CPU paged kernel %s", cpu_decode_kernel.status())
             fused_ops.load()
             logger.info("norms, rotary and SiLU: fused CPU kernels %s", fused_ops.status())
             decode_stack.load()
             logger.info("decode steps of few rows: one-call layer stack %s", decode_stack.status())
-            logger.info("the kernels' loops: work pool %s", work_pool.status())
+            logger.info("the kernels' loops: work pool %s", library.pool_status())
         return self.summary()
 
     def summary(self) -> ModelSummary:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from switchboard.models import fused_ops
+from switchboard.kernels import fused_ops
 from switchboard.wire.engine_msgs import TokenLogprobs
 from switchboard.worker.logits_processors import LogitsProcessing, apply_logits_processing
 from switchboard.worker.logprobs import token_logprobs

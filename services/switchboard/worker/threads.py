@@ -7,7 +7,7 @@ The gateway and the engine core get no core of their own: on a 2-core machine a 
 threads served tiny-llama at 8 concurrent streams 30 % faster than with one, the gateway and the
 engine core (10-15 % of a core together) notwithstanding. ``--torch-threads N`` overrides it.
 
-The same count sizes the C kernels' work pool (``models/work_pool.py``), which runs a decode
+The same count sizes the C kernels' work pool (``kernels/csrc/work_pool.c``), which runs a decode
 step's loops without OpenMP's end-of-loop barrier. The executor starts the worker with
 ``OMP_WAIT_POLICY=PASSIVE`` (unless the environment sets one): torch's own OpenMP team then
 sleeps as soon as an operator is done instead of spinning for the core the pool's thread and

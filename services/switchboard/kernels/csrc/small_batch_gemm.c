@@ -1,55 +1,16 @@
-"""Matmuls of a few rows (decode at low concurrency) at the memory's speed: a C kernel.
-
-A decode step of one request multiplies one row by every weight matrix: the work is reading
-the weights, and oneDNN's kernels (``models/gemm.py``) read them at about half the memory's
-speed on a 2-core EPYC. This kernel streams each weight once, in panels of 16 output columns
-laid out for it (``[ceil(out / 16), in, 16]``, made at load by ``pack``), and keeps the rows'
-sums in registers: two AVX2 vectors per row, ``max_rows`` rows at a time (8 where AVX-512's 32
-vector registers hold them, else 6; more rows go in groups over each panel while it is in the
-core's cache, so the weight is still read once). Measured on that machine (it has AVX-512),
-two threads, a SmolLM2-135M-shaped stack (30 layers and the LM head, cold weights), ms:
-
-    rows            1      2      4      6      8
-    oneDNN packed   25.7   29.7   23.6   22.9   27.7
-    this kernel     17.1   17.8   20.0   22.0   24.3
-
-and 2.5x / 2.3x / 1.6x / 1.5x / 1.6x faster on tiny-llama's small matrices. There (AVX-512),
-from about eight rows oneDNN is as fast (16 / 32 / 64 rows: 0.95x / 0.97x / 1.00x);
-``gemm.linear`` uses this up to ``gemm.SMALL_BATCH_MAX_ROWS`` rows (128; 512 with AVX2 alone,
-where it measured faster than oneDNN up to 1,024 rows), the one-call decode layer stack
-(``decode_stack.py``) likewise: its loops run on the kernels' work pool, never waiting at an
-OpenMP barrier for a thread another process holds off its core.
-
-The kernel prefetches each panel's lines 2 KB ahead of its loop (``PREFETCH_AHEAD``, measured
-there and in docs/operations.md).
-
-Every output is one fused multiply-add chain over the inputs in order, so a row's result does
-not depend on which rows share the call (batch-invariant). The panels are a second copy of
-each weight beside oneDNN's (the memory the weights take doubles); ``SWITCHBOARD_SMALL_BATCH_GEMM
-=off`` does without it. Built like the decode-attention kernel (``native_build``).
-"""
-
-from __future__ import annotations
-
-import ctypes
-from collections.abc import Callable
-from typing import Any
-
-import torch
-
-from switchboard.models import work_pool
-from switchboard.models.native_build import cpu_flags, load_library
-
-PANEL = 16
-# Rows one call takes, read from the library at load (8 with AVX-512's registers, else 6);
-# 0 while the kernel is not loaded.
-max_rows = 0
-
-SOURCE = (
-    work_pool.API_C
-    + r"""
-#include <immintrin.h>
+/* Matmuls of a few rows (decode at low concurrency) at the memory's speed: each weight streamed
+   once, in panels of 16 output columns laid out for it ([ceil(out / 16), in, 16], made once by
+   small_batch_pack), the rows' sums kept in registers. Every output is one fused multiply-add
+   chain over the inputs in order, so a row's result does not depend on which rows share the
+   call (batch-invariant). Needs AVX2 and FMA: built without them, small_batch_max_rows() is 0
+   and the kernel is not used. */
 #include <stdint.h>
+
+#include "kernels.h"
+#include "work_pool.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
 
 #define PW 16 /* output columns per panel: two AVX2 vectors */
 /* Rows per call: the sums take two vector registers per row; AVX-512's 32 registers hold eight
@@ -196,100 +157,16 @@ int small_batch_linear(const float *x, int64_t ldx, const float *p, const float 
     return 0;
 }
 
-"""
-)
+#else /* no AVX2 and FMA: nothing to run; small_batch_max_rows() says so */
+int small_batch_max_rows(void) { return 0; }
 
-_I64 = ctypes.c_int64
-_VOID = ctypes.c_void_p
-_pack: Callable[..., Any] | None = None
-_linear: Callable[..., int] | None = None
-_status = "not loaded"
+void small_batch_pack(const float *w, float *p, int64_t N, int64_t K) {
+    (void)w, (void)p, (void)N, (void)K;
+}
 
-
-def load() -> bool:
-    """Build (once per machine) and load the kernel; True when it is in use. Idempotent."""
-    global _pack, _linear, _status, max_rows
-    if _linear is not None:
-        return True
-    if not {"avx2", "fma"} <= cpu_flags():
-        _status = "unavailable: the CPU has no AVX2 and FMA"
-        return False
-    library, _status = load_library(
-        "small_batch_gemm",
-        SOURCE,
-        "small-batch matmul kernel",
-        ("SWITCHBOARD_SMALL_BATCH_GEMM", "off"),
-    )
-    if library is None:
-        return False
-    library.small_batch_pack.argtypes = [_VOID, _VOID, _I64, _I64]
-    library.small_batch_pack.restype = None
-    library.small_batch_linear.argtypes = [_VOID, _I64, _VOID, _VOID, _VOID, _I64, _I64, _I64]
-    library.small_batch_linear.restype = ctypes.c_int
-    library.small_batch_max_rows.argtypes = []
-    library.small_batch_max_rows.restype = ctypes.c_int
-    _pack, _linear = library.small_batch_pack, library.small_batch_linear
-    max_rows = library.small_batch_max_rows()
-    _status = f"in use ({max_rows} rows at a time)"
-    return True
-
-
-def status() -> str:
-    return _status
-
-
-def unload() -> None:
-    """Back to oneDNN alone (tests compare the two)."""
-    global _pack, _linear, _status, max_rows
-    _pack = _linear = None
-    max_rows = 0
-    _status = "not loaded"
-
-
-def packable(weight: torch.Tensor) -> bool:
-    return (
-        _pack is not None
-        and weight.dim() == 2
-        and weight.layout == torch.strided
-        and weight.dtype == torch.float32
-        and weight.device.type == "cpu"
-    )
-
-
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` ``[out, in]`` as the kernel's panels (a flat float32 tensor)."""
-    if not packable(weight) or _pack is None:
-        raise ValueError("small-batch pack needs the kernel loaded and a dense float32 CPU matrix")
-    out_features, in_features = weight.shape
-    dense = weight.detach().contiguous()
-    panels = torch.empty(-(-out_features // PANEL) * PANEL * in_features, dtype=torch.float32)
-    _pack(dense.data_ptr(), panels.data_ptr(), out_features, in_features)
-    return panels
-
-
-def linear(
-    x: torch.Tensor, panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``x @ W^T + b`` for ``x`` ``[rows, in]`` float32 on CPU (``max_rows`` at a time)."""
-    assert _linear is not None, "small_batch_gemm.linear before load()"
-    rows, in_features = x.shape
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if bias is not None:
-        bias = bias.contiguous()
-    y = torch.empty(rows, out_features, dtype=torch.float32)
-    if rows == 0:  # a step whose prefill chunk samples nothing
-        return y
-    code = _linear(
-        x.data_ptr(),
-        x.stride(0),
-        panels.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        y.data_ptr(),
-        rows,
-        in_features,
-        out_features,
-    )
-    if code != 0:
-        raise ValueError(f"small-batch matmul: {rows} rows")
-    return y
+int small_batch_linear(const float *x, int64_t ldx, const float *p, const float *bias, float *y,
+                       int64_t M, int64_t K, int64_t N) {
+    (void)x, (void)ldx, (void)p, (void)bias, (void)y, (void)M, (void)K, (void)N;
+    return -1;
+}
+#endif

@@ -1,50 +1,28 @@
-"""The threads the C kernels split their loops over: a pool that never waits for a late thread.
+/* The threads the kernels split their loops over: a pool that never waits for a late thread.
 
-An OpenMP ``parallel for`` ends in a barrier that every thread of the team must reach. On a
-machine with more busy processes than cores (the serving case here: the gateway, the engine core
-and the clients share the two cores with the worker), the second thread is often not running
-when a loop starts, and the first then waits, spinning, for it to be scheduled, once per loop
-and a decode step has dozens of loops. Measured serving tiny-llama at 32 requests on a 2-core
-EPYC, the worker spent 490-600 us of CPU per token in situ against 330 alone, and the time it
-spun was taken from the processes it waited for.
+   An OpenMP `parallel for` ends in a barrier that every thread of the team must reach. On a
+   machine with more busy processes than cores (the serving case here: the gateway, the engine
+   core and the clients share the two cores with the worker), the second thread is often not
+   running when a loop starts, and the first then waits, spinning, for it to be scheduled, once
+   per loop, and a decode step has dozens of loops. Measured serving tiny-llama at 32 requests on
+   a 2-core EPYC, the worker spent 490-600 us of CPU per token in situ against 330 alone, and the
+   time it spun was taken from the processes it waited for.
 
-Here a loop is cut into chunks that threads claim one at a time from a shared cursor (a compare
-and swap); the calling thread claims chunks too and waits only for chunks another thread has
-claimed and is running. A helper thread that is not running when the loop starts claims nothing
-and is not waited for: the caller does its share. Helpers spin ``SPIN_NS`` after their last
-chunk (the next loop of a step follows at once), then sleep on a futex until woken: idle, the
-pool takes no CPU. The number of threads is torch's (``omp_get_max_threads()`` of the calling
-thread, which ``torch.set_num_threads`` sets); helpers start on first use. A call made while
-another runs (a second thread, or a chunk that loops again) runs on the calling thread alone.
+   Here a loop is cut into chunks that threads claim one at a time from a shared cursor (a
+   compare and swap); the calling thread claims chunks too and waits only for chunks another
+   thread has claimed and is running. A helper thread that is not running when the loop starts
+   claims nothing and is not waited for: the caller does its share. Helpers spin SPIN_NS after
+   their last chunk (the next loop of a step follows at once), then sleep on a futex until
+   woken: idle, the pool takes no CPU. The number of threads is torch's (omp_get_max_threads()
+   of the calling thread, which torch.set_num_threads sets); helpers start on first use. A call
+   made while another runs (a second thread, or a chunk that loops again) runs on the calling
+   thread alone.
 
-Each output is computed by one chunk whichever thread runs it, so the floats do not depend on
-the number of threads or on who ran what. The pool is one shared library loaded with
-``RTLD_GLOBAL`` before the kernels, so every kernel library shares one set of helper threads.
-``SWITCHBOARD_WORK_POOL=openmp`` builds the same entry point on an OpenMP ``parallel for`` instead
-(the behaviour before the pool, kept for comparison).
-"""
-
-from __future__ import annotations
-
-import ctypes
-import os
-
-from switchboard.models.native_build import NativeBuildError, build_and_load
-
-# Declarations a kernel's source begins with (any number of times: it is guarded).
-API_C = r"""
-#ifndef SWITCHBOARD_WORK_POOL_API
-#define SWITCHBOARD_WORK_POOL_API
-#include <stdint.h>
-/* fn(ctx, begin, end) computes items [begin, end) of a loop */
-typedef void (*switchboard_chunk_fn)(void *ctx, int64_t begin, int64_t end);
-/* Runs fn over items [0, n) in chunks of at least min_grain items, on the pool's threads;
-   returns when every item is done. n <= min_grain runs on the calling thread alone. */
-void switchboard_parallel_for(int64_t n, int64_t min_grain, switchboard_chunk_fn fn, void *ctx);
-#endif
-"""
-
-POOL_C = r"""
+   Each output is computed by one chunk whichever thread runs it, so the floats do not depend on
+   the number of threads or on who ran what. The library is loaded with RTLD_GLOBAL, so a test
+   kernel built apart from it shares the same helper threads.
+   switchboard_work_pool_use_openmp(1) (SWITCHBOARD_WORK_POOL=openmp) runs every loop as an
+   OpenMP `parallel for` instead (the behaviour before the pool, kept for comparison). */
 #include <limits.h>
 #include <linux/futex.h>
 #include <omp.h>
@@ -56,6 +34,8 @@ POOL_C = r"""
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
+
+#include "work_pool.h"
 
 #define MAX_HELPERS 255
 #define CHUNKS_PER_THREAD 8 /* enough for a thread that starts late to leave work to others */
@@ -171,7 +151,35 @@ static void start_helpers(int wanted) {
 
 int switchboard_work_pool_helpers(void) { return helpers_started; }
 
+/* The OpenMP variant: torch's thread team, with the barrier at the end of every loop. */
+static int use_openmp; /* set once, before the first loop */
+
+void switchboard_work_pool_use_openmp(int on) { use_openmp = on; }
+
+static void openmp_parallel_for(int64_t n, int64_t min_grain, switchboard_chunk_fn fn,
+                                void *ctx) {
+    if (n <= 0) return;
+    if (min_grain < 1) min_grain = 1;
+    const int threads = omp_get_max_threads();
+    if (threads < 2 || n <= min_grain || omp_in_parallel()) {
+        fn(ctx, 0, n);
+        return;
+    }
+    int64_t chunks = (n + min_grain - 1) / min_grain;
+    if (chunks > threads) chunks = threads;
+    const int64_t grain = (n + chunks - 1) / chunks;
+#pragma omp parallel for schedule(static)
+    for (int64_t c = 0; c < chunks; c++) {
+        const int64_t begin = c * grain, end = begin + grain;
+        fn(ctx, begin, end < n ? end : n);
+    }
+}
+
 void switchboard_parallel_for(int64_t n, int64_t min_grain, switchboard_chunk_fn fn, void *ctx) {
+    if (use_openmp) {
+        openmp_parallel_for(n, min_grain, fn, ctx);
+        return;
+    }
     if (n <= 0) return;
     if (min_grain < 1) min_grain = 1;
     int threads = omp_get_max_threads();
@@ -211,76 +219,3 @@ void switchboard_parallel_for(int64_t n, int64_t min_grain, switchboard_chunk_fn
     }
     atomic_store(&running, 0);
 }
-"""
-
-# The same entry point on OpenMP (SWITCHBOARD_WORK_POOL=openmp): torch's thread team, with the
-# barrier at the end of every loop.
-OPENMP_C = r"""
-#include <omp.h>
-#include <stdint.h>
-
-int switchboard_work_pool_helpers(void) { return 0; }
-
-void switchboard_parallel_for(int64_t n, int64_t min_grain, switchboard_chunk_fn fn, void *ctx) {
-    if (n <= 0) return;
-    if (min_grain < 1) min_grain = 1;
-    const int threads = omp_get_max_threads();
-    if (threads < 2 || n <= min_grain || omp_in_parallel()) {
-        fn(ctx, 0, n);
-        return;
-    }
-    int64_t chunks = (n + min_grain - 1) / min_grain;
-    if (chunks > threads) chunks = threads;
-    const int64_t grain = (n + chunks - 1) / chunks;
-#pragma omp parallel for schedule(static)
-    for (int64_t c = 0; c < chunks; c++) {
-        const int64_t begin = c * grain, end = begin + grain;
-        fn(ctx, begin, end < n ? end : n);
-    }
-}
-"""
-
-_VARIABLE = "SWITCHBOARD_WORK_POOL"
-_library: ctypes.CDLL | None = None
-_status = "not loaded"
-
-
-def variant() -> str:
-    """``pool`` (the default) or ``openmp``, from ``SWITCHBOARD_WORK_POOL``."""
-    return "openmp" if os.environ.get(_VARIABLE, "auto") == "openmp" else "pool"
-
-
-def load() -> None:
-    """Build (once per machine) and load the pool into the process's global symbols, so the
-    kernel libraries loaded after it resolve ``switchboard_parallel_for`` to it. Idempotent: the
-    first load decides the variant for the process's life. Raises :class:`NativeBuildError`
-    (:class:`NoCompiler` without a compiler): the kernels cannot load then either."""
-    global _library, _status
-    if _library is not None:
-        return
-    chosen = variant()
-    source = API_C + (POOL_C if chosen == "pool" else OPENMP_C)
-    try:
-        library = build_and_load(
-            f"work_pool_{chosen}", source, "kernel thread pool", mode=ctypes.RTLD_GLOBAL
-        )
-    except NativeBuildError as exc:
-        _status = f"unavailable: {exc}"
-        raise
-    library.switchboard_work_pool_helpers.restype = ctypes.c_int
-    _library = library
-    _status = (
-        "in use (threads claim chunks; no end-of-loop barrier)"
-        if chosen == "pool"
-        else f"OpenMP parallel for ({_VARIABLE}=openmp)"
-    )
-
-
-def status() -> str:
-    return _status
-
-
-def helpers_started() -> int:
-    """Helper threads the pool has started in this process (0 before its first parallel loop,
-    and always with the OpenMP variant)."""
-    return _library.switchboard_work_pool_helpers() if _library is not None else 0

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from switchboard.models import gemm
+from switchboard.kernels import gemm
 
 pytestmark = pytest.mark.skipif(
     gemm._onednn_linear is None, reason="this torch build has no oneDNN linear"

@@ -15,9 +15,9 @@ weight streams through the cache in the order the kernel reads it. Measured one 
 use it, so ``linear`` sends every product on one to oneDNN whatever its size (measured faster
 than MKL on tiny-llama's small products too).
 
-A packed weight may also carry the small-batch kernel's panels (``attach_small_batch``): a
-product of at most ``SMALL_BATCH_MAX_ROWS`` rows (decode) then goes to that kernel, which reads
-the weight at the memory's speed (``models/small_batch_gemm.py``).
+A layer may also hold its weight as the small-batch kernel's panels (``small_batch_gemm.pack``,
+passed to ``linear``): a product of at most ``SMALL_BATCH_MAX_ROWS`` rows (decode) then goes to
+that kernel, which reads the weight at the memory's speed (``small_batch_gemm.py``).
 
 The kernels compute the same float32 products in a different order: results agree to
 rounding, not bit for bit. ``use_onednn(False)`` (or ``SWITCHBOARD_GEMM=torch``) turns the
@@ -32,8 +32,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from switchboard.models import small_batch_gemm
-from switchboard.models.native_build import cpu_flags
+from switchboard.kernels import small_batch_gemm
+from switchboard.kernels.build import cpu_flags
 
 # Products of at least this many multiply-adds (rows x in x out) go to oneDNN: below it, the
 # per-call lookup costs more than the faster kernel saves (measured 1x256x512: MKL 12 us,
@@ -43,7 +43,7 @@ ONEDNN_MIN_MACS = 300_000
 PACK_BATCH_HINT = 32
 # Products of at most this many rows on a weight with small-batch panels go to that kernel
 # (``small_batch_gemm.max_rows`` rows at a time over each panel). It runs on the kernels' work
-# pool, so such a step, LM head included, never waits at an OpenMP barrier (``work_pool.py``).
+# pool, so such a step, LM head included, never waits at an OpenMP barrier (``csrc/work_pool.c``).
 # With AVX-512, oneDNN's wider kernels are as fast from 16 rows (0.95-1.0x): 128. With AVX2
 # alone the kernel measured 5-17 % faster than oneDNN at 128 to 1,024 rows (tiny-llama's and
 # SmolLM2's layer shapes, one and two threads, a 2-core Zen 3 EPYC): 512, which covers a step
@@ -53,7 +53,8 @@ SMALL_BATCH_MAX_ROWS = 128 if "avx512f" in cpu_flags() else 512
 
 _onednn_linear: Callable[..., torch.Tensor] | None = None
 _onednn_reorder: Callable[..., torch.Tensor] | None = None
-if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+_mkldnn = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+if _mkldnn and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
     _onednn_linear = torch.ops.mkldnn._linear_pointwise.default
     _onednn_reorder = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
 _enabled = _onednn_linear is not None and os.environ.get("SWITCHBOARD_GEMM", "auto") != "torch"
@@ -91,40 +92,24 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
         return _onednn_reorder(weight.detach().contiguous(), PACK_BATCH_HINT)
 
 
-_SMALL_BATCH = "switchboard_small_batch"  # attribute of a packed weight: (panels, out_features)
-
-
-def small_batch_panels(weight: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-    """The small-batch panels ``attach_small_batch`` gave ``weight``, and its output features;
-    None when it has none."""
-    attached: tuple[torch.Tensor, int] | None = getattr(weight, _SMALL_BATCH, None)
-    return attached
-
-
-def attach_small_batch(packed: torch.Tensor, dense: torch.Tensor) -> bool:
-    """Give ``packed`` (``pack(dense)``, or the parameter holding it) the small-batch kernel's
-    panels of ``dense``; False when that kernel is not in use."""
-    if not small_batch_gemm.packable(dense):
-        return False
-    setattr(packed, _SMALL_BATCH, (small_batch_gemm.pack(dense), dense.shape[0]))
-    return True
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    panels: small_batch_gemm.Panels | None = None,
+) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` through oneDNN where that is faster; ``weight`` may be a
-    ``pack``-ed one."""
+    ``pack``-ed one, and ``panels`` the same weight laid out for the small-batch kernel."""
     onednn = _onednn_linear
     if weight.is_mkldnn:
         assert onednn is not None  # only oneDNN packs a weight
         rows = x.reshape(-1, x.shape[-1])
-        small_batch = small_batch_panels(weight)
         if (
-            small_batch is not None
+            panels is not None
             and rows.shape[0] <= SMALL_BATCH_MAX_ROWS
             and rows.dtype == torch.float32
         ):
-            panels, out_features = small_batch
-            y = small_batch_gemm.linear(rows, panels, out_features, bias)
+            y = small_batch_gemm.linear(rows, panels, bias)
         else:
             y = onednn(rows, weight, bias, "none", [], "")
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])

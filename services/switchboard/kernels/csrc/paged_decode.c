@@ -1,40 +1,22 @@
-"""Decode attention on CPU that reads the paged KV cache in place: a small C kernel.
+/* Decode attention on CPU that reads the paged KV cache in place.
 
-The torch path (``attention._decode_attention``) gathers every request's whole context out of
-the cache into a new tensor, per layer per step, before attending; on this 2-core EPYC that copy
-was the largest cost after the matmuls (18 % of a tiny-llama decode step at 8 requests). This
-kernel walks each request's block table instead and reads every key and value once, where it
-lies: one task per request (per request and KV head when requests are fewer than threads)
-computes the scores of its query heads, a float32 softmax (max subtracted) and the weighted sum
-of the values.
-
-It is C, built with the machine's C compiler on first use and cached (``native_build``), then
-loaded with ``ctypes`` (the call releases the GIL); its tasks run on the kernels' work pool
-(``work_pool.py``, as many threads as torch's). Without a
-compiler, or with ``SWITCHBOARD_CPU_ATTENTION=torch``, the torch path is used; ``load()`` says
-which and why.
-"""
-
-from __future__ import annotations
-
-import ctypes
-from collections.abc import Callable
-from typing import Any
-
-import torch
-
-from switchboard.models import work_pool
-from switchboard.models.native_build import VECTOR_EXP_C, load_library
-
-SOURCE = (
-    work_pool.API_C
-    + r"""
-#include <immintrin.h>
+   The torch path gathers every request's whole context out of the cache into a new tensor, per
+   layer per step, before attending; this walks each request's block table instead and reads
+   every key and value once, where it lies: one task per request (per request and KV head when
+   requests are fewer than threads) computes the scores of its query heads, a float32 softmax
+   (max subtracted) and the weighted sum of the values. The tasks run on the work pool. */
 #include <math.h>
 #include <omp.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+#include "kernels.h"
+#include "vector_exp.h"
+#include "work_pool.h"
 
 /* The end of token t's block (or len), and where KV head h0 of token t lies in the cache. */
 static inline int64_t block_stop(int64_t t, int64_t BS, int64_t len) {
@@ -277,93 +259,3 @@ int paged_decode_f32(const float *query, int64_t ldq, const float *kv, const int
     switchboard_parallel_for(B * task.tasks_per_row, 1, decode_tasks, &task);
     return atomic_load(&task.failed) ? -1 : 0;
 }
-"""
-)
-
-_I64 = ctypes.c_int64
-_ARGTYPES: list[Any] = (
-    [ctypes.c_void_p, _I64] + [ctypes.c_void_p] * 4 + [_I64] * 7 + [ctypes.c_float, _I64]
-)
-
-_kernel: Callable[..., int] | None = None  # the library's paged_decode_f32
-_status = "not loaded"
-
-
-def load() -> bool:
-    """Build (once per machine) and load the kernel; True when it is in use. Idempotent."""
-    global _kernel, _status
-    if _kernel is not None:
-        return True
-    library, _status = load_library(
-        "paged_decode",
-        VECTOR_EXP_C + SOURCE,
-        "CPU decode-attention kernel",
-        ("SWITCHBOARD_CPU_ATTENTION", "torch"),
-    )
-    if library is None:
-        return False
-    function = library.paged_decode_f32
-    function.argtypes = _ARGTYPES
-    function.restype = ctypes.c_int
-    _kernel = function
-    return True
-
-
-def status() -> str:
-    return _status
-
-
-def unload() -> None:
-    """Back to torch's path (tests compare the two)."""
-    global _kernel, _status
-    _kernel, _status = None, "not loaded"
-
-
-def paged_decode(
-    query: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int | None,
-) -> torch.Tensor:
-    """``[size, heads, head_dim]`` float32 attention output of one query token per row."""
-    assert _kernel is not None, "paged_decode before load()"
-    if query.stride(2) != 1 or query.stride(1) != query.shape[2]:  # rows may be strided
-        query = query.contiguous()
-    block_table = block_table.contiguous()
-    context_lens = context_lens.contiguous()
-    size, heads, head_dim = query.shape
-    _, num_blocks, block_size, kv_heads, _ = kv_cache.shape
-    out = torch.empty(size, heads, head_dim, dtype=torch.float32)
-    code = _kernel(
-        query.data_ptr(),
-        query.stride(0),
-        kv_cache.data_ptr(),
-        block_table.data_ptr(),
-        context_lens.data_ptr(),
-        out.data_ptr(),
-        size,
-        heads,
-        kv_heads,
-        head_dim,
-        num_blocks,
-        block_size,
-        block_table.shape[1],
-        scale,
-        sliding_window or 0,
-    )
-    if code != 0:
-        raise MemoryError("CPU decode-attention kernel: out of scratch memory")
-    return out
-
-
-def usable_for(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    return (
-        _kernel is not None
-        and query.device.type == "cpu"
-        and query.dtype == torch.float32
-        and kv_cache.dtype == torch.float32
-        and kv_cache.is_contiguous()
-        and query.shape[1] % kv_cache.shape[3] == 0
-    )

@@ -16,33 +16,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from switchboard.models import small_batch_gemm, work_pool
-from switchboard.models.native_build import build_and_load
-
-# Each item adds one to its counter (atomically: a chunk run twice would show as a 2).
-COUNTING_C = (
-    work_pool.API_C
-    + r"""
-struct counting { int32_t *counts; };
-
-static void count_chunk(void *arg, int64_t begin, int64_t end) {
-    struct counting *c = arg;
-    for (int64_t i = begin; i < end; i++) __atomic_fetch_add(&c->counts[i], 1, __ATOMIC_RELAXED);
-}
-
-void count_items(int32_t *counts, int64_t n, int64_t min_grain) {
-    struct counting c = {counts};
-    switchboard_parallel_for(n, min_grain, count_chunk, &c);
-}
-"""
-)
+from switchboard.kernels import library, small_batch_gemm
+from switchboard.kernels.build import build_and_load
 
 
 @pytest.fixture(scope="module")
 def count_items():
-    work_pool.load()
-    library = build_and_load("work_pool_test_counting", COUNTING_C, "work pool test kernel")
-    function = library.count_items
+    library.load()  # first: the test kernel's switchboard_parallel_for is the library's
+    counting = build_and_load(
+        "work_pool_test_counting",
+        [Path(__file__).with_name("counting_kernel.c")],
+        "work pool test kernel",
+        library.SOURCE_DIR,
+    )
+    function = counting.count_items
     function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     function.restype = None
     return function
@@ -69,7 +56,7 @@ def test_every_item_runs_exactly_once(count_items, threads, num_threads):
             counts = _counts_after(count_items, n, min_grain)
             assert torch.equal(counts, torch.ones(n, dtype=torch.int32)), (n, min_grain)
     if num_threads > 1:
-        assert work_pool.helpers_started() >= num_threads - 1
+        assert library.pool_helpers_started() >= num_threads - 1
 
 
 def test_many_loops_in_a_row_lose_no_item(count_items, threads):
@@ -111,20 +98,20 @@ def test_idle_helpers_take_no_cpu(count_items, threads):
 
 
 def test_status_names_the_variant():
-    work_pool.load()
-    assert work_pool.variant() == "pool"
-    assert work_pool.status().startswith("in use")
+    library.load()
+    assert library.pool_variant() == "pool"
+    assert library.pool_status().startswith("in use")
 
 
 _OPENMP_SCRIPT = """
 import sys, torch
-from switchboard.models import small_batch_gemm, work_pool
+from switchboard.kernels import library, small_batch_gemm
 torch.set_num_threads(2)
 assert small_batch_gemm.load(), small_batch_gemm.status()
-print(work_pool.status())
+print(library.pool_status())
 torch.manual_seed(0)
 weight, x = torch.randn(300, 96), torch.randn(21, 96)
-torch.save(small_batch_gemm.linear(x, small_batch_gemm.pack(weight), 300), sys.argv[1])
+torch.save(small_batch_gemm.linear(x, small_batch_gemm.pack(weight)), sys.argv[1])
 """
 
 
@@ -145,5 +132,5 @@ def test_the_openmp_variant_gives_the_same_floats(tmp_path: Path, threads):
     assert small_batch_gemm.load(), small_batch_gemm.status()
     torch.manual_seed(0)
     weight, x = torch.randn(300, 96), torch.randn(21, 96)
-    ours = small_batch_gemm.linear(x, small_batch_gemm.pack(weight), 300)
+    ours = small_batch_gemm.linear(x, small_batch_gemm.pack(weight))
     assert torch.equal(ours, torch.load(out))

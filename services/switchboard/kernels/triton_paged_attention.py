@@ -1,38 +1,33 @@
+# The @triton.jit kernels' parameters are Triton's (pointers, tl.constexpr), not Python types.
+# mypy: allow-untyped-defs, allow-incomplete-defs, allow-untyped-decorators
 """Paged attention in Triton: kernels that read the KV blocks in place, through the block
-tables (no gather into a padded copy, unlike the reference backend's torch path off CPU).
+tables (no gather into a padded copy, unlike the torch reference off CPU). The Triton attention
+backend (``models/triton_backend.py``) lays a step's metadata out for them and calls them.
 
 - Decode (one query token per request): one program per (request, KV head) loads the query
   heads of its group, walks the request's blocks (``block_table[r, p // block_size]``) one
   block at a time and keeps an online softmax in float32 (running max, running sum, rescaled
   accumulator). Sliding windows skip the blocks behind the window and mask inside it.
 - Prefill chunks (several query tokens, with or without a cached prefix): one program per
-  (tile of ``BLOCK_M`` query rows of a span, query head); every key, the chunk's own included,
-  is read from the cache (``paged_attention`` wrote this step's K/V first), with the causal
-  mask shifted by the tokens already cached, and the same online softmax (``tl.dot`` per block).
+  (tile of ``PREFILL_BLOCK_M`` query rows of a span, query head); every key, the chunk's own
+  included, is read from the cache (written first), with the causal mask shifted by the tokens
+  already cached, and the same online softmax (``tl.dot`` per block).
 
 Both need a power-of-two block size (``tl.arange``); prefill also needs block size >= 16 (the
-``tl.dot`` minimum). Otherwise that part falls back to the reference backend, logged once.
-``TRITON_INTERPRET=1`` runs the kernels on CPU tensors (slowly), which the tests use.
+``tl.dot`` minimum): ``decode_supported`` / ``prefill_supported``. ``TRITON_INTERPRET=1`` runs
+the kernels on CPU tensors (slowly), which the tests use. Importing this module imports triton
+(a test extra, not a serving dependency): only the Triton backend does, when chosen.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from switchboard.models.attention import (
-    AttentionBackend,
-    AttentionMetadata,
-    gathered_decode_attention,
-    reference_prefill_attention,
-)
-from switchboard.models.attention_backends import triton_interpreted
-
-logger = logging.getLogger(__name__)
+from switchboard.kernels.triton_support import interpreted
 
 PREFILL_BLOCK_M = 16
 
@@ -228,20 +223,6 @@ def prefill_supported(block_size: int) -> bool:
     return _is_power_of_two(block_size) and block_size >= 16
 
 
-@dataclass
-class TritonPrepared:
-    """One step's metadata in the kernels' form, built once by ``TritonBackend.prepare``."""
-
-    decode_block_table: torch.Tensor | None = None  # [size, max_blocks] int32
-    decode_context_lens: torch.Tensor | None = None  # [size] int32
-    prefill_block_tables: torch.Tensor | None = None  # [spans, max_blocks] int32
-    tile_span: torch.Tensor | None = None  # [tiles] int32: the span of each query tile
-    tile_row: torch.Tensor | None = None  # [tiles] int32: its first row within the span
-    span_start: torch.Tensor | None = None  # [spans] int32: first row in the batch
-    span_tokens: torch.Tensor | None = None  # [spans] int32
-    span_context: torch.Tensor | None = None  # [spans] int32
-
-
 def prefill_tiles(num_tokens: list[int], block_m: int) -> tuple[list[int], list[int]]:
     """(span index, first row within the span) of every ``block_m``-row query tile."""
     spans: list[int] = []
@@ -253,102 +234,16 @@ def prefill_tiles(num_tokens: list[int], block_m: int) -> tuple[list[int], list[
     return spans, rows
 
 
-class TritonBackend(AttentionBackend):
-    name = "triton"
+@dataclass(frozen=True)
+class PrefillSpans:
+    """A step's prefill spans in the prefill kernel's form (int32, on the device)."""
 
-    def __init__(self) -> None:
-        self._warned: set[str] = set()
-
-    def decode_graphs_supported(self, block_size: int) -> bool:
-        return decode_supported(block_size)
-
-    def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
-        prepared = TritonPrepared()
-        decode = metadata.decode
-        if decode is not None:
-            prepared.decode_block_table = decode.block_table.to(torch.int32)
-            prepared.decode_context_lens = decode.context_lens.to(torch.int32)
-        spans = metadata.prefills
-        if spans:
-            device = spans[0].block_ids.device
-            max_blocks = max(span.block_ids.shape[0] for span in spans)
-            tables = torch.zeros((len(spans), max_blocks), dtype=torch.int32, device=device)
-            for index, span in enumerate(spans):
-                tables[index, : span.block_ids.shape[0]] = span.block_ids
-            tile_span, tile_row = prefill_tiles([s.num_tokens for s in spans], PREFILL_BLOCK_M)
-            host = torch.tensor(
-                [
-                    [s.token_start for s in spans],
-                    [s.num_tokens for s in spans],
-                    [s.context_len for s in spans],
-                ],
-                dtype=torch.int32,
-            ).to(device, non_blocking=True)
-            prepared.prefill_block_tables = tables
-            tiles = torch.tensor([tile_span, tile_row], dtype=torch.int32)
-            tiles = tiles.to(device, non_blocking=True)
-            prepared.tile_span, prepared.tile_row = tiles[0], tiles[1]
-            prepared.span_start, prepared.span_tokens, prepared.span_context = host
-        metadata.prepared = prepared
-        metadata.backend = self
-        return metadata
-
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None,
-    ) -> torch.Tensor:
-        prepared = metadata.prepared
-        if not isinstance(prepared, TritonPrepared):  # not prepared by us: do it now
-            prepared = self.prepare(metadata).prepared
-        if query.stride(-1) != 1:
-            query = query.contiguous()
-        output = torch.empty_like(query)
-        block_size = kv_cache.shape[2]
-        decode = metadata.decode
-        if decode is not None:
-            if decode_supported(block_size) and kv_cache.is_contiguous():
-                assert prepared.decode_block_table is not None
-                assert prepared.decode_context_lens is not None
-                decode_attention(
-                    query,
-                    kv_cache,
-                    prepared.decode_block_table,
-                    prepared.decode_context_lens,
-                    output,
-                    scale,
-                    sliding_window,
-                )
-            else:
-                self._fall_back("decode", block_size)
-                output[: decode.size] = gathered_decode_attention(
-                    query[: decode.size], kv_cache, decode, scale, sliding_window
-                )
-        if metadata.prefills:
-            if prefill_supported(block_size) and kv_cache.is_contiguous():
-                _prefill_attention(query, kv_cache, prepared, output, scale, sliding_window)
-            else:
-                self._fall_back("prefill", block_size)
-                reference_prefill_attention(
-                    output, query, key, value, kv_cache, metadata, scale, sliding_window
-                )
-        return output
-
-    def _fall_back(self, part: str, block_size: int) -> None:
-        if part not in self._warned:
-            self._warned.add(part)
-            logger.warning(
-                "Triton %s attention needs a power-of-two block size%s (have %d): "
-                "using the reference path for it",
-                part,
-                " >= 16" if part == "prefill" else "",
-                block_size,
-            )
+    block_tables: torch.Tensor  # [spans, max_blocks]
+    tile_span: torch.Tensor  # [tiles]: the span of each query tile
+    tile_row: torch.Tensor  # [tiles]: its first row within the span
+    span_start: torch.Tensor  # [spans]: first row in the batch
+    span_tokens: torch.Tensor  # [spans]
+    span_context: torch.Tensor  # [spans]
 
 
 def decode_attention(
@@ -392,31 +287,32 @@ def decode_attention(
     )
 
 
-def _prefill_attention(
+def prefill_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
-    prepared: TritonPrepared,
+    spans: PrefillSpans,
     output: torch.Tensor,
     scale: float,
     sliding_window: int | None,
 ) -> None:
-    assert prepared.tile_span is not None and prepared.prefill_block_tables is not None
+    """The prefill spans' rows of ``output`` (``[tokens, heads, head_dim]``): each query token
+    over its span's blocks up to its own position (the K/V of the step already written)."""
     heads, head_dim = query.shape[1:]
     kv_heads = kv_cache.shape[3]
-    _prefill_kernel[(prepared.tile_span.shape[0], heads)](
+    _prefill_kernel[(spans.tile_span.shape[0], heads)](
         query,
         kv_cache,
-        prepared.prefill_block_tables,
-        prepared.tile_span,
-        prepared.tile_row,
-        prepared.span_start,
-        prepared.span_tokens,
-        prepared.span_context,
+        spans.block_tables,
+        spans.tile_span,
+        spans.tile_row,
+        spans.span_start,
+        spans.span_tokens,
+        spans.span_context,
         output,
         kv_cache.stride(0),
         query.stride(0),
         query.stride(1),
-        prepared.prefill_block_tables.stride(0),
+        spans.block_tables.stride(0),
         kv_cache.stride(1),
         kv_cache.stride(2),
         kv_cache.stride(3),
@@ -432,5 +328,5 @@ def _prefill_attention(
         HAS_WINDOW=sliding_window is not None,
         IEEE=query.dtype == torch.float32,
         # Triton's interpreter gets half-precision tl.dot wrong (numpy has no bfloat16).
-        DOT_F32=triton_interpreted(),
+        DOT_F32=interpreted(),
     )

@@ -1,8 +1,8 @@
 """The small-batch matmul kernel: what F.linear computes (to rounding) for one row to several
 groups of ``max_rows`` rows (8 with AVX-512's registers, else 6; more rows in groups of nearly
-equal size), any shape, with or without a
-bias; each row's result independent of the rows beside it; ``gemm.linear`` sends packed products
-of at most ``gemm.SMALL_BATCH_MAX_ROWS`` rows to it; it can be turned off."""
+equal size), any shape, with or without a bias; each row's result independent of the rows
+beside it; ``gemm.linear`` sends products of at most ``gemm.SMALL_BATCH_MAX_ROWS`` rows on a
+packed weight with panels to it; it can be turned off."""
 
 from __future__ import annotations
 
@@ -10,12 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from switchboard.models import gemm, small_batch_gemm
-from switchboard.models.layers import Linear
-from switchboard.models.loader import load_model
-from switchboard.models.parallel_layers import RowParallelLinear
-from switchboard.models.prepack import prepack_weights
-from tests.tiny_checkpoint import tiny_llama_dir
+from switchboard.kernels import gemm, small_batch_gemm
 
 
 @pytest.fixture
@@ -35,8 +30,9 @@ def test_matches_f_linear(kernel, rows, out_features, in_features, with_bias):
     bias = torch.randn(out_features) if with_bias else None
     x = torch.randn(rows, in_features)
     panels = small_batch_gemm.pack(weight)
-    assert panels.numel() == -(-out_features // 16) * 16 * in_features
-    got = small_batch_gemm.linear(x, panels, out_features, bias)
+    assert panels.data.numel() == -(-out_features // 16) * 16 * in_features
+    assert panels.out_features == out_features
+    got = small_batch_gemm.linear(x, panels, bias)
     torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
 
 
@@ -45,9 +41,9 @@ def test_a_row_does_not_depend_on_its_neighbours(kernel):
     rows = 2 * small_batch_gemm.max_rows + 3  # groups of max_rows, and a part group
     weight, x = torch.randn(200, 300), torch.randn(rows, 300)
     panels = small_batch_gemm.pack(weight)
-    together = small_batch_gemm.linear(x, panels, 200)
+    together = small_batch_gemm.linear(x, panels)
     for row in range(rows):
-        alone = small_batch_gemm.linear(x[row : row + 1], panels, 200)
+        alone = small_batch_gemm.linear(x[row : row + 1], panels)
         assert torch.equal(alone[0], together[row])  # bit for bit
 
 
@@ -57,10 +53,10 @@ def test_strided_rows_and_no_rows(kernel):
     panels = small_batch_gemm.pack(weight)
     wide = torch.randn(3, 48)
     x = wide[:, ::2]  # a column stride of 2: copied
-    torch.testing.assert_close(small_batch_gemm.linear(x, panels, 40), F.linear(x, weight))
+    torch.testing.assert_close(small_batch_gemm.linear(x, panels), F.linear(x, weight))
     x = wide[:, :24]  # a row stride of 48: read in place
-    torch.testing.assert_close(small_batch_gemm.linear(x, panels, 40), F.linear(x, weight))
-    assert small_batch_gemm.linear(torch.randn(0, 24), panels, 40).shape == (0, 40)
+    torch.testing.assert_close(small_batch_gemm.linear(x, panels), F.linear(x, weight))
+    assert small_batch_gemm.linear(torch.randn(0, 24), panels).shape == (0, 40)
     assert small_batch_gemm.max_rows in (6, 8)
 
 
@@ -69,7 +65,6 @@ def test_gemm_linear_takes_it_up_to_its_rows(kernel, monkeypatch):
     torch.manual_seed(2)
     weight, bias = torch.randn(64, 32), torch.randn(64)
     packed = gemm.pack(weight)
-    assert gemm.attach_small_batch(packed, weight)
     panels = small_batch_gemm.pack(weight)
     real_linear, calls = small_batch_gemm.linear, []
     monkeypatch.setattr(
@@ -78,33 +73,15 @@ def test_gemm_linear_takes_it_up_to_its_rows(kernel, monkeypatch):
     sizes = (1, 4, 5, 8, 9, 17, gemm.SMALL_BATCH_MAX_ROWS, gemm.SMALL_BATCH_MAX_ROWS + 1)
     for rows in sizes:
         x = torch.randn(rows, 32)
-        got = gemm.linear(x, packed, bias)
+        got = gemm.linear(x, packed, bias, panels)
         torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
         if rows <= gemm.SMALL_BATCH_MAX_ROWS:
-            assert torch.equal(got, real_linear(x, panels, 64, bias))
+            assert torch.equal(got, real_linear(x, panels, bias))
     assert calls == list(sizes[:-1])  # beyond its rows: oneDNN
+    gemm.linear(torch.randn(3, 32), packed, bias)
+    assert calls == list(sizes[:-1])  # no panels: oneDNN
     x3 = torch.randn(1, 2, 32)  # leading dims are flattened and restored
-    assert gemm.linear(x3, packed).shape == (1, 2, 64)
-
-
-@pytest.mark.skipif(gemm._onednn_reorder is None, reason="this torch build cannot pack weights")
-@pytest.mark.parametrize("tied", [True, False])
-def test_prepack_gives_every_packed_weight_panels(kernel, tied):
-    model, config = load_model(
-        tiny_llama_dir(tie_word_embeddings=tied), torch.device("cpu"), torch.float32
-    )
-    torch.manual_seed(3)
-    hidden = torch.randn(2, config.hidden_size)
-    with torch.inference_mode():
-        before = model.compute_logits(hidden)
-    prepack_weights(model)
-    linears = [m for m in model.modules() if isinstance(m, Linear | RowParallelLinear)]
-    assert linears and all(hasattr(m.weight, gemm._SMALL_BATCH) for m in linears)
-    head = model.model.embed_tokens if tied else model.lm_head
-    logits_weight = head.logits_weight()
-    assert logits_weight.is_mkldnn and hasattr(logits_weight, gemm._SMALL_BATCH)
-    with torch.inference_mode():
-        torch.testing.assert_close(model.compute_logits(hidden), before, rtol=1e-5, atol=1e-4)
+    assert gemm.linear(x3, packed, None, panels).shape == (1, 2, 64)
 
 
 def test_can_be_turned_off(monkeypatch):
@@ -112,15 +89,12 @@ def test_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("SWITCHBOARD_SMALL_BATCH_GEMM", "off")
     assert not small_batch_gemm.load()
     assert "off" in small_batch_gemm.status()
-    weight = torch.randn(8, 8)
-    assert not small_batch_gemm.packable(weight)
-    if gemm._onednn_reorder is not None:
-        assert not gemm.attach_small_batch(gemm.pack(weight), weight)
+    assert not small_batch_gemm.packable(torch.randn(8, 8))
+    with pytest.raises(ValueError, match="small-batch pack needs the kernel loaded"):
+        small_batch_gemm.pack(torch.randn(8, 8))
 
 
-def test_without_a_compiler_onednn_keeps_every_size(tmp_path, monkeypatch):
-    monkeypatch.setenv("SWITCHBOARD_CACHE", str(tmp_path))
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+def test_without_a_compiler_onednn_keeps_every_size(without_compiler):
     small_batch_gemm.unload()
     assert not small_batch_gemm.load()
     assert small_batch_gemm.status().startswith("unavailable")

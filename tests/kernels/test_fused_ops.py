@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from switchboard.models import fused_ops
+from switchboard.kernels import fused_ops
 from switchboard.models.attention import new_kv_cache, write_kv
 from switchboard.models.layers import RMSNorm, apply_rotary, silu_and_mul
 

@@ -1,0 +1,69 @@
+/* A Llama-family decode step's decoder layers in one call: per layer RMSNorm, the QKV matmul,
+   the rotary embedding, the KV-cache write, paged decode attention, the output matmul and
+   residual add, RMSNorm, gate/up, SiLU-and-mul, down and residual add. It calls the same
+   functions the layers call one by one, in the same order on the same floats, so the hidden
+   states are bit-identical to the layer-by-layer path. */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "kernels.h"
+
+/* Per layer, the addresses (as integers, 0 = none) of: */
+enum {
+    LN1, QKV, QKV_BIAS, O, O_BIAS, LN2, GATE_UP, GATE_UP_BIAS, DOWN, DOWN_BIAS, KV, WINDOW,
+    LAYER_FIELDS
+};
+
+/* x [M, H]: the hidden states in, the last layer's out. Returns 0; -1 out of memory; -2 a
+   slot outside the KV cache. */
+int decode_stack_f32(float *x, int64_t M, int64_t layers, const int64_t *fields, int64_t H,
+                     int64_t nH, int64_t nKV, int64_t D, int64_t I, float eps, float scale,
+                     const float *cos_half, const float *sin_half, const int64_t *slots,
+                     const int64_t *block_table, const int64_t *context_lens, int64_t MB,
+                     int64_t NB, int64_t BS) {
+    const int64_t qkv_n = (nH + 2 * nKV) * D, attn_n = nH * D;
+    /* scratch kept from call to call (one worker per process calls this, from one thread):
+       a new allocation of this size each step would be fresh pages, faulted in every time */
+    static float *buffer = NULL;
+    static size_t capacity = 0;
+    const size_t needed = (size_t)(M * (H + qkv_n + attn_n + H + 3 * I));
+    if (needed > capacity) {
+        free(buffer);
+        buffer = malloc(sizeof(float) * needed);
+        capacity = buffer == NULL ? 0 : needed;
+        if (buffer == NULL) return -1;
+    }
+    float *h = buffer, *qkv = h + M * H, *attn = qkv + M * qkv_n, *tmp = attn + M * attn_n;
+    float *gate_up = tmp + M * H, *act = gate_up + M * 2 * I;
+    int code = 0;
+    for (int64_t l = 0; l < layers && code == 0; l++) {
+        const int64_t *f = fields + l * LAYER_FIELDS;
+#define PTR(i) ((float *)(intptr_t)f[i])
+        float *kv = PTR(KV);
+        rms_norm_f32(x, H, PTR(LN1), h, M, H, eps);
+        code = small_batch_linear(h, H, PTR(QKV), PTR(QKV_BIAS), qkv, M, H, qkv_n);
+        if (code != 0) break;
+        rotary_f32(qkv, qkv_n, M, nH, D, cos_half, sin_half);
+        rotary_f32(qkv + nH * D, qkv_n, M, nKV, D, cos_half, sin_half);
+        if (write_kv_f32(qkv + nH * D, qkv_n, qkv + (nH + nKV) * D, qkv_n, slots, M, nKV * D,
+                         kv, kv + NB * BS * nKV * D, NB * BS) != 0) {
+            code = -2;
+            break;
+        }
+        code = paged_decode_f32(qkv, qkv_n, kv, block_table, context_lens, attn, M, nH, nKV, D,
+                                NB, BS, MB, scale, f[WINDOW]);
+        if (code != 0) break;
+        code = small_batch_linear(attn, attn_n, PTR(O), PTR(O_BIAS), tmp, M, attn_n, H);
+        if (code != 0) break;
+        for (int64_t i = 0; i < M * H; i++) x[i] = x[i] + tmp[i];
+        rms_norm_f32(x, H, PTR(LN2), h, M, H, eps);
+        code = small_batch_linear(h, H, PTR(GATE_UP), PTR(GATE_UP_BIAS), gate_up, M, H, 2 * I);
+        if (code != 0) break;
+        silu_and_mul_f32(gate_up, 2 * I, act, M, I);
+        code = small_batch_linear(act, I, PTR(DOWN), PTR(DOWN_BIAS), tmp, M, I, H);
+        if (code != 0) break;
+        for (int64_t i = 0; i < M * H; i++) x[i] = x[i] + tmp[i];
+#undef PTR
+    }
+    return code;
+}

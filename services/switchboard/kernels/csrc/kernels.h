@@ -1,0 +1,35 @@
+/* Every kernel the library exports, as kernels/library.py declares them to ctypes (one table
+   there mirrors this file). float32 throughout; "ld" arguments are row strides in floats. */
+#ifndef SWITCHBOARD_KERNELS_H
+#define SWITCHBOARD_KERNELS_H
+#include <stdint.h>
+
+/* paged_decode.c: decode attention over the paged KV cache, read in place */
+int paged_decode_f32(const float *query, int64_t ldq, const float *kv, const int64_t *block_table,
+                     const int64_t *context_lens, float *out, int64_t B, int64_t H, int64_t KVH,
+                     int64_t D, int64_t NB, int64_t BS, int64_t MB, float scale, int64_t window);
+
+/* fused_ops.c: a layer's small operations */
+void rms_norm_f32(const float *x, int64_t ldx, const float *weight, float *out, int64_t rows,
+                  int64_t H, float eps);
+void rotary_f32(float *x, int64_t ldx, int64_t tokens, int64_t heads, int64_t D,
+                const float *cos_half, const float *sin_half);
+void silu_and_mul_f32(const float *x, int64_t ldx, float *out, int64_t rows, int64_t I);
+int write_kv_f32(const float *key, int64_t ldk, const float *value, int64_t ldv,
+                 const int64_t *slots, int64_t tokens, int64_t row, float *cache_k,
+                 float *cache_v, int64_t num_slots);
+void argmax_rows_f32(const float *x, int64_t ldx, int64_t rows, int64_t V, int64_t *out);
+
+/* small_batch_gemm.c: matmuls of a few rows (0 rows at a time: built without AVX2 and FMA) */
+int small_batch_max_rows(void);
+void small_batch_pack(const float *w, float *p, int64_t N, int64_t K);
+int small_batch_linear(const float *x, int64_t ldx, const float *p, const float *bias, float *y,
+                       int64_t M, int64_t K, int64_t N);
+
+/* decode_stack.c: a decode step's decoder layers in one call */
+int decode_stack_f32(float *x, int64_t M, int64_t layers, const int64_t *fields, int64_t H,
+                     int64_t nH, int64_t nKV, int64_t D, int64_t I, float eps, float scale,
+                     const float *cos_half, const float *sin_half, const int64_t *slots,
+                     const int64_t *block_table, const int64_t *context_lens, int64_t MB,
+                     int64_t NB, int64_t BS);
+#endif

@@ -1,0 +1,277 @@
+"""A Llama-family decode step's decoder layers in one C call, for a few rows on CPU.
+
+At decode sizes a layer is a dozen small operations, and the time between them — Python, the
+module calls, torch's dispatch — was a quarter of SmolLM2's decode step at one request (about
+7 of 27 ms over 30 layers, measured on a 2-core EPYC). This runs the whole stack of layers of a
+decode-only step in C (``csrc/decode_stack.c``): per layer RMSNorm, the QKV matmul, the rotary
+embedding, the KV-cache write, paged decode attention, the output matmul and residual add,
+RMSNorm, gate/up, SiLU-and-mul, down and residual add. It calls the same C functions the layers
+call one by one (``small_batch_gemm``, ``paged_decode``, ``fused_ops``), in the same order on the
+same floats, so the hidden states are bit-identical to the layer-by-layer path.
+
+A model hands over its layers as :class:`StackLayer` records (``LlamaForCausalLM``'s
+``decode_stack_layers``) and keeps a :class:`DecodeStack`, which turns them into a plan once per
+set of KV caches. The stack applies to a step whose every row decodes (no prefill chunk, the
+model checks), with at most ``MAX_ROWS`` rows, float32 on CPU, every matrix with its small-batch
+panels, and the three kernels loaded (so their off switches hold here too); anything else takes
+the layer-by-layer path. Up to ``gemm.SMALL_BATCH_MAX_ROWS`` rows (``MAX_ROWS``) the layers use
+the same matmul kernel, so both paths give the same floats, and the stack is batch-invariant (a
+row's floats do not depend on the rows beside it). Its loops run on the kernels' work pool: a
+late thread is not waited for. ``SWITCHBOARD_DECODE_STACK=off`` turns it off alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from switchboard.kernels import fused_ops, gemm, library, paged_decode, small_batch_gemm
+from switchboard.kernels.small_batch_gemm import Panels
+
+# Rows a step may have. The kernel takes the rows 8 at a time (AVX-512; 6 with AVX2) over each
+# cached panel, as fast as oneDNN with AVX-512 (SmolLM2's matmuls, 2 threads: 16 rows 0.95x,
+# 32 rows 0.97x, 64 rows 1.00x) and faster with AVX2 alone (gemm.SMALL_BATCH_MAX_ROWS),
+# and the step saves the time between the operations. A whole decode step, 2 threads, ms, stack /
+# layer by layer: tiny-llama 65 rows 9.6 / 16.0, 128 rows 18.2 / 27.0; SmolLM2-135M 65 rows
+# 136 / 178, 96 rows 225 / 229, 128 rows 274-284 / 274-301; with AVX2 alone tiny-llama 256 rows
+# 37.5-38.3 / 41.5-49.5: never slower, so as many as the layers' matmuls take the same kernel
+# for, and the two paths agree bit for bit.
+MAX_ROWS = gemm.SMALL_BATCH_MAX_ROWS
+
+_stack: Callable[..., Any] | None = None  # the library's decode_stack_f32
+_status = "not loaded"
+
+
+def load() -> bool:
+    """Load the stack; True when in use. Needs the three kernels it calls loaded first (their
+    off switches turn this off too). Idempotent."""
+    global _stack, _status
+    if _stack is not None:
+        return True
+    if not (small_batch_gemm.max_rows and paged_decode.status() == "in use"):
+        _status = "unavailable: needs the small-batch matmul and decode-attention kernels"
+        return False
+    if fused_ops.status() != "in use":
+        _status = "unavailable: needs the fused CPU layer operations"
+        return False
+    loaded, _status = library.load_switched("SWITCHBOARD_DECODE_STACK", "off")
+    if loaded is None:
+        return False
+    _stack = loaded.decode_stack_f32
+    return True
+
+
+def status() -> str:
+    return _status
+
+
+def unload() -> None:
+    """Back to the layer-by-layer path (tests compare the two)."""
+    global _stack, _status
+    _stack, _status = None, "not loaded"
+
+
+@dataclass(frozen=True)
+class StackMatmul:
+    panels: Panels
+    bias: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class StackLayer:
+    """What the stack reads of one decoder layer: pre-norm attention (fused QKV, rotary
+    embedding, paged attention, output projection) and a SwiGLU MLP (fused gate/up, down)."""
+
+    input_norm: torch.Tensor  # RMSNorm weights [hidden]
+    input_norm_eps: float
+    qkv: StackMatmul
+    o: StackMatmul
+    post_attention_norm: torch.Tensor
+    post_attention_norm_eps: float
+    gate_up: StackMatmul
+    down: StackMatmul
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float
+    sliding_window: int | None
+
+
+_LAYER_FIELDS = 12  # the C side's LAYER_FIELDS
+_Dims = tuple[int, int, int, int, int]  # hidden, heads, KV heads, head_dim, intermediate
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """The addresses the C stack reads, with the layers whose weights they point into (held
+    here, so they live as long)."""
+
+    layers: tuple[StackLayer, ...]  # whose weights ``fields`` points into
+    cache_ptrs: tuple[int, ...]  # the KV caches it was made for (not held: the worker owns them)
+    fields: torch.Tensor  # [layers, _LAYER_FIELDS] int64 addresses (and the windows)
+    dims: _Dims
+    eps: float
+    scale: float
+
+
+class DecodeStack:
+    """One model's stack: the plan, made on the first step it applies to and again when the KV
+    caches change; a model whose layers the stack cannot run is asked only once."""
+
+    def __init__(self) -> None:
+        self._plan: _Plan | None = None
+        self._unusable = False
+
+    def run(
+        self,
+        layers: Callable[[], Sequence[StackLayer] | None],
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_caches: Sequence[torch.Tensor],
+        slot_mapping: torch.Tensor,
+        block_table: torch.Tensor,
+        context_lens: torch.Tensor,
+    ) -> bool:
+        """Run the decoder layers on ``hidden`` ``[rows, hidden_size]`` in place, one query
+        token per row; False (nothing done) where the stack does not apply and the caller loops
+        over the layers. ``layers`` is asked for the model's layers when a plan is made."""
+        if _stack is None or self._unusable:
+            return False
+        rows = hidden.shape[0]
+        if (
+            block_table.shape[0] != rows
+            or not 1 <= rows <= MAX_ROWS
+            or hidden.dtype != torch.float32
+            or hidden.device.type != "cpu"
+            or not hidden.is_contiguous()
+        ):
+            return False
+        plan = self._plan
+        cache_ptrs = tuple(cache.data_ptr() for cache in kv_caches)
+        if plan is None or plan.cache_ptrs != cache_ptrs:
+            stack_layers = layers()
+            plan = None if stack_layers is None else _make_plan(stack_layers, kv_caches)
+            self._plan, self._unusable = plan, plan is None
+            if plan is None:
+                return False
+        slots = slot_mapping.contiguous()
+        if slots.dtype != torch.int64 or slots.shape[0] != rows:
+            return False
+        return _call(plan, hidden, cos, sin, kv_caches[0], slots, block_table, context_lens)
+
+
+def _call(
+    plan: _Plan,
+    hidden: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    block_table: torch.Tensor,
+    context_lens: torch.Tensor,
+) -> bool:
+    assert _stack is not None
+    cos, sin = cos.contiguous(), sin.contiguous()
+    block_table = block_table.contiguous()
+    context_lens = context_lens.contiguous()
+    hidden_size, heads, kv_heads, head_dim, intermediate = plan.dims
+    _, num_blocks, block_size, _, _ = kv_cache.shape
+    code = _stack(
+        hidden.data_ptr(),
+        hidden.shape[0],
+        plan.fields.shape[0],
+        plan.fields.data_ptr(),
+        hidden_size,
+        heads,
+        kv_heads,
+        head_dim,
+        intermediate,
+        plan.eps,
+        plan.scale,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        slots.data_ptr(),
+        block_table.data_ptr(),
+        context_lens.data_ptr(),
+        block_table.shape[1],
+        num_blocks,
+        block_size,
+    )
+    if code == -2:
+        raise IndexError("decode stack: a slot outside the KV cache")
+    if code != 0:
+        raise MemoryError(f"decode stack failed ({code}): out of scratch memory")
+    return True
+
+
+def _make_plan(layers: Sequence[StackLayer], kv_caches: Sequence[torch.Tensor]) -> _Plan | None:
+    """None when some layer or cache is not one the stack can run, or the layers' shapes differ."""
+    if not layers or len(layers) != len(kv_caches):
+        return None
+    rows = [_layer_fields(layer, cache) for layer, cache in zip(layers, kv_caches, strict=True)]
+    shapes = {row[1] for row in rows if row is not None}
+    if any(row is None for row in rows) or len(shapes) != 1:
+        return None
+    dims, eps, scale = shapes.pop()
+    return _Plan(
+        layers=tuple(layers),
+        cache_ptrs=tuple(cache.data_ptr() for cache in kv_caches),
+        fields=torch.tensor([row[0] for row in rows if row is not None], dtype=torch.int64),
+        dims=dims,
+        eps=eps,
+        scale=scale,
+    )
+
+
+def _dense_f32(tensor: torch.Tensor | None) -> bool:
+    return tensor is None or (
+        tensor.dtype == torch.float32 and tensor.device.type == "cpu" and tensor.is_contiguous()
+    )
+
+
+def _layer_fields(
+    layer: StackLayer, cache: torch.Tensor
+) -> tuple[list[int], tuple[_Dims, float, float]] | None:
+    """The layer's row of addresses for the C stack, and its shape; None when the stack cannot
+    run it."""
+    matmuls = (layer.qkv, layer.o, layer.gate_up, layer.down)
+    norms = (layer.input_norm, layer.post_attention_norm)
+    if not all(_dense_f32(t) for t in (*norms, *(m.bias for m in matmuls), cache)):
+        return None
+    if layer.input_norm_eps != layer.post_attention_norm_eps:
+        return None
+    hidden_size = layer.input_norm.shape[0]
+    heads, kv_heads, head_dim = layer.heads, layer.kv_heads, layer.head_dim
+    qkv_rows = (heads + 2 * kv_heads) * head_dim
+    if [m.panels.out_features for m in (layer.qkv, layer.o, layer.down)] != [
+        qkv_rows,
+        hidden_size,
+        hidden_size,
+    ]:
+        return None
+    if cache.shape[3:] != (kv_heads, head_dim):
+        return None
+    # in the C side's field order
+    addresses = [
+        layer.input_norm.data_ptr(),
+        *_addresses(layer.qkv),
+        *_addresses(layer.o),
+        layer.post_attention_norm.data_ptr(),
+        *_addresses(layer.gate_up),
+        *_addresses(layer.down),
+        cache.data_ptr(),
+        layer.sliding_window or 0,
+    ]
+    assert len(addresses) == _LAYER_FIELDS
+    dims = (hidden_size, heads, kv_heads, head_dim, layer.gate_up.panels.out_features // 2)
+    return addresses, (dims, float(layer.input_norm_eps), float(layer.scale))
+
+
+def _addresses(matmul: StackMatmul) -> tuple[int, int]:
+    """Its panels' address and its bias's (0: none)."""
+    bias = 0 if matmul.bias is None else matmul.bias.data_ptr()
+    return matmul.panels.data.data_ptr(), bias

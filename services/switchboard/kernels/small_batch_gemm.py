@@ -1,0 +1,139 @@
+"""Matmuls of a few rows (decode at low concurrency) at the memory's speed: a C kernel.
+
+A decode step of one request multiplies one row by every weight matrix: the work is reading
+the weights, and oneDNN's kernels (``gemm.py``) read them at about half the memory's speed on a
+2-core EPYC. This kernel streams each weight once, in panels of 16 output columns laid out for
+it (:class:`Panels`, made once at load by ``pack``), and keeps the rows' sums in registers: two
+AVX2 vectors per row, ``max_rows`` rows at a time (8 where AVX-512's 32 vector registers hold
+them, else 6; more rows go in groups over each panel while it is in the core's cache, so the
+weight is still read once). Measured on that machine (it has AVX-512),
+two threads, a SmolLM2-135M-shaped stack (30 layers and the LM head, cold weights), ms:
+
+    rows            1      2      4      6      8
+    oneDNN packed   25.7   29.7   23.6   22.9   27.7
+    this kernel     17.1   17.8   20.0   22.0   24.3
+
+and 2.5x / 2.3x / 1.6x / 1.5x / 1.6x faster on tiny-llama's small matrices. There (AVX-512),
+from about eight rows oneDNN is as fast (16 / 32 / 64 rows: 0.95x / 0.97x / 1.00x);
+``gemm.linear`` uses this up to ``gemm.SMALL_BATCH_MAX_ROWS`` rows (128; 512 with AVX2 alone,
+where it measured faster than oneDNN up to 1,024 rows), the one-call decode layer stack
+(``decode_stack.py``) likewise: its loops run on the kernels' work pool, never waiting at an
+OpenMP barrier for a thread another process holds off its core.
+
+The kernel prefetches each panel's lines 2 KB ahead of its loop (``PREFETCH_AHEAD``, measured
+there and in docs/operations.md).
+
+Every output is one fused multiply-add chain over the inputs in order, so a row's result does
+not depend on which rows share the call (batch-invariant). The panels are a second copy of
+each weight beside oneDNN's (the memory the weights take doubles); ``SWITCHBOARD_SMALL_BATCH_GEMM
+=off`` does without it. C in ``csrc/small_batch_gemm.c``, in the kernels' one library
+(``library.py``); it needs AVX2 and FMA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from switchboard.kernels import library
+from switchboard.kernels.build import cpu_flags
+
+PANEL = 16
+# Rows one call takes, read from the library at load (8 with AVX-512's registers, else 6);
+# 0 while the kernel is not loaded.
+max_rows = 0
+
+_pack: Callable[..., Any] | None = None
+_linear: Callable[..., Any] | None = None
+_status = "not loaded"
+
+
+@dataclass(frozen=True)
+class Panels:
+    """A weight ``[out_features, in]`` laid out for the kernel: ``data`` is a flat float32
+    tensor of ``[ceil(out_features / 16), in, 16]``, zero-padded past ``out_features``."""
+
+    data: torch.Tensor
+    out_features: int
+
+
+def load() -> bool:
+    """Load the kernel (built once per machine); True when it is in use. Idempotent."""
+    global _pack, _linear, _status, max_rows
+    if _linear is not None:
+        return True
+    if not {"avx2", "fma"} <= cpu_flags():
+        _status = "unavailable: the CPU has no AVX2 and FMA"
+        return False
+    loaded, _status = library.load_switched("SWITCHBOARD_SMALL_BATCH_GEMM", "off")
+    if loaded is None:
+        return False
+    rows = int(loaded.small_batch_max_rows())
+    if rows == 0:
+        _status = "unavailable: the compiler built it without AVX2 and FMA"
+        return False
+    _pack, _linear, max_rows = loaded.small_batch_pack, loaded.small_batch_linear, rows
+    _status = f"in use ({max_rows} rows at a time)"
+    return True
+
+
+def status() -> str:
+    return _status
+
+
+def unload() -> None:
+    """Back to oneDNN alone (tests compare the two)."""
+    global _pack, _linear, _status, max_rows
+    _pack = _linear = None
+    max_rows = 0
+    _status = "not loaded"
+
+
+def packable(weight: torch.Tensor) -> bool:
+    return (
+        _pack is not None
+        and weight.dim() == 2
+        and weight.layout == torch.strided
+        and weight.dtype == torch.float32
+        and weight.device.type == "cpu"
+    )
+
+
+def pack(weight: torch.Tensor) -> Panels:
+    """``weight`` ``[out, in]`` as the kernel's panels."""
+    if not packable(weight) or _pack is None:
+        raise ValueError("small-batch pack needs the kernel loaded and a dense float32 CPU matrix")
+    out_features, in_features = weight.shape
+    dense = weight.detach().contiguous()
+    data = torch.empty(-(-out_features // PANEL) * PANEL * in_features, dtype=torch.float32)
+    _pack(dense.data_ptr(), data.data_ptr(), out_features, in_features)
+    return Panels(data, out_features)
+
+
+def linear(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W^T + b`` for ``x`` ``[rows, in]`` float32 on CPU (``max_rows`` at a time)."""
+    assert _linear is not None, "small_batch_gemm.linear before load()"
+    rows, in_features = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if bias is not None:
+        bias = bias.contiguous()
+    y = torch.empty(rows, panels.out_features, dtype=torch.float32)
+    if rows == 0:  # a step whose prefill chunk samples nothing
+        return y
+    code = _linear(
+        x.data_ptr(),
+        x.stride(0),
+        panels.data.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        rows,
+        in_features,
+        panels.out_features,
+    )
+    if code != 0:
+        raise ValueError(f"small-batch matmul: {rows} rows")
+    return y

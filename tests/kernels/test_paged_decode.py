@@ -1,0 +1,76 @@
+"""The C decode-attention kernel reads the paged cache in place and gives what the torch path
+(gather + SDPA) gives: grouped heads, ragged contexts, padded block tables, sliding windows; it
+can be switched off, and does not load without a compiler."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from switchboard.kernels import paged_decode
+from switchboard.models.attention import DecodeBatch, gathered_decode_attention
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"
+)
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    monkeypatch.delenv("SWITCHBOARD_CPU_ATTENTION", raising=False)
+    paged_decode.unload()
+    assert paged_decode.load(), paged_decode.status()
+    yield
+    paged_decode.unload()
+
+
+def decode_batch(context_lens: list[int], num_blocks: int, block_size: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    max_blocks = -(-max(context_lens) // block_size)
+    table = torch.randint(0, num_blocks, (len(context_lens), max_blocks), generator=generator)
+    for row, length in enumerate(context_lens):  # padding as build_step_inputs writes it
+        table[row, -(-length // block_size) :] = 0
+    return DecodeBatch(
+        block_table=table,
+        context_lens=torch.tensor(context_lens),
+        max_context_len=max(context_lens),
+        all_full_length=min(context_lens) == max(context_lens),
+    )
+
+
+@pytest.mark.parametrize(
+    ("kv_heads", "heads", "head_dim"),
+    [(4, 8, 32), (3, 9, 64), (2, 2, 16), (2, 4, 128), (4, 4, 32), (1, 2, 20), (2, 4, 256)],
+)
+@pytest.mark.parametrize(
+    ("context_lens", "window"),
+    [([37], None), ([5, 16, 17, 90], None), ([50, 3, 64], 8), ([1, 2], None), ([40, 40], 40)],
+)
+def test_matches_the_torch_path(kernel, kv_heads, heads, head_dim, context_lens, window):
+    torch.manual_seed(len(context_lens) * head_dim)
+    cache = torch.randn(2, 64, 16, kv_heads, head_dim)
+    batch = decode_batch(context_lens, 64, 16, seed=heads)
+    query = torch.randn(len(context_lens), heads, head_dim)
+    scale = head_dim**-0.5
+    expected = gathered_decode_attention(query, cache, batch, scale, window)
+    got = paged_decode.paged_decode(
+        query, cache, batch.block_table, batch.context_lens, scale, window
+    )
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("SWITCHBOARD_CPU_ATTENTION", "torch")
+    paged_decode.unload()
+    assert not paged_decode.load()
+    assert "off" in paged_decode.status()
+    assert not paged_decode.usable_for(torch.zeros(1, 2, 4), torch.zeros(2, 1, 1, 2, 4))
+
+
+def test_without_a_compiler_it_does_not_load(without_compiler):
+    paged_decode.unload()
+    assert not paged_decode.load()
+    assert paged_decode.status().startswith("unavailable")
+    paged_decode.unload()
