@@ -25,9 +25,9 @@ from collections.abc import Callable
 import torch
 
 from switchboard.wire.engine_msgs import SamplingParams
-from switchboard.worker.input_batch import RequestState
 from switchboard.worker.sampler import new_request_generator, sample
-from switchboard.worker.sampling_batch import build_sampling_batch
+from switchboard.worker.sampling_inputs import build_sampling_batch
+from switchboard.worker.step_inputs import RequestState
 
 PROMPT_LEN = 512
 OUTPUT_LEN = 128

@@ -20,7 +20,7 @@ from switchboard.models.attention import (
 )
 from switchboard.models.loader import resolve_dtype
 from switchboard.worker import cuda_graphs
-from switchboard.worker.input_batch import upload
+from switchboard.worker.step_inputs import upload
 
 
 def test_buckets_and_picking():

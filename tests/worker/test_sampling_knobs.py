@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from switchboard.wire.engine_msgs import SamplingParams
-from switchboard.worker.input_batch import RequestState, TokenHistory
 from switchboard.worker.logits_processors import apply_logits_processing
 from switchboard.worker.sampler import new_request_generator, sample
-from switchboard.worker.sampling_batch import build_logits_processing, build_sampling_batch
+from switchboard.worker.sampling_inputs import build_logits_processing, build_sampling_batch
+from switchboard.worker.step_inputs import RequestState, TokenHistory
 
 VOCAB = 40
 CPU = torch.device("cpu")

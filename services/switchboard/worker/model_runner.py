@@ -29,17 +29,17 @@ from switchboard.wire.engine_msgs import TokenLogprobs
 from switchboard.wire.step_msgs import ModelRunnerOutput, ModelSummary, SchedulerOutput
 from switchboard.worker import cuda_graphs
 from switchboard.worker.grammar_mask import apply_grammar_bitmask
-from switchboard.worker.input_batch import (
+from switchboard.worker.logprobs import prompt_token_logprobs
+from switchboard.worker.model_loading import load_runner_model, model_summary, require_config
+from switchboard.worker.pooler import PoolingRequests
+from switchboard.worker.sampler import SamplerOutput, sample
+from switchboard.worker.sampling_inputs import build_sampling_batch
+from switchboard.worker.step_inputs import (
     RequestState,
     RequestStates,
     StepInputs,
     build_step_inputs,
 )
-from switchboard.worker.logprobs import prompt_token_logprobs
-from switchboard.worker.model_loading import load_runner_model, model_summary, require_config
-from switchboard.worker.pooler import PoolingRequests
-from switchboard.worker.sampler import SamplerOutput, sample
-from switchboard.worker.sampling_batch import build_sampling_batch
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from switchboard.wire.engine_msgs import PoolingParams, PoolingType
 from switchboard.wire.step_msgs import SchedulerOutput
-from switchboard.worker.input_batch import RequestStates, StepInputs
+from switchboard.worker.step_inputs import RequestStates, StepInputs
 
 
 class PoolingState:

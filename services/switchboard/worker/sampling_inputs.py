@@ -1,7 +1,7 @@
 """The sampling settings of one step's batch, built from the requests' own state.
 
 Each row is a request being sampled; its ``SamplingParams`` arrived once with it (wire 2
-``NewRequest``), its output history is kept by the worker (``input_batch.RequestState``). The
+``NewRequest``), its output history is kept by the worker (``step_inputs.RequestState``). The
 builder turns them into a few tensors per knob, only for the rows that use the knob; a batch of
 plain greedy requests gets none and samples with one ``argmax``.
 """
@@ -13,9 +13,9 @@ from collections.abc import Sequence
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from switchboard.worker.input_batch import RequestState
 from switchboard.worker.logits_processors import LogitsProcessing, Penalties, TokenPairs
 from switchboard.worker.sampler import SamplingBatch, step_seed
+from switchboard.worker.step_inputs import RequestState
 
 
 def build_sampling_batch(
