@@ -4,26 +4,14 @@ can be switched off, and does not load without a compiler."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
 from switchboard.kernels import paged_decode
 from switchboard.models.attention import DecodeBatch, gathered_decode_attention
+from tests.paged_decode_kernel import needs_compiler
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"
-)
-
-
-@pytest.fixture
-def kernel(monkeypatch):
-    monkeypatch.delenv("SWITCHBOARD_CPU_ATTENTION", raising=False)
-    paged_decode.unload()
-    assert paged_decode.load(), paged_decode.status()
-    yield
-    paged_decode.unload()
+pytestmark = needs_compiler
 
 
 def decode_batch(context_lens: list[int], num_blocks: int, block_size: int, seed: int):
@@ -48,7 +36,9 @@ def decode_batch(context_lens: list[int], num_blocks: int, block_size: int, seed
     ("context_lens", "window"),
     [([37], None), ([5, 16, 17, 90], None), ([50, 3, 64], 8), ([1, 2], None), ([40, 40], 40)],
 )
-def test_matches_the_torch_path(kernel, kv_heads, heads, head_dim, context_lens, window):
+def test_matches_the_torch_path(
+    paged_decode_loaded, kv_heads, heads, head_dim, context_lens, window
+):
     torch.manual_seed(len(context_lens) * head_dim)
     cache = torch.randn(2, 64, 16, kv_heads, head_dim)
     batch = decode_batch(context_lens, 64, 16, seed=heads)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import random
-import shutil
 
 import pytest
 import torch
@@ -24,23 +23,13 @@ from switchboard.models.attention import (
 from switchboard.models.attention_backends import backend_choice, select_backend
 from switchboard.models.cpu_kernel_attention import CPU_KERNEL
 from tests.models.paged_reference import dense_attention, lay_out_step
+from tests.paged_decode_kernel import needs_compiler
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"
-)
-
-
-@pytest.fixture
-def kernel(monkeypatch):
-    monkeypatch.delenv("SWITCHBOARD_CPU_ATTENTION", raising=False)
-    paged_decode.unload()
-    assert paged_decode.load(), paged_decode.status()
-    yield
-    paged_decode.unload()
+pytestmark = needs_compiler
 
 
 @pytest.fixture
-def kernel_calls(kernel, monkeypatch) -> list[int]:
+def kernel_calls(paged_decode_loaded, monkeypatch) -> list[int]:
     """The rows of every call to the kernel."""
     calls: list[int] = []
     real = paged_decode.paged_decode
@@ -78,7 +67,7 @@ def test_float32_on_cpu_takes_the_kernel_the_reference_never_does(kernel_calls):
     assert kernel_calls == [2]
 
 
-def test_auto_picks_the_kernel_on_cpu_and_says_why(kernel, monkeypatch, caplog):
+def test_auto_picks_the_kernel_on_cpu_and_says_why(paged_decode_loaded, monkeypatch, caplog):
     monkeypatch.delenv("SWITCHBOARD_ATTENTION_BACKEND", raising=False)
     with caplog.at_level(logging.INFO, logger="switchboard.models.attention_backends"):
         assert select_backend(torch.device("cpu")) is CPU_KERNEL
