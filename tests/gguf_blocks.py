@@ -2,8 +2,9 @@
 
 gguf-py quantizes only some types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1): those come from random
 weights through ``gguf.quants.quantize``, as llama.cpp would write them. The K types (Q4_K,
-Q5_K, Q6_K) it can only dequantize: their blocks are random bytes with their float16 fields set
-to small random scales, so every value of every bit field occurs.
+Q5_K, Q6_K, and Q2_K, which the kernel does not take) it can only dequantize: their blocks are
+random bytes with their float16 fields set to small random scales, so every value of every bit
+field occurs.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quantize
 
 QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
-# byte offsets of each K type's float16 fields (d, and dmin where it has one)
-K_FLOAT16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-KERNEL_TYPES = (*QUANTIZABLE, *K_FLOAT16_FIELDS)
+# byte offsets of each K type's float16 fields (d, and dmin where it has one); the kernel does
+# not take Q2_K (a type to see refused)
+K_FLOAT16_FIELDS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82)}
+KERNEL_TYPES = (*QUANTIZABLE, "Q4_K", "Q5_K", "Q6_K")
 
 
 def gguf_blocks(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -12,9 +13,15 @@ from switchboard.models.hf_config import TransformerConfig, load_transformer_con
 from switchboard.models.loader import load_model, resolve_dtype
 from switchboard.models.parallel import SINGLE_PROCESS, ParallelState
 from switchboard.models.prepack import prepack_weights
+from switchboard.models.quantized import ENVIRONMENT_VARIABLE, Quantization, quantize_weights
 from switchboard.wire.step_msgs import ModelSummary
 
 logger = logging.getLogger(__name__)
+
+
+def requested_quantization() -> str:
+    """The quantization asked for: ``SWITCHBOARD_QUANTIZATION`` (``models/quantized.py``)."""
+    return os.environ.get(ENVIRONMENT_VARIABLE, "auto")
 
 
 def load_runner_model(
@@ -22,9 +29,10 @@ def load_runner_model(
     device: torch.device,
     parallel: ParallelState = SINGLE_PROCESS,
     log_prefix: str = "",
-) -> tuple[torch.nn.Module, TransformerConfig, torch.dtype]:
+) -> tuple[torch.nn.Module, TransformerConfig, torch.dtype, Quantization]:
     """Resolve the dtype (logged: what was asked for, what the checkpoint has), then load the
-    checkpoint's share for ``parallel``. Returns (model, its config, the dtype it runs in)."""
+    checkpoint's share for ``parallel`` and quantize its matrices as asked. Returns (model, its
+    config, the dtype it runs in, the quantization applied)."""
     config = load_transformer_config(model_config.model)
     dtype = resolve_dtype(model_config.dtype, config, device)
     logger.info(
@@ -36,6 +44,9 @@ def load_runner_model(
         device.type,
     )
     model, config = load_model(model_config.model, device, dtype, parallel)
+    quantization = quantize_weights(
+        model, model_config.model, requested_quantization(), device, dtype, parallel
+    )
     packed, seconds = prepack_weights(model)
     if packed:
         logger.info(
@@ -45,7 +56,7 @@ def load_runner_model(
             seconds,
             small_batch_gemm.status(),
         )
-    return model, config, dtype
+    return model, config, dtype, quantization
 
 
 def model_summary(
@@ -53,6 +64,7 @@ def model_summary(
     dtype: torch.dtype,
     kv_cache_bytes_per_token: int,
     device: torch.device,
+    quantization: Quantization,
 ) -> ModelSummary:
     return ModelSummary(
         num_layers=config.num_layers,
@@ -63,6 +75,7 @@ def model_summary(
         dtype=dtype_name(dtype),
         kv_cache_bytes_per_token=kv_cache_bytes_per_token,
         device_type=device.type,
+        quantization=quantization.describe(),
     )
 
 
