@@ -77,8 +77,12 @@ def write_tiny_llama_gguf(
     matrix_type: str | None = None,
     hidden_size: int = 64,
     intermediate_size: int = 96,
+    kind_types: dict[str, str] | None = None,
+    tied: bool = False,
 ) -> TinyLlama:
-    """Write the file and return what a correct conversion must reproduce."""
+    """Write the file and return what a correct conversion must reproduce. ``kind_types``
+    gives some kinds of matrix (``attn_v``, ``ffn_down``, ...) a type other than
+    ``matrix_type`` (as llama.cpp's Q4_K_M does); ``tied`` leaves out ``output.weight``."""
     model = TinyLlama(hidden_size=hidden_size, intermediate_size=intermediate_size)
     rng = np.random.default_rng(seed)
     model.tokens = SPECIAL_TOKENS + byte_level_alphabet() + [m.replace(" ", "") for m in MERGES]
@@ -111,12 +115,14 @@ def write_tiny_llama_gguf(
     writer.add_chat_template(CHAT_TEMPLATE)
 
     def add(gguf_name: str, hf_name: str, shape: tuple[int, ...], heads: int = 0) -> None:
-        if matrix_type is not None and len(shape) == 2:
-            blocks = gguf_blocks(matrix_type, shape[0], shape[1], rng)
-            model.hf_blocks[hf_name] = (blocks, matrix_type)
-            model.hf_tensors[hf_name] = dequantize(blocks, GGMLQuantizationType[matrix_type])
+        kind = gguf_name.split(".")[-2]
+        type_name = (kind_types or {}).get(kind, matrix_type)
+        if type_name is not None and len(shape) == 2:
+            blocks = gguf_blocks(type_name, shape[0], shape[1], rng)
+            model.hf_blocks[hf_name] = (blocks, type_name)
+            model.hf_tensors[hf_name] = dequantize(blocks, GGMLQuantizationType[type_name])
             raw = llama_cpp_permute(blocks, heads) if heads else blocks
-            writer.add_tensor(gguf_name, raw, raw_dtype=GGMLQuantizationType[matrix_type])
+            writer.add_tensor(gguf_name, raw, raw_dtype=GGMLQuantizationType[type_name])
             return
         weight = rng.standard_normal(shape).astype(np.float32)
         model.hf_tensors[hf_name] = weight
@@ -136,12 +142,13 @@ def write_tiny_llama_gguf(
         add(f"{blk}.ffn_gate.weight", f"{hf}.mlp.gate_proj.weight", (i, h))
         add(f"{blk}.ffn_up.weight", f"{hf}.mlp.up_proj.weight", (i, h))
         down = f"{blk}.ffn_down.weight", f"{hf}.mlp.down_proj.weight"
-        if matrix_type is None:
+        if matrix_type is None and not kind_types:
             _add_q8_0(writer, model, rng, *down, (h, i))
         else:
             add(*down, (h, i))
     add("output_norm.weight", "model.norm.weight", (h,))
-    add("output.weight", "lm_head.weight", (len(model.tokens), h))
+    if not tied:
+        add("output.weight", "lm_head.weight", (len(model.tokens), h))
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

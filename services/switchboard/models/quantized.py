@@ -70,8 +70,8 @@ class Quantization:
     float32_matrices: tuple[str, ...] = ()  # checkpoint names left float32 (types not taken)
 
     def describe(self) -> str:
-        """The one log line (and the summary's ``quantization``): ``none``, ``gguf Q4_1, Q8_0``."""
-        return self.mode if self.mode == "none" else f"{self.mode} {', '.join(self.formats)}"
+        """For the model summary: ``none``, ``int8``, ``gguf Q4_1, Q8_0``."""
+        return f"gguf {', '.join(self.formats)}" if self.mode == "gguf" else self.mode
 
 
 NONE = Quantization("none")
@@ -105,7 +105,7 @@ def quantize_weights(
         )
     unusable = _why_not_quantized(device, dtype, parallel)
     if unusable is not None:
-        logger.info("weights: float32, not quantized (%s) ", unusable)
+        logger.info("weights: float32, not quantized (%s)", unusable)
         return NONE
     started = time.monotonic()
     if mode == "gguf":
