@@ -8,12 +8,14 @@ random tokens, then times greedy decode steps (what ``execute_model`` does for a
 batch). Prints the median step time per batch size for three matmul paths side by side
 (``kernels/gemm.py``): torch's ``F.linear`` on dense weights, oneDNN on dense weights, and oneDNN
 on weights packed at load (what the worker serves with); ``--profile`` adds torch's operator
-table of the packed path for the last batch size.
+table of the packed path for the last batch size. The weights stay float32
+(``SWITCHBOARD_QUANTIZATION=none``; ``bench/quant_decode.py`` compares quantized ones).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import time
@@ -95,6 +97,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    os.environ["SWITCHBOARD_QUANTIZATION"] = "none"  # float32 matmul paths compared
 
     blocks = max(args.batch) * -(-(args.context + args.steps + 1) // BLOCK_SIZE)
     gemm.use_onednn(False)  # loaded with oneDNN off, the weights stay dense

@@ -119,9 +119,17 @@ enum source {
 
 /* The panels a call of R rows takes at once: a row's sum over one panel is a chain of
    dependent multiply-adds, and one or two rows over one panel left the FMA units waiting on
-   the chain's latency (hot weights: 20 us for one row times 512 x 576, whatever the
-   weights' size). Several panels' chains interleave, each output still the same chain. */
-#define PANELS_FOR(R) ((R) <= 2 ? 4 : (R) <= 4 ? 2 : 1)
+   the chain's latency (hot weights: 20 us for one row times 512 x 576, 5 us over four panels
+   at once). Several panels' chains interleave, each output still the same chain. Measured cold
+   (SmolLM2's matrices, one thread, the 2-core EPYC), more panels at once than this was slower
+   from three rows (four panels for two rows with AVX-512, 13.7 ms; two, 16.4 ms; three rows
+   over two panels 18.2 ms, over one 14.6); AVX2's 16 registers hold two panels' sums and
+   weights for two rows (four panels: 16.4 ms, two: 13.3 ms). */
+#ifdef __AVX512F__
+#define PANELS_FOR(R) ((R) <= 2 ? 4 : 1)
+#else
+#define PANELS_FOR(R) ((R) == 1 ? 4 : (R) == 2 ? 2 : 1)
+#endif
 
 /* Tile i (rows x panels, row i % R of panel i / R): its multiply-add, and its store (a whole
    panel's sums straight to y with the bias added as a vector, as small_batch_gemm.c does; a
@@ -188,7 +196,8 @@ static inline __attribute__((always_inline)) void panel_tile(
 #define TILE(rows, panels, source)                                                       \
     panel_tile(rows, panels, source, B, x, ldx, blocks, p, kept, ahead, y, ldy, ncols_last, bias)
 
-/* M <= MAX_ROWS rows times one panel, or PANELS_FOR(M) panels when `many` (DEQUANTIZE only).
+/* M <= MAX_ROWS rows times one panel, or PANELS_FOR(M) panels when `many` (DEQUANTIZE, one
+   or two rows).
    Groups that keep or read kept weights have at least three rows (more than MAX_ROWS rows
    split into groups of at least MAX_ROWS / 2). One instance per case taken: each is a
    separate loop. */
@@ -200,8 +209,8 @@ static void panel_group(int64_t M, int many, int64_t B, enum source source, cons
         switch (M) {
             case 1: many ? TILE(1, PANELS_FOR(1), DEQUANTIZE) : TILE(1, 1, DEQUANTIZE); break;
             case 2: many ? TILE(2, PANELS_FOR(2), DEQUANTIZE) : TILE(2, 1, DEQUANTIZE); break;
-            case 3: many ? TILE(3, PANELS_FOR(3), DEQUANTIZE) : TILE(3, 1, DEQUANTIZE); break;
-            case 4: many ? TILE(4, PANELS_FOR(4), DEQUANTIZE) : TILE(4, 1, DEQUANTIZE); break;
+            case 3: TILE(3, 1, DEQUANTIZE); break;
+            case 4: TILE(4, 1, DEQUANTIZE); break;
             case 5: TILE(5, 1, DEQUANTIZE); break;
             case 6: TILE(6, 1, DEQUANTIZE); break;
 #if MAX_ROWS > 6
