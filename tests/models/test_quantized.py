@@ -3,7 +3,8 @@ takes (and a Q4_K_M-like mix) greedy-decodes exactly as on its float32 weights (
 logits: its decode matmuls are the float32 kernel's on the very same values); int8 made at load
 agrees with float32 except near-ties; a tied head on a later pipeline stage reads the
 embedding's blocks; tensor parallelism, another device or dtype fall back to float32; a type
-the kernel does not take stays float32 under ``auto`` and is refused by name under ``gguf``.
+the kernel does not take stays float32 under ``auto`` and is refused by name under ``gguf``;
+the one-call decode stack runs quantized panels as the layers do.
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ import pytest
 import torch
 
 from switchboard.checkpoint import convert_gguf_to_hf
+from switchboard.kernels import quant_gemm
 from switchboard.kernels.quant_gemm import QuantPanels
 from switchboard.models.loader import load_model
 from switchboard.models.parallel import SINGLE_PROCESS, ParallelState
 from switchboard.models.quantized import ENVIRONMENT_VARIABLE, quantize_weights
 from tests.checkpoint.tiny_llama_gguf import write_tiny_llama_gguf
 from tests.gguf_blocks import KERNEL_TYPES
-from tests.tiny_checkpoint import tiny_llama_dir
+from tests.models.test_decode_stack import BLOCK_RANGE, _run, _stack_calls, _steps
+from tests.tiny_checkpoint import tiny_checkpoint_dir, tiny_llama_dir
 from tests.worker.test_model_runner_parity import DrivenRequest, ToyScheduler, make_runner
 
 CPU = torch.device("cpu")
@@ -175,3 +178,22 @@ def test_gguf_needs_gguf_blocks_and_modes_are_checked():
     )
     with pytest.raises(ValueError, match="unknown quantization 'q4'; use auto, none, gguf, int8"):
         quantize_weights(model, model_dir, "q4", CPU, torch.float32, ParallelState())
+
+
+def test_the_decode_stack_takes_quantized_panels(monkeypatch):
+    """Decode steps of one row to several register groups: the one-call stack gives the
+    layer-by-layer path's logits bit for bit on quantized panels too."""
+    monkeypatch.setenv(ENVIRONMENT_VARIABLE, "int8")
+    model_dir = tiny_checkpoint_dir("llama")
+    calls = _stack_calls(monkeypatch)
+    for rows in (1, 3, 2 * quant_gemm.max_rows + 1):
+        stacked = make_runner(model_dir, num_blocks=rows * BLOCK_RANGE)
+        layered = make_runner(model_dir, num_blocks=rows * BLOCK_RANGE)
+        layers = stacked.model.model.layers
+        assert all(isinstance(layer.mlp.down_proj.small_batch, QuantPanels) for layer in layers)
+        steps = _steps(rows, stacked.summary().vocab_size, decode_steps=3, seed=rows)
+        calls.clear()
+        got = _run(stacked, steps, True, monkeypatch)
+        assert calls == [True] * 3
+        for a, b in zip(got, _run(layered, steps, False, monkeypatch), strict=True):
+            assert torch.equal(a, b)
