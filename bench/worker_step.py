@@ -8,7 +8,8 @@ random tokens, then times greedy decode steps (what ``execute_model`` does for a
 batch). Prints the median step time per batch size for three matmul paths side by side
 (``kernels/gemm.py``): torch's ``F.linear`` on dense weights, oneDNN on dense weights, and oneDNN
 on weights packed at load (what the worker serves with); ``--profile`` adds torch's operator
-table of the packed path for the last batch size.
+table of the packed path for the last batch size. The weights stay float32
+(``quantization="none"``; ``bench/quant_decode.py`` compares quantized ones).
 """
 
 from __future__ import annotations
@@ -98,11 +99,11 @@ def main() -> None:
 
     blocks = max(args.batch) * -(-(args.context + args.steps + 1) // BLOCK_SIZE)
     gemm.use_onednn(False)  # loaded with oneDNN off, the weights stay dense
-    dense = ModelRunner(ModelConfig(model=args.model), torch.device("cpu"))
+    dense = ModelRunner(ModelConfig(model=args.model, quantization="none"), torch.device("cpu"))
     dense.load_model()
     dense.initialize_kv_cache(blocks, BLOCK_SIZE)
     gemm.use_onednn(True)
-    packed = ModelRunner(ModelConfig(model=args.model), torch.device("cpu"))
+    packed = ModelRunner(ModelConfig(model=args.model, quantization="none"), torch.device("cpu"))
     packed.load_model()
     packed.initialize_kv_cache(blocks, BLOCK_SIZE)
     kernels = {"torch": (dense, False), "onednn": (dense, True), "packed": (packed, True)}

@@ -21,6 +21,7 @@ from tiny_llama_gguf import (
 from tokenizers import Tokenizer
 
 from switchboard.checkpoint import convert_gguf_to_hf
+from switchboard.checkpoint.gguf_blocks import read_gguf_blocks
 from switchboard.checkpoint.gguf_to_hf import unpermute_rotary_rows
 
 
@@ -55,6 +56,39 @@ def test_weights_match_under_hf_names(converted: tuple[TinyLlama, Path]) -> None
     for name, expected in model.hf_tensors.items():
         assert tensors[name].dtype == np.float32, name
         np.testing.assert_array_equal(tensors[name], expected, err_msg=name)
+
+
+def test_quantized_matrices_keep_their_blocks(converted: tuple[TinyLlama, Path]) -> None:
+    model, out_dir = converted
+    blocks = read_gguf_blocks(out_dir)
+    assert (
+        set(blocks)
+        == set(model.hf_blocks)
+        == {f"model.layers.{n}.mlp.down_proj.weight" for n in (0, 1)}
+    )
+    for name, (expected, type_name) in model.hf_blocks.items():
+        assert (blocks[name].type_name, blocks[name].shape) == (
+            type_name,
+            model.hf_tensors[name].shape,
+        )
+        np.testing.assert_array_equal(blocks[name].data, expected, err_msg=name)
+
+
+def test_every_matrix_quantized_keeps_blocks_in_hf_row_order(tmp_path: Path) -> None:
+    """A file of K-quantized matrices (Q and K rows permuted by llama.cpp): the blocks come back
+    in HF row order, and the float32 weights are their dequantized values."""
+    model = write_tiny_llama_gguf(
+        tmp_path / "q4k.gguf", matrix_type="Q4_K", hidden_size=256, intermediate_size=512
+    )
+    convert_gguf_to_hf(tmp_path / "q4k.gguf", tmp_path)
+    blocks = read_gguf_blocks(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    assert set(blocks) == set(model.hf_blocks) and len(blocks) == 2 + 2 * 7
+    for name, (expected, type_name) in model.hf_blocks.items():
+        assert blocks[name].type_name == type_name == "Q4_K"
+        np.testing.assert_array_equal(blocks[name].data, expected, err_msg=name)
+        np.testing.assert_array_equal(tensors[name], model.hf_tensors[name], err_msg=name)
+    assert read_gguf_blocks(tmp_path, {"lm_head.weight"}).keys() == {"lm_head.weight"}
 
 
 def test_config_comes_from_metadata(converted: tuple[TinyLlama, Path]) -> None:

@@ -3,6 +3,12 @@
 The weights are random HF-layout arrays; Q and K rows are permuted with llama.cpp's formula
 before writing, and one tensor is stored Q8_0-quantized, so a converter that forgets either
 step produces arrays that differ from `TinyLlama.hf_tensors`.
+
+`write_tiny_llama_gguf(path, matrix_type="Q4_K")` stores every matrix (the embedding, the LM
+head and each layer's projections) in that GGUF type instead (any type of
+`tests.gguf_blocks.KERNEL_TYPES`; the K types need `hidden_size` and `intermediate_size` in
+multiples of 256), as llama.cpp's quantized files do; `TinyLlama.hf_blocks` then holds each
+matrix's blocks in HF row order.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter, TokenType
 from gguf.quants import dequantize, quantize
+
+from tests.gguf_blocks import gguf_blocks
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 USER_DEFINED_TOKEN = "<tool>"
@@ -55,15 +63,27 @@ class TinyLlama:
     rms_norm_eps: float = 1e-5
     tokens: list[str] = field(default_factory=list)
     hf_tensors: dict[str, np.ndarray] = field(default_factory=dict)
+    # HF name -> (blocks [rows, bytes] in HF row order, GGUF type), with a `matrix_type`
+    hf_blocks: dict[str, tuple[np.ndarray, str]] = field(default_factory=dict)
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
 
-def write_tiny_llama_gguf(path: Path, seed: int = 0) -> TinyLlama:
-    """Write the file and return what a correct conversion must reproduce."""
-    model = TinyLlama()
+def write_tiny_llama_gguf(
+    path: Path,
+    seed: int = 0,
+    matrix_type: str | None = None,
+    hidden_size: int = 64,
+    intermediate_size: int = 96,
+    kind_types: dict[str, str] | None = None,
+    tied: bool = False,
+) -> TinyLlama:
+    """Write the file and return what a correct conversion must reproduce. ``kind_types``
+    gives some kinds of matrix (``attn_v``, ``ffn_down``, ...) a type other than
+    ``matrix_type`` (as llama.cpp's Q4_K_M does); ``tied`` leaves out ``output.weight``."""
+    model = TinyLlama(hidden_size=hidden_size, intermediate_size=intermediate_size)
     rng = np.random.default_rng(seed)
     model.tokens = SPECIAL_TOKENS + byte_level_alphabet() + [m.replace(" ", "") for m in MERGES]
     model.tokens.append(USER_DEFINED_TOKEN)
@@ -95,6 +115,15 @@ def write_tiny_llama_gguf(path: Path, seed: int = 0) -> TinyLlama:
     writer.add_chat_template(CHAT_TEMPLATE)
 
     def add(gguf_name: str, hf_name: str, shape: tuple[int, ...], heads: int = 0) -> None:
+        kind = gguf_name.split(".")[-2]
+        type_name = (kind_types or {}).get(kind, matrix_type)
+        if type_name is not None and len(shape) == 2:
+            blocks = gguf_blocks(type_name, shape[0], shape[1], rng)
+            model.hf_blocks[hf_name] = (blocks, type_name)
+            model.hf_tensors[hf_name] = dequantize(blocks, GGMLQuantizationType[type_name])
+            raw = llama_cpp_permute(blocks, heads) if heads else blocks
+            writer.add_tensor(gguf_name, raw, raw_dtype=GGMLQuantizationType[type_name])
+            return
         weight = rng.standard_normal(shape).astype(np.float32)
         model.hf_tensors[hf_name] = weight
         writer.add_tensor(gguf_name, llama_cpp_permute(weight, heads) if heads else weight)
@@ -112,11 +141,14 @@ def write_tiny_llama_gguf(path: Path, seed: int = 0) -> TinyLlama:
         add(f"{blk}.ffn_norm.weight", f"{hf}.post_attention_layernorm.weight", (h,))
         add(f"{blk}.ffn_gate.weight", f"{hf}.mlp.gate_proj.weight", (i, h))
         add(f"{blk}.ffn_up.weight", f"{hf}.mlp.up_proj.weight", (i, h))
-        _add_q8_0(
-            writer, model, rng, f"{blk}.ffn_down.weight", f"{hf}.mlp.down_proj.weight", (h, i)
-        )
+        down = f"{blk}.ffn_down.weight", f"{hf}.mlp.down_proj.weight"
+        if matrix_type is None and not kind_types:
+            _add_q8_0(writer, model, rng, *down, (h, i))
+        else:
+            add(*down, (h, i))
     add("output_norm.weight", "model.norm.weight", (h,))
-    add("output.weight", "lm_head.weight", (len(model.tokens), h))
+    if not tied:
+        add("output.weight", "lm_head.weight", (len(model.tokens), h))
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -137,4 +169,5 @@ def _add_q8_0(
     weight = rng.standard_normal(shape).astype(np.float32)
     packed = quantize(weight, GGMLQuantizationType.Q8_0)
     model.hf_tensors[hf_name] = dequantize(packed, GGMLQuantizationType.Q8_0)
+    model.hf_blocks[hf_name] = (packed, "Q8_0")
     writer.add_tensor(gguf_name, packed, raw_dtype=GGMLQuantizationType.Q8_0)

@@ -15,4 +15,4 @@ def without_compiler(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setattr(library, "_library", None)
     monkeypatch.setattr(library, "_failure", None)
-    monkeypatch.setattr(library, "_pool_status", "not loaded")
+    monkeypatch.setattr(library, "_pool_status", library.pool_status())

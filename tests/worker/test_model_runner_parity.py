@@ -129,8 +129,11 @@ def reference_generate(model, prompt: list[int], max_tokens: int) -> tuple[list[
     return tokens, [torch.log_softmax(step[0].float(), -1) for step in out.logits]
 
 
-def make_runner(model_dir: str, num_blocks: int = NUM_BLOCKS) -> ModelRunner:
-    runner = ModelRunner(ModelConfig(model=model_dir), torch.device("cpu"))
+def make_runner(
+    model_dir: str, num_blocks: int = NUM_BLOCKS, quantization: str = "auto"
+) -> ModelRunner:
+    config = ModelConfig(model=model_dir, quantization=quantization)
+    runner = ModelRunner(config, torch.device("cpu"))
     runner.load_model()
     runner.initialize_kv_cache(num_blocks, BLOCK_SIZE)
     return runner

@@ -49,7 +49,8 @@ _GGUF_FILE_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _GGUF_MEMBER = f"{_PACKAGE_MODULE}/{_GGUF_FILE_NAME}"
 
 # Bump when the converter's output changes: finished checkpoints with an older number are redone.
-CONVERTER_VERSION = 1
+# 2: the quantized matrices' GGUF blocks kept beside the float32 weights (gguf_blocks.py).
+CONVERTER_VERSION = 2
 _MARKER_FILE = "switchboard-conversion.json"
 _PIP_TIMEOUT_S = 900.0
 _LOCK_TIMEOUT_S = 1800.0

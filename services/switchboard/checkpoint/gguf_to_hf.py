@@ -5,6 +5,7 @@ What comes out is what `transformers` would save for `LlamaForCausalLM`:
     config.json             architecture facts from the `llama.*` metadata keys
     generation_config.json  bos/eos/pad ids
     model.safetensors       every tensor dequantized to float32, under HF names
+    gguf_blocks.safetensors the block-quantized matrices' raw GGUF blocks (gguf_blocks.py)
     tokenizer.json          rebuilt from `tokenizer.ggml.*` (see gguf_tokenizer.py)
     tokenizer_config.json   special tokens and the chat template
 
@@ -29,10 +30,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from safetensors.numpy import save_file
 
+from switchboard.checkpoint.gguf_blocks import GgufBlocks, write_gguf_blocks
 from switchboard.checkpoint.gguf_fields import arch_field, field
 from switchboard.checkpoint.gguf_tokenizer import special_token_ids, write_tokenizer_files
 from switchboard.checkpoint.progress import Progress
@@ -79,8 +81,9 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> dict[str, Any]:
         out_dir,
     )
 
-    tensors = _convert_tensors(reader, config)
+    tensors, blocks = _convert_tensors(reader, config)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    write_gguf_blocks(out_dir, blocks)
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "generation_config.json", {**special_token_ids(reader)})
     write_tokenizer_files(reader, out_dir, model_max_length=config["max_position_embeddings"])
@@ -145,21 +148,34 @@ def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-def _convert_tensors(reader: GGUFReader, config: dict[str, Any]) -> dict[str, np.ndarray]:
+# Types whose tensors are plain numbers, not blocks: nothing to keep beside the float32 copy.
+_UNBLOCKED = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+
+
+def _convert_tensors(
+    reader: GGUFReader, config: dict[str, Any]
+) -> tuple[dict[str, np.ndarray], dict[str, GgufBlocks]]:
+    """Every tensor as float32, and the block-quantized matrices' raw blocks, by HF name."""
     heads_for = {
         "attn_q": config["num_attention_heads"],
         "attn_k": config["num_key_value_heads"],
     }
     progress = Progress("converting tensors", len(reader.tensors))
     tensors: dict[str, np.ndarray] = {}
+    blocks: dict[str, GgufBlocks] = {}
     for done, tensor in enumerate(reader.tensors, start=1):
         hf_name, gguf_kind = _hf_name(tensor.name)
         weight = np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        raw = tensor.data if tensor.tensor_type not in _UNBLOCKED and weight.ndim == 2 else None
         if gguf_kind in heads_for:
             weight = unpermute_rotary_rows(weight, heads_for[gguf_kind])
+            raw = None if raw is None else unpermute_rotary_rows(raw, heads_for[gguf_kind])
         tensors[hf_name] = weight
+        if raw is not None:
+            shape = (weight.shape[0], weight.shape[1])
+            blocks[hf_name] = GgufBlocks(np.array(raw, np.uint8), tensor.tensor_type.name, shape)
         progress.update(done, tensor.name)
-    return tensors
+    return tensors, blocks
 
 
 def _hf_name(gguf_name: str) -> tuple[str, str]:

@@ -34,6 +34,18 @@ class ModelConfig(Config, frozen=True):
             choices=("auto", "float32", "bfloat16", "float16"),
         ),
     ] = "auto"
+    quantization: Annotated[
+        str,
+        Flag(
+            "weights kept quantized for decode-sized matmuls on CPU (prefill stays float32); "
+            "auto: a checkpoint converted from a .gguf file keeps its blocks (Q8_0, Q4_0, Q4_1, "
+            "Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; other types stay float32), any other none; gguf: "
+            "those blocks, other types refused; int8: int8 per 32 inputs made at load, any "
+            "checkpoint; none: float32",
+            Group.MODEL,
+            choices=("auto", "none", "gguf", "int8"),
+        ),
+    ] = "auto"
     max_model_len: Annotated[
         int | None,
         Flag(

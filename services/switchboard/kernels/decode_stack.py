@@ -15,7 +15,8 @@ set of KV caches. The stack applies to a step whose every row decodes (no prefil
 model checks), with at most ``MAX_ROWS`` rows, float32 on CPU, every matrix with its small-batch
 panels, and the three kernels loaded (so their off switches hold here too); anything else takes
 the layer-by-layer path. Up to ``gemm.SMALL_BATCH_MAX_ROWS`` rows (``MAX_ROWS``) the layers use
-the same matmul kernel, so both paths give the same floats, and the stack is batch-invariant (a
+the same matmul kernel (the quantized one for a matrix with quantized panels,
+``models/quantized.py``), so both paths give the same floats, and the stack is batch-invariant (a
 row's floats do not depend on the rows beside it). Its loops run on the kernels' work pool: a
 late thread is not waited for. ``SWITCHBOARD_DECODE_STACK=off`` turns it off alone.
 """
@@ -28,8 +29,8 @@ from typing import Any
 
 import torch
 
-from switchboard.kernels import fused_ops, gemm, library, paged_decode, small_batch_gemm
-from switchboard.kernels.small_batch_gemm import Panels
+from switchboard.kernels import fused_ops, gemm, library, paged_decode, quant_gemm, small_batch_gemm
+from switchboard.kernels.gemm import MatmulPanels
 
 # Rows a step may have. The kernel takes the rows 8 at a time (AVX-512; 6 with AVX2) over each
 # cached panel, as fast as oneDNN with AVX-512 (SmolLM2's matmuls, 2 threads: 16 rows 0.95x,
@@ -76,7 +77,7 @@ def unload() -> None:
 
 @dataclass(frozen=True)
 class StackMatmul:
-    panels: Panels
+    panels: MatmulPanels  # float32 or quantized: each matmul of a layer may be either
     bias: torch.Tensor | None
 
 
@@ -100,7 +101,7 @@ class StackLayer:
     sliding_window: int | None
 
 
-_LAYER_FIELDS = 12  # the C side's LAYER_FIELDS
+_LAYER_FIELDS = 16  # the C side's LAYER_FIELDS
 _Dims = tuple[int, int, int, int, int]  # hidden, heads, KV heads, head_dim, intermediate
 
 
@@ -265,10 +266,17 @@ def _layer_fields(
         *_addresses(layer.down),
         cache.data_ptr(),
         layer.sliding_window or 0,
+        *(_block(matmul) for matmul in matmuls),
     ]
     assert len(addresses) == _LAYER_FIELDS
     dims = (hidden_size, heads, kv_heads, head_dim, layer.gate_up.panels.out_features // 2)
     return addresses, (dims, float(layer.input_norm_eps), float(layer.scale))
+
+
+def _block(matmul: StackMatmul) -> int:
+    """The C side's kind of panels: 0 float32, else the quantized panels' block size."""
+    panels = matmul.panels
+    return panels.block if isinstance(panels, quant_gemm.QuantPanels) else 0
 
 
 def _addresses(matmul: StackMatmul) -> tuple[int, int]:

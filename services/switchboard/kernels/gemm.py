@@ -17,7 +17,10 @@ than MKL on tiny-llama's small products too).
 
 A layer may also hold its weight as the small-batch kernel's panels (``small_batch_gemm.pack``,
 passed to ``linear``): a product of at most ``SMALL_BATCH_MAX_ROWS`` rows (decode) then goes to
-that kernel, which reads the weight at the memory's speed (``small_batch_gemm.py``).
+that kernel, which reads the weight at the memory's speed (``small_batch_gemm.py``). Quantized
+panels (``quant_gemm.pack``) take the same products to the quantized kernel, which reads a
+quarter to a third of the bytes (``quant_gemm.py``), whatever the weight's own layout; larger
+products keep the float32 weight.
 
 The kernels compute the same float32 products in a different order: results agree to
 rounding, not bit for bit. ``use_onednn(False)`` (or ``SWITCHBOARD_GEMM=torch``) turns the
@@ -32,8 +35,11 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from switchboard.kernels import small_batch_gemm
+from switchboard.kernels import quant_gemm, small_batch_gemm
 from switchboard.kernels.build import cpu_flags
+
+# A layer's weight laid out for a kernel of few rows: float32 or quantized.
+MatmulPanels = small_batch_gemm.Panels | quant_gemm.QuantPanels
 
 # Products of at least this many multiply-adds (rows x in x out) go to oneDNN: below it, the
 # per-call lookup costs more than the faster kernel saves (measured 1x256x512: MKL 12 us,
@@ -49,6 +55,8 @@ PACK_BATCH_HINT = 32
 # SmolLM2's layer shapes, one and two threads, a 2-core Zen 3 EPYC): 512, which covers a step
 # that shares its budget among requests (prompt chunks and decodes, ``config.py``). The one-call
 # decode stack takes as many rows (``decode_stack.MAX_ROWS``): both paths give the same floats.
+# Quantized panels take the same products (the quantized kernel computes the float32 kernel's
+# sums on the dequantized weights).
 SMALL_BATCH_MAX_ROWS = 128 if "avx512f" in cpu_flags() else 512
 
 _onednn_linear: Callable[..., torch.Tensor] | None = None
@@ -96,23 +104,28 @@ def linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
-    panels: small_batch_gemm.Panels | None = None,
+    panels: MatmulPanels | None = None,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` through oneDNN where that is faster; ``weight`` may be a
-    ``pack``-ed one, and ``panels`` the same weight laid out for the small-batch kernel."""
+    ``pack``-ed one, and ``panels`` the same weight laid out for a small-batch kernel."""
     onednn = _onednn_linear
-    if weight.is_mkldnn:
-        assert onednn is not None  # only oneDNN packs a weight
+    quantized = isinstance(panels, quant_gemm.QuantPanels)
+    if weight.is_mkldnn or quantized:
         rows = x.reshape(-1, x.shape[-1])
         if (
             panels is not None
             and rows.shape[0] <= SMALL_BATCH_MAX_ROWS
             and rows.dtype == torch.float32
         ):
-            y = small_batch_gemm.linear(rows, panels, bias)
-        else:
+            if isinstance(panels, quant_gemm.QuantPanels):
+                y = quant_gemm.linear(rows, panels, bias)
+            else:
+                y = small_batch_gemm.linear(rows, panels, bias)
+            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+        if weight.is_mkldnn:
+            assert onednn is not None  # only oneDNN packs a weight
             y = onednn(rows, weight, bias, "none", [], "")
-        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
     if (
         _enabled
         and onednn is not None

@@ -27,7 +27,14 @@ logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).with_name("csrc")
 # The translation units of the library (their headers are SOURCE_DIR's *.h).
-SOURCES = ("work_pool.c", "paged_decode.c", "fused_ops.c", "small_batch_gemm.c", "decode_stack.c")
+SOURCES = (
+    "work_pool.c",
+    "paged_decode.c",
+    "fused_ops.c",
+    "small_batch_gemm.c",
+    "quant_gemm.c",
+    "decode_stack.c",
+)
 
 _I64, _F32, _INT, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 # name -> (result type, argument types); None = void
@@ -43,6 +50,9 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "small_batch_max_rows": (_INT, []),
     "small_batch_pack": (None, [_PTR, _PTR, _I64, _I64]),
     "small_batch_linear": (_INT, [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64]),
+    "quant_gemm_max_rows": (_INT, []),
+    "quant_pack": (None, [*[_PTR] * 4, *[_I64] * 3]),
+    "quant_linear": (_INT, [_PTR, _I64, _PTR, _PTR, _PTR, *[_I64] * 4]),
     "decode_stack_f32": (
         _INT,
         [_PTR, _I64, _I64, _PTR, *[_I64] * 5, _F32, _F32, *[_PTR] * 5, *[_I64] * 3],

@@ -15,8 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from switchboard.kernels import fused_ops
-from switchboard.kernels.gemm import linear
-from switchboard.kernels.small_batch_gemm import Panels
+from switchboard.kernels.gemm import MatmulPanels, linear
 from switchboard.models.hf_config import RopeConfig
 
 
@@ -80,8 +79,9 @@ class Linear(nn.Module):
         self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        # the weight laid out for the small-batch matmul kernel, beside oneDNN's (``prepack.py``)
-        self.small_batch: Panels | None = None
+        # the weight laid out for a small-batch matmul kernel, beside oneDNN's (``prepack.py``;
+        # quantized: ``quantized.py``)
+        self.small_batch: MatmulPanels | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.small_batch)

@@ -28,8 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from switchboard.kernels.gemm import linear
-from switchboard.kernels.small_batch_gemm import Panels
+from switchboard.kernels.gemm import MatmulPanels, linear
 from switchboard.models.hf_config import TransformerConfig
 from switchboard.models.layers import MergedLinear
 from switchboard.models.parallel import ParallelState, Shard
@@ -77,8 +76,9 @@ class RowParallelLinear(nn.Module):
         self.parallel = parallel
         self.weight = nn.Parameter(torch.empty(out_features, inputs.size))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        # the weight laid out for the small-batch matmul kernel, beside oneDNN's (``prepack.py``)
-        self.small_batch: Panels | None = None
+        # the weight laid out for a small-batch matmul kernel, beside oneDNN's (``prepack.py``;
+        # quantized: ``quantized.py``)
+        self.small_batch: MatmulPanels | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel.tp_size == 1:  # one fused op, as a plain linear computes it
@@ -111,7 +111,7 @@ class VocabParallelEmbedding(nn.Module):
         # A matmul-ready copy when this matrix also computes the logits (``models/prepack.py``),
         # and the logits matrix laid out for the small-batch matmul kernel.
         self.packed_logits_weight: torch.Tensor | None = None
-        self.small_batch: Panels | None = None
+        self.small_batch: MatmulPanels | None = None
 
     def logits_weight(self) -> torch.Tensor:
         """The matrix the logits multiply by: the packed copy when there is one."""
@@ -178,7 +178,7 @@ def vocab_parallel_logits(
     weight: torch.Tensor,
     parallel: ParallelState,
     vocab_size: int,
-    small_batch: Panels | None = None,
+    small_batch: MatmulPanels | None = None,
 ) -> torch.Tensor:
     """Float32 logits ``[rows, vocab]`` from this rank's vocabulary rows ``weight`` (and their
     small-batch panels): every TP rank's part, gathered in rank order, padding dropped."""

@@ -6,7 +6,8 @@ dense one when it is tied to the token embedding (the embedding lookup needs the
 Packing runs after the checkpoint is loaded: a packed weight cannot be loaded into, sliced or
 read back, and every step after it multiplies through oneDNN (``kernels/gemm.py``). Each layer
 with a packed weight also gets the small-batch kernel's panels of it (its ``small_batch``) when
-that kernel is in use (``kernels/small_batch_gemm.py``: decode-sized products).
+that kernel is in use (``kernels/small_batch_gemm.py``: decode-sized products), unless it
+already has quantized panels (``quantized.py``), which serve those products instead.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def prepack_weights(model: nn.Module) -> tuple[int, float]:
         if isinstance(module, _PACKED_IN_PLACE) and gemm.packable(module.weight):
             dense = module.weight
             module.weight = nn.Parameter(gemm.pack(dense), requires_grad=False)
-            if small_batch:
+            if small_batch and module.small_batch is None:
                 module.small_batch = small_batch_gemm.pack(dense)
             packed += 1
     head = _logits_head(model)
@@ -50,7 +51,7 @@ def prepack_weights(model: nn.Module) -> tuple[int, float]:
         and gemm.packable(head.weight)
     ):
         head.packed_logits_weight = gemm.pack(head.weight)
-        if small_batch:
+        if small_batch and head.small_batch is None:
             head.small_batch = small_batch_gemm.pack(head.weight)
         packed += 1
     return packed, time.monotonic() - started

@@ -86,6 +86,8 @@ class ModelSummary(_Wire):
     dtype: str  # the dtype the model runs in, e.g. "float32"
     kv_cache_bytes_per_token: int  # over all layers, K and V, on this worker
     device_type: str = "cpu"  # torch's device type the worker computes on: "cpu", "cuda"
+    # the weights kept quantized for decode: "none", "gguf Q4_1, Q8_0", "int8"
+    quantization: str = "none"
 
 
 class RpcCall(_Wire):

@@ -22,6 +22,7 @@ import torch
 
 from switchboard.config import ModelConfig
 from switchboard.models.hf_config import TransformerConfig
+from switchboard.models.quantized import NONE as NO_QUANTIZATION
 from switchboard.wire.engine_msgs import PoolingParams
 from switchboard.wire.step_msgs import ModelRunnerOutput, ModelSummary, SchedulerOutput
 from switchboard.worker.model_loading import load_runner_model, model_summary, require_config
@@ -44,20 +45,25 @@ class EncoderRunner:
         self.model: torch.nn.Module | None = None
         self.config: TransformerConfig | None = None
         self.dtype = torch.float32
+        self.quantization = NO_QUANTIZATION
         self.kv_caches: list[torch.Tensor] = []  # always empty: an encoder caches nothing
         self.requests: dict[str, EncoderRequest] = {}
 
     # -- set-up -----------------------------------------------------------------------------
 
     def load_model(self) -> ModelSummary:
-        self.model, self.config, self.dtype = load_runner_model(
+        self.model, self.config, self.dtype, self.quantization = load_runner_model(
             self.model_config, self.device, log_prefix="encoder, "
         )
         return self.summary()
 
     def summary(self) -> ModelSummary:
         return model_summary(
-            self._require_config(), self.dtype, kv_cache_bytes_per_token=0, device=self.device
+            self._require_config(),
+            self.dtype,
+            kv_cache_bytes_per_token=0,
+            device=self.device,
+            quantization=self.quantization,
         )
 
     def kv_cache_bytes_per_token(self) -> int:

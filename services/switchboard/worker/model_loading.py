@@ -12,6 +12,7 @@ from switchboard.models.hf_config import TransformerConfig, load_transformer_con
 from switchboard.models.loader import load_model, resolve_dtype
 from switchboard.models.parallel import SINGLE_PROCESS, ParallelState
 from switchboard.models.prepack import prepack_weights
+from switchboard.models.quantized import Quantization, quantize_weights
 from switchboard.wire.step_msgs import ModelSummary
 
 logger = logging.getLogger(__name__)
@@ -22,9 +23,10 @@ def load_runner_model(
     device: torch.device,
     parallel: ParallelState = SINGLE_PROCESS,
     log_prefix: str = "",
-) -> tuple[torch.nn.Module, TransformerConfig, torch.dtype]:
+) -> tuple[torch.nn.Module, TransformerConfig, torch.dtype, Quantization]:
     """Resolve the dtype (logged: what was asked for, what the checkpoint has), then load the
-    checkpoint's share for ``parallel``. Returns (model, its config, the dtype it runs in)."""
+    checkpoint's share for ``parallel`` and quantize its matrices as asked. Returns (model, its
+    config, the dtype it runs in, the quantization applied)."""
     config = load_transformer_config(model_config.model)
     dtype = resolve_dtype(model_config.dtype, config, device)
     logger.info(
@@ -36,6 +38,9 @@ def load_runner_model(
         device.type,
     )
     model, config = load_model(model_config.model, device, dtype, parallel)
+    quantization = quantize_weights(
+        model, model_config.model, model_config.quantization, device, dtype, parallel
+    )
     packed, seconds = prepack_weights(model)
     if packed:
         logger.info(
@@ -45,7 +50,7 @@ def load_runner_model(
             seconds,
             small_batch_gemm.status(),
         )
-    return model, config, dtype
+    return model, config, dtype, quantization
 
 
 def model_summary(
@@ -53,6 +58,7 @@ def model_summary(
     dtype: torch.dtype,
     kv_cache_bytes_per_token: int,
     device: torch.device,
+    quantization: Quantization,
 ) -> ModelSummary:
     return ModelSummary(
         num_layers=config.num_layers,
@@ -63,6 +69,7 @@ def model_summary(
         dtype=dtype_name(dtype),
         kv_cache_bytes_per_token=kv_cache_bytes_per_token,
         device_type=device.type,
+        quantization=quantization.describe(),
     )
 
 

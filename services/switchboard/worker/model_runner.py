@@ -25,6 +25,7 @@ from switchboard.models.attention_backends import select_backend
 from switchboard.models.hf_config import TransformerConfig
 from switchboard.models.loader import CausalLM, as_causal_lm
 from switchboard.models.parallel import SINGLE_PROCESS, ParallelState
+from switchboard.models.quantized import NONE as NO_QUANTIZATION
 from switchboard.wire.engine_msgs import TokenLogprobs
 from switchboard.wire.step_msgs import ModelRunnerOutput, ModelSummary, SchedulerOutput
 from switchboard.worker import cuda_graphs
@@ -71,6 +72,7 @@ class ModelRunner:
         self.model: CausalLM | None = None
         self.config: TransformerConfig | None = None
         self.dtype = torch.float32
+        self.quantization = NO_QUANTIZATION
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = 0
         self.requests = RequestStates()
@@ -81,7 +83,7 @@ class ModelRunner:
     # -- set-up -----------------------------------------------------------------------------
 
     def load_model(self) -> ModelSummary:
-        model, self.config, self.dtype = load_runner_model(
+        model, self.config, self.dtype, self.quantization = load_runner_model(
             self.model_config, self.device, self.parallel
         )
         self.model = as_causal_lm(model)
@@ -97,7 +99,9 @@ class ModelRunner:
 
     def summary(self) -> ModelSummary:
         config = self._require_config()
-        return model_summary(config, self.dtype, self.kv_cache_bytes_per_token(), self.device)
+        return model_summary(
+            config, self.dtype, self.kv_cache_bytes_per_token(), self.device, self.quantization
+        )
 
     def kv_cache_bytes_per_token(self) -> int:
         """On this worker: its stage's layers, its share of the KV heads."""

@@ -8,11 +8,19 @@
 
 #include "kernels.h"
 
-/* Per layer, the addresses (as integers, 0 = none) of: */
+/* Per layer, the addresses (as integers, 0 = none) of the norms, matmul panels and biases and
+   the KV cache, the sliding window, and per matmul its panels' kind: 0 float32
+   (small_batch_gemm.c), else quantized in blocks of that many inputs (quant_gemm.c). */
 enum {
     LN1, QKV, QKV_BIAS, O, O_BIAS, LN2, GATE_UP, GATE_UP_BIAS, DOWN, DOWN_BIAS, KV, WINDOW,
-    LAYER_FIELDS
+    QKV_BLOCK, O_BLOCK, GATE_UP_BLOCK, DOWN_BLOCK, LAYER_FIELDS
 };
+
+static int stack_linear(int64_t block, const float *x, int64_t ldx, const void *p,
+                        const float *bias, float *y, int64_t M, int64_t K, int64_t N) {
+    if (block) return quant_linear(x, ldx, p, bias, y, M, K, N, block);
+    return small_batch_linear(x, ldx, p, bias, y, M, K, N);
+}
 
 /* x [M, H]: the hidden states in, the last layer's out. Returns 0; -1 out of memory; -2 a
    slot outside the KV cache. */
@@ -41,7 +49,7 @@ int decode_stack_f32(float *x, int64_t M, int64_t layers, const int64_t *fields,
 #define PTR(i) ((float *)(intptr_t)f[i])
         float *kv = PTR(KV);
         rms_norm_f32(x, H, PTR(LN1), h, M, H, eps);
-        code = small_batch_linear(h, H, PTR(QKV), PTR(QKV_BIAS), qkv, M, H, qkv_n);
+        code = stack_linear(f[QKV_BLOCK], h, H, PTR(QKV), PTR(QKV_BIAS), qkv, M, H, qkv_n);
         if (code != 0) break;
         rotary_f32(qkv, qkv_n, M, nH, D, cos_half, sin_half);
         rotary_f32(qkv + nH * D, qkv_n, M, nKV, D, cos_half, sin_half);
@@ -53,14 +61,15 @@ int decode_stack_f32(float *x, int64_t M, int64_t layers, const int64_t *fields,
         code = paged_decode_f32(qkv, qkv_n, kv, block_table, context_lens, attn, M, nH, nKV, D,
                                 NB, BS, MB, scale, f[WINDOW]);
         if (code != 0) break;
-        code = small_batch_linear(attn, attn_n, PTR(O), PTR(O_BIAS), tmp, M, attn_n, H);
+        code = stack_linear(f[O_BLOCK], attn, attn_n, PTR(O), PTR(O_BIAS), tmp, M, attn_n, H);
         if (code != 0) break;
         for (int64_t i = 0; i < M * H; i++) x[i] = x[i] + tmp[i];
         rms_norm_f32(x, H, PTR(LN2), h, M, H, eps);
-        code = small_batch_linear(h, H, PTR(GATE_UP), PTR(GATE_UP_BIAS), gate_up, M, H, 2 * I);
+        code = stack_linear(f[GATE_UP_BLOCK], h, H, PTR(GATE_UP), PTR(GATE_UP_BIAS), gate_up, M, H,
+                            2 * I);
         if (code != 0) break;
         silu_and_mul_f32(gate_up, 2 * I, act, M, I);
-        code = small_batch_linear(act, I, PTR(DOWN), PTR(DOWN_BIAS), tmp, M, I, H);
+        code = stack_linear(f[DOWN_BLOCK], act, I, PTR(DOWN), PTR(DOWN_BIAS), tmp, M, I, H);
         if (code != 0) break;
         for (int64_t i = 0; i < M * H; i++) x[i] = x[i] + tmp[i];
 #undef PTR

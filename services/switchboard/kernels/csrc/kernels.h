@@ -26,6 +26,14 @@ void small_batch_pack(const float *w, float *p, int64_t N, int64_t K);
 int small_batch_linear(const float *x, int64_t ldx, const float *p, const float *bias, float *y,
                        int64_t M, int64_t K, int64_t N);
 
+/* quant_gemm.c: matmuls of a few rows on int8 weights with per-block scales and offsets (0 rows
+   at a time: built without AVX2 and FMA) */
+int quant_gemm_max_rows(void);
+void quant_pack(const int8_t *q, const float *scale, const float *offset, uint8_t *p, int64_t N,
+                int64_t K, int64_t B);
+int quant_linear(const float *x, int64_t ldx, const uint8_t *p, const float *bias, float *y,
+                 int64_t M, int64_t K, int64_t N, int64_t B);
+
 /* decode_stack.c: a decode step's decoder layers in one call */
 int decode_stack_f32(float *x, int64_t M, int64_t layers, const int64_t *fields, int64_t H,
                      int64_t nH, int64_t nKV, int64_t D, int64_t I, float eps, float scale,
