@@ -118,6 +118,25 @@ def load_switched(variable: str, off: str) -> tuple[ctypes.CDLL | None, str]:
         return None, f"unavailable: {exc}"
 
 
+def load_panel_kernel(variable: str, pack: str, linear: str, max_rows: str) -> tuple[Any, int, str]:
+    """What a panel matmul module's ``load()`` does (the float32 and the quantized small-batch
+    kernels): ((pack, linear) functions, rows at a time, status); (None, 0, why not) when the
+    kernel is not usable (no AVX2 and FMA on the CPU or in the build, switched off by
+    ``variable=off``, or no library)."""
+    from switchboard.kernels.build import cpu_flags
+
+    if not {"avx2", "fma"} <= cpu_flags():
+        return None, 0, "unavailable: the CPU has no AVX2 and FMA"
+    loaded, status = load_switched(variable, "off")
+    if loaded is None:
+        return None, 0, status
+    rows = int(getattr(loaded, max_rows)())
+    if rows == 0:
+        return None, 0, "unavailable: the compiler built it without AVX2 and FMA"
+    functions = (getattr(loaded, pack), getattr(loaded, linear))
+    return functions, rows, f"in use ({rows} rows at a time)"
+
+
 def pool_status() -> str:
     return _pool_status
 

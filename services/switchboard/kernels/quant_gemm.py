@@ -22,7 +22,6 @@ from typing import Any
 import torch
 
 from switchboard.kernels import library
-from switchboard.kernels.build import cpu_flags
 from switchboard.kernels.quant_formats import QuantRows
 
 PANEL = 16
@@ -61,18 +60,12 @@ def load() -> bool:
     global _pack, _linear, _status, max_rows
     if _linear is not None:
         return True
-    if not {"avx2", "fma"} <= cpu_flags():
-        _status = "unavailable: the CPU has no AVX2 and FMA"
+    functions, rows, _status = library.load_panel_kernel(
+        "SWITCHBOARD_QUANT_GEMM", "quant_pack", "quant_linear", "quant_gemm_max_rows"
+    )
+    if functions is None:
         return False
-    loaded, _status = library.load_switched("SWITCHBOARD_QUANT_GEMM", "off")
-    if loaded is None:
-        return False
-    rows = int(loaded.quant_gemm_max_rows())
-    if rows == 0:
-        _status = "unavailable: the compiler built it without AVX2 and FMA"
-        return False
-    _pack, _linear, max_rows = loaded.quant_pack, loaded.quant_linear, rows
-    _status = f"in use ({max_rows} rows at a time)"
+    (_pack, _linear), max_rows = functions, rows
     return True
 
 

@@ -39,7 +39,6 @@ from typing import Any
 import torch
 
 from switchboard.kernels import library
-from switchboard.kernels.build import cpu_flags
 
 PANEL = 16
 # Rows one call takes, read from the library at load (8 with AVX-512's registers, else 6);
@@ -65,18 +64,15 @@ def load() -> bool:
     global _pack, _linear, _status, max_rows
     if _linear is not None:
         return True
-    if not {"avx2", "fma"} <= cpu_flags():
-        _status = "unavailable: the CPU has no AVX2 and FMA"
+    functions, rows, _status = library.load_panel_kernel(
+        "SWITCHBOARD_SMALL_BATCH_GEMM",
+        "small_batch_pack",
+        "small_batch_linear",
+        "small_batch_max_rows",
+    )
+    if functions is None:
         return False
-    loaded, _status = library.load_switched("SWITCHBOARD_SMALL_BATCH_GEMM", "off")
-    if loaded is None:
-        return False
-    rows = int(loaded.small_batch_max_rows())
-    if rows == 0:
-        _status = "unavailable: the compiler built it without AVX2 and FMA"
-        return False
-    _pack, _linear, max_rows = loaded.small_batch_pack, loaded.small_batch_linear, rows
-    _status = f"in use ({max_rows} rows at a time)"
+    (_pack, _linear), max_rows = functions, rows
     return True
 
 
