@@ -199,14 +199,7 @@ def chat_request(raw: dict[str, Any], request_id: str) -> tuple[pb.GenerateReque
         request.output.logprobs = logprobs
     elif top_logprobs:
         raise invalid_argument("top_logprobs", "top_logprobs needs logprobs: true")
-    request.messages.extend(chat_messages(raw.get("messages")))
-    add_generation_prompt = body.boolean("add_generation_prompt")
-    if add_generation_prompt is not None:
-        request.add_generation_prompt = add_generation_prompt
-    request.continue_final_message = bool(body.boolean("continue_final_message"))
-    kwargs = body.object("chat_template_kwargs")
-    if kwargs:
-        request.chat_template_kwargs.update(kwargs)
+    read_chat_fields(body, raw, request)
     options = dataclasses.replace(options, logprobs=logprobs)
     return request, _tools(body, request, options)
 
@@ -298,6 +291,19 @@ def _tool_choice(value: Any, functions: dict[str, Any]) -> tuple[str, str | None
         'tool_choice must be "none", "auto", "required" or '
         '{"type": "function", "function": {"name": ...}}',
     )
+
+
+def read_chat_fields(body: JsonBody, raw: dict[str, Any], request: pb.GenerateRequest) -> None:
+    """The chat fields a chat completion and vLLM's chat ``/tokenize`` both take: the messages
+    and how the chat template renders them."""
+    request.messages.extend(chat_messages(raw.get("messages")))
+    add_generation_prompt = body.boolean("add_generation_prompt")
+    if add_generation_prompt is not None:
+        request.add_generation_prompt = add_generation_prompt
+    request.continue_final_message = bool(body.boolean("continue_final_message"))
+    kwargs = body.object("chat_template_kwargs")
+    if kwargs:
+        request.chat_template_kwargs.update(kwargs)
 
 
 def chat_messages(messages: Any) -> list[pb.ChatMessage]:

@@ -9,7 +9,7 @@ from typing import Any
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.gateway.api_errors import invalid_argument
 from switchboard.gateway.http.json_body import JsonBody, is_token_id
-from switchboard.gateway.http.openai_request import chat_messages
+from switchboard.gateway.http.openai_request import read_chat_fields
 
 ENCODING_FORMATS = ("float", "base64")
 
@@ -89,14 +89,7 @@ def tokenize_request(raw: dict[str, Any]) -> TokenizeCall:
     if raw.get("prompt") is not None:
         raise invalid_argument("messages", "set either prompt or messages, not both")
     chat = pb.GenerateRequest(model=model)
-    chat.messages.extend(chat_messages(raw["messages"]))
-    add_generation_prompt = body.boolean("add_generation_prompt")
-    if add_generation_prompt is not None:
-        chat.add_generation_prompt = add_generation_prompt
-    chat.continue_final_message = bool(body.boolean("continue_final_message"))
-    kwargs = body.object("chat_template_kwargs")
-    if kwargs:
-        chat.chat_template_kwargs.update(kwargs)
+    read_chat_fields(body, raw, chat)
     return TokenizeCall(None, chat, bool(add_special), token_strs)
 
 
