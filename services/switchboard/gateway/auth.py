@@ -1,11 +1,14 @@
 """Who may call the gateway: API keys on the data plane, a separate token for AdminService.
 
-* Data plane (``switchboard.v1.GenerationService``, ``ModelService``; HTTP ``/v1/*``): with API
-  keys configured (``--api-key``, ``--api-key-file``) a call must carry ``authorization:
-  Bearer <key>`` (gRPC metadata, or the HTTP header) with one of them; otherwise it ends with
-  UNAUTHENTICATED (HTTP 401, an OpenAI error body) before its request is parsed.
-* ``switchboard.v1.AdminService``: with ``--admin-token`` only that token opens it (API keys do
-  not); without one it is as open as the data plane is without keys (and the gateway warns).
+* Data plane (``switchboard.v1.GenerationService``, ``ModelService``,
+  ``vllm.grpc.engine.VllmEngine``; HTTP ``/v1/*``): with API keys configured (``--api-key``,
+  ``--api-key-file``) a call must carry ``authorization: Bearer <key>`` (gRPC metadata, or
+  the HTTP header) with one of them; otherwise it ends with UNAUTHENTICATED (HTTP 401, an
+  OpenAI error body) before its request is parsed.
+* ``switchboard.v1.AdminService`` (and ``vllm.grpc.engine.VllmEngine``'s FlushCache,
+  StartProfile, StopProfile; its other methods are data plane): with ``--admin-token`` only
+  that token opens it (API keys do not); without one it is as open as the data plane is
+  without keys (and the gateway warns).
 * gRPC health and reflection, HTTP ``/health`` and ``/ready`` stay open: probes carry no key.
 * ``/metrics`` (its own port): with a metrics token (``--metrics-token``,
   ``--metrics-token-file``) only that token opens it (401 otherwise); without one it is open.
@@ -40,6 +43,11 @@ limited = WarningLimit(logger)
 AUTHORIZATION = "authorization"
 _BEARER = "bearer "
 ADMIN_SERVICE_PREFIX = "/switchboard.v1.AdminService/"
+# vLLM's engine service mixes both planes: these of its methods act on the engines, as
+# AdminService's do, and take the admin token.
+ADMIN_METHODS = frozenset(
+    f"/vllm.grpc.engine.VllmEngine/{name}" for name in ("FlushCache", "StartProfile", "StopProfile")
+)
 # Services open without a key: probes and service discovery.
 API_KEY_REASON = "INVALID_API_KEY"  # OpenAI's error code (lower case) in the HTTP body
 ADMIN_REASON = "INVALID_ADMIN_TOKEN"
@@ -163,7 +171,7 @@ class Credentials:
     ) -> ApiError | None:
         if method.startswith(OPEN_SERVICE_PREFIXES):
             return None
-        if method.startswith(ADMIN_SERVICE_PREFIX):
+        if method.startswith(ADMIN_SERVICE_PREFIX) or method in ADMIN_METHODS:
             return self.check_admin(metadata)
         return self.check_data_plane(metadata)
 

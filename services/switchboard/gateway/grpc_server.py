@@ -1,4 +1,5 @@
-"""The gateway's grpc.aio server: the switchboard.v1 services, health, reflection, clean stop.
+"""The gateway's grpc.aio server: the switchboard.v1 services and vLLM's engine service
+(``vllm.grpc.engine.VllmEngine``, ``servicers/vllm_engine/``), health, reflection, clean stop.
 
 The OpenAI-compatible HTTP API (``gateway/http/``, ``--http-port``) runs in the same event loop
 and starts and stops with the gRPC server; its /health and /ready say what the two health
@@ -6,7 +7,8 @@ services below say.
 
 Health (grpc.health.v1, Check and Watch):
 * ``""``: SERVING while the process runs (liveness);
-* ``switchboard.v1.GenerationService``: SERVING while at least one engine core is READY and
+* ``switchboard.v1.GenerationService`` and ``vllm.grpc.engine.VllmEngine`` (the same answer):
+  SERVING while at least one engine core is READY and
   routable (no stalled worker) and the gateway is not stopping (readiness); under
   ``switchboard serve`` only once every engine core of the server has been READY. On a stop it
   turns NOT_SERVING first, then the server drains: in-flight calls get ``shutdown_grace_s``
@@ -27,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from smg_grpc_proto import vllm_engine_pb2_grpc
 
 from switchboard.api.v1 import (
     admin_service_pb2,
@@ -52,6 +55,10 @@ from switchboard.gateway.request_guard import MalformedRequestGuard
 from switchboard.gateway.servicers.admin import AdminServicer
 from switchboard.gateway.servicers.generation import GenerationServicer
 from switchboard.gateway.servicers.model_service import ModelServicer
+from switchboard.gateway.servicers.vllm_engine.servicer import (
+    SERVICE_NAME as VLLM_ENGINE_SERVICE,
+)
+from switchboard.gateway.servicers.vllm_engine.servicer import VllmEngineServicer
 from switchboard.gateway.state import GatewayState
 from switchboard.gateway.text import Tokenizer
 
@@ -60,6 +67,8 @@ logger = logging.getLogger(__name__)
 GENERATION_SERVICE = generation_service_pb2.DESCRIPTOR.services_by_name[
     "GenerationService"
 ].full_name
+# Readiness, under either name: routers of the vLLM engine contract ask for their service's.
+READINESS_SERVICES = (GENERATION_SERVICE, VLLM_ENGINE_SERVICE)
 EXIT_ENGINES_DEAD = 1
 
 
@@ -67,6 +76,7 @@ def _service_names(enable_admin: bool) -> list[str]:
     names = [
         GENERATION_SERVICE,
         model_service_pb2.DESCRIPTOR.services_by_name["ModelService"].full_name,
+        VLLM_ENGINE_SERVICE,
     ]
     if enable_admin:
         names.append(admin_service_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name)
@@ -185,6 +195,9 @@ class GatewayServer:
         model_service_pb2_grpc.add_ModelServiceServicer_to_server(
             ModelServicer(state), self._server
         )
+        vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(
+            VllmEngineServicer(state, self._calls, lambda: self.ready), self._server
+        )
         if gateway.enable_admin:
             admin_service_pb2_grpc.add_AdminServiceServicer_to_server(
                 AdminServicer(state), self._server
@@ -195,7 +208,8 @@ class GatewayServer:
             [*services, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server
         )
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
-        await self._health.set(GENERATION_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+        for service in READINESS_SERVICES:
+            await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         address = f"{gateway.host}:{gateway.port}"
         if ":" in gateway.host:
             address = f"[{gateway.host}]:{gateway.port}"
@@ -281,9 +295,10 @@ class GatewayServer:
             if self.ready
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
-        task = asyncio.get_running_loop().create_task(self._health.set(GENERATION_SERVICE, status))
-        self._health_tasks.add(task)
-        task.add_done_callback(self._health_tasks.discard)
+        for service in READINESS_SERVICES:
+            task = asyncio.get_running_loop().create_task(self._health.set(service, status))
+            self._health_tasks.add(task)
+            task.add_done_callback(self._health_tasks.discard)
         if (
             not live
             and self._engines.engines

@@ -114,6 +114,10 @@ class GenerateCalls:
     def is_in_flight(self, request_id: str) -> bool:
         return request_id in self._live
 
+    @property
+    def in_flight_count(self) -> int:
+        return len(self._live)
+
     @contextlib.asynccontextmanager
     async def open(
         self,
