@@ -63,7 +63,8 @@ class GatewayConfig(Config, frozen=True):
         int,
         Flag(
             "prefix routing: follow a cached prefix only when it is at least this many tokens "
-            "longer than the shortest any engine holds (a shared system prompt gains nothing)",
+            "longer than the shortest any engine holds (a shared system prompt gains nothing), "
+            "and this many more per request that engine has above the least-loaded one",
             Group.GATEWAY,
             metavar="TOKENS",
             accepts=AT_LEAST_1,
@@ -72,8 +73,8 @@ class GatewayConfig(Config, frozen=True):
     prefix_routing_max_imbalance: Annotated[
         float,
         Flag(
-            "prefix routing: follow a cached prefix only to an engine with at most this many "
-            "more requests (running + waiting) than the least-loaded engine",
+            "prefix routing: never follow a cached prefix to an engine with more than this "
+            "many requests (running + waiting) above the least-loaded engine",
             Group.GATEWAY,
             metavar="REQUESTS",
             accepts=AT_LEAST_0,

@@ -1,15 +1,22 @@
 """Prefix-aware routing across DP engines (``--routing-policy prefix``).
 
-A request goes to the engine that holds the longest cached prefix of its prompt, unless
-* it gains too little there: that engine's prefix is less than ``min_match_tokens`` longer
-  than the shortest any engine holds (a system prompt every engine holds gains nothing, one
-  that only some hold gains its length); or
-* that engine is too busy: its load score (``pool.engine_score``) exceeds the least-loaded
-  engine's by more than ``max_imbalance``;
-and then power of two choices decides, as without this policy. Among engines with the same
-longest prefix the least loaded wins. What each engine holds is this gateway's table of the
-prompts it routed there (``routed_prefixes.py``, why: docs/operations.md, "Prefix-aware
-routing"); the prompt's block hashes are recorded on the engine chosen, whatever chose it.
+A request goes to the engine that holds the longest cached prefix of its prompt, unless it
+gains too little there for what that engine's load costs. The gain is how much longer that
+prefix is than the shortest any engine holds (a system prompt every engine holds gains
+nothing), in tokens; the load difference ``d`` is that engine's score (``pool.engine_score``)
+minus the least-loaded engine's. The prefix is followed when
+
+    gain >= min_match_tokens * (1 + d)    and    d <= max_imbalance
+
+so a gain under ``min_match_tokens`` is never followed, each request of imbalance asks for
+``min_match_tokens`` more, and past ``max_imbalance`` nothing is. A long conversation stays on
+its engine through some imbalance; a new one whose only cached part is a system prompt that
+one engine holds goes there only while that engine is about as loaded as the others (so a
+burst of them does not pile onto it). Otherwise power of two choices decides, as without this
+policy. Among engines with the same longest prefix the least loaded wins. What each engine
+holds is this gateway's table of the prompts it routed there (``routed_prefixes.py``, why:
+docs/operations.md, "Prefix-aware routing"); the prompt's block hashes are recorded on the
+engine chosen, whatever chose it.
 """
 
 from __future__ import annotations
@@ -48,8 +55,9 @@ class PrefixRouting:
         least = min(order, key=lambda e: scores[id(e)])
         best = max(order, key=lambda e: (matches[id(e)], -scores[id(e)]))
         gain_tokens = (matches[id(best)] - min(matches.values())) * block_size
-        if gain_tokens < max(1, self.min_match_tokens):
+        imbalance = max(0.0, scores[id(best)] - scores[id(least)])
+        if imbalance > self.max_imbalance:
             return power_of_two(live, rng)
-        if scores[id(best)] - scores[id(least)] > self.max_imbalance:
+        if gain_tokens < max(1, self.min_match_tokens) * (1 + imbalance):
             return power_of_two(live, rng)
         return best
