@@ -135,6 +135,18 @@ def test_what_cannot_be_honoured_is_refused_by_name(
     assert "--kv-events-config" in error and named in error
 
 
+def test_ports_that_the_ranks_would_share_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    events = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": '
+    parser = cli.make_parser()
+    args = ["serve", "--model", "/m", "-dp", "2", "--kv-events-config"]
+    clashing = serve.build_configs(parser.parse_args([*args, events + '"tcp://*:5558"}']), "/m")
+    with pytest.raises(SystemExit):
+        serve.check_kv_events(parser, clashing[1])
+    assert "at least 2 apart" in capsys.readouterr().err
+    apart = serve.build_configs(parser.parse_args([*args, events + '"tcp://*:5559"}']), "/m")
+    serve.check_kv_events(parser, apart[1])
+
+
 @pytest.fixture
 def where() -> Iterator[str]:
     path = tempfile.mkdtemp(prefix="sb-kvw-")

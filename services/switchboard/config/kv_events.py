@@ -34,6 +34,24 @@ class KVEventsConfig(Config, frozen=True):
                 if not port.isdigit():
                     raise ValueError(f"{name} {value!r} must end with a port")
 
+    def port_clash(self, data_parallel_size: int) -> str | None:
+        """Why the ranks' endpoints would collide (each rank adds its rank to both ports), or
+        None: vLLM's layout, 5557 and 5558 for two ranks, would give rank 1's PUB port to
+        rank 0's replay socket."""
+        if not self.enabled or self.replay_endpoint is None:
+            return None
+        ends = (self.endpoint, self.replay_endpoint)
+        if not all(e.startswith("tcp://") for e in ends):
+            return None
+        (host, _, pub), (replay_host, _, replay) = (e.rpartition(":") for e in ends)
+        if host == replay_host and abs(int(pub) - int(replay)) < data_parallel_size:
+            return (
+                f"endpoint {self.endpoint} and replay_endpoint {self.replay_endpoint}: DP rank r "
+                f"uses both ports + r, so with {data_parallel_size} ranks they must be at least "
+                f"{data_parallel_size} apart"
+            )
+        return None
+
     @property
     def enabled(self) -> bool:
         """Events are published (vLLM: enabled, and a publisher other than "null")."""
