@@ -207,3 +207,37 @@ def test_a_subscriber_follows_a_publisher_through_a_restart(where: str) -> None:
         asyncio.run(scenario())
     finally:
         ctx.destroy(linger=0)
+
+
+def test_batches_past_the_replay_buffer_are_counted_lost(where: str) -> None:
+    config = KVEventsConfig(
+        enable_kv_cache_events=True,
+        endpoint=f"ipc://{where}/pub",
+        replay_endpoint=f"ipc://{where}/replay",
+        buffer_steps=2,
+    )
+    ctx = zmq.Context()
+    publisher = KvEventPublisher(ctx, config, rank=0)
+
+    async def scenario() -> None:
+        subscriber = KvEventSubscriber(
+            zmq.asyncio.Context.shadow(ctx),
+            config.endpoint,
+            config.replay_endpoint,
+            replay_timeout_s=30,
+        )
+        try:
+            publisher.start()  # batch 0
+            for hashes in ([H1], [H2], [H3]):
+                publisher.publish([stored(*hashes)])
+            batches = await subscriber.catch_up(publisher.next_seq)
+            assert [seq for seq, _ in batches] == [2, 3]  # all the buffer still holds
+            assert subscriber.lost_batches == 2 and subscriber.next_seq == 4
+        finally:
+            subscriber.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        publisher.stop()
+        ctx.destroy(linger=0)

@@ -44,6 +44,7 @@ class KvEventPublisher:
         self.replay_endpoint = (
             offset_endpoint(config.replay_endpoint, rank) if config.replay_endpoint else None
         )
+        # Batches to send; None: stop.
         self._queue: queue.Queue[tuple[int, KVEventBatch] | None] = queue.Queue(
             config.max_queue_size
         )
@@ -108,22 +109,25 @@ class KvEventPublisher:
 
     def _run(self) -> None:
         while True:
-            if self._replay is not None:
-                while self._replay.poll(0):
-                    self._serve_replay(self._replay.recv_multipart())
             try:
                 item = self._queue.get(timeout=POLL_MS / 1000)
+                if item is None:
+                    return
             except queue.Empty:
-                continue
-            if item is None:
-                return
-            seq, batch = item
-            payload = encode_batch(batch)
-            self._buffer.append((seq, payload))
-            try:
-                self._pub.send_multipart((self._topic, encode_seq(seq), payload), zmq.NOBLOCK)
-            except zmq.Again:
-                pass  # the PUB socket drops for a subscriber past its high-water mark anyway
+                item = None
+            if item is not None:
+                seq, batch = item
+                payload = encode_batch(batch)
+                self._buffer.append((seq, payload))
+                try:
+                    self._pub.send_multipart((self._topic, encode_seq(seq), payload), zmq.NOBLOCK)
+                except zmq.Again:
+                    pass  # the PUB socket drops for a subscriber past its high-water mark
+            # Replay only with nothing queued: every batch numbered before the request came
+            # (a subscriber may have the number from a utility call) is in the buffer then.
+            if self._replay is not None and self._queue.empty():
+                while self._replay.poll(0):
+                    self._serve_replay(self._replay.recv_multipart())
 
     def _serve_replay(self, frames: list[bytes]) -> None:
         """``[identity, b"", start_seq]`` (a DEALER or REQ) or ``[identity, start_seq]``:
