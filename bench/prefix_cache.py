@@ -123,13 +123,19 @@ def build_prompts(stub: pb_grpc.GenerationServiceStub, args: argparse.Namespace)
     return prompts
 
 
-def one_request(stub: pb_grpc.GenerationServiceStub, prompt: list[int], max_tokens: int) -> Sample:
+def greedy_request(prompt: list[int], max_tokens: int) -> pb.GenerateRequest:
+    """Token ids in, exactly ``max_tokens`` greedy tokens streamed back as ids."""
     request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt))
     request.sampling.temperature = 0.0
     request.stopping.max_tokens = max_tokens
     request.stopping.ignore_eos = True
     request.output.kind = pb.OUTPUT_KIND_DELTA
     request.output.return_token_ids = True
+    return request
+
+
+def one_request(stub: pb_grpc.GenerationServiceStub, prompt: list[int], max_tokens: int) -> Sample:
+    request = greedy_request(prompt, max_tokens)
     started = time.perf_counter()
     ttft = None
     last = None

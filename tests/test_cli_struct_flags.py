@@ -58,6 +58,9 @@ def _changed(field: FieldFlag) -> tuple[list[str], Any]:
     if field.kind is str:
         where = "some/where"
         return [option, where], os.path.abspath(where) if field.flag.path else where
+    if issubclass(field.kind, msgspec.Struct):  # JSON, e.g. --kv-events-config
+        value = field.kind()
+        return [option, msgspec.json.encode(value).decode()], value
     value = {int: 7, float: 0.5}[field.kind]
     return [option, str(value)], value
 

@@ -70,6 +70,7 @@ class EngineUnderTest:
         via_parent: bool = False,
         ready: bool = True,
         scheduler: SchedulerConfig | None = None,
+        cache: CacheConfig | None = None,
     ) -> None:
         """``via_parent``: start the engine from an intermediate process the test can kill."""
         self.run_dir = tempfile.mkdtemp(prefix="sb-core-")  # short: ipc paths are <= 107 bytes
@@ -81,7 +82,7 @@ class EngineUnderTest:
         self.pull = zmq_channel.make_socket(self.ctx, zmq.PULL, output_address, bind=True)
         config = EngineConfig(
             model=ModelConfig(model=model_dir),
-            cache=CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks_override=NUM_BLOCKS),
+            cache=cache or CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks_override=NUM_BLOCKS),
             scheduler=scheduler or SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512),
             worker=WorkerConfig(device="cpu"),
             gateway_input_addresses=[input_address],

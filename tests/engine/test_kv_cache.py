@@ -7,10 +7,10 @@ import struct
 
 import pytest
 
-from switchboard.engine.block_hash import ROOT_HASH, extend_block_hashes, token_bytes
 from switchboard.engine.block_pool import BlockPool
 from switchboard.engine.kv_cache import KVCacheManager
 from switchboard.engine.request import Request
+from switchboard.wire.block_hash import ROOT_HASH, extend_block_hashes, token_bytes
 from switchboard.wire.engine_msgs import EngineCoreRequest, SamplingParams
 
 BS = 4

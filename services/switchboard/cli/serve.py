@@ -214,7 +214,17 @@ def prepare(
     model_dir = resolve_model_arg(parser, args)
     check_chat_template(parser, args, model_dir)
     apply_security_args(parser, args)
-    return build_configs(args, model_dir)
+    gateway, engine = build_configs(args, model_dir)
+    check_kv_events(parser, engine)
+    return gateway, engine
+
+
+def check_kv_events(parser: argparse.ArgumentParser, engine: EngineConfig) -> None:
+    """Refuse KV-event endpoints that two DP ranks would share."""
+    events = engine.cache.kv_events_config
+    clash = events.port_clash(engine.parallel.data_parallel_size) if events else None
+    if clash:
+        parser.error(f"--kv-events-config: {clash}")
 
 
 def run_serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

@@ -105,6 +105,8 @@ def _add_argument(section: argparse._ActionsContainer, field: FieldFlag) -> None
         kwargs["action"] = argparse.BooleanOptionalAction  # on by default: --no-... turns it off
     elif field.kind is list:
         kwargs["action"] = "append"
+    elif isinstance(field.kind, type) and issubclass(field.kind, msgspec.Struct):
+        kwargs["type"] = _JsonStruct(field.kind)
     elif field.kind is not str:
         kwargs["type"] = field.kind if flag.accepts is None else _Within(field.kind, flag.accepts)
     if flag.choices:
@@ -129,6 +131,21 @@ class _Within:
         if self.accepts.refuses(value):
             raise argparse.ArgumentTypeError(f"must be {self.accepts.rule()}, not {text}")
         return value
+
+
+class _JsonStruct:
+    """An argparse ``type`` for a struct-valued flag: its JSON, decoded and checked, so that a
+    bad key or value is refused by name before anything starts."""
+
+    def __init__(self, kind: type[msgspec.Struct]) -> None:
+        self.kind = kind
+        self.__name__ = "JSON"
+
+    def __call__(self, text: str) -> Any:
+        try:
+            return msgspec.json.decode(text, type=self.kind)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build(struct: type[S], args: argparse.Namespace, **given: Any) -> S:

@@ -25,6 +25,7 @@ from switchboard.config.gateway import (
     GatewayConfig,
     GatewayRoleConfig,
 )
+from switchboard.config.kv_events import KVEventsConfig
 from switchboard.config.model import ModelConfig
 from switchboard.config.paths import cache_root, ipc_address, new_run_dir
 from switchboard.config.struct import Config, decode_config, encode_config
@@ -42,6 +43,7 @@ __all__ = [
     "EngineConfig",
     "GatewayConfig",
     "GatewayRoleConfig",
+    "KVEventsConfig",
     "ModelConfig",
     "ParallelConfig",
     "SchedulerConfig",

@@ -13,6 +13,7 @@ from switchboard.common.flags import (
     Flag,
     Group,
 )
+from switchboard.config.kv_events import KVEventsConfig
 from switchboard.config.model import ModelConfig
 from switchboard.config.struct import Config, curve_keys_flag
 
@@ -55,6 +56,17 @@ class CacheConfig(Config, frozen=True):
         bool,
         Flag("automatic prefix caching (--no-enable-prefix-caching: off)", Group.SCHEDULER),
     ] = True
+    kv_events_config: Annotated[
+        KVEventsConfig | None,
+        Flag(
+            "publish the prefix cache's block events over ZeroMQ, as vLLM's flag of this name: "
+            'JSON, e.g. \'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
+            '"replay_endpoint": "tcp://*:5558"}\' (DP rank r: the ports + r; '
+            "docs/operations.md, KV events) (default: none)",
+            Group.SCHEDULER,
+            metavar="JSON",
+        ),
+    ] = None
 
 
 # Tokens per step when --max-num-batched-tokens is not given: vLLM's server default, and on a

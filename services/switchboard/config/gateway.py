@@ -48,6 +48,38 @@ class GatewayConfig(Config, frozen=True):
             to_config=_http_port,
         ),
     ] = None
+    # DP > 1: which engine gets a request (gateway/engines/prefix_routing.py, pool.py).
+    routing_policy: Annotated[
+        str,
+        Flag(
+            "with several engines (-dp): prefix: to the engine holding the longest cached "
+            "prefix of the prompt, within the two limits below; power-of-two: the less loaded "
+            "of two engines drawn at random",
+            Group.GATEWAY,
+            choices=("prefix", "power-of-two"),
+        ),
+    ] = "prefix"
+    prefix_routing_min_match: Annotated[
+        int,
+        Flag(
+            "prefix routing: follow a cached prefix only when it is at least this many tokens "
+            "longer than the shortest any engine holds (a shared system prompt gains nothing), "
+            "and this many more per request that engine has above the least-loaded one",
+            Group.GATEWAY,
+            metavar="TOKENS",
+            accepts=AT_LEAST_1,
+        ),
+    ] = 64
+    prefix_routing_max_imbalance: Annotated[
+        float,
+        Flag(
+            "prefix routing: never follow a cached prefix to an engine with more than this "
+            "many requests (running + waiting) above the least-loaded engine",
+            Group.GATEWAY,
+            metavar="REQUESTS",
+            accepts=AT_LEAST_0,
+        ),
+    ] = 8.0
     enable_admin: Annotated[
         bool, Flag("serve AdminService (allow-listed engine utilities)", Group.GATEWAY)
     ] = False

@@ -12,6 +12,10 @@ A hashed block keeps its KV after it is freed so that a later request with the s
 take it back (``touch``); it is evicted only when a block is really needed and no plain free
 block is left. The free lists are a Python list and an ``OrderedDict`` (O(1) pop, append and
 removal from the middle, all in C) instead of vLLM's hand-made doubly linked list.
+
+With KV events on (``events`` a list), every change of the set of cached hashes is recorded
+there in order, as vLLM's events (``wire/kv_events.py``): the cache manager records the blocks
+it registers, the pool what it evicts and clears; the engine publishes them after each step.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ import logging
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from switchboard.engine.block_hash import BlockHash
+from switchboard.wire.block_hash import BlockHash
+from switchboard.wire.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, KVEvent
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +53,7 @@ class BlockPool:
         self._free_cached: OrderedDict[int, KVCacheBlock] = OrderedDict()  # oldest first
         self._cached: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
+        self.events: list[KVEvent] | None = None  # a list: KV events are recorded there
 
     @property
     def num_free_blocks(self) -> int:
@@ -61,6 +67,9 @@ class BlockPool:
     def usage(self) -> float:
         """Fraction of blocks in use by requests (0..1); evictable cached blocks count as free."""
         return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def cached_hashes(self) -> list[BlockHash]:
+        return list(self._cached)
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self._cached.get(block_hash)
@@ -120,6 +129,8 @@ class BlockPool:
             self._free_plain.append(block)
         self._free_cached.clear()
         self._cached.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
         logger.info("prefix cache reset")
         return True
 
@@ -127,5 +138,11 @@ class BlockPool:
         """A block of ``_free_cached``: registered, so it has a hash."""
         assert block.block_hash is not None
         del self._cached[block.block_hash]
+        if self.events is not None:
+            last = self.events[-1] if self.events else None
+            if isinstance(last, BlockRemoved):  # one event for a run of evictions
+                last.block_hashes.append(block.block_hash)
+            else:
+                self.events.append(BlockRemoved([block.block_hash], MEDIUM_GPU))
         block.block_hash = None
         self.num_evictions += 1

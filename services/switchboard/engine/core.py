@@ -43,6 +43,7 @@ from switchboard.engine.io_threads import (
     OutputThread,
     send_engine_dead_directly,
 )
+from switchboard.engine.kv_event_publisher import KvEventPublisher
 from switchboard.engine.kv_sizing import check_num_blocks, fit_max_model_len
 from switchboard.engine.peers import EnginePeers, engine_curve_keys
 from switchboard.engine.request import Request
@@ -98,6 +99,7 @@ class EngineCore:
         self._input_thread: InputThread | None = None
         self._output_thread: OutputThread | None = None
         self._peers: EnginePeers | None = None  # coordinator, discovered gateways
+        self.kv_events: KvEventPublisher | None = None  # --kv-events-config
         self.structured_output: StructuredOutputManager | None = None
         # Constrained requests whose grammar is still compiling, in arrival order: they wait
         # here, outside the scheduler, so nobody behind them is held back.
@@ -142,6 +144,7 @@ class EngineCore:
             scheduler_config, config.cache, self.num_gpu_blocks, self.max_model_len
         )
         self.structured_output = StructuredOutputManager(config.model.model, summary.vocab_size)
+        self._start_kv_events()
         self._ready = EngineReady(
             engine_id=f"EngineCore_DP{self.engine_index}-{uuid.uuid4().hex[:8]}",
             data_parallel_rank=self.engine_index,
@@ -171,6 +174,25 @@ class EngineCore:
                 clock.TEST_CLOCK_OFFSET_NS,
             )
         logger.info("EngineCore_DP%d ready", self.engine_index)
+
+    def _start_kv_events(self) -> None:
+        events = self.config.cache.kv_events_config
+        if events is None or not events.enabled:
+            return
+        if not self.config.cache.enable_prefix_caching:
+            logger.warning("KV events: prefix caching is off, no block will ever be stored")
+        self.kv_events = KvEventPublisher(self._ctx, events, self.engine_index)
+        self.scheduler.kv.pool.events = []
+        self.kv_events.start()
+
+    def _publish_kv_events(self) -> None:
+        """The KV events recorded since the last call, as one batch (none: nothing sent)."""
+        if self.kv_events is None:
+            return
+        pool = self.scheduler.kv.pool
+        if pool.events:
+            self.kv_events.publish(pool.events)
+            pool.events = []
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -451,6 +473,7 @@ class EngineCore:
             runner_output = _no_output(step.output)
         self._finish_aborted_requests()
         outputs_by_client = self.scheduler.update_from_output(step.output, runner_output)
+        self._publish_kv_events()
         stats = self.scheduler.make_stats()
         for client_index, outputs in outputs_by_client.items():
             self.output_queue.put((client_index, self._outputs(outputs, stats)))
@@ -469,9 +492,9 @@ class EngineCore:
 
     def _run_utility(self, call: UtilityCall) -> None:
         self._finish_ahead()
-        output = EngineCoreOutputs(
-            self.engine_index, clock.monotonic_ns(), utility_output=run_utility(self, call)
-        )
+        result = run_utility(self, call)
+        self._publish_kv_events()  # e.g. reset_prefix_cache: before the reply
+        output = EngineCoreOutputs(self.engine_index, clock.monotonic_ns(), utility_output=result)
         self.output_queue.put((call.client_index, output))
 
     def _outputs(self, outputs: list[EngineCoreOutput], stats: Any = None) -> EngineCoreOutputs:
@@ -510,6 +533,8 @@ class EngineCore:
             self.executor.shutdown()
         if self.structured_output is not None:
             self.structured_output.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.stop()
         threads = (self._input_thread, self._output_thread)
         if any(t is not None and t.is_alive() for t in threads):
             self._ctx.destroy(linger=0)  # a stuck thread must not hold the exit hostage

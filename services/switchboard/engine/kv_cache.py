@@ -15,6 +15,7 @@ import logging
 
 from switchboard.engine.block_pool import BlockPool, KVCacheBlock
 from switchboard.engine.request import Request
+from switchboard.wire.kv_events import MEDIUM_GPU, BlockStored
 
 logger = logging.getLogger(__name__)
 
@@ -135,11 +136,34 @@ class KVCacheManager:
         request.update_block_hashes()
         end = min(end, len(request.block_hashes))
         hashes = request.block_hashes
+        events = self.pool.events
+        run_start = -1  # the first block of the run of newly registered ones (KV events)
         for i in range(start, end):
             block = table[i]
-            if block.block_hash is None:
-                self.pool.cache_block(block, hashes[i])
+            stored = block.block_hash is None and self.pool.cache_block(block, hashes[i])
+            if events is None:
+                continue
+            if stored and run_start < 0:
+                run_start = i
+            elif not stored and run_start >= 0:
+                events.append(self._stored_event(request, run_start, i))
+                run_start = -1
+        if events is not None and run_start >= 0:
+            events.append(self._stored_event(request, run_start, end))
         self._num_registered[rid] = end
+
+    def _stored_event(self, request: Request, start: int, end: int) -> BlockStored:
+        """Blocks ``start..end-1`` of ``request``, newly in the prefix cache, as one event."""
+        size = self.block_size
+        return BlockStored(
+            block_hashes=request.block_hashes[start:end],
+            parent_block_hash=request.block_hashes[start - 1] if start else None,
+            token_ids=request.all_token_ids[start * size : end * size],
+            block_size=size,
+            lora_id=None,
+            medium=MEDIUM_GPU,
+            lora_name=None,
+        )
 
     def free(self, request: Request) -> None:
         """Release the request's blocks (tail first, so a cached chain is evicted tail first)."""

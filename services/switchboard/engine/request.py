@@ -20,7 +20,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from switchboard.engine.block_hash import BlockHash, extend_block_hashes
+from switchboard.wire.block_hash import BlockHash, extend_block_hashes
 from switchboard.wire.engine_msgs import (
     EngineCoreEvent,
     EngineCoreRequest,

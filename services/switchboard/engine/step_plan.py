@@ -20,9 +20,9 @@ a second time: blocks are registered in the cache only once their KV exists (``k
 from __future__ import annotations
 
 from switchboard.engine import clock
-from switchboard.engine.block_hash import BlockHash
 from switchboard.engine.kv_cache import KVCacheManager
 from switchboard.engine.request import Request
+from switchboard.wire.block_hash import BlockHash
 from switchboard.wire.step_msgs import CachedRequest, NewRequest, SchedulerOutput
 
 

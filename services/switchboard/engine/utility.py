@@ -36,6 +36,16 @@ class UtilityTarget(Protocol):
     block_size: int
     sleeping: bool
     sleep_level: int
+    kv_events: Any
+
+
+def get_cached_block_hashes(core: UtilityTarget) -> dict[str, Any]:
+    """The prefix cache's block hashes (sorted) and, with KV events on, ``next_seq``: the
+    number the next event batch gets, so a subscriber that has applied every batch before it
+    can compare its state with this one (-1: events off)."""
+    hashes = sorted(core.scheduler.kv.pool.cached_hashes())
+    next_seq = core.kv_events.next_seq if core.kv_events is not None else -1
+    return {"block_hashes": hashes, "next_seq": next_seq}
 
 
 def reset_prefix_cache(core: UtilityTarget) -> bool:
@@ -89,6 +99,7 @@ UTILITIES: dict[str, Callable[..., Any]] = {
     "is_sleeping": is_sleeping,
     "sleep": sleep,
     "wake_up": wake_up,
+    "get_cached_block_hashes": get_cached_block_hashes,
 }
 
 

@@ -46,6 +46,7 @@ from switchboard.gateway.admission import Admission
 from switchboard.gateway.auth import AuthInterceptor, Credentials
 from switchboard.gateway.chat.template import ChatTemplate, load_chat_template
 from switchboard.gateway.engines.engine_client import EngineClient
+from switchboard.gateway.engines.prefix_routing import PrefixRouting
 from switchboard.gateway.http.aiohttp_server import HttpServer
 from switchboard.gateway.model_facts import ModelFacts
 from switchboard.gateway.observability.observer import Observability
@@ -147,6 +148,7 @@ class GatewayServer:
             resume_timeout_s=config.resume_timeout_s,
             stall_warn_s=config.gateway.stall_warn_s,
             engines_restart=config.engines_restart,
+            prefix_routing=_prefix_routing(config.gateway),
         )
         tokenizer = Tokenizer.from_model_dir(config.model.model)
         self.state = GatewayState(
@@ -317,3 +319,10 @@ async def serve(config: GatewayRoleConfig) -> int:
         loop.add_signal_handler(sig, server.request_stop, 0)
     await server.start()
     return await server.run()
+
+
+def _prefix_routing(config: GatewayConfig) -> PrefixRouting | None:
+    """The DP routing policy the flags ask for (None: power of two choices)."""
+    if config.routing_policy != "prefix":
+        return None
+    return PrefixRouting(config.prefix_routing_min_match, config.prefix_routing_max_imbalance)

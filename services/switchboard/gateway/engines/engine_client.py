@@ -17,6 +17,7 @@ from typing import Any
 
 from switchboard.gateway.api_errors import unavailable
 from switchboard.gateway.engines.membership import EngineMembership
+from switchboard.gateway.engines.prefix_routing import PrefixRouting
 from switchboard.gateway.engines.resume import Failover
 from switchboard.gateway.engines.routing import RequestRouter
 from switchboard.gateway.engines.sockets import EngineSockets
@@ -41,6 +42,7 @@ class EngineClient:
         resume_timeout_s: float = 0.0,
         stall_warn_s: float = 0.0,
         engines_restart: bool = False,
+        prefix_routing: PrefixRouting | None = None,
     ) -> None:
         self._membership = EngineMembership(
             heartbeat_timeout_s=heartbeat_timeout_s,
@@ -48,6 +50,7 @@ class EngineClient:
             on_changed=on_engines_changed or (lambda: None),
             on_dead=self._engine_died,
             engines_restart=engines_restart,
+            prefix_routing=prefix_routing,
         )
         self._sockets = EngineSockets(
             input_address,

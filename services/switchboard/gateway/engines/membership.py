@@ -18,8 +18,14 @@ from collections.abc import Callable
 from switchboard.common.log_limits import WarningLimit
 from switchboard.gateway.api_errors import ApiError, unavailable
 from switchboard.gateway.engines.pool import choose_engine
+from switchboard.gateway.engines.prefix_routing import PrefixRouting
 from switchboard.gateway.engines.types import EngineHandle, EngineState
-from switchboard.wire.engine_msgs import EngineCoreOutputs, EngineDead, EngineReady
+from switchboard.wire.engine_msgs import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineDead,
+    EngineReady,
+)
 
 logger = logging.getLogger(__name__)
 limited = WarningLimit(logger)
@@ -34,7 +40,9 @@ class EngineMembership:
         on_changed: Callable[[], None],
         on_dead: Callable[[EngineHandle, str], None],
         engines_restart: bool = False,
+        prefix_routing: PrefixRouting | None = None,
     ) -> None:
+        self._prefix_routing = prefix_routing  # None: power of two choices
         self.engines: dict[int, EngineHandle] = {}  # by data-parallel rank
         self.resume_timeout_s = resume_timeout_s
         self._engines_restart = engines_restart
@@ -56,9 +64,20 @@ class EngineMembership:
         """Live engines that take new requests (none of their workers stalled)."""
         return [e for e in self.engines.values() if e.routable]
 
-    def choose(self, pinned_rank: int | None) -> EngineHandle:
-        """The engine for one request (``pool.choose_engine``); raises UNAVAILABLE if none."""
-        return choose_engine(self.engines, pinned_rank, self._rng)
+    def choose(
+        self, pinned_rank: int | None, request: EngineCoreRequest | None = None
+    ) -> EngineHandle:
+        """The engine for one request (``pool.choose_engine``; by its prompt's cached prefix
+        with prefix routing on); raises UNAVAILABLE if none."""
+        routing = self._prefix_routing
+        if routing is None or request is None:
+            return choose_engine(self.engines, pinned_rank, self._rng)
+        return choose_engine(
+            self.engines,
+            pinned_rank,
+            self._rng,
+            lambda live: routing.choose(live, request, self._rng),
+        )
 
     def check_routable(self) -> None:
         """Raise UNAVAILABLE (saying why) unless some engine takes new requests."""

@@ -1,9 +1,10 @@
 """Which engine core gets a request (DP > 1), and the load reports that decision reads.
 
-Power of two choices: draw two live engines at random and send the request to the less loaded
-one. It spreads a burst (a plain "least loaded" would send the whole burst to the same engine
-until the next report arrives, and every gateway would pick the same one), and it needs only
-two scores per request.
+Power of two choices (``--routing-policy power-of-two``, and what prefix-aware routing falls
+back to, ``prefix_routing.py``): draw two live engines at random and send the request to the
+less loaded one. It spreads a burst (a plain "least loaded" would send the whole burst to the
+same engine until the next report arrives, and every gateway would pick the same one), and it
+needs only two scores per request.
 
 An engine's score is the larger of
 * this gateway's own requests in flight on it (exact, and current), and
@@ -60,9 +61,13 @@ def engine_score(engine: EngineHandle) -> float:
 
 
 def choose_engine(
-    engines: dict[int, EngineHandle], pinned_rank: int | None, rng: random.Random
+    engines: dict[int, EngineHandle],
+    pinned_rank: int | None,
+    rng: random.Random,
+    pick: Callable[[list[EngineHandle]], EngineHandle] | None = None,
 ) -> EngineHandle:
-    """The engine for one request (see the module docstring); raises UNAVAILABLE if none."""
+    """The engine for one request (see the module docstring); raises UNAVAILABLE if none.
+    ``pick`` chooses among two or more routable engines (None: power of two choices)."""
     if pinned_rank is not None:
         engine = engines.get(pinned_rank)
         if engine is None or not engine.routable:
@@ -86,6 +91,11 @@ def choose_engine(
         raise unavailable("no engine core is ready")
     if len(live) == 1:
         return live[0]
+    return power_of_two(live, rng) if pick is None else pick(live)
+
+
+def power_of_two(live: list[EngineHandle], rng: random.Random) -> EngineHandle:
+    """The less loaded of two engines drawn at random from ``live`` (two or more)."""
     first, second = rng.sample(live, 2)
     return second if engine_score(second) < engine_score(first) else first
 

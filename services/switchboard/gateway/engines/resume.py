@@ -111,7 +111,7 @@ class Failover:
         deadline = time.monotonic() + self.resume_timeout_s
         while self._router.channel(channel.request_id) is channel:  # not aborted meanwhile
             try:
-                engine = self._membership.choose(request.data_parallel_rank)
+                engine = self._membership.choose(request.data_parallel_rank, request)
             except ApiError:
                 if time.monotonic() >= deadline:
                     self._fail(

@@ -60,7 +60,7 @@ class RequestRouter:
                 reason="DUPLICATE_REQUEST_ID",
                 field="request_id",
             )
-        engine = self._membership.choose(request.data_parallel_rank)
+        engine = self._membership.choose(request.data_parallel_rank, request)
         channel = RequestChannel(request.request_id, engine, request)
         self._requests[request.request_id] = channel
         self.count_on(channel, engine)
