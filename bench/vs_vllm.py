@@ -149,9 +149,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=Path("~/.cache/switchboard/vllm-cpu-run"),
         help="vLLM's compile cache (DIR/cache/...) and temp files (DIR/tmp)",
     )
-    p.add_argument(
-        "--llamacpp-venv", type=Path, default=Path("~/.cache/switchboard/llamacpp")
-    )
+    p.add_argument("--llamacpp-venv", type=Path, default=Path("~/.cache/switchboard/llamacpp"))
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument(
         "--requests",

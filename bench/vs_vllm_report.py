@@ -90,11 +90,10 @@ def print_tables(
             row = [by[kind].get((input_len, c)) for kind in kinds]
             sb = by.get("switchboard", {}).get((input_len, c))
             lead = [plan.label, *([str(input_len)] if sweep else []), str(c)]
-            against = [
-                cell
-                for kind in anchors
-                for cell in (_tok_s(by[kind].get((input_len, c))), _ratio(sb, by[kind].get((input_len, c))))
-            ]
+            against = []
+            for kind in anchors:
+                anchor = by[kind].get((input_len, c))
+                against += [_tok_s(anchor), _ratio(sb, anchor)]
             pair = [_sides(row, key) for key in ("ttft_ms_p50", "itl_ms_p50")]
             speed.append([*lead, _tok_s(sb), *against, *pair, *(_cpu(level) for level in row)])
             keys = ("ttft_ms_p99", "itl_ms_p99", "e2e_ms_p50", "api_rss_mb", "errors")

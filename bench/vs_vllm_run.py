@@ -21,8 +21,15 @@ import grpc
 import llamacpp_side  # bench/llamacpp_side.py and the modules below: beside this file
 import vllm_side
 from server_procs import TreeSampler, free_port, start, switchboard_command, wait_ready
-from serving_clients import HOST, Client, OpenAIClient, SbClient, closed_loop, make_prompts
-from serving_clients import summarize
+from serving_clients import (
+    HOST,
+    Client,
+    OpenAIClient,
+    SbClient,
+    closed_loop,
+    make_prompts,
+    summarize,
+)
 
 from switchboard.api.v1 import model_service_pb2 as model_pb
 from switchboard.api.v1 import model_service_pb2_grpc as model_grpc

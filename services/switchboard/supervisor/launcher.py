@@ -197,7 +197,7 @@ def served_as(channel: grpc.Channel) -> str:
     """What the engines resolved ``--dtype`` and ``--quantization`` to, from the gateway's
     GetModelInfo: ``dtype float32, quantization gguf Q4_1, Q8_0``; "" when it does not answer
     (it wants an API key, say)."""
-    stub = model_service_pb2_grpc.ModelServiceStub(channel)
+    stub = model_service_pb2_grpc.ModelServiceStub(channel)  # type: ignore[no-untyped-call]
     try:
         info = stub.GetModelInfo(model_service_pb2.GetModelInfoRequest(), timeout=5.0)
     except grpc.RpcError:
