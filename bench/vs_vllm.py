@@ -34,9 +34,9 @@ messages that carry tokens (gRPC messages, server-sent events). CPU: utime + sti
 process of the server, sampled from /proc every 0.5 s over the level (100 % = one core); the
 client (this process) shares the machine and is reported in the JSON.
 
---sweep: c = 1, 8, 32, 64, 128 x prompt lengths 32, 512, 2048, output 128; both servers then run
-with --max-model-len 4096 so that 2048 + 128 fits (capped at the model's positions; prompt
-lengths that do not fit are skipped and said so).
+--sweep: c = 1, 8, 32, 64, 128 x prompt lengths 32, 512, 2048, output 128; switchboard and vLLM
+then run with --max-model-len 4096 so that 2048 + 128 fits (capped at the model's positions;
+prompt lengths that do not fit are skipped and said so), llama.cpp with slots that hold 2,048 + 128 tokens.
 """
 
 from __future__ import annotations
