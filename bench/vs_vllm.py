@@ -36,7 +36,8 @@ client (this process) shares the machine and is reported in the JSON.
 
 --sweep: c = 1, 8, 32, 64, 128 x prompt lengths 32, 512, 2048, output 128; switchboard and vLLM
 then run with --max-model-len 4096 so that 2048 + 128 fits (capped at the model's positions;
-prompt lengths that do not fit are skipped and said so), llama.cpp with slots that hold 2,048 + 128 tokens.
+prompt lengths that do not fit are skipped and said so), llama.cpp with slots that hold 2048 +
+128 tokens.
 """
 
 from __future__ import annotations
