@@ -105,7 +105,7 @@ def test_dtype_and_quantization_as_the_worker_runs_them(server: RunningServer) -
         info = stub.GetModelInfo(model_pb.GetModelInfoRequest(), timeout=10)
     assert (info.dtype, info.quantization) == ("float32", quantization)
     runs_as = f"(dtype float32, quantization {quantization}): gRPC {server.target}"
-    wait_until(lambda: "ready to serve" in server.log(), "the ready line", timeout_s=30)
+    wait_until(lambda: "ready to serve" in server.log(), "the ready line", timeout_s=120)
     (line,) = [line for line in server.log().splitlines() if "ready to serve" in line]
     assert runs_as in line
 

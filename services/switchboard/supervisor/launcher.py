@@ -82,6 +82,8 @@ RESTARTED_ROLES = ("EngineCore", "Gateway", "Coordinator")
 READINESS_SERVICE = "switchboard.v1.GenerationService"  # the gateway's readiness health name
 READY_POLL_S = 0.25
 PROBE_TLS_FAILURES = 8  # failed TLS handshakes in a row before the ready probe gives up
+MODEL_INFO_TRIES = 3  # the ready line's GetModelInfo, each waiting MODEL_INFO_TIMEOUT_S
+MODEL_INFO_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -195,14 +197,20 @@ def ready_line(
 
 def served_as(channel: grpc.Channel) -> str:
     """What the engines resolved ``--dtype`` and ``--quantization`` to, from the gateway's
-    GetModelInfo: ``dtype float32, quantization gguf Q4_1, Q8_0``; "" when it does not answer
-    (it wants an API key, say)."""
+    GetModelInfo: ``dtype float32, quantization gguf Q4_1, Q8_0``; "" when it refuses (it
+    wants an API key, say) or does not answer in ``MODEL_INFO_TRIES`` tries."""
     stub = model_service_pb2_grpc.ModelServiceStub(channel)  # type: ignore[no-untyped-call]
-    try:
-        info = stub.GetModelInfo(model_service_pb2.GetModelInfoRequest(), timeout=5.0)
-    except grpc.RpcError:
-        return ""
-    return f"dtype {info.dtype or '?'}, quantization {info.quantization or '?'}"
+    for _ in range(MODEL_INFO_TRIES):
+        try:
+            info = stub.GetModelInfo(
+                model_service_pb2.GetModelInfoRequest(), timeout=MODEL_INFO_TIMEOUT_S
+            )
+        except grpc.RpcError as error:
+            if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                continue  # a busy machine: the gateway answers in a moment
+            return ""
+        return f"dtype {info.dtype or '?'}, quantization {info.quantization or '?'}"
+    return ""
 
 
 def _probe_target(gateway: GatewayRoleConfig) -> str:
