@@ -1,6 +1,7 @@
 """The server side of bench/vs_vllm.py: starting a server in a session of its own, waiting for
-it to be ready (gRPC health for switchboard, GET /v1/models for vLLM), stopping its whole
-process tree, and a sampler of that tree's CPU time and RSS from /proc.
+it to be ready (gRPC health for switchboard, GET /v1/models for vLLM, GET /health for
+llama.cpp), stopping its whole process tree, and a sampler of that tree's CPU time and RSS from
+/proc.
 
 Not run by itself.
 """
@@ -155,8 +156,16 @@ async def vllm_ready(port: int) -> bool:
     return await vllm_http.http_status(HOST, port, "/v1/models") == 200
 
 
+async def llamacpp_ready(port: int) -> bool:
+    return await vllm_http.http_status(HOST, port, "/health") == 200  # 503 while loading
+
+
+READY_CHECKS = {"switchboard": sb_ready, "vllm": vllm_ready, "llamacpp": llamacpp_ready}
+ROOT_PROCESS = {"switchboard": "launcher", "vllm": "APIServer", "llamacpp": "llama-server"}
+
+
 async def wait_ready(server: Server) -> float:
-    check = sb_ready if server.kind == "switchboard" else vllm_ready
+    check = READY_CHECKS[server.kind]
     while not await check(server.port):
         if server.proc.poll() is not None:
             raise RuntimeError(
@@ -172,13 +181,14 @@ async def wait_ready(server: Server) -> float:
 
 def process_name(pid: int, root: int, kind: str) -> str:
     """switchboard::Gateway_0 -> Gateway_0, VLLM::EngineCore -> EngineCore; the root of the tree
-    is switchboard's launcher or vLLM's API server; anything else by its comm."""
+    is switchboard's launcher, vLLM's API server or llama.cpp's server; anything else by its
+    comm."""
     with open(f"/proc/{pid}/cmdline", "rb") as f:
         args = f.read().replace(b"\0", b" ").decode(errors="replace").split()
     if args and "::" in args[0]:
         return args[0].split("::", 1)[1]
     if pid == root:
-        return "launcher" if kind == "switchboard" else "APIServer"
+        return ROOT_PROCESS[kind]
     with open(f"/proc/{pid}/comm") as f:
         return f.read().strip()
 

@@ -1,7 +1,7 @@
 """The client side of bench/vs_vllm.py: the prompts, a closed loop of clients that time every
 streamed request (time to first token, the gaps between messages that carry tokens, end to
-end), one client for switchboard's gRPC GenerationService and one for vLLM's OpenAI HTTP
-server, and the summary of a level's results (throughput and percentiles).
+end), one client for switchboard's gRPC GenerationService and one for the OpenAI HTTP servers
+(vLLM's, llama.cpp's), and the summary of a level's results (throughput and percentiles).
 
 Not run by itself.
 """
@@ -106,11 +106,15 @@ class SbClient:
         await self.channel.close()
 
 
-class VllmClient:
-    """vLLM's /v1/completions: one keep-alive HTTP/1.1 connection per closed-loop client."""
+class OpenAIClient:
+    """An OpenAI ``/v1/completions`` server (vLLM's, llama.cpp's): one keep-alive HTTP/1.1
+    connection per closed-loop client, or a new one per request (``reconnect``: llama.cpp's
+    server closes a kept-alive connection between requests). Output tokens: the usage the last
+    event reports where the server sends it, else those counted as they streamed."""
 
-    def __init__(self, port: int, model: str, max_tokens: int) -> None:
+    def __init__(self, port: int, model: str, max_tokens: int, reconnect: bool = False) -> None:
         self.port, self.model, self.max_tokens = port, model, max_tokens
+        self.reconnect = reconnect
 
     async def sender(self) -> tuple[Send, Callable[[], Awaitable[None]]]:
         conn = vllm_http.HttpConnection(HOST, self.port)
@@ -118,13 +122,18 @@ class VllmClient:
         async def send(prompt: list[int]) -> RequestResult:
             timer = StreamTimer()
             try:
-                async for n in vllm_http.stream_completion(
+                async for chunk in vllm_http.stream_completion(
                     conn, self.model, prompt, self.max_tokens
                 ):
-                    timer.tokens(n)
+                    if chunk.tokens:
+                        timer.tokens(chunk.tokens)
+                    if chunk.total is not None:
+                        timer.result.tokens = chunk.total
             except BaseException:
                 await conn.close()
                 raise
+            if self.reconnect:
+                await conn.close()
             return timer.done()
 
         return send, conn.close
@@ -133,8 +142,11 @@ class VllmClient:
         pass
 
 
+Client = SbClient | OpenAIClient
+
+
 async def closed_loop(
-    client: SbClient | VllmClient, prompts: list[list[int]], concurrency: int, timeout_s: float
+    client: Client, prompts: list[list[int]], concurrency: int, timeout_s: float
 ) -> tuple[list[RequestResult], float]:
     todo = iter(prompts)
     results: list[RequestResult] = []

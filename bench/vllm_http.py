@@ -1,6 +1,6 @@
-"""A small asyncio HTTP/1.1 client for vLLM's OpenAI server, as bench/vs_vllm.py uses it: one
-keep-alive connection per closed-loop client, a readiness probe (the status of a GET) and the
-streaming ``/v1/completions`` call that counts the tokens each server-sent event carries.
+"""A small asyncio HTTP/1.1 client for the OpenAI servers of vLLM and llama.cpp, as
+bench/vs_vllm.py uses it: a keep-alive connection, a readiness probe (the status of a GET) and
+the streaming ``/v1/completions`` call that counts the tokens each server-sent event carries.
 
 Not run by itself; bench/serving_clients.py and bench/server_procs.py import it.
 """
@@ -8,8 +8,10 @@ Not run by itself; bench/serving_clients.py and bench/server_procs.py import it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator
+from typing import Any
 
 
 class HttpError(RuntimeError):
@@ -121,11 +123,22 @@ async def http_status(host: str, port: int, path: str, timeout_s: float = 2.0) -
         await conn.close()
 
 
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """What one server-sent event said: the tokens it carries, and the request's output token
+    count where the event reports usage (the last one, when the server sends it)."""
+
+    tokens: int
+    total: int | None = None
+
+
 async def stream_completion(
     conn: HttpConnection, model: str, prompt: list[int], max_tokens: int
-) -> AsyncIterator[int]:
-    """Stream one greedy completion of the token-id ``prompt``; yield the number of tokens each
-    server-sent event carries, as it arrives (events without tokens are skipped)."""
+) -> AsyncIterator[Chunk]:
+    """Stream one greedy completion of the token-id ``prompt``; yield each server-sent event
+    that carries tokens or usage, as it arrives. A choice carries its ``token_ids`` (vLLM), else
+    one token where it has text and does not finish (llama.cpp: a chunk a token, then one
+    that only finishes)."""
     body = {
         "model": model,
         "prompt": prompt,
@@ -133,6 +146,7 @@ async def stream_completion(
         "temperature": 0.0,
         "ignore_eos": True,
         "stream": True,
+        "stream_options": {"include_usage": True},
         "return_token_ids": True,
     }
     buffered = b""
@@ -148,10 +162,16 @@ async def stream_completion(
                 continue
             event = json.loads(data)
             if "error" in event:
-                raise RuntimeError(f"vLLM error: {str(event['error'])[:300]}")
-            tokens = 0
-            for choice in event.get("choices") or []:
-                ids = choice.get("token_ids")
-                tokens += len(ids) if ids is not None else int(bool(choice.get("text")))
-            if tokens:
-                yield tokens
+                raise RuntimeError(f"server error: {str(event['error'])[:300]}")
+            tokens = sum(_choice_tokens(choice) for choice in event.get("choices") or [])
+            total = (event.get("usage") or {}).get("completion_tokens")
+            if tokens or total is not None:
+                yield Chunk(tokens, total)
+
+
+def _choice_tokens(choice: dict[str, Any]) -> int:
+    ids = choice.get("token_ids")
+    if ids is not None:
+        return len(ids)
+    text = choice.get("text")
+    return int(bool(text) or (text is not None and choice.get("finish_reason") is None))

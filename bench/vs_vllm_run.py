@@ -1,7 +1,7 @@
 """One server through one model's plan, for bench/vs_vllm.py: launch it (switchboard or vLLM,
-the same model, dtype, KV cache size and seed), time it to ready, then per level warm up once
-per prompt length, run the closed loop while sampling the server's CPU, and collect the
-numbers; a failure is recorded and the server stopped either way.
+the same model, dtype, KV cache size and seed; llama.cpp on the model's GGUF file), time it to
+ready, then per level warm up once per prompt length, run the closed loop while sampling the
+server's CPU, and collect the numbers; a failure is recorded and the server stopped either way.
 
 Not run by itself.
 """
@@ -17,12 +17,27 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import vllm_side  # bench/vllm_side.py, beside this file
+import grpc
+import llamacpp_side  # bench/llamacpp_side.py and the modules below: beside this file
+import vllm_side
 from server_procs import TreeSampler, free_port, start, switchboard_command, wait_ready
-from serving_clients import HOST, SbClient, VllmClient, closed_loop, make_prompts, summarize
+from serving_clients import (
+    HOST,
+    Client,
+    OpenAIClient,
+    SbClient,
+    closed_loop,
+    make_prompts,
+    summarize,
+)
 
-SERVERS = ("switchboard", "vllm")
-API_PROCESS = {"switchboard": "Gateway_0", "vllm": "APIServer"}
+from switchboard.api.v1 import model_service_pb2 as model_pb
+from switchboard.api.v1 import model_service_pb2_grpc as model_grpc
+
+SERVERS = ("switchboard", "vllm", "llamacpp")
+API_PROCESS = {"switchboard": "Gateway_0", "vllm": "APIServer", "llamacpp": "llama-server"}
+# llama.cpp's KV cache is one slot per concurrent request, each this many tokens at least
+LLAMACPP_MIN_SLOT_TOKENS = 1024
 
 
 @dataclasses.dataclass
@@ -33,24 +48,14 @@ class ModelPlan:
     max_model_len: int
     levels: list[tuple[int, int, int]]  # (prompt length, concurrency, requests)
     notes: list[str]
+    gguf: str | None = None  # the GGUF file llama.cpp serves (None: no llama.cpp column)
 
 
 async def run_server(
     kind: str, plan: ModelPlan, args: argparse.Namespace, log_dir: Path
 ) -> dict[str, Any]:
     port = free_port()
-    if kind == "switchboard":
-        cmd = [
-            *switchboard_command(), "serve", "--model", plan.path, "--host", HOST,
-            "--port", str(port), "--dtype", "float32", "--max-model-len", str(plan.max_model_len),
-            "--kv-cache-memory-bytes", str(2 * 2**30), "--seed", "0", *shlex.split(args.sb_args),
-        ]  # fmt: skip
-        env = dict(os.environ)
-        client: SbClient | VllmClient = SbClient(port, args.output_len)
-    else:
-        cmd = vllm_side.command(args.vllm_venv, plan.path, port, plan.max_model_len)
-        env = vllm_side.environment(args.vllm_cache)
-        client = VllmClient(port, plan.path, args.output_len)
+    cmd, env, client = _launch(kind, plan, args, port)
     log = log_dir / f"{kind}_{plan.label}.log"
     out: dict[str, Any] = {"command": cmd, "log": str(log), "ready_s": None, "levels": []}
     out["error"] = None
@@ -59,7 +64,11 @@ async def run_server(
     server = start(kind, cmd, env, log, port)
     try:
         out["ready_s"] = await wait_ready(server)
-        print(f"[{plan.label}] {kind} ready after {out['ready_s']:.1f} s", file=sys.stderr)
+        out["runs_as"] = await _runs_as(kind, port, args.dtype, plan)
+        print(
+            f"[{plan.label}] {kind} ready after {out['ready_s']:.1f} s ({out['runs_as']})",
+            file=sys.stderr,
+        )
         warmed: set[int] = set()
         for index, (input_len, concurrency, requests) in enumerate(plan.levels):
             if input_len not in warmed:  # not measured: first-request costs of this length
@@ -99,6 +108,44 @@ async def run_server(
     return out
 
 
+def _launch(
+    kind: str, plan: ModelPlan, args: argparse.Namespace, port: int
+) -> tuple[list[str], dict[str, str], Client]:
+    """The server's command line and environment, and the client that talks to it."""
+    if kind == "switchboard":
+        cmd = [
+            *switchboard_command(), "serve", "--model", plan.path, "--host", HOST,
+            "--port", str(port), "--dtype", args.dtype, "--max-model-len", str(plan.max_model_len),
+            "--kv-cache-memory-bytes", str(2 * 2**30), "--seed", "0", *shlex.split(args.sb_args),
+        ]  # fmt: skip
+        return cmd, dict(os.environ), SbClient(port, args.output_len)
+    if kind == "vllm":
+        model = vllm_side.checkpoint_view(plan.path, args.vllm_cache)
+        cmd = vllm_side.command(args.vllm_venv, model, port, plan.max_model_len, args.dtype)
+        env = vllm_side.environment(args.vllm_cache)
+        return cmd, env, OpenAIClient(port, model, args.output_len)
+    assert plan.gguf is not None
+    slots = max(c for _, c, _ in plan.levels)
+    longest = max(n for n, _, _ in plan.levels) + args.output_len
+    ctx = max(LLAMACPP_MIN_SLOT_TOKENS, -(-longest // 256) * 256)
+    cmd = llamacpp_side.command(args.llamacpp_venv, plan.gguf, port, slots, ctx)
+    client = OpenAIClient(port, plan.label, args.output_len, reconnect=True)
+    return cmd, llamacpp_side.environment(), client
+
+
+async def _runs_as(kind: str, port: int, dtype: str, plan: ModelPlan) -> str:
+    """How the server runs the model: switchboard says it (GetModelInfo: the dtype and the
+    quantization its worker resolved); vLLM runs the dtype asked for, llama.cpp the GGUF's."""
+    if kind == "vllm":
+        return f"dtype {dtype}"
+    if kind == "llamacpp":
+        return f"{Path(plan.gguf or '').name} as it is"
+    async with grpc.aio.insecure_channel(f"{HOST}:{port}") as channel:
+        stub = model_grpc.ModelServiceStub(channel)
+        info = await stub.GetModelInfo(model_pb.GetModelInfoRequest(), timeout=10)
+    return f"dtype {info.dtype}, quantization {info.quantization}"
+
+
 def run_all(
     args: argparse.Namespace, plans: list[ModelPlan], log_dir: Path
 ) -> dict[str, dict[str, Any]]:
@@ -107,11 +154,13 @@ def run_all(
     c = 1 latencies from this client are sometimes a burst at the end of each request (TTFT
     near e2e, ITL ~0.01 ms) where a plain http.client reader of the same server sees events
     ~3 ms apart; its throughput is unaffected (tokens over wall time)."""
-    skip = {"switchboard": args.skip_sb, "vllm": args.skip_vllm}
+    skip = {"switchboard": args.skip_sb, "vllm": args.skip_vllm, "llamacpp": args.skip_llamacpp}
     kinds = [kind for kind in SERVERS if not skip[kind]]
     runs: dict[str, dict[str, Any]] = {}
     for plan in plans:
         runs[plan.label] = {}
         for kind in kinds:
+            if kind == "llamacpp" and plan.gguf is None:
+                continue
             runs[plan.label][kind] = asyncio.run(run_server(kind, plan, args, log_dir))
     return runs

@@ -1,15 +1,16 @@
 """One worker's decode step, in process: the forward pass plus sampling, without the wires.
 
     python bench/worker_step.py MODEL_DIR [--batch 1 8 32] [--context 96] [--steps 50]
-                                [--threads N] [--profile]
+                                [--threads N] [--paths torch onednn packed] [--profile]
 
 Builds a :class:`ModelRunner` on ``MODEL_DIR``, prefills ``--batch`` requests of ``--context``
 random tokens, then times greedy decode steps (what ``execute_model`` does for a running
 batch). Prints the median step time per batch size for three matmul paths side by side
 (``kernels/gemm.py``): torch's ``F.linear`` on dense weights, oneDNN on dense weights, and oneDNN
-on weights packed at load (what the worker serves with); ``--profile`` adds torch's operator
-table of the packed path for the last batch size. The weights stay float32
-(``quantization="none"``; ``bench/quant_decode.py`` compares quantized ones).
+on weights packed at load (what the worker serves with; ``--paths packed`` times it alone);
+``--profile`` adds torch's operator table of the packed path for the last batch size. The
+weights stay float32 (``quantization="none"``; ``bench/quant_decode.py`` compares quantized
+ones).
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ from switchboard.wire.engine_msgs import SamplingParams
 from switchboard.wire.step_msgs import CachedRequest, NewRequest, SchedulerOutput
 from switchboard.worker.model_runner import ModelRunner
 
+CPU = torch.device("cpu")
+
 BLOCK_SIZE = 16
+PATHS = ("torch", "onednn", "packed")  # the matmul paths timed side by side
 
 
 def decode_steps(
@@ -93,41 +97,48 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=96)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     blocks = max(args.batch) * -(-(args.context + args.steps + 1) // BLOCK_SIZE)
-    gemm.use_onednn(False)  # loaded with oneDNN off, the weights stay dense
-    dense = ModelRunner(ModelConfig(model=args.model, quantization="none"), torch.device("cpu"))
-    dense.load_model()
-    dense.initialize_kv_cache(blocks, BLOCK_SIZE)
+    kernels: dict[str, tuple[ModelRunner, bool]] = {}
+    if {"torch", "onednn"} & set(args.paths):
+        gemm.use_onednn(False)  # loaded with oneDNN off, the weights stay dense
+        dense = ModelRunner(ModelConfig(model=args.model, quantization="none"), CPU)
+        dense.load_model()
+        dense.initialize_kv_cache(blocks, BLOCK_SIZE)
+        kernels |= {"torch": (dense, False), "onednn": (dense, True)}
     gemm.use_onednn(True)
-    packed = ModelRunner(ModelConfig(model=args.model, quantization="none"), torch.device("cpu"))
+    packed = ModelRunner(ModelConfig(model=args.model, quantization="none"), CPU)
     packed.load_model()
     packed.initialize_kv_cache(blocks, BLOCK_SIZE)
-    kernels = {"torch": (dense, False), "onednn": (dense, True), "packed": (packed, True)}
+    kernels["packed"] = (packed, True)
+    kernels = {path: kernels[path] for path in PATHS if path in args.paths}
 
     print(
         f"{args.model}: {args.threads} torch threads, context {args.context}, "
         f"attention backend {packed.attention_backend.name}"
     )
+    heads = {"torch": "torch GEMM ms", "onednn": "oneDNN ms", "packed": "packed ms"}
+    ratio = "torch" in kernels and "packed" in kernels
     print(
-        f"{'batch':>5} | {'torch GEMM ms':>13} | {'oneDNN ms':>9} | {'packed ms':>9} "
-        f"| {'torch/packed':>12}"
+        f"{'batch':>5} | "
+        + " | ".join(f"{heads[path]:>13}" for path in kernels)
+        + (f" | {'torch/packed':>12}" if ratio else "")
     )
     for batch in args.batch:
-        medians = {}
+        ms = {}
         for kernel, (runner, onednn) in kernels.items():
             gemm.use_onednn(onednn)
             decode_steps(runner, batch, args.context, 5)  # warm-up
-            medians[kernel] = statistics.median(
-                decode_steps(runner, batch, args.context, args.steps)
-            )
-        ms = {kernel: seconds * 1e3 for kernel, seconds in medians.items()}
+            steps = decode_steps(runner, batch, args.context, args.steps)
+            ms[kernel] = statistics.median(steps) * 1e3
         print(
-            f"{batch:>5} | {ms['torch']:>13.2f} | {ms['onednn']:>9.2f} | {ms['packed']:>9.2f} "
-            f"| {ms['torch'] / ms['packed']:>12.2f}"
+            f"{batch:>5} | "
+            + " | ".join(f"{ms[path]:>13.2f}" for path in kernels)
+            + (f" | {ms['torch'] / ms['packed']:>12.2f}" if ratio else "")
         )
     if args.profile:
         prof = torch.profiler.profile()

@@ -70,12 +70,13 @@ def test_the_ready_line_lists_every_address() -> None:
         ("metrics", "http://0.0.0.0:9090/metrics"),
         ("metrics", "http://0.0.0.0:9091/metrics"),
     ]
-    line = ready_line(gateways, engines, 2.5)
+    line = ready_line(gateways, engines, 2.5, "dtype float32, quantization int8")
     assert line == (
-        "switchboard is ready to serve 'tiny': gRPC 0.0.0.0:50051, metrics "
-        "http://0.0.0.0:9090/metrics, metrics http://0.0.0.0:9091/metrics "
-        "(2 engine cores, ready in 2.5 s)"
+        "switchboard is ready to serve 'tiny' (dtype float32, quantization int8): gRPC "
+        "0.0.0.0:50051, metrics http://0.0.0.0:9090/metrics, metrics "
+        "http://0.0.0.0:9091/metrics (2 engine cores, ready in 2.5 s)"
     )
+    assert ready_line(gateways, engines, 2.5).startswith("switchboard is ready to serve 'tiny': ")
 
 
 def test_the_ready_line_lists_the_http_api_of_each_gateway() -> None:

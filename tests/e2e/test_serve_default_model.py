@@ -10,6 +10,7 @@ from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
 from switchboard.api.v1 import model_service_pb2 as model_pb
 from switchboard.api.v1 import model_service_pb2_grpc as model_grpc
+from switchboard.kernels import quant_gemm
 from tests.e2e.server import start_server
 
 pytestmark = pytest.mark.slow
@@ -27,8 +28,14 @@ def test_default_model_answers(tmp_path: Path) -> None:
             models = model_grpc.ModelServiceStub(channel).ListModels(
                 model_pb.ListModelsRequest(), timeout=10
             )
+            info = model_grpc.ModelServiceStub(channel).GetModelInfo(
+                model_pb.GetModelInfoRequest(), timeout=10
+            )
         text = "".join(o.text for r in responses for o in r.outputs)
         assert "Paris" in text
         assert [m.name for m in models.models] == ["SmolLM2-135M-Instruct"]
+        # its GGUF's blocks kept quantized for decode, where the kernel runs on this CPU
+        quantization = "gguf Q4_1, Q8_0" if quant_gemm.load() else "none"
+        assert (info.dtype, info.quantization) == ("float32", quantization)
     finally:
         assert server.stop() == 0, server.log()

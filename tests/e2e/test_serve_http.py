@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API of a real `switchboard serve` (tiny Llama with a chat
-template), driven by the official ``openai`` package: the same tokens as gRPC (one request
-path), chat rendered by the template, streaming, a dropped connection freeing the engine, and a
+template, its weights quantized to int8 for decode), driven by the official ``openai`` package:
+the same tokens as gRPC (one request path), chat rendered by the template, streaming, the
+model's dtype and quantization on every front, a dropped connection freeing the engine, and a
 stream interval grouping the tokens of both fronts."""
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ import pytest
 import switchboard
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
+from switchboard.api.v1 import model_service_pb2 as model_pb
+from switchboard.api.v1 import model_service_pb2_grpc as model_grpc
+from switchboard.kernels import quant_gemm
 from tests.e2e import client_calls
-from tests.e2e.server import RunningServer, served, start_server
+from tests.e2e.server import RunningServer, served, start_server, wait_until
 from tests.e2e.test_serve import wait_until_idle
 from tests.tiny_checkpoint import TINY_CHAT_TEMPLATE, tiny_llama_dir
 
@@ -35,7 +39,9 @@ PROMPT_IDS = [0, 5, 6, 7, 8, 9, 10]
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
     model = tiny_llama_dir(chat_template=TINY_CHAT_TEMPLATE)
     workdir = tmp_path_factory.mktemp("http")
-    yield from served(model, workdir, "--enable-admin", "--max-model-len", "256")
+    yield from served(
+        model, workdir, "--enable-admin", "--max-model-len", "256", "--quantization", "int8"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +91,23 @@ def test_chat_stream_and_not(client: openai.OpenAI) -> None:
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == chat.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens == 8
+
+
+def test_dtype_and_quantization_as_the_worker_runs_them(server: RunningServer) -> None:
+    """The ready line, GetModelInfo and the /v1/models entry say what the worker resolved
+    --dtype (auto) and --quantization to (int8 where the quantized kernel runs on this CPU)."""
+    quantization = "int8" if quant_gemm.load() else "none"
+    with urllib.request.urlopen(f"{server.http_url}/v1/models", timeout=10) as response:
+        (entry,) = json.loads(response.read())["data"]
+    assert (entry["dtype"], entry["quantization"]) == ("float32", quantization)
+    with server.channel() as channel:
+        stub = model_grpc.ModelServiceStub(channel)
+        info = stub.GetModelInfo(model_pb.GetModelInfoRequest(), timeout=10)
+    assert (info.dtype, info.quantization) == ("float32", quantization)
+    runs_as = f"(dtype float32, quantization {quantization}): gRPC {server.target}"
+    wait_until(lambda: "ready to serve" in server.log(), "the ready line", timeout_s=120)
+    (line,) = [line for line in server.log().splitlines() if "ready to serve" in line]
+    assert runs_as in line
 
 
 def test_bad_parameter_is_a_400(client: openai.OpenAI) -> None:

@@ -104,6 +104,7 @@ def full_ready() -> EngineReady:
         tensor_parallel_size=2,
         pipeline_parallel_size=2,
         engine_version="0.1.0",
+        quantization="gguf Q4_1, Q8_0",
     )
 
 

@@ -156,6 +156,7 @@ class EngineCore:
             monotonic_ns=0,
             vocab_size=summary.vocab_size,
             dtype=summary.dtype,
+            quantization=summary.quantization,
             max_num_seqs=config.scheduler.max_num_seqs,
             max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
             tensor_parallel_size=config.parallel.tensor_parallel_size,

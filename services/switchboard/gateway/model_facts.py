@@ -2,7 +2,8 @@
 
 The checkpoint gives the end-of-sequence ids and the sampling defaults (generation_config.json);
 the engine's READY gives the facts that may differ from configuration (max_model_len after
-fitting the KV cache, vocabulary size, dtype), and those win once an engine is ready.
+fitting the KV cache, vocabulary size, dtype, quantization), and those win once an engine is
+ready.
 
 Sampling defaults follow vLLM: the knobs generation_config.json sets (temperature, top_p, top_k,
 min_p, repetition_penalty, and max_new_tokens as a cap on max_tokens) fill the request fields a
@@ -94,6 +95,8 @@ class ModelFacts:
     generation_config: dict[str, Any]  # the checkpoint's generation_config.json, as is
     sampling_defaults: dict[str, float | int]  # see sampling_defaults_from
     tasks: ModelTasks = ModelTasks()  # generate and/or embed, and the pooling defaults
+    # the weights kept quantized for decode, as an engine reports it ("" until one does)
+    quantization: str = ""
 
     @classmethod
     def from_checkpoint(cls, model: ModelConfig, tokenizer_vocab_size: int = 0) -> ModelFacts:
@@ -131,4 +134,5 @@ class ModelFacts:
             max_model_len=ready.max_model_len or self.max_model_len,
             vocab_size=ready.vocab_size or self.vocab_size,
             dtype=ready.dtype or self.dtype,
+            quantization=ready.quantization or self.quantization,
         )

@@ -28,8 +28,9 @@ the supervisor, which then stops the children in order (gateways first, so that 
 NOT_SERVING before their engines go away).
 
 Once the gateways report SERVING for generation (every engine core has sent READY), the
-supervisor logs one line with every address the server serves (``server_addresses``): the
-"you can start now" line of a first start.
+supervisor logs one line with every address the server serves (``server_addresses``) and how
+the engines run the model (its dtype and quantization, as GetModelInfo reports them): the "you
+can start now" line of a first start.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ import msgspec
 import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from switchboard.api.v1 import model_service_pb2, model_service_pb2_grpc
 from switchboard.common.tls import probe_channel as tls_probe_channel
 from switchboard.common.tls import tls_enabled, tls_handshake_failed
 from switchboard.config import (
@@ -80,6 +82,8 @@ RESTARTED_ROLES = ("EngineCore", "Gateway", "Coordinator")
 READINESS_SERVICE = "switchboard.v1.GenerationService"  # the gateway's readiness health name
 READY_POLL_S = 0.25
 PROBE_TLS_FAILURES = 8  # failed TLS handshakes in a row before the ready probe gives up
+MODEL_INFO_TRIES = 3  # the ready line's GetModelInfo, each waiting MODEL_INFO_TIMEOUT_S
+MODEL_INFO_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -176,14 +180,37 @@ def server_addresses(gateways: list[GatewayRoleConfig]) -> list[tuple[str, str]]
 
 
 def ready_line(
-    gateways: list[GatewayRoleConfig], engines: list[EngineConfig], took_s: float
+    gateways: list[GatewayRoleConfig],
+    engines: list[EngineConfig],
+    took_s: float,
+    runs_as: str = "",
 ) -> str:
+    """``runs_as``: how the engines run the model (``served_as``), "" when unknown."""
     where = ", ".join(f"{what} {address}" for what, address in server_addresses(gateways))
     cores = len(engines)
+    model = f"{gateways[0].model.name!r}" + (f" ({runs_as})" if runs_as else "")
     return (
-        f"switchboard is ready to serve {gateways[0].model.name!r}: {where} "
+        f"switchboard is ready to serve {model}: {where} "
         f"({cores} engine core{'s' if cores != 1 else ''}, ready in {took_s:.1f} s)"
     )
+
+
+def served_as(channel: grpc.Channel) -> str:
+    """What the engines resolved ``--dtype`` and ``--quantization`` to, from the gateway's
+    GetModelInfo: ``dtype float32, quantization gguf Q4_1, Q8_0``; "" when it refuses (it
+    wants an API key, say) or does not answer in ``MODEL_INFO_TRIES`` tries."""
+    stub = model_service_pb2_grpc.ModelServiceStub(channel)  # type: ignore[no-untyped-call]
+    for _ in range(MODEL_INFO_TRIES):
+        try:
+            info = stub.GetModelInfo(
+                model_service_pb2.GetModelInfoRequest(), timeout=MODEL_INFO_TIMEOUT_S
+            )
+        except grpc.RpcError as error:
+            if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                continue  # a busy machine: the gateway answers in a moment
+            return ""
+        return f"dtype {info.dtype or '?'}, quantization {info.quantization or '?'}"
+    return ""
 
 
 def _probe_target(gateway: GatewayRoleConfig) -> str:
@@ -319,7 +346,8 @@ class Supervisor:
                 if status == health_pb2.HealthCheckResponse.SERVING:
                     if not self._stop_requested.is_set():
                         took = time.monotonic() - self._started
-                        logger.info("%s", ready_line(self._gateways, self._engines, took))
+                        line = ready_line(self._gateways, self._engines, took, served_as(channel))
+                        logger.info("%s", line)
                     return
                 self._stop_requested.wait(READY_POLL_S)
 

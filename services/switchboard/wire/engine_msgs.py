@@ -248,6 +248,9 @@ class EngineReady(_Wire):
     pipeline_parallel_size: int = 1
     engine_version: str = ""
     enable_prefix_caching: bool = True  # appended: vllm:cache_config_info
+    # appended: the weights kept quantized for decode, as the worker did it ("none", "int8",
+    # "gguf Q4_1, Q8_0"); "" from an engine that does not say
+    quantization: str = ""
 
 
 # ---- appended for DP > 1 and engines on other hosts: death notice, load, TCP handshake -------

@@ -40,6 +40,7 @@ from switchboard.worker.step_inputs import (
     RequestStates,
     StepInputs,
     build_step_inputs,
+    sampled_rows,
 )
 
 logger = logging.getLogger(__name__)
@@ -201,7 +202,7 @@ class ModelRunner:
         hidden = self._forward_stage(inputs)
         logits, pooled = None, None
         if self.parallel.is_last_stage:  # the others' hidden states are not final ones
-            logits = self.model.compute_logits(hidden[inputs.logits_rows])
+            logits = self.model.compute_logits(sampled_rows(hidden, inputs.logits_rows))
             self._collect_prompt_logprobs(step, inputs, hidden)
             pooled = self.pooling.collect(step, inputs, hidden, self.requests)
         for request_id, n in step.num_scheduled_tokens.items():

@@ -75,6 +75,9 @@ class OpenAIRoutes:
             "owned_by": "switchboard",
             "root": self._state.config.model.model,
             "max_model_len": facts.max_model_len,
+            # what the engine runs, as GetModelInfo says it (not in OpenAI's model object)
+            "dtype": facts.dtype,
+            "quantization": facts.quantization,
         }
         return json_response({"object": "list", "data": [model]})
 

@@ -45,6 +45,7 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
             vocab_size=facts.vocab_size,
             eos_token_ids=list(facts.eos_token_ids),
             dtype=facts.dtype,
+            quantization=facts.quantization,
         )
         if facts.bos_token_id is not None:
             response.bos_token_id = facts.bos_token_id
