@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
+import jsonschema
 
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
@@ -63,7 +64,7 @@ class Failed(Exception):
     """An attempt that did not end as it should: ``reported`` (UNAVAILABLE saying what it
     delivered) or not."""
 
-    def __init__(self, detail: str, reported: bool = False, wrong_answer: bool = False) -> None:
+    def __init__(self, detail: str, wrong_answer: bool = False, reported: bool = False) -> None:
         super().__init__(detail)
         self.reported = reported
         self.wrong_answer = wrong_answer
@@ -113,7 +114,7 @@ def _grpc_tokens(
                 return tokens, text
             details = error.details() or ""
             reported = error.code() == grpc.StatusCode.UNAVAILABLE and DELIVERED in details
-            raise Failed(f"{error.code().name}: {details[:200]}", reported) from None
+            raise Failed(f"{error.code().name}: {details[:200]}", reported=reported) from None
     return tokens, text
 
 
@@ -210,13 +211,14 @@ class References:
 
 def check_constraint(index: int, text: str) -> None:
     kind, spec = CONSTRAINTS[index % len(CONSTRAINTS)]
-    valid = (
-        json.loads(text) is not None and len(json.loads(text)) == DIGITS["maxItems"]
-        if kind == "json_schema"
-        else re.fullmatch(spec, text) is not None
-    )
-    if not valid:
-        raise Failed(f"not valid against its {kind}: {text[:80]!r}", wrong_answer=True)
+    try:
+        if kind == "json_schema":
+            jsonschema.validate(json.loads(text), json.loads(spec))
+        elif re.fullmatch(spec, text) is None:
+            raise ValueError("no match")
+    except (ValueError, jsonschema.ValidationError) as error:
+        why = str(error)[:200]
+        raise Failed(f"not valid against its {kind}: {why}", wrong_answer=True) from None
 
 
 def _same(kind: str, got: object, expected: object) -> None:
