@@ -96,17 +96,19 @@ class ServerWatch:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def snapshot(self) -> dict[str, int]:
+    def snapshot(self, segments: bool = False) -> dict[str, int]:
+        """The roles now; with ``segments``, also note the shm segments they have mapped."""
         current = roles(self.supervisor_pid)
         for role, pid in current.items():
             self.seen_pids.setdefault(role, set()).add(pid)
-            self.segments |= mapped_segments(pid)
+            if segments:
+                self.segments |= mapped_segments(pid)
         return current
 
     def usage(self) -> dict[str, dict[str, float | int | None]]:
         return {
             role: {"pid": pid, "rss_mib": rss_mib(pid), "open_files": open_files(pid)}
-            for role, pid in sorted(self.snapshot().items())
+            for role, pid in sorted(self.snapshot(segments=True).items())
         }
 
     def ring_segments(self) -> set[str]:
@@ -189,7 +191,7 @@ class Chaos:
     def _run(self) -> None:
         next_at = time.monotonic() + self.interval_s
         while not self._stop.wait(max(0.0, next_at - time.monotonic())):
-            current = self.watch.snapshot()
+            current = self.watch.snapshot(segments=True)
             role = self._next_role(current)
             pid = current.get(role)
             if pid is None:
@@ -216,7 +218,7 @@ class Chaos:
         while time.monotonic() < deadline:
             if self.is_back(role, pid, log_before):
                 return time.monotonic()
-            time.sleep(0.1)
+            time.sleep(0.25)
         return None
 
     def is_back(self, role: str, pid: int, log_before: str) -> bool:

@@ -327,8 +327,9 @@ def held_up_stream(server: RunningServer, worker: int, max_tokens: int) -> Strea
 def held_up_streams(workers: list[int], start: Callable[[], list[HeldStream]]) -> list[Any]:
     """Streams that are going (3 tokens seen each) and then held up by SIGSTOP of ``workers``
     (the caller kills or continues them). On a loaded machine a stream may finish between the
-    two: then SIGCONT and try again with new streams."""
-    for _ in range(5):
+    two: then SIGCONT and try again with new streams (on a machine busy with other work the
+    clients may see their streams late: ten tries, each costing only its streams)."""
+    for _ in range(10):
         streams = start()
         wait_for_tokens(streams, 3)
         for worker in workers:
