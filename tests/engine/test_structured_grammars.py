@@ -17,6 +17,7 @@ from tokenizers import Tokenizer
 from switchboard.config import EngineConfig, ModelConfig
 from switchboard.engine.constrained_decoding import StructuredOutputManager, attach_bitmask
 from switchboard.engine.core import GRAMMAR_READY, EngineCore
+from switchboard.engine.request import Request
 from switchboard.engine.shutdown import ShutdownRequest
 from switchboard.wire.engine_msgs import (
     EngineCoreRequest,
@@ -280,3 +281,72 @@ def test_an_aborted_compiling_request_is_never_scheduled(core) -> None:
         core._handle_input(kind, payload)
     core._admit_compiled()
     assert core.scheduler.added == []
+
+
+# ---------------------------------------------------------------- a resumed stream's grammar
+
+ARRAY = json.dumps({"type": "array", "items": {"enum": [1, 2, 3]}, "minItems": 6, "maxItems": 6})
+
+
+def test_a_resumed_request_replays_its_tokens_through_the_grammar(manager, tokenizer) -> None:
+    """Cut off after k tokens and sent again with them as output (as the gateway resumes a
+    stream): the new matcher has consumed them, and the rest is what the undisturbed run gave."""
+    sched = make_scheduler(max_model_len=128)
+    d = GrammarDriver(sched, manager)
+    sched.add_request(constrained(manager, "j", prompt(4), 100, "json_schema", ARRAY))
+    d.run()
+    whole = d.tokens("j")
+    assert len(whole) > 4 and d.finish("j").finish_reason == FinishReason.STOP
+    for cut in (1, len(whole) // 2, len(whole) - 1):
+        wire = EngineCoreRequest(
+            "j",
+            prompt(4),
+            sampling_params=SamplingParams(
+                max_tokens=100,
+                eos_token_ids=[EOS],
+                structured_output=StructuredOutputParams("json_schema", ARRAY),
+            ),
+            output_token_ids=whole[:cut],
+        )
+        resumed = Request.from_engine_core_request(wire, BS, 0)
+        resumed.grammar = manager.start(
+            wire.sampling_params.structured_output, [EOS], replay=whole[:cut]
+        )
+        resumed.grammar.future.result(timeout=60)
+        assert resumed.grammar.resolve() is None
+        sched = make_scheduler(max_model_len=128)
+        d = GrammarDriver(sched, manager)
+        sched.add_request(resumed)
+        d.run()
+        assert whole[:cut] + d.tokens("j") == whole, cut
+        assert d.finish("j").finish_reason == FinishReason.STOP
+        assert len(json.loads(text(tokenizer, whole))) == 6
+
+
+def test_resumed_tokens_the_grammar_rejects_fail_the_request(manager, tokenizer) -> None:
+    not_json = tokenizer.encode("hello", add_special_tokens=False).ids
+    grammar = manager.start(StructuredOutputParams("json_schema", ARRAY), [EOS], replay=not_json)
+    assert grammar.future.exception(60) is not None
+    assert "does not fit" in grammar.resolve()
+    whole = tokenizer.encode("[1, 2, 3, 1, 2, 3]", add_special_tokens=False).ids
+    done = manager.start(
+        StructuredOutputParams("json_schema", ARRAY), [EOS], replay=[*whole, whole[0]]
+    )
+    assert "already complete" in done.resolve()
+
+
+def test_the_busy_loop_replays_a_resumed_add(core, tokenizer) -> None:
+    wire = _wire("cut", "json_schema", ARRAY)
+    wire.output_token_ids = tokenizer.encode("[2,", add_special_tokens=False).ids
+    good = core._prepare_add(wire)
+    wrong = _wire("wrong", "json_schema", ARRAY)
+    wrong.output_token_ids = tokenizer.encode("{", add_special_tokens=False).ids
+    core._handle_input(RequestType.ADD, good)
+    core._handle_input(RequestType.ADD, core._prepare_add(wrong))
+    for kind, payload in _drain(core):
+        core._handle_input(kind, payload)
+    assert core.scheduler.added == ["cut"]
+    _, outputs = core.output_queue.get_nowait()
+    (failed,) = outputs.outputs
+    assert failed.request_id == "wrong" and failed.finish_reason == FinishReason.ERROR
+    assert "does not fit" in failed.stop_reason

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from switchboard.gateway.engines.resume import resume_plan
 from switchboard.wire.engine_msgs import (
     EngineCoreRequest,
     PoolingParams,
     SamplingParams,
     StructuredOutputParams,
+    TensorRef,
 )
 
 
@@ -34,9 +37,17 @@ def test_nothing_delivered_is_the_same_request_again() -> None:
     assert resume_plan(pooling, []) == (pooling, "")
 
 
-def test_what_cannot_resume_says_why() -> None:
+def test_a_structured_output_request_resumes_with_its_grammar_and_tokens() -> None:
+    # the engine that takes it replays the delivered tokens through the grammar
     grammar = request(structured_output=StructuredOutputParams("regex", "a+"))
-    assert resume_plan(grammar, [4])[0] is None
-    assert "grammar" in resume_plan(grammar, [4])[1]
+    resumed, why = resume_plan(grammar, [4, 5])
+    assert why == "" and resumed is not None
+    assert resumed.output_token_ids == [4, 5]
+    assert resumed.sampling_params == grammar.sampling_params
+
+
+def test_what_cannot_resume_says_why() -> None:
+    embeds = msgspec.structs.replace(request(), prompt_embeds=TensorRef("<f4", [1, 8], 0))
+    assert resume_plan(embeds, [4]) == (None, "prompt embeddings are not kept")
     assert resume_plan(request(), list(range(10)))[0] is None  # nothing left to generate
     assert resume_plan(None, [1])[0] is None

@@ -11,11 +11,20 @@ from switchboard.gateway.observability.trace_phases import (
     PREFILL,
     QUEUE,
     RESPOND,
+    RESUME_NUMBER,
+    RESUMED,
+    RESUMED_FROM,
+    RESUMED_ON,
     TOKENIZE,
     Phase,
     request_phases,
 )
-from switchboard.wire.engine_msgs import EngineCoreEvent, EngineCoreOutput, EventType
+from switchboard.wire.engine_msgs import (
+    EngineCoreEvent,
+    EngineCoreOutput,
+    EventType,
+    FinishReason,
+)
 
 OFFSET = 1_000_000  # engine monotonic + OFFSET = gateway wall clock, in these tests
 
@@ -54,7 +63,7 @@ def timeline(
 
 
 def tiling(phases: list[Phase]) -> list[Phase]:
-    return [p for p in phases if p.name != PREEMPTED]
+    return [p for p in phases if p.name not in (PREEMPTED, RESUMED)]
 
 
 def assert_tiles(phases: list[Phase], t: RequestTimeline) -> None:
@@ -226,3 +235,43 @@ def test_sequences_of_one_call_pair_their_own_preemptions() -> None:
     phases = request_phases(t, to_wall, ended_normally=True)
     assert_tiles(phases, t)
     assert len([p for p in phases if p.name == PREEMPTED]) == 2
+
+
+def test_a_resumed_stream_shows_both_engines_on_one_clock() -> None:
+    """Cut off on rank 1 after two tokens, continued on rank 0, whose clock runs SKEW ahead:
+    its stamps are placed on the first engine's clock, and one engine.resumed phase spans the
+    cut (last token on rank 1 -> first token on rank 0)."""
+    skew = 5_000
+    t = RequestTimeline("r", OFFSET, submitted_ns=OFFSET + 10)
+    t.served_by((1, "e1"))
+    queued = [EngineCoreEvent(EventType.QUEUED, 20), EngineCoreEvent(EventType.SCHEDULED, 30)]
+    t.record_output(EngineCoreOutput("r", [7], events=queued), 100)
+    t.record_output(EngineCoreOutput("r", [8]), 200)
+    t.resumed("r", (1, "e1"), (0, "e0"))
+    again = [
+        EngineCoreEvent(EventType.QUEUED, 600 + skew),
+        EngineCoreEvent(EventType.SCHEDULED, 650 + skew),
+    ]
+    t.record_output(EngineCoreOutput("r", [9], events=again), 700 + skew, shift_ns=-skew)
+    t.record_output(EngineCoreOutput("r", [10], finish_reason=FinishReason.STOP), 800 + skew, -skew)
+    t.end_ns = OFFSET + 900
+    assert t.engines == [(1, "e1"), (0, "e0")]
+    assert (t.engine_index, t.engine_id) == (0, "e0")  # the engine that ran it last
+    assert (t.queued_ns, t.scheduled_ns) == (20, 30)  # the first engine's
+    assert (t.first_token_ns, t.last_token_ns) == (100, 800)
+    assert t.num_output_tokens == 4
+    phases = request_phases(t, to_wall, ended_normally=True)
+    assert_tiles(phases, t)
+    (resumed,) = [p for p in phases if p.name == RESUMED]
+    assert (resumed.start_ns, resumed.end_ns) == (OFFSET + 200, OFFSET + 700)
+    assert resumed.attributes == {RESUME_NUMBER: 1, RESUMED_FROM: 1, RESUMED_ON: 0}
+
+
+def test_a_stream_cut_off_before_its_first_token_resumes_from_submission() -> None:
+    t = RequestTimeline("r", OFFSET, submitted_ns=OFFSET + 10)
+    t.served_by((0, "a"))
+    t.resumed("r", (0, "a"), (0, "b"))  # the restarted engine of the same rank
+    t.end_ns = OFFSET + 500
+    (resumed,) = [p for p in request_phases(t, to_wall, False) if p.name == RESUMED]
+    assert (resumed.start_ns, resumed.end_ns) == (OFFSET + 10, OFFSET + 500)
+    assert t.engines == [(0, "a"), (0, "b")]

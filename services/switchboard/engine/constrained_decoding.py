@@ -15,6 +15,11 @@ A matcher is per request (per sequence: ``n`` > 1 sends one request per sequence
 advances on accepted tokens, so a preempted request resumes with its matcher where its output
 is: recompute, prefix-cache hits and chunked prefill change nothing about it (a prefill chunk
 that samples nothing gets no mask row).
+
+A resumed stream (an ADD whose ``output_token_ids`` another engine generated and the client
+already has) gets a matcher that has consumed those tokens, in the compile pool, before the
+request is scheduled: it continues from where the cut-off engine's matcher was. Tokens the
+grammar rejects fail the request (ERROR) rather than continuing an output that is not valid.
 """
 
 from __future__ import annotations
@@ -94,9 +99,14 @@ class StructuredOutputManager:
         params: StructuredOutputParams,
         eos_token_ids: Iterable[int],
         on_done: Callable[[], None] | None = None,
+        replay: Iterable[int] = (),
     ) -> RequestGrammar:
-        """Compile in the pool (cached); ``on_done`` runs in the pool thread when finished."""
-        future = self._pool.submit(self._matcher, params.kind, params.spec, tuple(eos_token_ids))
+        """Compile in the pool (cached); ``on_done`` runs in the pool thread when finished.
+        ``replay``: output tokens already generated (a resumed stream), consumed by the new
+        matcher before it makes a mask."""
+        future = self._pool.submit(
+            self._matcher, params.kind, params.spec, tuple(eos_token_ids), tuple(replay)
+        )
         if on_done is not None:
             future.add_done_callback(lambda _: on_done())
         return RequestGrammar(future)
@@ -119,7 +129,9 @@ class StructuredOutputManager:
                 logger.info("structured output: tokenizer table built (%d tokens)", self.vocab_size)
             return tokenizer
 
-    def _matcher(self, kind: str, spec: str, eos: tuple[int, ...]) -> Any:
+    def _matcher(
+        self, kind: str, spec: str, eos: tuple[int, ...], replay: tuple[int, ...] = ()
+    ) -> Any:
         import llguidance
 
         key = (kind, spec, eos)
@@ -138,7 +150,9 @@ class StructuredOutputManager:
                 self._cache[key] = template
                 if len(self._cache) > CACHE_SIZE:
                     self._cache.popitem(last=False)
-        return template.deep_copy()  # the cached one never advances
+        matcher = template.deep_copy()  # the cached one never advances
+        _replay(matcher, replay)
+        return matcher
 
     def bitmask(self, grammars: list[RequestGrammar]) -> bytes:
         """The next-token bitmask rows of these requests, packed (``SchedulerOutput``)."""
@@ -155,6 +169,21 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _replay(matcher: Any, token_ids: tuple[int, ...]) -> None:
+    """Advance a fresh matcher over a resumed stream's delivered tokens."""
+    for position, token_id in enumerate(token_ids):
+        if matcher.is_stopped():
+            raise StructuredOutputError(
+                f"the resumed output is already complete after {position} of its "
+                f"{len(token_ids)} tokens"
+            )
+        if not matcher.consume_token(token_id):
+            error = (matcher.get_error() or "token rejected by the grammar").split("\n")[0]
+            raise StructuredOutputError(
+                f"the resumed output's token {position} ({token_id}) does not fit: {error}"
+            )
 
 
 def attach_bitmask(

@@ -263,7 +263,10 @@ class EngineCore:
             if params is not None and params.structured_output is not None:
                 assert self.structured_output is not None
                 prepared.grammar = self.structured_output.start(  # compiles in the pool
-                    params.structured_output, params.eos_token_ids, self._on_grammar_ready
+                    params.structured_output,
+                    params.eos_token_ids,
+                    self._on_grammar_ready,
+                    replay=request.output_token_ids or (),  # a resumed stream's tokens
                 )
             return prepared
         except Exception as exc:

@@ -164,12 +164,13 @@ class EngineClient:
         return self._router.abort(request_ids, reason)
 
     @property
-    def on_resumed(self) -> Callable[[EngineHandle], None]:
-        """Called with the engine each time a cut-off request resumes on it."""
+    def on_resumed(self) -> Callable[[EngineHandle, EngineHandle], None]:
+        """Called each time a cut-off request resumes: (the engine it was cut off on, the
+        engine that took it)."""
         return self._failover.on_resumed
 
     @on_resumed.setter
-    def on_resumed(self, on_resumed: Callable[[EngineHandle], None]) -> None:
+    def on_resumed(self, on_resumed: Callable[[EngineHandle, EngineHandle], None]) -> None:
         self._failover.on_resumed = on_resumed
 
     @property

@@ -9,8 +9,12 @@ draws output token ``i`` from (seed, i)). Greedy and seeded requests give exactl
 an undisturbed run gives. The outputs keep coming on the same channel, so the client sees one
 unbroken stream.
 
-Not resumable (``resume_plan`` says why) once tokens were delivered: a structured-output
-request (its grammar matcher would start over) and a request with prompt embeddings. A request
+A structured-output request resumes too: the engine that takes it replays the delivered tokens
+through a fresh matcher of its grammar before it samples (``engine/constrained_decoding.py``), so
+its output continues exactly as the cut-off engine's would have, and stays valid.
+
+Not resumable (``resume_plan`` says why) once tokens were delivered: a request with prompt
+embeddings (they are not kept) and a pooling request. A request
 that is not resumed, or that no engine takes within ``resume_timeout_s`` (``Failover``), fails
 with UNAVAILABLE saying how many tokens it had delivered.
 """
@@ -49,8 +53,6 @@ def resume_plan(
     params = request.sampling_params
     if params is None:
         return None, "a pooling request"
-    if params.structured_output is not None:
-        return None, "its grammar's state cannot be carried over"
     if request.prompt_embeds is not None:
         return None, "prompt embeddings are not kept"
     if len(delivered) >= params.max_tokens:
@@ -72,7 +74,8 @@ class Failover:
         self._router = router
         self._send = send
         self.resume_timeout_s = resume_timeout_s
-        self.on_resumed: Callable[[EngineHandle], None] = lambda _engine: None
+        # (the engine it was cut off on, the engine that took it)
+        self.on_resumed: Callable[[EngineHandle, EngineHandle], None] = lambda _dead, _new: None
         self.resuming: set[asyncio.Task] = set()  # requests waiting for an engine to take them
 
     def engine_died(self, engine: EngineHandle, why: str) -> None:
@@ -122,6 +125,7 @@ class Failover:
                     return
                 await asyncio.sleep(0.05)
                 continue
+            cut_off_on = channel.engine
             self._router.count_on(channel, engine)
             channel.resumes += 1
             logger.warning(
@@ -132,6 +136,6 @@ class Failover:
                 len(channel.delivered),
                 why,
             )
-            self.on_resumed(engine)
+            self.on_resumed(cut_off_on, engine)
             self._send(engine, RequestType.ADD, request)  # a failed send fails it over again
             return

@@ -150,6 +150,6 @@ class RequestRouter:
             channel.last_token_at = now
             channel.stalled = False
         channel.delivered += output.new_token_ids
-        channel.put(StepOutput(output, timestamp_ns))
+        channel.put(StepOutput(output, timestamp_ns, channel.engine))
         if output.finish_reason is not None:
             self.forget(output.request_id)

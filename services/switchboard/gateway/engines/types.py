@@ -90,6 +90,7 @@ class EngineHandle:
 class StepOutput:
     output: EngineCoreOutput
     timestamp_ns: int  # the engine's monotonic clock when the step's outputs were made
+    engine: EngineHandle | None = None  # the engine that made it (a resumed stream has two)
 
 
 @dataclasses.dataclass(slots=True)

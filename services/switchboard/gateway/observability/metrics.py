@@ -109,7 +109,9 @@ class RequestMetrics:
         self.generation_tokens = counter("generation_tokens", "Generation tokens processed.")
         self.resumed = counter(
             "requests_resumed",
-            "Streams cut off by an engine's death and resumed, by the engine that took them.",
+            "Streams cut off by an engine's death and resumed, by the engine that took them "
+            "(engine) and the one they were cut off on (from_engine).",
+            ("from_engine",),
         )
         self.stalls = counter(
             "request_stalls",

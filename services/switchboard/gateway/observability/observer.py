@@ -4,7 +4,7 @@ The request path calls, per Generate::
 
     observer = state.observability.begin(request_id, arrival_time, context)
     observer.submitting(plan, engine_request)   # tokenized and checked; ADD about to go out
-    observer.submitted(channel.engine)          # the engine that got it
+    observer.submitted(engines)                 # the engine each sequence went to
     observer.on_event(event)                    # every event of the request's channel
     observer.end(stream)                        # in ``finally``: however the call ended
 
@@ -110,12 +110,13 @@ class Observability:
             )
         self._stats_task: asyncio.Task | None = None
 
-    def request_resumed(self, engine: EngineHandle) -> None:
-        """A stream cut off by an engine's death was re-submitted to ``engine``."""
+    def request_resumed(self, cut_off_on: EngineHandle, engine: EngineHandle) -> None:
+        """A stream cut off by the death of ``cut_off_on`` was re-submitted to ``engine``."""
         if self.metrics is not None:
             requests = self.metrics.requests
             labels = requests.labels(str(engine.ready.data_parallel_rank))
-            requests.resumed.labels(*labels).inc()
+            from_engine = str(cut_off_on.ready.data_parallel_rank)
+            requests.resumed.labels(*labels, from_engine).inc()
 
     def stream_stalled(self, engine: EngineHandle) -> None:
         """A stream on ``engine`` got no token for longer than ``--stall-warn-s``."""
@@ -178,8 +179,10 @@ class RequestObserver:
         self._obs = observability
         self._context = context
         self.timeline = RequestTimeline(request_id, int(arrival_time * 1e9))
-        self._clock: EngineClock | None = None
-        self._engine_label = ""
+        self._clock: EngineClock | None = None  # the first engine's: the timeline's stamps
+        self._engine_label = ""  # the engine that ran it last
+        self._first_token_label = ""  # the engine that gave its first token
+        self._engines: dict[str, EngineHandle] = {}  # the engine of each sequence now
         self._prompt_text: str | None = None
         self._ended = False
         self._ended_by: FinishReason | None = None  # an abort or failure the channel reported
@@ -210,11 +213,30 @@ class RequestObserver:
                 if self._prompt_text is None:
                     self._prompt_text = self._obs.text(request.prompt_token_ids)
 
-    def submitted(self, engine: EngineHandle) -> None:
-        self.timeline.engine_index = engine.ready.data_parallel_rank
-        self.timeline.engine_id = engine.engine_id
-        self._engine_label = str(engine.ready.data_parallel_rank)
-        self._clock = engine.clock
+    def submitted(self, engines: dict[str, EngineHandle]) -> None:
+        """The ADDs went out: the engine of each sequence (engine request id)."""
+        self._engines = dict(engines)
+        first = next(iter(engines.values()))
+        self._clock = self.timeline.clock = first.clock
+        self._engine_label = _label(first)
+        for engine in engines.values():
+            self.timeline.served_by(_served_by(engine))
+
+    def _engine_of(self, step: StepOutput) -> EngineHandle | None:
+        """The engine that made ``step``; a sequence that comes from another engine than
+        before was resumed there."""
+        engine, sequence = step.engine, step.output.request_id
+        if engine is None:
+            return self._engines.get(sequence)
+        before = self._engines.get(sequence)
+        if before is not engine:
+            self._engines[sequence] = engine
+            if before is None:
+                self.timeline.served_by(_served_by(engine))
+            else:
+                self.timeline.resumed(sequence, _served_by(before), _served_by(engine))
+        self._engine_label = _label(engine)
+        return engine
 
     def on_event(self, event: RequestEvent) -> None:
         timeline = self.timeline
@@ -225,28 +247,33 @@ class RequestObserver:
             self._ended_by = self._ended_by or FinishReason.ERROR
             return
         assert isinstance(event, StepOutput)
-        clock = self._clock
+        engine = self._engine_of(event)
+        clock = engine.clock if engine is not None else self._clock
+        shift_ns = 0
         if clock is not None:
             clock.not_after(event.timestamp_ns, time.time_ns())  # it was stamped before now
             if timeline.submitted_ns is not None:
                 for queued in event.output.events or ():
                     if queued.type == EventType.QUEUED:  # queued after the ADD went out
                         clock.not_before(queued.timestamp_ns, timeline.submitted_ns)
+            if self._clock is not None and clock is not self._clock:
+                shift_ns = clock.offset - self._clock.offset  # onto the first engine's clock
         first = timeline.first_token_ns is None
         previous_token_ns = timeline.sequence_last_token_ns.get(event.output.request_id)
-        num_new = timeline.record_output(event.output, event.timestamp_ns)
+        num_new = timeline.record_output(event.output, event.timestamp_ns, shift_ns)
         if not num_new:
             return
         counts, metrics = self._obs.counts, self._obs.metrics
         counts.generation_tokens += num_new
         if first:
             counts.prompt_tokens += timeline.num_prompt_tokens
+            self._first_token_label = self._engine_label
         if metrics is None:
             return
         requests = metrics.requests
         inter_token_s = None
         if previous_token_ns is not None:  # this sequence's previous output
-            inter_token_s = (event.timestamp_ns - previous_token_ns) / 1e9
+            inter_token_s = (event.timestamp_ns + shift_ns - previous_token_ns) / 1e9
         requests.tokens(self._engine_label, num_new, inter_token_s)
 
     def end(self, streams: Any) -> None:
@@ -317,11 +344,15 @@ class RequestObserver:
             "decode": _seconds(times.decode_ns),
             "inference": _seconds(times.inference_ns),
         }
-        if times.ttft_ns is not None and self._engine_label:
+        if times.ttft_ns is not None and self._first_token_label:
             # Observed when the call closes, not at its first token: from the same record (and
-            # clock placement) as the client's RequestMetrics and the span.
+            # clock placement) as the client's RequestMetrics and the span. The engine that
+            # gave the first token; a resumed call's later engines count its later tokens.
             metrics.requests.first_token(
-                self._engine_label, times.ttft_ns / 1e9, t.num_prompt_tokens, t.num_cached_tokens
+                self._first_token_label,
+                times.ttft_ns / 1e9,
+                t.num_prompt_tokens,
+                t.num_cached_tokens,
             )
         if t.submitted_ns is not None and self._engine_label:
             metrics.requests.finished(
@@ -368,10 +399,20 @@ class RequestObserver:
             attributes["switchboard.engine.index"] = t.engine_index
             attributes["switchboard.engine.id"] = t.engine_id
             attributes["switchboard.request.num_preemptions"] = times.num_preemptions
+            attributes["switchboard.request.engine_ids"] = [engine for _, engine in t.engines]
+            attributes["switchboard.request.num_resumes"] = len(t.resumes)
         content = None
         if self._obs.trace_content and t.output_token_ids is not None:
             content = (self._prompt_text or "", self._obs.text(t.output_token_ids))
         spans.finish(t.end_ns, code, attributes, phases, content)
+
+
+def _label(engine: EngineHandle) -> str:
+    return str(engine.ready.data_parallel_rank)
+
+
+def _served_by(engine: EngineHandle) -> tuple[int, str]:
+    return engine.ready.data_parallel_rank, engine.engine_id
 
 
 def _seconds(ns: float | None) -> float | None:

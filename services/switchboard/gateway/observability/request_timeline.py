@@ -15,13 +15,22 @@ This is the one record of a Generate call's timing: ``close`` derives ``RequestT
 once, and the client's ``RequestMetrics``, the Prometheus histograms and the span attributes all
 report those same numbers (``n`` > 1 included: the call's first QUEUED, first SCHEDULED, first
 and last token over all its sequences).
+
+A stream resumed on another engine (``gateway/engines/resume.py``) has stamps from two engine
+clocks: the observer places the later engine's on the first engine's clock before they are
+recorded (``record_output``'s ``shift_ns``), so the timeline stays on one clock (``clock``), and
+``resumes`` says where each sequence moved and when.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from switchboard.wire.engine_msgs import EngineCoreEvent, EngineCoreOutput, EventType, FinishReason
+
+if TYPE_CHECKING:
+    from switchboard.gateway.engines.engine_clock import EngineClock
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -46,6 +55,18 @@ class RequestTimes:
         return self.decode_ns / (self.num_output_tokens - 1)
 
 
+@dataclasses.dataclass(slots=True)
+class Resume:
+    """One sequence cut off by its engine's death and continued on another (stamps on the
+    timeline's clock)."""
+
+    sequence: str  # the engine request id
+    cut_off_on: tuple[int, str]  # (data-parallel rank, engine id)
+    taken_by: tuple[int, str]
+    cut_ns: int | None  # its last token before the cut (None: it had none)
+    continued_ns: int | None = None  # its first token from the new engine (None: none yet)
+
+
 def _between(start: int | None, end: int | None) -> int | None:
     return None if start is None or end is None else max(0, end - start)
 
@@ -60,8 +81,12 @@ class RequestTimeline:
     arrival_ns: int  # gateway wall clock: the RPC arrived
     submitted_ns: int | None = None  # gateway wall clock: tokenized and checked, ADD going out
     end_ns: int | None = None  # gateway wall clock: the gateway was done with it, however
-    engine_index: int | None = None  # the data-parallel rank of the engine that served it
+    engine_index: int | None = None  # the data-parallel rank of the engine that served it last
     engine_id: str = ""
+    # Every engine that served it, in order (more than one when resumed): (rank, engine id).
+    engines: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+    resumes: list[Resume] = dataclasses.field(default_factory=list)
+    clock: EngineClock | None = None  # the engine clock of its stamps (its first engine's)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_output_tokens: int = 0  # of every sequence
@@ -106,12 +131,31 @@ class RequestTimeline:
         )
         return self.times
 
-    def record_output(self, output: EngineCoreOutput, timestamp_ns: int) -> int:
+    def served_by(self, engine: tuple[int, str]) -> None:
+        """An engine, (data-parallel rank, id), runs a sequence of it now."""
+        self.engine_index, self.engine_id = engine
+        if engine not in self.engines:
+            self.engines.append(engine)
+
+    def resumed(
+        self, sequence: str, cut_off_on: tuple[int, str], taken_by: tuple[int, str]
+    ) -> None:
+        """``sequence`` was cut off on one engine and continues on another."""
+        cut_ns = self.sequence_last_token_ns.get(sequence)
+        self.resumes.append(Resume(sequence, cut_off_on, taken_by, cut_ns))
+        self.served_by(taken_by)
+
+    def record_output(self, output: EngineCoreOutput, timestamp_ns: int, shift_ns: int = 0) -> int:
         """Take in one engine output (``timestamp_ns``: its EngineCoreOutputs' stamp); return
-        how many new tokens it carried."""
+        how many new tokens it carried. ``shift_ns`` places the stamps of an engine other than
+        the timeline's first on that one's clock (a resumed stream)."""
         sequence = output.request_id
+        timestamp_ns += shift_ns
         if output.events:
-            self.events.extend((sequence, event) for event in output.events)
+            self.events.extend(
+                (sequence, EngineCoreEvent(event.type, event.timestamp_ns + shift_ns))
+                for event in output.events
+            )
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
         if output.num_preemptions:
             self.sequence_preemptions[sequence] = output.num_preemptions
@@ -122,6 +166,9 @@ class RequestTimeline:
             self.last_token_ns = timestamp_ns
             self.sequence_last_token_ns[sequence] = timestamp_ns
             self.num_output_tokens += num_new
+            for resume in self.resumes:
+                if resume.sequence == sequence and resume.continued_ns is None:
+                    resume.continued_ns = timestamp_ns
             if self.output_token_ids is not None:
                 self.output_token_ids.extend(output.new_token_ids)
         if output.finish_reason is not None:

@@ -20,7 +20,9 @@ as queueing). A request that did not end normally (aborted, failed, cancelled) h
 [arrival, end] and kept in order, so a child never leaves its parent.
 
 Preemptions overlap the tiling: one ``engine.preempted`` per PREEMPTED -> next SCHEDULED (or the
-end, if the request ended while preempted).
+end, if the request ended while preempted). So do resumes: one ``engine.resumed`` per sequence
+cut off by its engine's death, from its last token there (or submission, if it had none) to its
+first token from the engine that took it (or the end), with both engines' ranks.
 """
 
 from __future__ import annotations
@@ -37,9 +39,13 @@ PREFILL = "engine.prefill"
 DECODE = "engine.decode"
 RESPOND = "gateway.respond"
 PREEMPTED = "engine.preempted"
+RESUMED = "engine.resumed"
 TILING = (TOKENIZE, DISPATCH, QUEUE, PREFILL, DECODE, RESPOND)
 
 PREEMPTION_NUMBER = "switchboard.preemption.number"  # 1 for a request's first preemption
+RESUME_NUMBER = "switchboard.resume.number"  # 1 for a request's first resume
+RESUMED_FROM = "switchboard.resume.from_engine.index"  # the rank it was cut off on
+RESUMED_ON = "switchboard.engine.index"  # the rank that took it
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -57,8 +63,8 @@ class Phase:
 def request_phases(
     timeline: RequestTimeline, to_wall_ns: Callable[[int], int], ended_normally: bool
 ) -> list[Phase]:
-    """The tiling phases, then one phase per preemption. Empty for a request that never got
-    past tokenization (it has no engine time to show)."""
+    """The tiling phases, then one phase per preemption and per resume. Empty for a request
+    that never got past tokenization (it has no engine time to show)."""
     start = timeline.arrival_ns
     end = timeline.end_ns if timeline.end_ns is not None else start
     end = max(end, start)
@@ -95,6 +101,16 @@ def request_phases(
         begin = at_wall(preempted)
         finish = at_wall(resumed) if resumed is not None else end
         phases.append(Phase(PREEMPTED, begin, max(begin, finish), {PREEMPTION_NUMBER: number}))
+    submitted = _clamp(timeline.submitted_ns, start, end)
+    for number, resume in enumerate(timeline.resumes, start=1):
+        begin = at_wall(resume.cut_ns) if resume.cut_ns is not None else submitted
+        finish = at_wall(resume.continued_ns) if resume.continued_ns is not None else end
+        attributes = {
+            RESUME_NUMBER: number,
+            RESUMED_FROM: resume.cut_off_on[0],
+            RESUMED_ON: resume.taken_by[0],
+        }
+        phases.append(Phase(RESUMED, begin, max(begin, finish), attributes))
     return phases
 
 

@@ -152,7 +152,7 @@ class GenerateCalls:
                 trace_context=_trace_context(context),
             )
             group = await self._submit(prepared, context, observer=observer, ticket=ticket)
-            observer.submitted(group.engine)
+            observer.submitted({c.request_id: c.engine for c in group.channels})
             live.engine_request_ids = group.request_ids
             if live.aborted:  # the Abort RPC came while the prompt was being tokenized
                 state.engines.abort(group.request_ids, "Abort RPC")

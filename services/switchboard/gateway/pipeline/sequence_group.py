@@ -172,8 +172,9 @@ class SequenceGroup:
 
     def _metrics(self) -> pb.RequestMetrics:
         """The call's RequestMetrics: its timeline closed now (the observer reports the same)."""
-        engine = self.engine
-        times = self.timeline.close(engine.clock.offset, time.time_ns())
+        engine = self.engine  # the engine that ran it last (a resumed stream had others)
+        clock = self.timeline.clock or engine.clock  # the one its stamps are on
+        times = self.timeline.close(clock.offset, time.time_ns())
         metrics = pb.RequestMetrics(
             num_preemptions=times.num_preemptions, engine_id=engine.engine_id
         )
