@@ -14,6 +14,7 @@ from switchboard.common.flags import (
     Group,
 )
 from switchboard.config.model import ModelConfig
+from switchboard.config.speculative import checked_speculative_config
 from switchboard.config.struct import Config, curve_keys_flag
 
 
@@ -111,6 +112,19 @@ class SchedulerConfig(Config, frozen=True):
             Group.SCHEDULER,
         ),
     ] = True
+    # JSON text, parsed by config/speculative.py (vLLM's format); "" = no speculation.
+    speculative_config: Annotated[
+        str,
+        Flag(
+            "speculative decoding, as vLLM's JSON: "
+            '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
+            "proposes tokens from the prompt and output so far and verifies them in one "
+            "forward pass (default: off)",
+            Group.SCHEDULER,
+            metavar="JSON",
+            to_config=checked_speculative_config,
+        ),
+    ] = ""
 
 
 def with_step_budget(config: SchedulerConfig, device_type: str) -> SchedulerConfig:
