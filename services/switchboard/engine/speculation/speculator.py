@@ -14,10 +14,11 @@ seeds, logit bias, allowed tokens, logprobs, stop tokens and strings, ``n`` > 1)
 meaning: the workers sample every proposed position as they would sample it alone and accept
 proposals while they equal those samples.
 
-Proposals adapt (:class:`SpeculationState`): after ``MAX_MISSES`` steps in a row in which a
-request proposed nothing or had nothing accepted, it stops proposing for a pause of
-``FIRST_PAUSE`` output tokens, doubled each time up to ``MAX_PAUSE``; an accepted token resets
-both. A request on text the proposer cannot predict then decodes as without speculation almost
+Proposals adapt (:class:`SpeculationState`): after ``MAX_MISSES`` steps in a row whose
+proposals were all rejected, or ``MAX_DRY_LOOKUPS`` lookups in a row that found nothing to
+propose (those cost no forward work, but the engine does not schedule ahead of them), a request
+stops proposing for a pause of ``FIRST_PAUSE`` output tokens, doubled each time up to
+``MAX_PAUSE``; an accepted token resets both. A request on text the proposer cannot predict then decodes as without speculation almost
 all the time, and the engine keeps scheduling steps ahead for it.
 """
 
@@ -31,6 +32,7 @@ from switchboard.engine.speculation.ngram import TokenIndex, propose_ngram
 from switchboard.wire.engine_msgs import SamplingParams, SchedulerStats
 
 MAX_MISSES = 3
+MAX_DRY_LOOKUPS = 16
 FIRST_PAUSE = 8
 MAX_PAUSE = 128
 
@@ -61,7 +63,8 @@ class SpeculationState:
 
     allowed: bool
     index: TokenIndex = field(default_factory=TokenIndex)
-    misses: int = 0  # steps in a row that proposed nothing or had nothing accepted
+    misses: int = 0  # steps in a row whose proposals were all rejected
+    dry_lookups: int = 0  # lookups in a row that found nothing to propose
     pause: int = FIRST_PAUSE  # the next pause, in output tokens
     paused_until: int = 0  # no proposals before this many output tokens
     in_flight: int = 0  # tokens proposed in a step not applied yet
@@ -70,12 +73,15 @@ class SpeculationState:
 
     def record(self, num_proposed: int, num_accepted: int, num_output_tokens: int) -> None:
         if num_accepted > 0:
-            self.misses = 0
+            self.misses = self.dry_lookups = 0
             self.pause = FIRST_PAUSE
             return
-        self.misses += 1
-        if self.misses >= MAX_MISSES:
-            self.misses = 0
+        if num_proposed:
+            self.misses += 1
+        else:
+            self.dry_lookups += 1
+        if self.misses >= MAX_MISSES or self.dry_lookups >= MAX_DRY_LOOKUPS:
+            self.misses = self.dry_lookups = 0
             self.paused_until = num_output_tokens + self.pause
             self.pause = min(2 * self.pause, MAX_PAUSE)
 
