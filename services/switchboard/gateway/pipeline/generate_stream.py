@@ -100,12 +100,20 @@ class GenerateStream:
         output = step.output
         self._num_cached_tokens = max(self._num_cached_tokens, output.num_cached_tokens)
         new_ids = list(output.new_token_ids)
+        new_text = ""
+        if self._text is not None:
+            pushed_before = self._text.num_tokens
+            new_text = self._text.push(new_ids)
+            if self._text.stopped:  # (one step may bring tokens past it: speculative decoding)
+                new_ids = new_ids[: self._text.num_tokens - pushed_before]
         self._token_ids += new_ids
-        new_logprobs = to_api_logprobs(output.new_logprobs, self._token_texts)
+        new_logprobs = to_api_logprobs(
+            output.new_logprobs[: len(new_ids)] if output.new_logprobs else None,
+            self._token_texts,
+        )
         self._logprobs += new_logprobs
         if output.prompt_logprobs:
             self._prompt_logprobs = to_api_logprobs(output.prompt_logprobs, self._token_texts)
-        new_text = self._text.push(new_ids) if self._text is not None else ""
         if output.finish_reason == FinishReason.ERROR:
             why = f": {output.stop_reason}" if isinstance(output.stop_reason, str) else ""
             raise ApiError(
