@@ -80,6 +80,8 @@ class GenerateStream:
         self._token_ids: list[int] = []
         self._released_text = ""
         self._num_cached_tokens = 0
+        self._num_draft_tokens = 0  # speculative decoding: proposed and accepted tokens
+        self._num_accepted_tokens = 0
         self._sent_first = False
         self.finish_reason = pb.FINISH_REASON_UNSPECIFIED
         self.stop_token_id: int | None = None
@@ -99,6 +101,8 @@ class GenerateStream:
     def _step(self, step: StepOutput) -> pb.GenerateResponse | None:
         output = step.output
         self._num_cached_tokens = max(self._num_cached_tokens, output.num_cached_tokens)
+        self._num_draft_tokens += output.num_draft_tokens
+        self._num_accepted_tokens += output.num_accepted_tokens
         new_ids = list(output.new_token_ids)
         new_text = ""
         if self._text is not None:
@@ -216,4 +220,6 @@ class GenerateStream:
             prompt_tokens=len(self._prompt_token_ids),
             completion_tokens=len(self._token_ids),
             cached_prompt_tokens=self._num_cached_tokens,
+            spec_draft_tokens=self._num_draft_tokens,
+            spec_accepted_tokens=self._num_accepted_tokens,
         )
