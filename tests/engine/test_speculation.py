@@ -207,3 +207,17 @@ def test_the_config_is_vllm_s_json_and_bad_values_are_refused():
     ]:
         with pytest.raises(ValueError, match=says):
             parse_speculative_config(bad)
+
+
+def test_the_flag_reaches_the_engine_and_a_bad_one_stops_serve(capsys):
+    from switchboard import cli
+    from switchboard.cli import serve
+
+    args = cli.make_parser().parse_args(["serve", "--model", "/m", "--speculative-config", NGRAM])
+    assert serve.build_configs(args, "/m")[1].scheduler.speculative_config == NGRAM
+    parser = cli.make_parser()
+    bad = ["serve", "--model", "/m", "--speculative-config", '{"method": "ngram"}']
+    with pytest.raises(SystemExit) as exit_info:
+        serve.prepare(parser, parser.parse_args(bad))
+    assert exit_info.value.code == 2
+    assert "num_speculative_tokens" in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """Speculative decoding on the built-in default model (SmolLM2-135M-Instruct): asked to copy a
-paragraph it was given, the model copies it, the n-gram proposals are mostly accepted, and the greedy
-tokens are the same as without speculation.
+paragraph it was given, the model copies it, the n-gram proposals are mostly accepted, and the
+greedy tokens are the same as without speculation.
 
 Slow: it needs the converted model in the real cache and runs a 30-layer model on CPU.
 """
@@ -41,4 +41,3 @@ def test_greedy_tokens_are_the_same_and_proposals_accepted():
     assert on.tokens("copy") == off.tokens("copy")
     assert on.num_accepted_tokens > on.num_draft_tokens // 2
     assert on.steps < off.steps * 2 // 3
-

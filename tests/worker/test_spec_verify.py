@@ -66,4 +66,3 @@ def test_rejection_sampling_keeps_the_distribution():
     nonzero = residual > 0
     statistic = chi_square(rejected[nonzero], residual[nonzero])
     assert statistic < 18.467  # 4 degrees of freedom at p = 0.001
-

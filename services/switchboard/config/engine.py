@@ -14,7 +14,6 @@ from switchboard.common.flags import (
     Group,
 )
 from switchboard.config.model import ModelConfig
-from switchboard.config.speculative import checked_speculative_config
 from switchboard.config.struct import Config, curve_keys_flag
 
 
@@ -122,7 +121,6 @@ class SchedulerConfig(Config, frozen=True):
             "forward pass (default: off)",
             Group.SCHEDULER,
             metavar="JSON",
-            to_config=checked_speculative_config,
         ),
     ] = ""
 

@@ -68,9 +68,3 @@ def parse_speculative_config(text: str) -> SpeculativeConfig | None:
             f"not {low} and {high}"
         )
     return msgspec.structs.replace(config, prompt_lookup_min=low, prompt_lookup_max=high)
-
-
-def checked_speculative_config(text: str) -> str:
-    """The flag's text, refused as the configs are built if it does not parse."""
-    parse_speculative_config(text)
-    return text

@@ -61,9 +61,7 @@ def build_verify_batch(
         seed = state.sampling_params.seed
         if drafts and seed is not None and row in batch.generators:
             for i in range(1, len(drafts) + 1):
-                batch.generators[row + i] = new_request_generator(
-                    seed, state.num_output_tokens + i
-                )
+                batch.generators[row + i] = new_request_generator(seed, state.num_output_tokens + i)
         row += 1 + len(drafts)
     return batch
 

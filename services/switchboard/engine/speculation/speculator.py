@@ -18,8 +18,9 @@ Proposals adapt (:class:`SpeculationState`): after ``MAX_MISSES`` steps in a row
 proposals were all rejected, or ``MAX_DRY_LOOKUPS`` lookups in a row that found nothing to
 propose (those cost no forward work, but the engine does not schedule ahead of them), a request
 stops proposing for a pause of ``FIRST_PAUSE`` output tokens, doubled each time up to
-``MAX_PAUSE``; an accepted token resets both. A request on text the proposer cannot predict then decodes as without speculation almost
-all the time, and the engine keeps scheduling steps ahead for it.
+``MAX_PAUSE``; an accepted token resets both. A request on text the proposer cannot predict
+then decodes as without speculation almost all the time, and the engine keeps scheduling steps
+ahead for it.
 """
 
 from __future__ import annotations
