@@ -1,0 +1,250 @@
+"""Speculative decoding (n-gram proposals) on vs off, on the built-in default model, in one run.
+
+    .venv/bin/python bench/spec_decode.py                      # c = 1, 4, 16; both workloads
+    .venv/bin/python bench/spec_decode.py --concurrency 1 --output-len 64 --json out.json
+    .venv/bin/python bench/spec_decode.py --spec '{"method": "ngram", "num_speculative_tokens": 6}'
+
+Two servers, one after the other, the same flags but ``--speculative-config``: off, then on
+(default ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+"prompt_lookup_min": 1}``). Each runs both workloads at every concurrency, a closed loop of c
+clients (each sends its next request when its last one ends), greedy:
+
+* **repetitive**, built from real text (this repository's own documents and code): summarise a
+  document quoting its sentences, edit a piece of code (rename a function and give the whole code
+  back), reformat a JSON record. The model copies long runs of its prompt: n-gram proposals are
+  accepted;
+* **random**: prompts of random token ids (the vs_vllm kit's workload) with ``ignore_eos``: the
+  output repeats nothing, proposals are rare and rejected, so the cost of trying shows.
+
+Printed per workload and c: output tok/s off and on, their ratio, the acceptance rate (accepted /
+proposed tokens, from the responses' usage) and whether every greedy output was token-identical
+on and off. Output tok/s: all output tokens of the level over its wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from server_procs import free_port, start, stop_all, switchboard_command, wait_ready
+from serving_clients import HOST, make_prompts
+
+from switchboard.api.v1 import generation_service_pb2 as pb
+from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_SPEC = json.dumps(
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+)
+VOCAB = 49152  # SmolLM2's
+RANDOM_PROMPT_LEN = 128
+
+
+def chat(user: str) -> str:
+    """SmolLM2's chat format, one user turn."""
+    return f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def document_excerpts() -> list[str]:
+    """Paragraphs of this repository's documentation: real prose to summarise and quote."""
+    paragraphs = []
+    for name in ("README.md", "docs/architecture.md", "docs/operations.md"):
+        path = REPO / name
+        if path.exists():
+            for block in path.read_text().split("\n\n"):
+                text = " ".join(block.split())
+                if 400 <= len(text) <= 1200 and not text.startswith(("|", "#", "```")):
+                    paragraphs.append(text)
+    return paragraphs
+
+
+def code_excerpts() -> list[tuple[str, str]]:
+    """(function source, its name) from this repository's code: real code to edit."""
+    found = []
+    for name in ("engine/stop_check.py", "engine/block_hash.py", "worker/logprobs.py"):
+        source = (REPO / "services/switchboard" / name).read_text()
+        for chunk in source.split("\n\n\ndef ")[1:]:
+            body = "def " + chunk.split("\n\n\n")[0]
+            if 300 <= len(body) <= 1500:
+                found.append((body, body[4 : body.index("(")]))
+    return found
+
+
+def json_records() -> list[str]:
+    """Records of real values: the served model's config and this repository's defaults."""
+    from switchboard.checkpoint import resolve_model
+    from switchboard.config import CacheConfig, SchedulerConfig
+    from switchboard.config.struct import encode_config
+
+    model_config = json.loads((Path(resolve_model(None)) / "config.json").read_text())
+    return [
+        encode_config(SchedulerConfig()),
+        encode_config(CacheConfig()),
+        json.dumps({k: v for k, v in model_config.items() if not isinstance(v, dict)}),
+    ]
+
+
+def repetitive_prompts() -> list[str]:
+    prompts = []
+    for text in document_excerpts()[:6]:
+        prompts.append(
+            chat(
+                "Summarise this document in two sentences, quoting its most important "
+                f"sentence word for word.\n\nDocument:\n{text}"
+            )
+        )
+    for code, name in code_excerpts()[:6]:
+        prompts.append(
+            chat(
+                f"Rename the function `{name}` to `{name}_v2` and give back the whole code, "
+                f"unchanged otherwise.\n\n```python\n{code}\n```"
+            )
+        )
+    for record in json_records():
+        prompts.append(
+            chat(f"Reformat this JSON record with one key per line, indented by 2:\n{record}")
+        )
+    return prompts
+
+
+@dataclass
+class Result:
+    token_ids: list[int] = field(default_factory=list)
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+
+async def send(stub: Any, prompt: str | list[int], max_tokens: int, ignore_eos: bool) -> Result:
+    request = pb.GenerateRequest(
+        sampling=pb.SamplingParams(temperature=0.0),
+        stopping=pb.StoppingCriteria(max_tokens=max_tokens, ignore_eos=ignore_eos),
+        output=pb.OutputOptions(return_token_ids=True),
+    )
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids.extend(prompt)
+    result = Result()
+    async for response in stub.Generate(request):
+        for output in response.outputs:
+            result.token_ids += output.token_ids
+        if response.HasField("usage"):
+            result.draft_tokens = response.usage.spec_draft_tokens
+            result.accepted_tokens = response.usage.spec_accepted_tokens
+    return result
+
+
+async def closed_loop(
+    stub: Any, prompts: list[Any], concurrency: int, max_tokens: int, ignore_eos: bool
+) -> tuple[list[Result], float]:
+    results: list[Result | None] = [None] * len(prompts)
+    todo = iter(range(len(prompts)))
+
+    async def client() -> None:
+        for i in todo:
+            results[i] = await send(stub, prompts[i], max_tokens, ignore_eos)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    wall = time.perf_counter() - started
+    return [r for r in results if r is not None], wall
+
+
+def level_prompts(base: list[Any], concurrency: int) -> list[Any]:
+    """At least two rounds of the closed loop, cycling through the workload's prompts."""
+    n = max(len(base), 2 * concurrency)
+    return [base[i % len(base)] for i in range(n)]
+
+
+async def run_server(
+    label: str, spec: str, args: argparse.Namespace, workloads: dict[str, Any], log_dir: Path
+) -> dict[str, Any]:
+    port = free_port()
+    cmd = [
+        *switchboard_command(), "serve", "--host", HOST, "--port", str(port),
+        "--http-port", "-1", "--seed", "0", "--max-model-len", "2048",
+    ]  # fmt: skip
+    if spec:
+        cmd += ["--speculative-config", spec]
+    log = log_dir / f"switchboard_{label}.log"
+    print(f"[{label}] {' '.join(cmd)}  (log {log})", file=sys.stderr, flush=True)
+    server = start("switchboard", cmd, dict(os.environ), log, port)
+    levels: dict[str, Any] = {}
+    try:
+        await wait_ready(server)
+        async with grpc.aio.insecure_channel(f"{HOST}:{port}") as channel:
+            stub = pb_grpc.GenerationServiceStub(channel)
+            await send(stub, chat("Hello"), 8, False)  # warm-up
+            for name, (prompts, ignore_eos) in workloads.items():
+                for c in args.concurrency:
+                    results, wall = await closed_loop(
+                        stub, level_prompts(prompts, c), c, args.output_len, ignore_eos
+                    )
+                    tokens = sum(len(r.token_ids) for r in results)
+                    levels[f"{name}/{c}"] = {
+                        "tok_s": tokens / wall,
+                        "tokens": tokens,
+                        "wall_s": wall,
+                        "draft_tokens": sum(r.draft_tokens for r in results),
+                        "accepted_tokens": sum(r.accepted_tokens for r in results),
+                        "outputs": [r.token_ids for r in results],
+                    }
+                    print(f"[{label}] {name} c={c}: {tokens / wall:.1f} tok/s", file=sys.stderr)
+    finally:
+        server.stop()
+    return levels
+
+
+def print_table(off: dict[str, Any], on: dict[str, Any]) -> None:
+    print(
+        f"{'workload':<11} {'c':>3} {'off tok/s':>10} {'on tok/s':>10} {'on/off':>7} "
+        f"{'accepted':>9} {'identical':>9}"
+    )
+    for key, base in off.items():
+        name, c = key.split("/")
+        spec = on[key]
+        rate = spec["accepted_tokens"] / spec["draft_tokens"] if spec["draft_tokens"] else 0.0
+        same = "yes" if base["outputs"] == spec["outputs"] else "NO"
+        print(
+            f"{name:<11} {c:>3} {base['tok_s']:>10.1f} {spec['tok_s']:>10.1f} "
+            f"{spec['tok_s'] / base['tok_s']:>6.2f}x {rate:>8.0%} {same:>9}"
+        )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--output-len", type=int, default=96)
+    parser.add_argument("--spec", default=DEFAULT_SPEC, help="--speculative-config when on")
+    parser.add_argument("--workloads", nargs="+", default=["repetitive", "random"])
+    parser.add_argument("--json", type=Path, help="write every number here")
+    args = parser.parse_args()
+    all_workloads = {
+        "repetitive": (repetitive_prompts(), False),
+        "random": (make_prompts(8, RANDOM_PROMPT_LEN, VOCAB, "spec-decode"), True),
+    }
+    workloads = {name: all_workloads[name] for name in args.workloads}
+    log_dir = Path(tempfile.mkdtemp(prefix="spec-decode-bench-"))
+    try:
+        off = asyncio.run(run_server("off", "", args, workloads, log_dir))
+        on = asyncio.run(run_server("on", args.spec, args, workloads, log_dir))
+    finally:
+        stop_all()
+    print(f"\nspeculative config: {args.spec}; output up to {args.output_len} tokens, greedy")
+    print_table(off, on)
+    if args.json:
+        args.json.write_text(json.dumps({"spec": args.spec, "off": off, "on": on}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
