@@ -103,6 +103,23 @@ class CpuKernelBackend(AttentionBackend):
 CPU_KERNEL = CpuKernelBackend()
 
 
+def stack_rows(
+    metadata: AttentionMetadata, num_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The rows of a step the one-call decode stack can take besides decodes: chunks of at
+    most ``KERNEL_ANY_CONTEXT_MAX_TOKENS`` tokens (a decode with its proposed tokens), as
+    ``token_rows`` lays them out (kept on the metadata for the layers' attention too). None
+    for a step with a longer chunk."""
+    if any(span.num_tokens > KERNEL_ANY_CONTEXT_MAX_TOKENS for span in metadata.prefills):
+        return None
+    prepared = metadata.prepared
+    if not isinstance(prepared, KernelRows):
+        return token_rows(metadata, num_tokens)
+    if not prepared.built:
+        prepared.rows, prepared.built = token_rows(metadata, num_tokens), True
+    return prepared.rows
+
+
 def token_rows(
     metadata: AttentionMetadata, num_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
