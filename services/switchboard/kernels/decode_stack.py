@@ -15,7 +15,8 @@ set of KV caches. The stack applies to a step whose every row is one query token
 and chunks of a few tokens such as a decode with its proposed tokens: each token a row that
 sees the keys up to its own position; the model checks), with at most ``MAX_ROWS`` rows,
 float32 on CPU, every matrix with its small-batch panels, and the three kernels loaded (so their
-off switches hold here too); anything else takes the layer-by-layer path. Up to ``gemm.SMALL_BATCH_MAX_ROWS`` rows (``MAX_ROWS``) the layers use
+off switches hold here too); anything else takes the layer-by-layer path. Up to
+``gemm.SMALL_BATCH_MAX_ROWS`` rows (``MAX_ROWS``) the layers use
 the same matmul kernel (the quantized one for a matrix with quantized panels,
 ``models/quantized.py``), so both paths give the same floats, and the stack is batch-invariant (a
 row's floats do not depend on the rows beside it). Its loops run on the kernels' work pool: a
