@@ -4,10 +4,13 @@
     .venv/bin/python bench/spec_decode.py --concurrency 1 --output-len 64 --json out.json
     .venv/bin/python bench/spec_decode.py --spec '{"method": "ngram", "num_speculative_tokens": 6}'
 
-Two servers, one after the other, the same flags but ``--speculative-config``: off, then on
-(default ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-"prompt_lookup_min": 1}``). Each runs both workloads at every concurrency, a closed loop of c
-clients (each sends its next request when its last one ends), greedy:
+Two servers side by side, the same flags but ``--speculative-config``: off and on (default
+``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+"prompt_lookup_min": 1}``). Each level (a workload at a concurrency c: a closed loop of c clients,
+each sending its next request when its last one ends, greedy) runs on one server, then the
+other, ``--rounds`` times in alternation, and each side's best round is reported: on a machine
+others share, the load drifts over minutes, and alternating keeps both sides under the same
+drift. Only one server computes at a time. The workloads:
 
 * **repetitive**, built from real text (this repository's own documents and code): summarise a
   document quoting its sentences, edit a piece of code (rename a function and give the whole code
@@ -165,9 +168,7 @@ def level_prompts(base: list[Any], concurrency: int) -> list[Any]:
     return [base[i % len(base)] for i in range(n)]
 
 
-async def run_server(
-    label: str, spec: str, args: argparse.Namespace, workloads: dict[str, Any], log_dir: Path
-) -> dict[str, Any]:
+async def start_server(label: str, spec: str, log_dir: Path) -> tuple[Any, int]:
     port = free_port()
     cmd = [
         *switchboard_command(), "serve", "--host", HOST, "--port", str(port),
@@ -178,30 +179,62 @@ async def run_server(
     log = log_dir / f"switchboard_{label}.log"
     print(f"[{label}] {' '.join(cmd)}  (log {log})", file=sys.stderr, flush=True)
     server = start("switchboard", cmd, dict(os.environ), log, port)
-    levels: dict[str, Any] = {}
+    await wait_ready(server)
+    return server, port
+
+
+async def run_level(
+    stub: Any, prompts: list[Any], c: int, output_len: int, ignore_eos: bool
+) -> dict[str, Any]:
+    results, wall = await closed_loop(stub, level_prompts(prompts, c), c, output_len, ignore_eos)
+    tokens = sum(len(r.token_ids) for r in results)
+    return {
+        "tok_s": tokens / wall,
+        "tokens": tokens,
+        "wall_s": wall,
+        "draft_tokens": sum(r.draft_tokens for r in results),
+        "accepted_tokens": sum(r.accepted_tokens for r in results),
+        "outputs": [r.token_ids for r in results],
+    }
+
+
+async def run_both(
+    args: argparse.Namespace, workloads: dict[str, Any], log_dir: Path
+) -> dict[str, dict[str, Any]]:
+    """Every level on both servers, alternated ``--rounds`` times; each side's best round
+    (with every round's tok/s under ``rounds``)."""
+    servers = [
+        await start_server(label, spec, log_dir) for label, spec in (("off", ""), ("on", args.spec))
+    ]
+    channels = [grpc.aio.insecure_channel(f"{HOST}:{port}") for _, port in servers]
+    best: dict[str, dict[str, Any]] = {"off": {}, "on": {}}
     try:
-        await wait_ready(server)
-        async with grpc.aio.insecure_channel(f"{HOST}:{port}") as channel:
-            stub = pb_grpc.GenerationServiceStub(channel)
+        stubs = dict(zip(("off", "on"), map(pb_grpc.GenerationServiceStub, channels), strict=True))
+        for stub in stubs.values():
             await send(stub, chat("Hello"), 8, False)  # warm-up
-            for name, (prompts, ignore_eos) in workloads.items():
-                for c in args.concurrency:
-                    results, wall = await closed_loop(
-                        stub, level_prompts(prompts, c), c, args.output_len, ignore_eos
-                    )
-                    tokens = sum(len(r.token_ids) for r in results)
-                    levels[f"{name}/{c}"] = {
-                        "tok_s": tokens / wall,
-                        "tokens": tokens,
-                        "wall_s": wall,
-                        "draft_tokens": sum(r.draft_tokens for r in results),
-                        "accepted_tokens": sum(r.accepted_tokens for r in results),
-                        "outputs": [r.token_ids for r in results],
-                    }
-                    print(f"[{label}] {name} c={c}: {tokens / wall:.1f} tok/s", file=sys.stderr)
+        for name, (prompts, ignore_eos) in workloads.items():
+            for c in args.concurrency:
+                key = f"{name}/{c}"
+                for round_ in range(args.rounds):
+                    for label, stub in stubs.items():
+                        level = await run_level(stub, prompts, c, args.output_len, ignore_eos)
+                        kept = best[label].get(key)
+                        rounds = [*(kept["rounds"] if kept else []), level["tok_s"]]
+                        if kept is None or level["tok_s"] > kept["tok_s"]:
+                            best[label][key] = kept = level
+                        kept["rounds"] = rounds
+                        print(
+                            f"[{label}] {name} c={c} round {round_ + 1}: "
+                            f"{level['tok_s']:.1f} tok/s",
+                            file=sys.stderr,
+                            flush=True,
+                        )
     finally:
-        server.stop()
-    return levels
+        for channel in channels:
+            await channel.close()
+        for server, _ in servers:
+            server.stop()
+    return best
 
 
 def print_table(off: dict[str, Any], on: dict[str, Any]) -> None:
@@ -226,6 +259,7 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=96)
     parser.add_argument("--spec", default=DEFAULT_SPEC, help="--speculative-config when on")
     parser.add_argument("--workloads", nargs="+", default=["repetitive", "random"])
+    parser.add_argument("--rounds", type=int, default=2, help="alternations per level")
     parser.add_argument("--json", type=Path, help="write every number here")
     args = parser.parse_args()
     all_workloads = {
@@ -235,11 +269,14 @@ def main() -> int:
     workloads = {name: all_workloads[name] for name in args.workloads}
     log_dir = Path(tempfile.mkdtemp(prefix="spec-decode-bench-"))
     try:
-        off = asyncio.run(run_server("off", "", args, workloads, log_dir))
-        on = asyncio.run(run_server("on", args.spec, args, workloads, log_dir))
+        both = asyncio.run(run_both(args, workloads, log_dir))
+        off, on = both["off"], both["on"]
     finally:
         stop_all()
-    print(f"\nspeculative config: {args.spec}; output up to {args.output_len} tokens, greedy")
+    print(
+        f"\nspeculative config: {args.spec}; output up to {args.output_len} tokens, greedy; "
+        f"best of {args.rounds} alternated rounds"
+    )
     print_table(off, on)
     if args.json:
         args.json.write_text(json.dumps({"spec": args.spec, "off": off, "on": on}))

@@ -221,3 +221,19 @@ def test_the_flag_reaches_the_engine_and_a_bad_one_stops_serve(capsys):
         serve.prepare(parser, parser.parse_args(bad))
     assert exit_info.value.code == 2
     assert "num_speculative_tokens" in capsys.readouterr().err
+
+
+def test_the_proposal_length_follows_what_was_accepted():
+    sched = make_scheduler()
+    speculator = sched.speculator
+    assert speculator is not None
+    request = make_request("a", [11, 12, 13, 11, 12, 13, 11, 12], 40)
+    state = speculator.state(request)
+    assert min(state.proposal_len(), 4) == 4  # a request starts at the full length
+    lengths = []
+    for accepted in (0, 1, 0, 4, 4, 4):
+        state.record(4, accepted, 0)
+        lengths.append(state.proposal_len())
+    assert lengths == [3, 2, 1, 3, 4, 4]
+    request.append_output_token(13)
+    assert len(speculator.propose(request, 10)) == 4

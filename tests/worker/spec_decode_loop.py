@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 from switchboard.config import CacheConfig, SchedulerConfig
 from switchboard.engine.request import Request
@@ -69,3 +70,32 @@ def run_loop(
     result.num_accepted_tokens = stats.spec_decode_num_accepted_tokens
     assert scheduler.kv.usage() == 0.0
     return result
+
+
+def loop_on_rank(
+    parallel: Any, model_dir: str, speculative_config: str, params: SamplingParams
+) -> dict[str, Any]:
+    """``run_loop`` on one rank of a tensor/pipeline-parallel group (``parallel_ranks``): every
+    rank schedules the same steps from the tokens its runner returns (the output rank's, shared
+    with every rank)."""
+    import torch
+
+    from switchboard.config import ModelConfig
+
+    runner = ModelRunner(ModelConfig(model=model_dir), torch.device("cpu"), parallel)
+    runner.load_model()
+    runner.initialize_kv_cache(PARALLEL_NUM_BLOCKS, BLOCK_SIZE)
+    result = run_loop(
+        runner, PARALLEL_PROMPTS, params, speculative_config, num_blocks=PARALLEL_NUM_BLOCKS
+    )
+    return {
+        "tokens": {rid: result.tokens(rid) for rid in PARALLEL_PROMPTS},
+        "accepted": result.num_accepted_tokens,
+    }
+
+
+PARALLEL_NUM_BLOCKS = 96
+PARALLEL_PROMPTS = {
+    "loop": [0, 5, 9, 33, 5, 9, 33, 5, 9, 33, 5, 9],
+    "odd": [0, 900, 3, 3, 3, 77, 512, 8, 1000, 64, 2],
+}

@@ -14,8 +14,11 @@ seeds, logit bias, allowed tokens, logprobs, stop tokens and strings, ``n`` > 1)
 meaning: the workers sample every proposed position as they would sample it alone and accept
 proposals while they equal those samples.
 
-Proposals adapt (:class:`SpeculationState`): after ``MAX_MISSES`` steps in a row whose
-proposals were all rejected, or ``MAX_DRY_LOOKUPS`` lookups in a row that found nothing to
+Proposals adapt (:class:`SpeculationState`). Their length follows what the request's recent
+steps accepted (a running mean, halved toward each new count: one token more than that mean, at
+most ``num_speculative_tokens``), since every proposed token costs a row of the step whether it
+is accepted or not; a request starts at the full length. After ``MAX_MISSES`` steps in a row
+whose proposals were all rejected, or ``MAX_DRY_LOOKUPS`` lookups in a row that found nothing to
 propose (those cost no forward work, but the engine does not schedule ahead of them), a request
 stops proposing for a pause of ``FIRST_PAUSE`` output tokens, doubled each time up to
 ``MAX_PAUSE``; an accepted token resets both. A request on text the proposer cannot predict
@@ -69,10 +72,17 @@ class SpeculationState:
     pause: int = FIRST_PAUSE  # the next pause, in output tokens
     paused_until: int = 0  # no proposals before this many output tokens
     in_flight: int = 0  # tokens proposed in a step not applied yet
+    mean_accepted: float = 0.0  # running mean of tokens accepted a step (starts at the most)
     num_draft_tokens: int = 0  # over the request's life, for its usage
     num_accepted_tokens: int = 0
 
+    def proposal_len(self) -> int:
+        """Tokens worth proposing next: one more than the recent steps accepted."""
+        return int(self.mean_accepted) + 1
+
     def record(self, num_proposed: int, num_accepted: int, num_output_tokens: int) -> None:
+        if num_proposed:
+            self.mean_accepted = (self.mean_accepted + num_accepted) / 2
         if num_accepted > 0:
             self.misses = self.dry_lookups = 0
             self.pause = FIRST_PAUSE
@@ -108,11 +118,12 @@ class Speculator:
             accepted_per_position=[0] * config.num_speculative_tokens
         )
 
-    @staticmethod
-    def state(request: Request) -> SpeculationState:
+    def state(self, request: Request) -> SpeculationState:
         state = request.speculation
         if state is None:
-            state = request.speculation = SpeculationState(speculation_allowed(request))
+            state = request.speculation = SpeculationState(
+                speculation_allowed(request), mean_accepted=float(self.num_speculative_tokens)
+            )
         assert isinstance(state, SpeculationState)
         return state
 
@@ -135,7 +146,7 @@ class Speculator:
         drafts = propose_ngram(
             request.all_token_ids,
             state.index,
-            min(max_tokens, self.num_speculative_tokens),
+            min(max_tokens, self.num_speculative_tokens, state.proposal_len()),
             self.min_n,
             self.max_n,
         )
