@@ -227,7 +227,7 @@ def test_the_proposal_length_follows_what_was_accepted():
     sched = make_scheduler()
     speculator = sched.speculator
     assert speculator is not None
-    request = make_request("a", [11, 12, 13, 11, 12, 13, 11, 12], 40)
+    request = make_request("a", [11, 12, 13] * 4 + [11, 12], 40)
     state = speculator.state(request)
     assert min(state.proposal_len(), 4) == 4  # a request starts at the full length
     lengths = []
