@@ -237,3 +237,17 @@ def test_the_proposal_length_follows_what_was_accepted():
     assert lengths == [3, 2, 1, 3, 4, 4]
     request.append_output_token(13)
     assert len(speculator.propose(request, 10)) == 4
+
+
+def test_the_ngram_proposer_takes_the_longest_most_recent_match():
+    from switchboard.engine.speculation.ngram import TokenIndex, propose_ngram
+
+    def propose(tokens, k=4, low=1, high=3):
+        return propose_ngram(tokens, TokenIndex(), k, low, high)
+
+    assert propose([1, 2, 3, 1, 2]) == [3, 1, 2, 3]  # the copy continues past the end
+    assert propose([7, 2, 9, 5, 8, 2, 4, 4, 8, 2]) == [4, 4, 8, 2]  # "8 2" beats the later "2"
+    assert propose([5, 2, 6, 1, 2]) == [6, 1, 2, 6]  # one token suffices with min 1
+    assert propose([5, 2, 6, 1, 2], low=2) == []
+    assert propose([1, 2, 3, 4]) == []  # the last token never occurred before
+    assert propose([1, 2, 3, 1, 2], k=2) == [3, 1]

@@ -2,7 +2,8 @@
 
 Take the last ``n`` tokens of prompt + output, for the longest ``n`` in
 ``prompt_lookup_min..prompt_lookup_max`` that occurred earlier, and propose the up to ``k`` tokens
-that followed that earlier occurrence (its most recent one: recent text predicts best). Editing
+that followed that earlier occurrence (its most recent one: recent text predicts best; where
+they run into the end, the proposals continue the copy). Editing
 code, rewriting or quoting a document, reformatting a record: the output copies long runs of the
 prompt, and each proposal costs a dictionary lookup and a few comparisons.
 
@@ -64,4 +65,9 @@ def propose_ngram(
                 break
     if best_len < min_n:
         return []
-    return token_ids[best_start : min(best_start + num_tokens, end)]
+    # A continuation that runs into the end goes on with the proposals themselves (as an LZ77
+    # copy overlapping its source): text repeating with a short period gets whole proposals.
+    proposals = token_ids[best_start : best_start + num_tokens]
+    while len(proposals) < num_tokens:
+        proposals.append(proposals[best_start + len(proposals) - end])
+    return proposals
