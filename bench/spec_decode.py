@@ -97,26 +97,34 @@ def json_records() -> list[str]:
 
 
 def repetitive_prompts() -> list[str]:
-    prompts = []
+    """Each task in SmolLM2's chat format, with the answer's first words given (a model of 135M
+    parameters does the task then, where asked alone it often writes about something else):
+    the answer goes on copying from the prompt, as a larger model's answer would."""
+    documents, edits, records = [], [], []
     for text in document_excerpts()[:6]:
-        prompts.append(
+        first_words = " ".join(text.split()[:4])
+        documents.append(
             chat(
                 "Summarise this document in two sentences, quoting its most important "
                 f"sentence word for word.\n\nDocument:\n{text}"
             )
+            + f'The document says: "{first_words}'
         )
     for code, name in code_excerpts()[:6]:
-        prompts.append(
+        edits.append(
             chat(
                 f"Rename the function `{name}` to `{name}_v2` and give back the whole code, "
                 f"unchanged otherwise.\n\n```python\n{code}\n```"
             )
+            + f"```python\ndef {name}_v2("
         )
     for record in json_records():
-        prompts.append(
+        records.append(
             chat(f"Reformat this JSON record with one key per line, indented by 2:\n{record}")
+            + '```json\n{\n  "'
         )
-    return prompts
+    # interleaved, so that every level has each kind of task
+    return [p for kinds in zip(documents, edits, records * 2, strict=False) for p in kinds]
 
 
 @dataclass
@@ -162,9 +170,10 @@ async def closed_loop(
     return [r for r in results if r is not None], wall
 
 
-def level_prompts(base: list[Any], concurrency: int) -> list[Any]:
-    """At least two rounds of the closed loop, cycling through the workload's prompts."""
-    n = max(len(base), 2 * concurrency)
+def level_prompts(base: list[Any], concurrency: int, min_requests: int) -> list[Any]:
+    """Two rounds of the closed loop, at least ``min_requests``, cycling through the workload's
+    prompts."""
+    n = max(min_requests, 2 * concurrency)
     return [base[i % len(base)] for i in range(n)]
 
 
@@ -184,9 +193,10 @@ async def start_server(label: str, spec: str, log_dir: Path) -> tuple[Any, int]:
 
 
 async def run_level(
-    stub: Any, prompts: list[Any], c: int, output_len: int, ignore_eos: bool
+    stub: Any, prompts: list[Any], c: int, args: argparse.Namespace, ignore_eos: bool
 ) -> dict[str, Any]:
-    results, wall = await closed_loop(stub, level_prompts(prompts, c), c, output_len, ignore_eos)
+    level = level_prompts(prompts, c, args.min_requests)
+    results, wall = await closed_loop(stub, level, c, args.output_len, ignore_eos)
     tokens = sum(len(r.token_ids) for r in results)
     return {
         "tok_s": tokens / wall,
@@ -217,7 +227,7 @@ async def run_both(
                 key = f"{name}/{c}"
                 for round_ in range(args.rounds):
                     for label, stub in stubs.items():
-                        level = await run_level(stub, prompts, c, args.output_len, ignore_eos)
+                        level = await run_level(stub, prompts, c, args, ignore_eos)
                         kept = best[label].get(key)
                         rounds = [*(kept["rounds"] if kept else []), level["tok_s"]]
                         if kept is None or level["tok_s"] > kept["tok_s"]:
@@ -260,6 +270,7 @@ def main() -> int:
     parser.add_argument("--spec", default=DEFAULT_SPEC, help="--speculative-config when on")
     parser.add_argument("--workloads", nargs="+", default=["repetitive", "random"])
     parser.add_argument("--rounds", type=int, default=2, help="alternations per level")
+    parser.add_argument("--min-requests", type=int, default=6, help="requests per level")
     parser.add_argument("--json", type=Path, help="write every number here")
     args = parser.parse_args()
     all_workloads = {
