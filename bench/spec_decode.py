@@ -21,7 +21,10 @@ drift. Only one server computes at a time. The workloads:
 
 Printed per workload and c: output tok/s off and on, their ratio, the acceptance rate (accepted /
 proposed tokens, from the responses' usage) and whether every greedy output was token-identical
-on and off. Output tok/s: all output tokens of the level over its wall time.
+on and off. Output tok/s: all output tokens of the level over its wall time. With
+``--vllm-venv`` (vLLM's CPU build, as bench/vs_vllm.py installs it) the same levels run on two
+vLLM servers after (``vllm serve`` with and without the same ``--speculative-config``; its
+acceptance from its /metrics).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import vllm_http  # bench/vllm_http.py and the modules below: beside this file
+import vllm_side
 from server_procs import free_port, start, stop_all, switchboard_command, wait_ready
 from serving_clients import HOST, make_prompts
 
@@ -130,39 +135,101 @@ def repetitive_prompts() -> list[str]:
 @dataclass
 class Result:
     token_ids: list[int] = field(default_factory=list)
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
+    draft_tokens: float = 0
+    accepted_tokens: float = 0
 
 
-async def send(stub: Any, prompt: str | list[int], max_tokens: int, ignore_eos: bool) -> Result:
-    request = pb.GenerateRequest(
-        sampling=pb.SamplingParams(temperature=0.0),
-        stopping=pb.StoppingCriteria(max_tokens=max_tokens, ignore_eos=ignore_eos),
-        output=pb.OutputOptions(return_token_ids=True),
-    )
-    if isinstance(prompt, str):
-        request.text = prompt
-    else:
-        request.token_ids.ids.extend(prompt)
-    result = Result()
-    async for response in stub.Generate(request):
-        for output in response.outputs:
-            result.token_ids += output.token_ids
-        if response.HasField("usage"):
-            result.draft_tokens = response.usage.spec_draft_tokens
-            result.accepted_tokens = response.usage.spec_accepted_tokens
-    return result
+class SbGenerate:
+    """Greedy completions from switchboard's GenerationService (gRPC), with each one's
+    proposed and accepted tokens from its usage."""
+
+    def __init__(self, port: int) -> None:
+        self.channel = grpc.aio.insecure_channel(f"{HOST}:{port}")
+        self.stub = pb_grpc.GenerationServiceStub(self.channel)
+
+    async def __call__(self, prompt: str | list[int], max_tokens: int, ignore_eos: bool) -> Result:
+        request = pb.GenerateRequest(
+            sampling=pb.SamplingParams(temperature=0.0),
+            stopping=pb.StoppingCriteria(max_tokens=max_tokens, ignore_eos=ignore_eos),
+            output=pb.OutputOptions(return_token_ids=True),
+        )
+        if isinstance(prompt, str):
+            request.text = prompt
+        else:
+            request.token_ids.ids.extend(prompt)
+        result = Result()
+        async for response in self.stub.Generate(request):
+            for output in response.outputs:
+                result.token_ids += output.token_ids
+            if response.HasField("usage"):
+                result.draft_tokens = response.usage.spec_draft_tokens
+                result.accepted_tokens = response.usage.spec_accepted_tokens
+        return result
+
+    async def spec_counters(self) -> tuple[float, float]:
+        return 0.0, 0.0  # counted per response instead
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class VllmGenerate:
+    """Greedy completions from vLLM's /v1/completions (not streamed: the token ids at the end);
+    its speculative counters come from /metrics, read around each level."""
+
+    def __init__(self, port: int, model: str) -> None:
+        self.port, self.model = port, model
+
+    async def _request(self, method: str, path: str, body: bytes = b"") -> bytes:
+        conn = vllm_http.HttpConnection(HOST, self.port)
+        try:
+            return b"".join([piece async for piece in conn.request(method, path, body)])
+        finally:
+            await conn.close()
+
+    async def __call__(self, prompt: str | list[int], max_tokens: int, ignore_eos: bool) -> Result:
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": ignore_eos,
+            "return_token_ids": True,
+        }
+        path = "/v1/completions"
+        reply = json.loads(await self._request("POST", path, json.dumps(body).encode()))
+        return Result(token_ids=list(reply["choices"][0].get("token_ids") or []))
+
+    async def spec_counters(self) -> tuple[float, float]:
+        """(draft tokens, accepted tokens) so far; (0, 0) without speculation."""
+        text = (await self._request("GET", "/metrics")).decode()
+        names = (
+            "vllm:spec_decode_num_draft_tokens_total",
+            "vllm:spec_decode_num_accepted_tokens_total",
+        )
+        totals = [0.0, 0.0]
+        for line in text.splitlines():
+            for i, name in enumerate(names):
+                if line.startswith(name):
+                    totals[i] += float(line.rsplit(" ", 1)[1])
+        return totals[0], totals[1]
+
+    async def close(self) -> None:
+        pass
+
+
+Generate = SbGenerate | VllmGenerate
 
 
 async def closed_loop(
-    stub: Any, prompts: list[Any], concurrency: int, max_tokens: int, ignore_eos: bool
+    generate: Generate, prompts: list[Any], concurrency: int, max_tokens: int, ignore_eos: bool
 ) -> tuple[list[Result], float]:
     results: list[Result | None] = [None] * len(prompts)
     todo = iter(range(len(prompts)))
 
     async def client() -> None:
         for i in todo:
-            results[i] = await send(stub, prompts[i], max_tokens, ignore_eos)
+            results[i] = await generate(prompts[i], max_tokens, ignore_eos)
 
     started = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
@@ -177,72 +244,83 @@ def level_prompts(base: list[Any], concurrency: int, min_requests: int) -> list[
     return [base[i % len(base)] for i in range(n)]
 
 
-async def start_server(label: str, spec: str, log_dir: Path) -> tuple[Any, int]:
+async def start_server(
+    kind: str, label: str, spec: str, args: argparse.Namespace, log_dir: Path
+) -> tuple[Any, Generate]:
+    """A switchboard or vLLM server, ready, and its generate function."""
     port = free_port()
-    cmd = [
-        *switchboard_command(), "serve", "--host", HOST, "--port", str(port),
-        "--http-port", "-1", "--seed", "0", "--max-model-len", "2048",
-    ]  # fmt: skip
+    if kind == "switchboard":
+        cmd = [
+            *switchboard_command(), "serve", "--host", HOST, "--port", str(port),
+            "--http-port", "-1", "--seed", "0", "--max-model-len", "2048",
+        ]  # fmt: skip
+        env = dict(os.environ)
+    else:
+        cmd = vllm_side.command(args.vllm_venv, args.model_dir, port, 2048)
+        env = vllm_side.environment(args.vllm_cache)
     if spec:
         cmd += ["--speculative-config", spec]
-    log = log_dir / f"switchboard_{label}.log"
-    print(f"[{label}] {' '.join(cmd)}  (log {log})", file=sys.stderr, flush=True)
-    server = start("switchboard", cmd, dict(os.environ), log, port)
+    log = log_dir / f"{kind}_{label}.log"
+    shown = " ".join(c if len(c) < 120 else "LAUNCHER" for c in cmd)
+    print(f"[{kind} {label}] {shown}  (log {log})", file=sys.stderr, flush=True)
+    server = start(kind, cmd, env, log, port)
     await wait_ready(server)
-    return server, port
+    if kind == "switchboard":
+        return server, SbGenerate(port)
+    return server, VllmGenerate(port, args.model_dir)
 
 
 async def run_level(
-    stub: Any, prompts: list[Any], c: int, args: argparse.Namespace, ignore_eos: bool
+    generate: Generate, prompts: list[Any], c: int, args: argparse.Namespace, ignore_eos: bool
 ) -> dict[str, Any]:
     level = level_prompts(prompts, c, args.min_requests)
-    results, wall = await closed_loop(stub, level, c, args.output_len, ignore_eos)
+    before = await generate.spec_counters()
+    results, wall = await closed_loop(generate, level, c, args.output_len, ignore_eos)
+    after = await generate.spec_counters()
     tokens = sum(len(r.token_ids) for r in results)
     return {
         "tok_s": tokens / wall,
         "tokens": tokens,
         "wall_s": wall,
-        "draft_tokens": sum(r.draft_tokens for r in results),
-        "accepted_tokens": sum(r.accepted_tokens for r in results),
+        "draft_tokens": sum(r.draft_tokens for r in results) + after[0] - before[0],
+        "accepted_tokens": sum(r.accepted_tokens for r in results) + after[1] - before[1],
         "outputs": [r.token_ids for r in results],
     }
 
 
 async def run_both(
-    args: argparse.Namespace, workloads: dict[str, Any], log_dir: Path
+    kind: str, args: argparse.Namespace, workloads: dict[str, Any], log_dir: Path
 ) -> dict[str, dict[str, Any]]:
-    """Every level on both servers, alternated ``--rounds`` times; each side's best round
-    (with every round's tok/s under ``rounds``)."""
-    servers = [
-        await start_server(label, spec, log_dir) for label, spec in (("off", ""), ("on", args.spec))
-    ]
-    channels = [grpc.aio.insecure_channel(f"{HOST}:{port}") for _, port in servers]
+    """Every level on both servers of ``kind``, alternated ``--rounds`` times; each side's
+    best round (with every round's tok/s under ``rounds``)."""
+    servers = []
     best: dict[str, dict[str, Any]] = {"off": {}, "on": {}}
     try:
-        stubs = dict(zip(("off", "on"), map(pb_grpc.GenerationServiceStub, channels), strict=True))
-        for stub in stubs.values():
-            await send(stub, chat("Hello"), 8, False)  # warm-up
+        for label, spec in (("off", ""), ("on", args.spec)):
+            servers.append(await start_server(kind, label, spec, args, log_dir))
+        sides = {label: generate for label, (_, generate) in zip(best, servers, strict=True)}
+        for generate in sides.values():
+            await generate(chat("Hello"), 8, False)  # warm-up
         for name, (prompts, ignore_eos) in workloads.items():
             for c in args.concurrency:
                 key = f"{name}/{c}"
                 for round_ in range(args.rounds):
-                    for label, stub in stubs.items():
-                        level = await run_level(stub, prompts, c, args, ignore_eos)
+                    for label, generate in sides.items():
+                        level = await run_level(generate, prompts, c, args, ignore_eos)
                         kept = best[label].get(key)
                         rounds = [*(kept["rounds"] if kept else []), level["tok_s"]]
                         if kept is None or level["tok_s"] > kept["tok_s"]:
                             best[label][key] = kept = level
                         kept["rounds"] = rounds
                         print(
-                            f"[{label}] {name} c={c} round {round_ + 1}: "
+                            f"[{kind} {label}] {name} c={c} round {round_ + 1}: "
                             f"{level['tok_s']:.1f} tok/s",
                             file=sys.stderr,
                             flush=True,
                         )
     finally:
-        for channel in channels:
-            await channel.close()
-        for server, _ in servers:
+        for server, generate in servers:
+            await generate.close()
             server.stop()
     return best
 
@@ -272,25 +350,41 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2, help="alternations per level")
     parser.add_argument("--min-requests", type=int, default=6, help="requests per level")
     parser.add_argument("--json", type=Path, help="write every number here")
+    parser.add_argument(
+        "--vllm-venv", type=Path, help="then vLLM's CPU build too, from this venv (vs_vllm.py)"
+    )
+    parser.add_argument(
+        "--vllm-cache", type=Path, default=Path("~/.cache/switchboard/vllm-cpu-cache")
+    )
     args = parser.parse_args()
+    from switchboard.checkpoint import resolve_model
+
+    args.model_dir = resolve_model(None)
     all_workloads = {
         "repetitive": (repetitive_prompts(), False),
         "random": (make_prompts(8, RANDOM_PROMPT_LEN, VOCAB, "spec-decode"), True),
     }
     workloads = {name: all_workloads[name] for name in args.workloads}
+    kinds = ["switchboard"]
+    if args.vllm_venv:
+        kinds.append("vllm")
+        args.vllm_venv, args.vllm_cache = args.vllm_venv.expanduser(), args.vllm_cache.expanduser()
     log_dir = Path(tempfile.mkdtemp(prefix="spec-decode-bench-"))
+    results = {}
     try:
-        both = asyncio.run(run_both(args, workloads, log_dir))
-        off, on = both["off"], both["on"]
+        for kind in kinds:
+            results[kind] = asyncio.run(run_both(kind, args, workloads, log_dir))
     finally:
         stop_all()
     print(
         f"\nspeculative config: {args.spec}; output up to {args.output_len} tokens, greedy; "
         f"best of {args.rounds} alternated rounds"
     )
-    print_table(off, on)
+    for kind, both in results.items():
+        print(f"\n{kind}")
+        print_table(both["off"], both["on"])
     if args.json:
-        args.json.write_text(json.dumps({"spec": args.spec, "off": off, "on": on}))
+        args.json.write_text(json.dumps({"spec": args.spec, **results}))
     return 0
 
 
