@@ -251,3 +251,27 @@ def test_the_ngram_proposer_takes_the_longest_most_recent_match():
     assert propose([5, 2, 6, 1, 2], low=2) == []
     assert propose([1, 2, 3, 4]) == []  # the last token never occurred before
     assert propose([1, 2, 3, 1, 2], k=2) == [3, 1]
+
+
+def test_a_resumed_stream_proposes_from_its_earlier_output_too():
+    """A request resumed after an engine death arrives with its output so far: the lookup sees
+    prompt and output alike, and the tokens are those of the first engine."""
+    from switchboard.engine.request import Request
+    from switchboard.wire.engine_msgs import EngineCoreRequest, SamplingParams
+
+    first, _ = run(NGRAM, [("a", [11, 12, 13], 30, {})])
+    tokens = first.tokens("a")
+    outputs: dict[str, list[int]] = {}
+    for config in ("", NGRAM):
+        sched = make_scheduler(config)
+        d = Driver(sched, FakeWorker(BS, sched.kv.num_blocks, cyclic_token))
+        resumed = EngineCoreRequest(
+            "a", [11, 12, 13], sampling_params=SamplingParams(max_tokens=30)
+        )
+        resumed.output_token_ids = tokens[:10]
+        sched.add_request(Request.from_engine_core_request(resumed, BS, 1))
+        d.run()
+        outputs[config] = d.tokens("a")
+        if config:
+            assert proposed_tokens(d) > 0
+    assert outputs[""] == outputs[NGRAM] == tokens[10:]
