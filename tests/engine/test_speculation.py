@@ -275,3 +275,17 @@ def test_a_resumed_stream_proposes_from_its_earlier_output_too():
         if config:
             assert proposed_tokens(d) > 0
     assert outputs[""] == outputs[NGRAM] == tokens[10:]
+
+
+def test_no_proposals_while_more_requests_run_than_disable_by_batch_size():
+    config = json.dumps({**json.loads(NGRAM), "disable_by_batch_size": 2})
+    requests = [("a", prompt(5, 11), 10, {}), ("b", prompt(5, 20), 30, {}), ("c", [11] * 4, 30, {})]
+    d, _ = run(config, requests)
+    off, _ = run("", requests)
+    assert proposed_tokens(d) > 0  # once "a" ended, two run and propose
+    first = next(i for i, out in enumerate(d.sched_outputs) if out.scheduled_spec_decode_tokens)
+    assert all("a" not in out.num_scheduled_tokens for out in d.sched_outputs[first:])
+    for rid, *_ in requests:
+        assert d.tokens(rid) == off.tokens(rid)
+    parsed = parse_speculative_config(NGRAM)
+    assert parsed is not None and parsed.disable_by_batch_size == 8  # the default

@@ -4,6 +4,10 @@
 proposes up to ``num_speculative_tokens`` tokens per step for each decoding request, copied from
 where the last ``prompt_lookup_min..prompt_lookup_max`` tokens occurred before in its prompt or
 output. As in vLLM, a lookup bound left out takes the other's value, and both default to 5.
+``disable_by_batch_size`` (vLLM's key): no proposals in a step while more than this many requests
+run; default ``DEFAULT_DISABLE_BY_BATCH_SIZE``, since on CPU a large batch is bound by compute,
+not by reading the weights, and the proposals' extra rows then cost more than they save (at
+c = 16 on 2 cores, SmolLM2: 0.76-0.92x of off with proposals, docs/benchmarks.md).
 Unknown keys are refused, so a typo does not silently turn speculation off. Off when empty.
 """
 
@@ -18,6 +22,7 @@ NGRAM = "ngram"
 METHODS = (NGRAM,)
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's, when neither bound is given
 MAX_SPECULATIVE_TOKENS = 32
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 
 class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -25,6 +30,7 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     num_speculative_tokens: int = 0
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
+    disable_by_batch_size: int | None = None
 
 
 def parse_speculative_config(text: str) -> SpeculativeConfig | None:
@@ -67,4 +73,11 @@ def parse_speculative_config(text: str) -> SpeculativeConfig | None:
             "--speculative-config: need 1 <= prompt_lookup_min <= prompt_lookup_max, "
             f"not {low} and {high}"
         )
-    return msgspec.structs.replace(config, prompt_lookup_min=low, prompt_lookup_max=high)
+    batch = config.disable_by_batch_size
+    if batch is None:
+        batch = DEFAULT_DISABLE_BY_BATCH_SIZE
+    if batch < 1:
+        raise ValueError(f"--speculative-config: disable_by_batch_size must be >= 1, not {batch}")
+    return msgspec.structs.replace(
+        config, prompt_lookup_min=low, prompt_lookup_max=high, disable_by_batch_size=batch
+    )

@@ -209,8 +209,12 @@ class Scheduler:
         """Whether a running request proposes at its next step: its proposals must start from
         its latest token, so the engine does not schedule that step ahead."""
         speculator = self.speculator
-        return speculator is not None and any(
-            speculator.will_propose(r) for r in self.running if r.num_tokens_to_compute <= 1
+        return (
+            speculator is not None
+            and speculator.active(len(self.running))
+            and any(
+                speculator.will_propose(r) for r in self.running if r.num_tokens_to_compute <= 1
+            )
         )
 
     def _step_budget(self) -> int:
@@ -231,6 +235,9 @@ class Scheduler:
     def _schedule_running(self, plan: StepPlan) -> None:
         cap = self._chunk_cap()
         prefilling: list[Request] = []
+        speculator = self.speculator
+        if speculator is not None and not speculator.active(len(self.running)):
+            speculator = None
         for request in list(self.running):  # decoding requests first
             if plan.budget <= 0:
                 break
@@ -241,9 +248,9 @@ class Scheduler:
                 continue
             if request.num_tokens_to_compute == 1:
                 self._schedule_one_running(plan, request, 1)
-                if self.speculator is not None and not pending and request.status == _RUNNING:
+                if speculator is not None and not pending and request.status == _RUNNING:
                     drafts = schedule_proposals(
-                        self.speculator, plan, request, self.kv, self.max_model_len
+                        speculator, plan, request, self.kv, self.max_model_len
                     )
                     if drafts:
                         self._proposals[request.request_id] = drafts

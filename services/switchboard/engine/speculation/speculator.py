@@ -30,7 +30,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from switchboard.config.speculative import SpeculativeConfig, parse_speculative_config
+from switchboard.config.speculative import (
+    DEFAULT_DISABLE_BY_BATCH_SIZE,
+    SpeculativeConfig,
+    parse_speculative_config,
+)
 from switchboard.engine.request import Request
 from switchboard.engine.speculation.ngram import TokenIndex, propose_ngram
 from switchboard.wire.engine_msgs import SamplingParams, SchedulerStats
@@ -114,6 +118,7 @@ class Speculator:
         self.num_speculative_tokens = config.num_speculative_tokens
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
+        self.max_batch = config.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE
         self.counters = SpeculationCounters(
             accepted_per_position=[0] * config.num_speculative_tokens
         )
@@ -126,6 +131,10 @@ class Speculator:
             )
         assert isinstance(state, SpeculationState)
         return state
+
+    def active(self, num_running: int) -> bool:
+        """Whether requests propose in a step of this many running requests."""
+        return num_running <= self.max_batch
 
     def will_propose(self, request: Request) -> bool:
         """Whether the request looks up proposals at its next decode step (the engine then
