@@ -69,10 +69,42 @@ class FakeWorker:
         ]
         assert sorted(delta_ids) == sorted(scheduled), "delta does not match the batch"
         request_ids, sampled = [], []
+        proposals = out.scheduled_spec_decode_tokens
         for rid, num_tokens in scheduled.items():
             request_ids.append(rid)
-            sampled.append(self._run(rid, num_tokens))
+            drafts = proposals.get(rid, [])
+            sampled.append(
+                self._verify(rid, num_tokens, drafts) if drafts else self._run(rid, num_tokens)
+            )
         return ModelRunnerOutput(out.step_id, request_ids, sampled)
+
+    def _verify(self, rid: str, num_tokens: int, drafts: list[int]) -> list[int]:
+        """A step with proposals: the request's last token and the proposals computed (their
+        slots get the proposals' keys), then the proposals accepted while they equal what
+        ``token_fn`` samples after them, and the sample after the last accepted one."""
+        state = self.states[rid]
+        start = state.num_computed
+        assert start == len(state.token_ids) - 1, f"{rid}: proposals while prefilling"
+        assert num_tokens == 1 + len(drafts), (rid, num_tokens, drafts)
+        assert len(state.block_ids) * self.block_size >= start + num_tokens, f"{rid}: no slot"
+        self._run(rid, 1)  # its last token; also checks the prefix's KV
+        bs = self.block_size
+        key = state.key(start)
+        tokens = list(state.token_ids[:-1])  # before the token _run sampled
+        emitted = [state.token_ids.pop()]
+        tokens.append(emitted[0])
+        rejected = False
+        for i, draft in enumerate(drafts):
+            key = hash((key, draft))
+            p = start + 1 + i
+            self.slots[state.block_ids[p // bs]][p % bs] = key
+            rejected = rejected or emitted[-1] != draft
+            if not rejected:  # (a rejected one's slot now holds a wrong key)
+                emitted.append(self.token_fn(rid, [*state.token_ids, *emitted]))
+        for token in emitted:
+            state.token_ids.append(token)
+        state.num_computed = len(state.token_ids) - 1
+        return emitted
 
     def _run(self, rid: str, num_tokens: int) -> list[int]:
         state = self.states[rid]
@@ -99,12 +131,21 @@ class Driver:
 
     ``ahead=True`` is the engine's async scheduling: each step applies the output of the step
     scheduled in the turn before, after scheduling (and "running") the next one. The fake
-    worker runs a step when it is scheduled, which is the order the real one runs them in."""
+    worker runs a step when it is scheduled, which is the order the real one runs them in.
+    As the engine, it does not schedule ahead while a request proposes tokens (speculative
+    decoding) unless ``always_ahead``."""
 
-    def __init__(self, scheduler: Scheduler, worker: FakeWorker, ahead: bool = False) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        worker: FakeWorker,
+        ahead: bool = False,
+        always_ahead: bool = False,
+    ) -> None:
         self.scheduler = scheduler
         self.worker = worker
         self.ahead = ahead
+        self.always_ahead = always_ahead
         self.in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
         self.sched_outputs: list[SchedulerOutput] = []
         self.outputs: dict[str, list[EngineCoreOutput]] = {}
@@ -117,7 +158,12 @@ class Driver:
     def step(self) -> dict[int, list[EngineCoreOutput]]:
         current = self.in_flight or self.submit()
         self.in_flight = None
-        if self.ahead and self.scheduler.has_unfinished_requests():
+        scheduler = self.scheduler
+        if (
+            self.ahead
+            and scheduler.has_unfinished_requests()
+            and (self.always_ahead or not scheduler.wants_latest_tokens())
+        ):
             self.in_flight = self.submit()
         return self.apply(*current)
 

@@ -149,6 +149,7 @@ def test_a_prompt_chunk_with_a_long_context_takes_sdpa(kernel_calls, monkeypatch
     attended by SDPA (it reuses each key across queries), here a short chunk after a cached
     prefix; the decodes of that step still go to the kernel."""
     monkeypatch.setattr(cpu_kernel_attention, "KERNEL_MAX_CONTEXT", 6)
+    monkeypatch.setattr(cpu_kernel_attention, "KERNEL_ANY_CONTEXT_MAX_TOKENS", 2)
     shapes = [(5, 1), (0, 6), (4, 3)]
     cache, metadata, (queries, keys, values), full = _mixed_step(shapes, seed=4)
     out = paged_attention(
@@ -165,3 +166,24 @@ def test_a_prompt_chunk_with_a_long_context_takes_sdpa(kernel_calls, monkeypatch
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     assert kernel_calls == [1]  # the decode row only
     assert metadata.prepared.built and metadata.prepared.rows is None
+
+
+def test_a_few_tokens_after_a_long_context_take_the_kernel(kernel_calls, monkeypatch):
+    """A chunk of at most ``KERNEL_ANY_CONTEXT_MAX_TOKENS`` tokens (a decode with its proposed
+    tokens, speculative decoding) is kernel rows whatever its context."""
+    monkeypatch.setattr(cpu_kernel_attention, "KERNEL_MAX_CONTEXT", 6)
+    shapes = [(5, 1), (40, 5)]
+    cache, metadata, (queries, keys, values), full = _mixed_step(shapes, seed=5)
+    out = paged_attention(
+        torch.cat(queries),
+        torch.cat(keys),
+        torch.cat(values),
+        cache,
+        CPU_KERNEL.prepare(metadata),
+        8**-0.5,
+    )
+    expected = torch.cat(
+        [dense_attention(q, k, v) for q, (k, v) in zip(queries, full, strict=True)]
+    )
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert kernel_calls == [6]

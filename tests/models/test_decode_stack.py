@@ -164,3 +164,29 @@ def test_the_reference_backend_never_takes_it(monkeypatch):
     calls = _stack_calls(monkeypatch)
     _run(runner, _steps(2, runner.summary().vocab_size, 2, seed=0), True, monkeypatch)
     assert calls == []  # the model does not ask the stack: plain torch
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_a_decode_with_proposed_tokens_is_bit_identical_to_the_layers(family, monkeypatch):
+    """A step of speculative decoding (each request's token and four proposed ones) takes the
+    stack, every token a row of its own context, and gives the layers' logits bit for bit."""
+    model_dir = tiny_checkpoint_dir(family)
+    stacked, layered = make_runner(model_dir), make_runner(model_dir)
+    vocab = stacked.summary().vocab_size
+    steps = _steps(2, vocab, decode_steps=0, seed=7)
+    prompts = {r.request_id: len(r.prompt_token_ids) for r in steps[0].new_requests}
+    steps.append(
+        SchedulerOutput(
+            step_id=1,
+            cached_requests=[CachedRequest(rid, [], n) for rid, n in prompts.items()],
+            num_scheduled_tokens={rid: 5 for rid in prompts},
+            total_num_scheduled_tokens=10,
+            scheduled_spec_decode_tokens={rid: [3, 5, 7, 9] for rid in prompts},
+        )
+    )
+    calls = _stack_calls(monkeypatch)
+    got = _run(stacked, steps, True, monkeypatch)
+    assert calls[-1] is True and got[-1].shape[0] == 10  # five logits rows per request
+    expected = _run(layered, steps, False, monkeypatch)
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)

@@ -146,6 +146,16 @@ def resolve_model_arg(parser: argparse.ArgumentParser, args: argparse.Namespace)
     return model_dir
 
 
+def check_speculative_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--speculative-config parses, before a model is resolved or converted."""
+    from switchboard.config.speculative import parse_speculative_config
+
+    try:
+        parse_speculative_config(getattr(args, "speculative_config", "") or "")
+    except ValueError as error:
+        parser.error(str(error))
+
+
 def check_chat_template(
     parser: argparse.ArgumentParser, args: argparse.Namespace, model: str
 ) -> None:
@@ -211,6 +221,7 @@ def prepare(
 ) -> tuple[GatewayRoleConfig, EngineConfig]:
     """The configs of serve, gateway or engine, after every check that can fail before
     anything starts."""
+    check_speculative_config(parser, args)
     model_dir = resolve_model_arg(parser, args)
     check_chat_template(parser, args, model_dir)
     apply_security_args(parser, args)

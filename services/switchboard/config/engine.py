@@ -123,6 +123,18 @@ class SchedulerConfig(Config, frozen=True):
             Group.SCHEDULER,
         ),
     ] = True
+    # JSON text, parsed by config/speculative.py (vLLM's format); "" = no speculation.
+    speculative_config: Annotated[
+        str,
+        Flag(
+            "speculative decoding, as vLLM's JSON: "
+            '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
+            "proposes tokens from the prompt and output so far and verifies them in one "
+            "forward pass (default: off)",
+            Group.SCHEDULER,
+            metavar="JSON",
+        ),
+    ] = ""
 
 
 def with_step_budget(config: SchedulerConfig, device_type: str) -> SchedulerConfig:

@@ -463,8 +463,8 @@ class EngineCore:
         scheduler = self.scheduler
         if not self.config.scheduler.async_scheduling or not scheduler.has_unfinished_requests():
             return False
-        if scheduler.has_admissible_waiting():
-            return False
+        if scheduler.has_admissible_waiting() or scheduler.wants_latest_tokens():
+            return False  # (speculation: proposals start from a request's latest token)
         return not any(request.grammar is not None for request in scheduler.running)
 
     def _finish(self, step: _SentStep) -> SchedulerStats:

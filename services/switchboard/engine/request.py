@@ -63,6 +63,7 @@ class Request:
         "num_pending_samples",
         "pooling_params",
         "grammar",
+        "speculation",
     )
 
     def __init__(
@@ -109,6 +110,8 @@ class Request:
         # Set for a constrained request (structured output): engine/constrained_decoding.py's
         # RequestGrammar, advanced with every accepted output token.
         self.grammar: Any = None
+        # engine/speculation's per-request state, made at its first decode step when enabled.
+        self.speculation: Any = None
         self.update_block_hashes()
 
     @classmethod

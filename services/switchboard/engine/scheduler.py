@@ -48,6 +48,8 @@ from switchboard.engine.kv_cache import KVCacheManager
 from switchboard.engine.request import Request, RequestStatus
 from switchboard.engine.request_queue import make_request_queue
 from switchboard.engine.scheduler_stats import SchedulerCounters
+from switchboard.engine.speculation.speculator import Speculator, make_speculator
+from switchboard.engine.speculation.steps import schedule_proposals, settle_proposals
 from switchboard.engine.step_outputs import pooled_output, sampled_output
 from switchboard.engine.step_plan import StepPlan
 from switchboard.wire.engine_msgs import (
@@ -94,6 +96,9 @@ class Scheduler:
         self._in_flight: dict[int, tuple[dict[str, int], set[str]]] = {}
         self._step_id = 0
         self.counters = SchedulerCounters()
+        # Speculative decoding (engine/speculation/), None when off; the step's proposals.
+        self.speculator = make_speculator(scheduler_config.speculative_config)
+        self._proposals: dict[str, list[int]] = {}
         logger.info(
             "scheduler: policy=%s max_num_seqs=%d max_num_batched_tokens=%d "
             "shared_step_tokens=%d long_prefill_token_threshold=%d blocks=%d x %d tokens "
@@ -187,8 +192,30 @@ class Scheduler:
         finished_ids = list(self._finished_ids)
         self._finished_ids.clear()
         output = plan.commit(self._step_id, self.requests, self.kv, finished_ids)
+        if self._proposals:
+            output.scheduled_spec_decode_tokens = self._take_proposals(plan)
         self._in_flight[self._step_id] = (output.num_scheduled_tokens, plan.sampling)
         return output
+
+    def _take_proposals(self, plan: StepPlan) -> dict[str, list[int]]:
+        """The step's proposals, of the requests still in it (one preempted later in the
+        step is not)."""
+        proposals, self._proposals = self._proposals, {}
+        for rid in [rid for rid in proposals if rid not in plan.scheduled]:
+            del proposals[rid]
+        return proposals
+
+    def wants_latest_tokens(self) -> bool:
+        """Whether a running request proposes at its next step: its proposals must start from
+        its latest token, so the engine does not schedule that step ahead."""
+        speculator = self.speculator
+        return (
+            speculator is not None
+            and speculator.active(len(self.running))
+            and any(
+                speculator.will_propose(r) for r in self.running if r.num_tokens_to_compute <= 1
+            )
+        )
 
     def _step_budget(self) -> int:
         """``max_num_batched_tokens``; ``shared_step_tokens`` (when set) while more than one
@@ -208,6 +235,9 @@ class Scheduler:
     def _schedule_running(self, plan: StepPlan) -> None:
         cap = self._chunk_cap()
         prefilling: list[Request] = []
+        speculator = self.speculator
+        if speculator is not None and not speculator.active(len(self.running)):
+            speculator = None
         for request in list(self.running):  # decoding requests first
             if plan.budget <= 0:
                 break
@@ -218,6 +248,12 @@ class Scheduler:
                 continue
             if request.num_tokens_to_compute == 1:
                 self._schedule_one_running(plan, request, 1)
+                if speculator is not None and not pending and request.status == _RUNNING:
+                    drafts = schedule_proposals(
+                        speculator, plan, request, self.kv, self.max_model_len
+                    )
+                    if drafts:
+                        self._proposals[request.request_id] = drafts
             else:
                 prefilling.append(request)
         for request in prefilling:
@@ -235,6 +271,7 @@ class Scheduler:
         first: they may end it by length, or its grammar masks the next token by them."""
         return (
             request.grammar is not None
+            or (request.speculation is not None and request.speculation.in_flight > 0)
             or request.num_output_tokens + pending >= request.sampling_params.max_tokens
             or request.num_tokens + pending >= self.max_model_len
         )
@@ -350,6 +387,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_pending_samples = 0  # a step in flight still samples it: dropped
+        Speculator.drop_in_flight(request)
         request.num_block_ids_sent = 0
         request.num_preemptions += 1
         request.record_event(EventType.PREEMPTED, clock.monotonic_ns())
@@ -392,10 +430,16 @@ class Scheduler:
         kv = self.kv
         block_size = self.block_size
         any_finished = False
+        proposals = scheduler_output.scheduled_spec_decode_tokens
         for rid, num_scheduled in num_scheduled_tokens.items():
             request = requests.get(rid)
             if request is None or request.status != _RUNNING:
                 continue  # ended while the step ran (aborted, stopped, preempted): dropped
+            drafts = proposals.get(rid) if proposals else None
+            if drafts and self.speculator is not None:
+                num_scheduled -= settle_proposals(
+                    self.speculator, request, drafts, sampled.get(rid) or []
+                )
             samples = rid in sampling
             if samples:
                 request.num_pending_samples -= 1
@@ -419,6 +463,9 @@ class Scheduler:
                     logprobs.get(rid),
                     prompt_logprobs.get(rid),
                 )
+                if drafts:
+                    output.num_draft_tokens = len(drafts)
+                    output.num_accepted_tokens = len(new_token_ids) - 1
             outputs.setdefault(request.client_index, []).append(output)
             if request.status == RequestStatus.FINISHED:
                 self._release(request)
@@ -437,7 +484,10 @@ class Scheduler:
 
     def make_stats(self) -> SchedulerStats:
         """Gauges now, counters cumulative since start-up, tokens of the last step."""
-        return self.counters.make_stats(len(self.running), len(self.waiting), self.kv)
+        stats = self.counters.make_stats(len(self.running), len(self.waiting), self.kv)
+        if self.speculator is not None:
+            self.speculator.fill_stats(stats)
+        return stats
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()

@@ -136,6 +136,11 @@ class TextStream:
     def stopped(self) -> bool:
         return self.stop_string is not None
 
+    @property
+    def num_tokens(self) -> int:
+        """Tokens pushed before the stop string matched (all of them while none has)."""
+        return self._num_tokens
+
     def push(self, token_ids: Sequence[int]) -> str:
         """Add tokens; return the newly released text. Tokens after a stop match are ignored."""
         for token_id in token_ids:

@@ -11,10 +11,12 @@ same floats, so the hidden states are bit-identical to the layer-by-layer path.
 
 A model hands over its layers as :class:`StackLayer` records (``LlamaForCausalLM``'s
 ``decode_stack_layers``) and keeps a :class:`DecodeStack`, which turns them into a plan once per
-set of KV caches. The stack applies to a step whose every row decodes (no prefill chunk, the
-model checks), with at most ``MAX_ROWS`` rows, float32 on CPU, every matrix with its small-batch
-panels, and the three kernels loaded (so their off switches hold here too); anything else takes
-the layer-by-layer path. Up to ``gemm.SMALL_BATCH_MAX_ROWS`` rows (``MAX_ROWS``) the layers use
+set of KV caches. The stack applies to a step whose every row is one query token (decodes,
+and chunks of a few tokens such as a decode with its proposed tokens: each token a row that
+sees the keys up to its own position; the model checks), with at most ``MAX_ROWS`` rows,
+float32 on CPU, every matrix with its small-batch panels, and the three kernels loaded (so their
+off switches hold here too); anything else takes the layer-by-layer path. Up to
+``gemm.SMALL_BATCH_MAX_ROWS`` rows (``MAX_ROWS``) the layers use
 the same matmul kernel (the quantized one for a matrix with quantized panels,
 ``models/quantized.py``), so both paths give the same floats, and the stack is batch-invariant (a
 row's floats do not depend on the rows beside it). Its loops run on the kernels' work pool: a

@@ -33,6 +33,11 @@ from switchboard.models.attention import (
 # 64 after 448 844 / 1,269 against 910 / 1,045; 256 after 1,792 12.7 / 19.5 ms against
 # 8.0 / 11.1 ms.
 KERNEL_MAX_CONTEXT = 256
+# A chunk of at most this many tokens goes to the kernel whatever its context: a decode step's
+# token with its proposed ones (speculative decoding) is a few rows that each read the context
+# once, as decodes do; SDPA gathered the whole context out of the cache per layer for them
+# (SmolLM2-135M, 5 tokens after 400: a step of ~0.8 s against ~30 ms for one token).
+KERNEL_ANY_CONTEXT_MAX_TOKENS = 16
 
 
 @dataclass
@@ -98,6 +103,23 @@ class CpuKernelBackend(AttentionBackend):
 CPU_KERNEL = CpuKernelBackend()
 
 
+def stack_rows(
+    metadata: AttentionMetadata, num_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The rows of a step the one-call decode stack can take besides decodes: chunks of at
+    most ``KERNEL_ANY_CONTEXT_MAX_TOKENS`` tokens (a decode with its proposed tokens), as
+    ``token_rows`` lays them out (kept on the metadata for the layers' attention too). None
+    for a step with a longer chunk."""
+    if any(span.num_tokens > KERNEL_ANY_CONTEXT_MAX_TOKENS for span in metadata.prefills):
+        return None
+    prepared = metadata.prepared
+    if not isinstance(prepared, KernelRows):
+        return token_rows(metadata, num_tokens)
+    if not prepared.built:
+        prepared.rows, prepared.built = token_rows(metadata, num_tokens), True
+    return prepared.rows
+
+
 def token_rows(
     metadata: AttentionMetadata, num_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -106,7 +128,10 @@ def token_rows(
     ``p + 1`` keys, its own included: the causal mask). None when a chunk's context is too
     long for the kernel to be the faster, or the spans do not cover the rows."""
     spans = metadata.prefills
-    if any(span.context_len > KERNEL_MAX_CONTEXT for span in spans):
+    if any(
+        span.context_len > KERNEL_MAX_CONTEXT and span.num_tokens > KERNEL_ANY_CONTEXT_MAX_TOKENS
+        for span in spans
+    ):
         return None
     decode = metadata.decode
     decoded = 0 if decode is None else decode.size

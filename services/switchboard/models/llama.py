@@ -30,7 +30,7 @@ from torch import nn
 from switchboard.kernels import decode_stack
 from switchboard.kernels.decode_stack import StackLayer, StackMatmul
 from switchboard.models.attention import AttentionMetadata, paged_attention
-from switchboard.models.cpu_kernel_attention import CpuKernelBackend
+from switchboard.models.cpu_kernel_attention import CpuKernelBackend, stack_rows
 from switchboard.models.hf_config import TransformerConfig
 from switchboard.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul
 from switchboard.models.parallel import SINGLE_PROCESS, ParallelState
@@ -250,14 +250,21 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
     ) -> bool:
-        """A decode-only step on the CPU kernel backend: every layer in one C call, ``hidden``
-        in place. False where the stack does not apply (the caller loops over the layers)."""
+        """A decode step on the CPU kernel backend: every layer in one C call, ``hidden`` in
+        place. Decodes, and chunks of a few tokens (a decode with its proposed tokens), each
+        token a row that sees the keys up to its own position. False where the stack does not
+        apply (the caller loops over the layers)."""
         decode = metadata.decode
-        if (
-            decode is None
-            or metadata.prefills
-            or not isinstance(metadata.backend, CpuKernelBackend)
-        ):
+        if not isinstance(metadata.backend, CpuKernelBackend):
+            return False
+        if metadata.prefills:
+            rows = stack_rows(metadata, hidden.shape[0])
+            if rows is None:
+                return False
+            block_table, context_lens = rows
+        elif decode is not None:
+            block_table, context_lens = decode.block_table, decode.context_lens
+        else:
             return False
         return self._decode_stack.run(
             self.decode_stack_layers,
@@ -266,8 +273,8 @@ class LlamaForCausalLM(nn.Module):
             sin,
             kv_caches,
             metadata.slot_mapping,
-            decode.block_table,
-            decode.context_lens,
+            block_table,
+            context_lens,
         )
 
     def decode_stack_layers(self) -> list[StackLayer] | None:

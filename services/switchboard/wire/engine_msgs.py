@@ -169,6 +169,10 @@ class EngineCoreOutput(_Wire):
     num_preemptions: int = 0
     prompt_logprobs: list[TokenLogprobs] | None = None  # first output only, when asked for
     pooled_output: list[float] | None = None  # embedding (pooling requests), final output only
+    # Appended for speculative decoding: tokens proposed for this request by the steps of this
+    # output, and how many of them were accepted (0 and 0 without speculation).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class UtilityOutput(_Wire):
@@ -203,6 +207,12 @@ class SchedulerStats(_Wire):
     stalled_worker_rank: int = -1
     stalled_worker_pid: int = 0
     stalled_for_s: float = 0.0
+    # Appended for speculative decoding, cumulative since start-up: requests' steps with
+    # proposals, the tokens proposed, those accepted, and accepted ones by proposal position.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_per_position: list[int] = []
 
 
 class EngineCoreOutputs(_Wire):

@@ -63,6 +63,11 @@ class SchedulerOutput(_Wire):
     # token ``t`` is allowed. Every worker gets it; the ones that sample apply it to the logits.
     grammar_bitmask: bytes = b""
     structured_request_ids: list[str] = []
+    # Appended for speculative decoding: tokens proposed for a decoding request, computed after
+    # its scheduled token (num_scheduled_tokens counts them). The workers sample every one of
+    # those positions and return the longest prefix of proposals equal to their samples, plus
+    # the sample after it (worker/spec_verify.py).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
 
 
 class ModelRunnerOutput(_Wire):

@@ -34,7 +34,7 @@ from switchboard.worker.logprobs import prompt_token_logprobs
 from switchboard.worker.model_loading import load_runner_model, model_summary, require_config
 from switchboard.worker.pooler import PoolingRequests
 from switchboard.worker.sampler import SamplerOutput, sample
-from switchboard.worker.sampling_inputs import build_sampling_batch
+from switchboard.worker.spec_verify import accepted_tokens, build_verify_batch, expand_rows
 from switchboard.worker.step_inputs import (
     RequestState,
     RequestStates,
@@ -246,10 +246,12 @@ class ModelRunner:
             return step
         inputs = step.inputs
         states = [self.requests[rid] for rid in inputs.sampled_request_ids]
-        sampled: dict[str, int] = {}
-        logprobs: dict[str, TokenLogprobs] = {}
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, list[TokenLogprobs]] = {}
         prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         if states:
+            # one logits row per request, more for one with proposals (worker/spec_verify.py)
+            rows, drafts_of = expand_rows(states, inputs.proposals)
             result = None
             if step.logits is not None:  # the last pipeline stage
                 if step.grammar_bitmask and step.structured_request_ids:
@@ -257,28 +259,31 @@ class ModelRunner:
                         step.logits,
                         step.grammar_bitmask,
                         step.structured_request_ids,
-                        inputs.sampled_request_ids,
+                        [state.request_id for state in rows],
                     )
-                batch = build_sampling_batch(states, step.logits.shape[-1], self.device)
+                batch = build_verify_batch(rows, drafts_of, step.logits.shape[-1], self.device)
                 result = sample(step.logits, batch)
-            token_ids = self._share_sampled_tokens(result, len(states))
-            for row, (state, token_id) in enumerate(zip(states, token_ids, strict=True)):
-                state.append_output_token(token_id)
-                sampled[state.request_id] = token_id
-                if result is not None and row in result.logprobs:
-                    logprobs[state.request_id] = result.logprobs[row]
+            token_ids = self._share_sampled_tokens(result, len(rows))
+            first = 0
+            for state, drafts in zip(states, drafts_of, strict=True):
+                emitted = accepted_tokens(token_ids[first : first + 1 + len(drafts)], drafts)
+                for token_id in emitted:
+                    state.append_output_token(token_id)
+                state.num_computed_tokens -= len(drafts) + 1 - len(emitted)  # rejected ones
+                sampled[state.request_id] = emitted
+                if result is not None and first in result.logprobs:
+                    logprobs[state.request_id] = [
+                        result.logprobs[first + i] for i in range(len(emitted))
+                    ]
                 if state.prompt_logprobs is not None:  # the prompt is done: send them once
                     prompt_logprobs[state.request_id] = state.prompt_logprobs
                     state.prompt_logprobs = None
+                first += 1 + len(drafts)
         return ModelRunnerOutput(
             step_id=step.step_id,
             request_ids=list(inputs.request_ids),
-            sampled_token_ids=[
-                [sampled[rid]] if rid in sampled else [] for rid in inputs.request_ids
-            ],
-            logprobs=[[logprobs[rid]] if rid in logprobs else [] for rid in inputs.request_ids]
-            if logprobs
-            else [],
+            sampled_token_ids=[sampled.get(rid, []) for rid in inputs.request_ids],
+            logprobs=[logprobs.get(rid, []) for rid in inputs.request_ids] if logprobs else [],
             prompt_logprobs=prompt_logprobs,
             pooled_outputs=step.pooled or {},
         )

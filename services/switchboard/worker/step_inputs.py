@@ -143,6 +143,9 @@ class StepInputs:
     sampled_request_ids: list[str]  # the requests sampled this step
     logits_rows: torch.Tensor  # [len(sampled_request_ids)]: row of each one's last token
     first_rows: list[int] = field(default_factory=list)  # per request_ids: its first token's row
+    # Speculative decoding: a sampled request with proposals has 1 + len(proposals) logits
+    # rows (its last token's, then each proposal's), in sampled_request_ids order.
+    proposals: dict[str, list[int]] = field(default_factory=dict)
 
 
 def build_step_inputs(
@@ -164,10 +167,13 @@ def build_step_inputs(
     sampled_ids: list[str] = []
     logits_rows: list[int] = []
     spans: list[PrefillSpan] = []
+    proposals = step.scheduled_spec_decode_tokens
     for state, n in decodes + prefills:
         start = state.num_computed_tokens
         end = start + n
-        if end > len(state.token_ids):
+        drafts = proposals.get(state.request_id) if proposals else None
+        token_ids = state.token_ids + drafts if drafts else state.token_ids
+        if end > len(token_ids):
             raise ValueError(
                 f"step {step.step_id}: {state.request_id!r} scheduled to position {end} but "
                 f"the worker knows {len(state.token_ids)} tokens"
@@ -179,7 +185,7 @@ def build_step_inputs(
                 f"{end} tokens but has {len(state.block_ids)}"
             )
         row = len(input_ids)
-        input_ids.extend(state.token_ids[start:end])
+        input_ids.extend(token_ids[start:end])
         if n == 1:
             decode_positions.append(start)
             decode_slots.append(
@@ -196,9 +202,12 @@ def build_step_inputs(
             spans.append(PrefillSpan(row, n, end, upload(block_table, device)))
         request_ids.append(state.request_id)
         first_rows.append(row)
-        if end == len(state.token_ids):
+        if end == len(token_ids):
             sampled_ids.append(state.request_id)
-            logits_rows.append(row + n - 1)
+            if drafts:  # the last known token's row and each proposal's
+                logits_rows.extend(range(row + n - 1 - len(drafts), row + n))
+            else:
+                logits_rows.append(row + n - 1)
 
     metadata = AttentionMetadata(
         slot_mapping=upload(
@@ -218,6 +227,7 @@ def build_step_inputs(
         sampled_request_ids=sampled_ids,
         logits_rows=upload(torch.tensor(logits_rows, dtype=torch.long), device),
         first_rows=first_rows,
+        proposals=proposals,
     )
 
 

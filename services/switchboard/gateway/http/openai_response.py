@@ -28,12 +28,20 @@ FINISH_REASONS = {
 
 
 def usage_object(usage: pb.Usage) -> dict[str, Any]:
-    return {
+    """OpenAI's usage; with speculative decoding also what it proposed and had accepted."""
+    result: dict[str, Any] = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_prompt_tokens},
     }
+    if usage.spec_draft_tokens:
+        result["speculative_decoding"] = {
+            "draft_tokens": usage.spec_draft_tokens,
+            "accepted_tokens": usage.spec_accepted_tokens,
+            "acceptance_rate": usage.spec_accepted_tokens / usage.spec_draft_tokens,
+        }
+    return result
 
 
 def _finish(sequence: pb.SequenceOutput) -> tuple[str | None, str | int | None]:

@@ -41,6 +41,7 @@ from prometheus_client.registry import Collector
 
 from switchboard.gateway.engines.types import EngineHandle
 from switchboard.gateway.observability.metrics_server import CheckScrape, MetricsServer
+from switchboard.gateway.observability.spec_decode_metrics import SpecDecodeMetrics
 from switchboard.gateway.observability.vllm_names import VllmNamedFamilies
 from switchboard.wire.engine_msgs import ITERATION_TOKENS_BUCKETS
 
@@ -254,17 +255,23 @@ class EngineStatsCollector(Collector):
         self._engines = engines
 
     def describe(self) -> Iterable[Metric]:
-        return [*self._families(), *VllmNamedFamilies(list(LABELS)).families()]
+        return [
+            *self._families(),
+            *VllmNamedFamilies(list(LABELS)).families(),
+            *SpecDecodeMetrics(list(LABELS)).families(),
+        ]
 
     def collect(self) -> Iterable[Metric]:
         families = self._families()
         vllm_named = VllmNamedFamilies(list(LABELS))
+        spec_decode = SpecDecodeMetrics(list(LABELS))
         for engine in self._engines():
             stats = engine.scheduler_stats
             if not engine.alive or stats is None or not engine.exports_engine_stats:
                 continue  # another gateway exports this engine's series
             labels = [self._model_name, str(engine.ready.data_parallel_rank)]
             vllm_named.add(labels, engine.ready, stats)  # the same record: equal values
+            spec_decode.add(labels, stats)
             families.running.add_metric(labels, stats.num_running_reqs)
             families.waiting.add_metric(labels, stats.num_waiting_reqs)
             families.kv.add_metric(labels, stats.kv_cache_usage)
@@ -277,7 +284,7 @@ class EngineStatsCollector(Collector):
                 families.iteration.add_metric(
                     labels, list(_cumulative_buckets(counts)), stats.iteration_tokens_sum
                 )
-        return [*families, *vllm_named.families()]
+        return [*families, *vllm_named.families(), *spec_decode.families()]
 
     def _families(self) -> _EngineFamilies:
         p, labels = PREFIX, list(LABELS)

@@ -401,6 +401,8 @@ class RequestObserver:
             attributes["switchboard.request.num_preemptions"] = times.num_preemptions
             attributes["switchboard.request.engine_ids"] = [engine for _, engine in t.engines]
             attributes["switchboard.request.num_resumes"] = len(t.resumes)
+        if t.num_draft_tokens:
+            attributes.update(spec_decode_attributes(t.num_draft_tokens, t.num_accepted_tokens))
         content = None
         if self._obs.trace_content and t.output_token_ids is not None:
             content = (self._prompt_text or "", self._obs.text(t.output_token_ids))
@@ -413,6 +415,13 @@ def _label(engine: EngineHandle) -> str:
 
 def _served_by(engine: EngineHandle) -> tuple[int, str]:
     return engine.ready.data_parallel_rank, engine.engine_id
+def spec_decode_attributes(num_draft_tokens: int, num_accepted_tokens: int) -> dict[str, Any]:
+    """Speculative decoding's record of one request, on its span."""
+    return {
+        "switchboard.request.spec_decode.num_draft_tokens": num_draft_tokens,
+        "switchboard.request.spec_decode.num_accepted_tokens": num_accepted_tokens,
+        "switchboard.request.spec_decode.acceptance_rate": num_accepted_tokens / num_draft_tokens,
+    }
 
 
 def _seconds(ns: float | None) -> float | None:

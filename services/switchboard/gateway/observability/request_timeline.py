@@ -90,6 +90,8 @@ class RequestTimeline:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_output_tokens: int = 0  # of every sequence
+    num_draft_tokens: int = 0  # speculative decoding: proposed, of every sequence
+    num_accepted_tokens: int = 0  # and accepted
     # Engine clock, in arrival order, with the engine request (sequence) each belongs to.
     events: list[tuple[str, EngineCoreEvent]] = dataclasses.field(default_factory=list)
     first_token_ns: int | None = None  # engine clock: outputs that carried the first token
@@ -159,6 +161,8 @@ class RequestTimeline:
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
         if output.num_preemptions:
             self.sequence_preemptions[sequence] = output.num_preemptions
+        self.num_draft_tokens += output.num_draft_tokens
+        self.num_accepted_tokens += output.num_accepted_tokens
         num_new = len(output.new_token_ids)
         if num_new:
             if self.first_token_ns is None:

@@ -80,6 +80,8 @@ class GenerateStream:
         self._token_ids: list[int] = []
         self._released_text = ""
         self._num_cached_tokens = 0
+        self._num_draft_tokens = 0  # speculative decoding: proposed and accepted tokens
+        self._num_accepted_tokens = 0
         self._sent_first = False
         self.finish_reason = pb.FINISH_REASON_UNSPECIFIED
         self.stop_token_id: int | None = None
@@ -99,13 +101,23 @@ class GenerateStream:
     def _step(self, step: StepOutput) -> pb.GenerateResponse | None:
         output = step.output
         self._num_cached_tokens = max(self._num_cached_tokens, output.num_cached_tokens)
+        self._num_draft_tokens += output.num_draft_tokens
+        self._num_accepted_tokens += output.num_accepted_tokens
         new_ids = list(output.new_token_ids)
+        new_text = ""
+        if self._text is not None:
+            pushed_before = self._text.num_tokens
+            new_text = self._text.push(new_ids)
+            if self._text.stopped:  # (one step may bring tokens past it: speculative decoding)
+                new_ids = new_ids[: self._text.num_tokens - pushed_before]
         self._token_ids += new_ids
-        new_logprobs = to_api_logprobs(output.new_logprobs, self._token_texts)
+        new_logprobs = to_api_logprobs(
+            output.new_logprobs[: len(new_ids)] if output.new_logprobs else None,
+            self._token_texts,
+        )
         self._logprobs += new_logprobs
         if output.prompt_logprobs:
             self._prompt_logprobs = to_api_logprobs(output.prompt_logprobs, self._token_texts)
-        new_text = self._text.push(new_ids) if self._text is not None else ""
         if output.finish_reason == FinishReason.ERROR:
             why = f": {output.stop_reason}" if isinstance(output.stop_reason, str) else ""
             raise ApiError(
@@ -208,4 +220,6 @@ class GenerateStream:
             prompt_tokens=len(self._prompt_token_ids),
             completion_tokens=len(self._token_ids),
             cached_prompt_tokens=self._num_cached_tokens,
+            spec_draft_tokens=self._num_draft_tokens,
+            spec_accepted_tokens=self._num_accepted_tokens,
         )

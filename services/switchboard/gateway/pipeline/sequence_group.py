@@ -168,6 +168,8 @@ class SequenceGroup:
             prompt_tokens=usages[0].prompt_tokens,
             completion_tokens=sum(u.completion_tokens for u in usages),
             cached_prompt_tokens=max(u.cached_prompt_tokens for u in usages),
+            spec_draft_tokens=sum(u.spec_draft_tokens for u in usages),
+            spec_accepted_tokens=sum(u.spec_accepted_tokens for u in usages),
         )
 
     def _metrics(self) -> pb.RequestMetrics:

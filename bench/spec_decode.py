@@ -1,0 +1,392 @@
+"""Speculative decoding (n-gram proposals) on vs off, on the built-in default model, in one run.
+
+    .venv/bin/python bench/spec_decode.py                      # c = 1, 4, 16; both workloads
+    .venv/bin/python bench/spec_decode.py --concurrency 1 --output-len 64 --json out.json
+    .venv/bin/python bench/spec_decode.py --spec '{"method": "ngram", "num_speculative_tokens": 6}'
+
+Two servers side by side, the same flags but ``--speculative-config``: off and on (default
+``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+"prompt_lookup_min": 1}``). Each level (a workload at a concurrency c: a closed loop of c clients,
+each sending its next request when its last one ends, greedy) runs on one server, then the
+other, ``--rounds`` times in alternation, and each side's best round is reported: on a machine
+others share, the load drifts over minutes, and alternating keeps both sides under the same
+drift. Only one server computes at a time. The workloads:
+
+* **repetitive**, built from real text (this repository's own documents and code): summarise a
+  document quoting its sentences, edit a piece of code (rename a function and give the whole code
+  back), reformat a JSON record. The model copies long runs of its prompt: n-gram proposals are
+  accepted;
+* **random**: prompts of random token ids (the vs_vllm kit's workload) with ``ignore_eos``: the
+  output repeats nothing, proposals are rare and rejected, so the cost of trying shows.
+
+Printed per workload and c: output tok/s off and on, their ratio, the acceptance rate (accepted /
+proposed tokens, from the responses' usage) and whether every greedy output was token-identical
+on and off. Output tok/s: all output tokens of the level over its wall time. With
+``--vllm-venv`` (vLLM's CPU build, as bench/vs_vllm.py installs it) the same levels run on two
+vLLM servers after (``vllm serve`` with and without the same ``--speculative-config``; its
+acceptance from its /metrics).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import vllm_http  # bench/vllm_http.py and the modules below: beside this file
+import vllm_side
+from server_procs import free_port, start, stop_all, switchboard_command, wait_ready
+from serving_clients import HOST, make_prompts
+
+from switchboard.api.v1 import generation_service_pb2 as pb
+from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_SPEC = json.dumps(
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+)
+VOCAB = 49152  # SmolLM2's
+RANDOM_PROMPT_LEN = 128
+
+
+def chat(user: str) -> str:
+    """SmolLM2's chat format, one user turn."""
+    return f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def document_excerpts() -> list[str]:
+    """Paragraphs of this repository's documentation: real prose to summarise and quote."""
+    paragraphs = []
+    for name in ("README.md", "docs/architecture.md", "docs/operations.md"):
+        path = REPO / name
+        if path.exists():
+            for block in path.read_text().split("\n\n"):
+                text = " ".join(block.split())
+                if 400 <= len(text) <= 1200 and not text.startswith(("|", "#", "```")):
+                    paragraphs.append(text)
+    return paragraphs
+
+
+def code_excerpts() -> list[tuple[str, str]]:
+    """(function source, its name) from this repository's code: real code to edit."""
+    found = []
+    for name in ("engine/stop_check.py", "engine/block_hash.py", "worker/logprobs.py"):
+        source = (REPO / "services/switchboard" / name).read_text()
+        for chunk in source.split("\n\n\ndef ")[1:]:
+            body = "def " + chunk.split("\n\n\n")[0]
+            if 300 <= len(body) <= 1500:
+                found.append((body, body[4 : body.index("(")]))
+    return found
+
+
+def json_records() -> list[str]:
+    """Records of real values: the served model's config and this repository's defaults."""
+    from switchboard.checkpoint import resolve_model
+    from switchboard.config import CacheConfig, SchedulerConfig
+    from switchboard.config.struct import encode_config
+
+    model_config = json.loads((Path(resolve_model(None)) / "config.json").read_text())
+    return [
+        encode_config(SchedulerConfig()),
+        encode_config(CacheConfig()),
+        json.dumps({k: v for k, v in model_config.items() if not isinstance(v, dict)}),
+    ]
+
+
+def repetitive_prompts() -> list[str]:
+    """Each task in SmolLM2's chat format, with the answer's first words given (a model of 135M
+    parameters does the task then, where asked alone it often writes about something else):
+    the answer goes on copying from the prompt, as a larger model's answer would."""
+    documents, edits, records = [], [], []
+    for text in document_excerpts()[:6]:
+        first_words = " ".join(text.split()[:4])
+        documents.append(
+            chat(
+                "Summarise this document in two sentences, quoting its most important "
+                f"sentence word for word.\n\nDocument:\n{text}"
+            )
+            + f'The document says: "{first_words}'
+        )
+    for code, name in code_excerpts()[:6]:
+        edits.append(
+            chat(
+                f"Rename the function `{name}` to `{name}_v2` and give back the whole code, "
+                f"unchanged otherwise.\n\n```python\n{code}\n```"
+            )
+            + f"```python\ndef {name}_v2("
+        )
+    for record in json_records():
+        records.append(
+            chat(f"Reformat this JSON record with one key per line, indented by 2:\n{record}")
+            + '```json\n{\n  "'
+        )
+    # interleaved, so that every level has each kind of task
+    return [p for kinds in zip(documents, edits, records * 2, strict=False) for p in kinds]
+
+
+@dataclass
+class Result:
+    token_ids: list[int] = field(default_factory=list)
+    draft_tokens: float = 0
+    accepted_tokens: float = 0
+
+
+class SbGenerate:
+    """Greedy completions from switchboard's GenerationService (gRPC), with each one's
+    proposed and accepted tokens from its usage."""
+
+    def __init__(self, port: int) -> None:
+        self.channel = grpc.aio.insecure_channel(f"{HOST}:{port}")
+        self.stub = pb_grpc.GenerationServiceStub(self.channel)
+
+    async def __call__(self, prompt: str | list[int], max_tokens: int, ignore_eos: bool) -> Result:
+        request = pb.GenerateRequest(
+            sampling=pb.SamplingParams(temperature=0.0),
+            stopping=pb.StoppingCriteria(max_tokens=max_tokens, ignore_eos=ignore_eos),
+            output=pb.OutputOptions(return_token_ids=True),
+        )
+        if isinstance(prompt, str):
+            request.text = prompt
+        else:
+            request.token_ids.ids.extend(prompt)
+        result = Result()
+        async for response in self.stub.Generate(request):
+            for output in response.outputs:
+                result.token_ids += output.token_ids
+            if response.HasField("usage"):
+                result.draft_tokens = response.usage.spec_draft_tokens
+                result.accepted_tokens = response.usage.spec_accepted_tokens
+        return result
+
+    async def spec_counters(self) -> tuple[float, float]:
+        return 0.0, 0.0  # counted per response instead
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class VllmGenerate:
+    """Greedy completions from vLLM's /v1/completions (not streamed: the token ids at the end);
+    its speculative counters come from /metrics, read around each level."""
+
+    def __init__(self, port: int, model: str) -> None:
+        self.port, self.model = port, model
+
+    async def _request(self, method: str, path: str, body: bytes = b"") -> bytes:
+        conn = vllm_http.HttpConnection(HOST, self.port)
+        try:
+            return b"".join([piece async for piece in conn.request(method, path, body)])
+        finally:
+            await conn.close()
+
+    async def __call__(self, prompt: str | list[int], max_tokens: int, ignore_eos: bool) -> Result:
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": ignore_eos,
+            "return_token_ids": True,
+        }
+        path = "/v1/completions"
+        reply = json.loads(await self._request("POST", path, json.dumps(body).encode()))
+        return Result(token_ids=list(reply["choices"][0].get("token_ids") or []))
+
+    async def spec_counters(self) -> tuple[float, float]:
+        """(draft tokens, accepted tokens) so far; (0, 0) without speculation."""
+        text = (await self._request("GET", "/metrics")).decode()
+        names = (
+            "vllm:spec_decode_num_draft_tokens_total",
+            "vllm:spec_decode_num_accepted_tokens_total",
+        )
+        totals = [0.0, 0.0]
+        for line in text.splitlines():
+            for i, name in enumerate(names):
+                if line.startswith(name):
+                    totals[i] += float(line.rsplit(" ", 1)[1])
+        return totals[0], totals[1]
+
+    async def close(self) -> None:
+        pass
+
+
+Generate = SbGenerate | VllmGenerate
+
+
+async def closed_loop(
+    generate: Generate, prompts: list[Any], concurrency: int, max_tokens: int, ignore_eos: bool
+) -> tuple[list[Result], float]:
+    results: list[Result | None] = [None] * len(prompts)
+    todo = iter(range(len(prompts)))
+
+    async def client() -> None:
+        for i in todo:
+            results[i] = await generate(prompts[i], max_tokens, ignore_eos)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    wall = time.perf_counter() - started
+    return [r for r in results if r is not None], wall
+
+
+def level_prompts(base: list[Any], concurrency: int, min_requests: int) -> list[Any]:
+    """Two rounds of the closed loop, at least ``min_requests``, cycling through the workload's
+    prompts."""
+    n = max(min_requests, 2 * concurrency)
+    return [base[i % len(base)] for i in range(n)]
+
+
+async def start_server(
+    kind: str, label: str, spec: str, args: argparse.Namespace, log_dir: Path
+) -> tuple[Any, Generate]:
+    """A switchboard or vLLM server, ready, and its generate function."""
+    port = free_port()
+    if kind == "switchboard":
+        cmd = [
+            *switchboard_command(), "serve", "--host", HOST, "--port", str(port),
+            "--http-port", "-1", "--seed", "0", "--max-model-len", "2048",
+        ]  # fmt: skip
+        env = dict(os.environ)
+    else:
+        cmd = vllm_side.command(args.vllm_venv, args.model_dir, port, 2048)
+        env = vllm_side.environment(args.vllm_cache)
+    if spec:
+        cmd += ["--speculative-config", spec]
+    log = log_dir / f"{kind}_{label}.log"
+    shown = " ".join(c if len(c) < 120 else "LAUNCHER" for c in cmd)
+    print(f"[{kind} {label}] {shown}  (log {log})", file=sys.stderr, flush=True)
+    server = start(kind, cmd, env, log, port)
+    await wait_ready(server)
+    if kind == "switchboard":
+        return server, SbGenerate(port)
+    return server, VllmGenerate(port, args.model_dir)
+
+
+async def run_level(
+    generate: Generate, prompts: list[Any], c: int, args: argparse.Namespace, ignore_eos: bool
+) -> dict[str, Any]:
+    level = level_prompts(prompts, c, args.min_requests)
+    before = await generate.spec_counters()
+    results, wall = await closed_loop(generate, level, c, args.output_len, ignore_eos)
+    after = await generate.spec_counters()
+    tokens = sum(len(r.token_ids) for r in results)
+    return {
+        "tok_s": tokens / wall,
+        "tokens": tokens,
+        "wall_s": wall,
+        "draft_tokens": sum(r.draft_tokens for r in results) + after[0] - before[0],
+        "accepted_tokens": sum(r.accepted_tokens for r in results) + after[1] - before[1],
+        "outputs": [r.token_ids for r in results],
+    }
+
+
+async def run_both(
+    kind: str, args: argparse.Namespace, workloads: dict[str, Any], log_dir: Path
+) -> dict[str, dict[str, Any]]:
+    """Every level on both servers of ``kind``, alternated ``--rounds`` times; each side's
+    best round (with every round's tok/s under ``rounds``)."""
+    servers = []
+    best: dict[str, dict[str, Any]] = {"off": {}, "on": {}}
+    try:
+        for label, spec in (("off", ""), ("on", args.spec)):
+            servers.append(await start_server(kind, label, spec, args, log_dir))
+        sides = {label: generate for label, (_, generate) in zip(best, servers, strict=True)}
+        for generate in sides.values():
+            await generate(chat("Hello"), 8, False)  # warm-up
+        for name, (prompts, ignore_eos) in workloads.items():
+            for c in args.concurrency:
+                key = f"{name}/{c}"
+                for round_ in range(args.rounds):
+                    for label, generate in sides.items():
+                        level = await run_level(generate, prompts, c, args, ignore_eos)
+                        kept = best[label].get(key)
+                        rounds = [*(kept["rounds"] if kept else []), level["tok_s"]]
+                        if kept is None or level["tok_s"] > kept["tok_s"]:
+                            best[label][key] = kept = level
+                        kept["rounds"] = rounds
+                        print(
+                            f"[{kind} {label}] {name} c={c} round {round_ + 1}: "
+                            f"{level['tok_s']:.1f} tok/s",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+    finally:
+        for server, generate in servers:
+            await generate.close()
+            server.stop()
+    return best
+
+
+def print_table(off: dict[str, Any], on: dict[str, Any]) -> None:
+    print(
+        f"{'workload':<11} {'c':>3} {'off tok/s':>10} {'on tok/s':>10} {'on/off':>7} "
+        f"{'accepted':>9} {'identical':>9}"
+    )
+    for key, base in off.items():
+        name, c = key.split("/")
+        spec = on[key]
+        rate = spec["accepted_tokens"] / spec["draft_tokens"] if spec["draft_tokens"] else 0.0
+        same = "yes" if base["outputs"] == spec["outputs"] else "NO"
+        print(
+            f"{name:<11} {c:>3} {base['tok_s']:>10.1f} {spec['tok_s']:>10.1f} "
+            f"{spec['tok_s'] / base['tok_s']:>6.2f}x {rate:>8.0%} {same:>9}"
+        )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--output-len", type=int, default=96)
+    parser.add_argument("--spec", default=DEFAULT_SPEC, help="--speculative-config when on")
+    parser.add_argument("--workloads", nargs="+", default=["repetitive", "random"])
+    parser.add_argument("--rounds", type=int, default=2, help="alternations per level")
+    parser.add_argument("--min-requests", type=int, default=6, help="requests per level")
+    parser.add_argument("--json", type=Path, help="write every number here")
+    parser.add_argument(
+        "--vllm-venv", type=Path, help="then vLLM's CPU build too, from this venv (vs_vllm.py)"
+    )
+    parser.add_argument(
+        "--vllm-cache", type=Path, default=Path("~/.cache/switchboard/vllm-cpu-cache")
+    )
+    args = parser.parse_args()
+    from switchboard.checkpoint import resolve_model
+
+    args.model_dir = resolve_model(None)
+    all_workloads = {
+        "repetitive": (repetitive_prompts(), False),
+        "random": (make_prompts(8, RANDOM_PROMPT_LEN, VOCAB, "spec-decode"), True),
+    }
+    workloads = {name: all_workloads[name] for name in args.workloads}
+    kinds = ["switchboard"]
+    if args.vllm_venv:
+        kinds.append("vllm")
+        args.vllm_venv, args.vllm_cache = args.vllm_venv.expanduser(), args.vllm_cache.expanduser()
+    log_dir = Path(tempfile.mkdtemp(prefix="spec-decode-bench-"))
+    results = {}
+    try:
+        for kind in kinds:
+            results[kind] = asyncio.run(run_both(kind, args, workloads, log_dir))
+    finally:
+        stop_all()
+    print(
+        f"\nspeculative config: {args.spec}; output up to {args.output_len} tokens, greedy; "
+        f"best of {args.rounds} alternated rounds"
+    )
+    for kind, both in results.items():
+        print(f"\n{kind}")
+        print_table(both["off"], both["on"])
+    if args.json:
+        args.json.write_text(json.dumps({"spec": args.spec, **results}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

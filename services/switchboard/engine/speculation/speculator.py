@@ -1,0 +1,192 @@
+"""Which decoding requests propose tokens in a step, and what their proposals earned.
+
+A request proposes when nothing its sampler does depends on the outputs before each proposed
+position in a way one forward pass cannot reproduce. Speculation is therefore off, automatically,
+for a request with
+
+* structured output (its grammar would have to advance through every proposal to mask the next
+  position; the engine's matcher cannot roll back),
+* presence, frequency or repetition penalties, or bad words (they read the output so far),
+* fewer outputs than ``min_tokens`` (EOS and the stop tokens are masked until then),
+
+and for a pooling request (nothing to decode). Everything else (temperature, top-k/p, min-p,
+seeds, logit bias, allowed tokens, logprobs, stop tokens and strings, ``n`` > 1) keeps its exact
+meaning: the workers sample every proposed position as they would sample it alone and accept
+proposals while they equal those samples.
+
+Proposals adapt (:class:`SpeculationState`). Their length follows what the request's recent
+steps accepted (a running mean, halved toward each new count: one token more than that mean, at
+most ``num_speculative_tokens``), since every proposed token costs a row of the step whether it
+is accepted or not; a request starts at the full length. After ``MAX_MISSES`` steps in a row
+whose proposals were all rejected, or ``MAX_DRY_LOOKUPS`` lookups in a row that found nothing to
+propose (those cost no forward work, but the engine does not schedule ahead of them), a request
+stops proposing for a pause of ``FIRST_PAUSE`` output tokens, doubled each time up to
+``MAX_PAUSE``; an accepted token resets both. A request on text the proposer cannot predict
+then decodes as without speculation almost all the time, and the engine keeps scheduling steps
+ahead for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from switchboard.config.speculative import (
+    DEFAULT_DISABLE_BY_BATCH_SIZE,
+    SpeculativeConfig,
+    parse_speculative_config,
+)
+from switchboard.engine.request import Request
+from switchboard.engine.speculation.ngram import TokenIndex, propose_ngram
+from switchboard.wire.engine_msgs import SamplingParams, SchedulerStats
+
+MAX_MISSES = 3
+MAX_DRY_LOOKUPS = 16
+FIRST_PAUSE = 8
+MAX_PAUSE = 128
+
+
+def make_speculator(speculative_config: str) -> Speculator | None:
+    """The engine's speculator for ``--speculative-config`` (None: off). ValueError if the
+    JSON does not say something the engine can do."""
+    config = parse_speculative_config(speculative_config)
+    return Speculator(config) if config is not None else None
+
+
+def speculation_allowed(request: Request) -> bool:
+    """Whether speculation can keep this request's output exact at all (see the module)."""
+    if request.pooling_params is not None or request.grammar is not None:
+        return False
+    params: SamplingParams = request.sampling_params
+    return (
+        params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+        and params.repetition_penalty == 1.0
+        and not params.bad_words_token_ids
+    )
+
+
+@dataclass
+class SpeculationState:
+    """One request's proposer index and its record."""
+
+    allowed: bool
+    index: TokenIndex = field(default_factory=TokenIndex)
+    misses: int = 0  # steps in a row whose proposals were all rejected
+    dry_lookups: int = 0  # lookups in a row that found nothing to propose
+    pause: int = FIRST_PAUSE  # the next pause, in output tokens
+    paused_until: int = 0  # no proposals before this many output tokens
+    in_flight: int = 0  # tokens proposed in a step not applied yet
+    mean_accepted: float = 0.0  # running mean of tokens accepted a step (starts at the most)
+    num_draft_tokens: int = 0  # over the request's life, for its usage
+    num_accepted_tokens: int = 0
+
+    def proposal_len(self) -> int:
+        """Tokens worth proposing next: one more than the recent steps accepted."""
+        return int(self.mean_accepted) + 1
+
+    def record(self, num_proposed: int, num_accepted: int, num_output_tokens: int) -> None:
+        if num_proposed:
+            self.mean_accepted = (self.mean_accepted + num_accepted) / 2
+        if num_accepted > 0:
+            self.misses = self.dry_lookups = 0
+            self.pause = FIRST_PAUSE
+            return
+        if num_proposed:
+            self.misses += 1
+        else:
+            self.dry_lookups += 1
+        if self.misses >= MAX_MISSES or self.dry_lookups >= MAX_DRY_LOOKUPS:
+            self.misses = self.dry_lookups = 0
+            self.paused_until = num_output_tokens + self.pause
+            self.pause = min(2 * self.pause, MAX_PAUSE)
+
+
+@dataclass
+class SpeculationCounters:
+    """Cumulative since start-up (vLLM's spec_decode counters)."""
+
+    num_drafts: int = 0  # steps of a request with at least one proposed token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
+        self.config = config
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+        self.max_batch = config.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE
+        self.counters = SpeculationCounters(
+            accepted_per_position=[0] * config.num_speculative_tokens
+        )
+
+    def state(self, request: Request) -> SpeculationState:
+        state = request.speculation
+        if state is None:
+            state = request.speculation = SpeculationState(
+                speculation_allowed(request), mean_accepted=float(self.num_speculative_tokens)
+            )
+        assert isinstance(state, SpeculationState)
+        return state
+
+    def active(self, num_running: int) -> bool:
+        """Whether requests propose in a step of this many running requests."""
+        return num_running <= self.max_batch
+
+    def will_propose(self, request: Request) -> bool:
+        """Whether the request looks up proposals at its next decode step (the engine then
+        waits for its latest token instead of scheduling a step ahead)."""
+        state = self.state(request)
+        return (
+            state.allowed
+            and request.num_output_tokens >= max(state.paused_until, 1)
+            and request.num_output_tokens >= request.sampling_params.min_tokens
+        )
+
+    def propose(self, request: Request, max_tokens: int) -> list[int]:
+        """At most ``max_tokens`` proposals (fewer near the request's length limits, which the
+        caller folds into ``max_tokens``) for a decoding request with no token in flight."""
+        if max_tokens <= 0 or not self.will_propose(request):
+            return []
+        state = self.state(request)
+        drafts = propose_ngram(
+            request.all_token_ids,
+            state.index,
+            min(max_tokens, self.num_speculative_tokens, state.proposal_len()),
+            self.min_n,
+            self.max_n,
+        )
+        if not drafts:
+            state.record(0, 0, request.num_output_tokens)
+        state.in_flight = len(drafts)
+        return drafts
+
+    def accept(self, request: Request, num_proposed: int, num_accepted: int) -> None:
+        """The step's verdict on the request's ``num_proposed`` proposals."""
+        state = self.state(request)
+        state.in_flight = 0
+        state.num_draft_tokens += num_proposed
+        state.num_accepted_tokens += num_accepted
+        state.record(num_proposed, num_accepted, request.num_output_tokens)
+        counters = self.counters
+        counters.num_drafts += 1
+        counters.num_draft_tokens += num_proposed
+        counters.num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            counters.accepted_per_position[position] += 1
+
+    @staticmethod
+    def drop_in_flight(request: Request) -> None:
+        """The step that verifies the request's proposals will not count (preempted, ended)."""
+        if request.speculation is not None:
+            request.speculation.in_flight = 0
+
+    def fill_stats(self, stats: SchedulerStats) -> None:
+        counters = self.counters
+        stats.spec_decode_num_drafts = counters.num_drafts
+        stats.spec_decode_num_draft_tokens = counters.num_draft_tokens
+        stats.spec_decode_num_accepted_tokens = counters.num_accepted_tokens
+        stats.spec_decode_accepted_per_position = list(counters.accepted_per_position)

@@ -1,0 +1,291 @@
+"""Speculative decoding in the scheduler, driven by the fake worker (which verifies proposals the
+way the real one does and checks the KV of every position it reads): the same tokens with and
+without speculation, proposals accepted where the text repeats, rejected positions never taken
+for computed ones, and the limits (max_tokens, max_model_len, stops) held."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fake_worker import Driver, FakeWorker, default_token
+from test_scheduler import BS, make_request, prompt
+
+from switchboard.config import CacheConfig, SchedulerConfig
+from switchboard.config.speculative import parse_speculative_config
+from switchboard.engine.scheduler import Scheduler
+from switchboard.engine.speculation.speculator import MAX_MISSES
+from switchboard.wire.engine_msgs import FinishReason, StructuredOutputParams
+
+NGRAM = json.dumps(
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+)
+CYCLE = [11, 12, 13, 14, 15, 16, 17]
+
+
+def cyclic_token(request_id: str, token_ids: list[int]) -> int:
+    """Text that repeats itself: what an n-gram proposer predicts once it has seen a cycle."""
+    return CYCLE[len(token_ids) % len(CYCLE)]
+
+
+def make_scheduler(
+    speculative_config: str = NGRAM,
+    num_blocks: int = 64,
+    max_model_len: int = 128,
+    caching: bool = True,
+    max_num_batched_tokens: int = 64,
+) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(
+            max_num_seqs=16,
+            max_num_batched_tokens=max_num_batched_tokens,
+            speculative_config=speculative_config,
+        ),
+        CacheConfig(block_size=BS, enable_prefix_caching=caching),
+        num_blocks,
+        max_model_len,
+    )
+
+
+def run(
+    speculative_config: str,
+    requests: list[tuple[str, list[int], int, dict]],
+    token_fn=cyclic_token,
+    ahead: str = "",
+    **scheduler_kwargs,
+) -> tuple[Driver, Scheduler]:
+    """``ahead``: "" one step at a time, "engine" scheduling ahead as the engine does (not
+    while a request proposes), "always" ahead of every step (proposals then wait)."""
+    sched = make_scheduler(speculative_config, **scheduler_kwargs)
+    worker = FakeWorker(BS, sched.kv.num_blocks, token_fn)
+    d = Driver(sched, worker, ahead=bool(ahead), always_ahead=ahead == "always")
+    for rid, prompt_ids, max_tokens, params in requests:
+        sched.add_request(make_request(rid, prompt_ids, max_tokens, **params))
+    d.run()
+    assert sched.kv.usage() == 0.0 and not sched.requests
+    return d, sched
+
+
+def proposed_tokens(d: Driver) -> int:
+    return sum(len(p) for out in d.sched_outputs for p in out.scheduled_spec_decode_tokens.values())
+
+
+REQUESTS = [
+    ("a", prompt(6), 40, {}),
+    ("b", [11, 12, 13, 14, 15], 33, {}),
+    ("c", prompt(9, start=300), 25, {"eos_token_ids": [999]}),
+]
+
+
+@pytest.mark.parametrize("token_fn", [cyclic_token, default_token])
+@pytest.mark.parametrize("ahead", ["", "engine", "always"])
+def test_the_same_tokens_with_and_without_speculation(token_fn, ahead):
+    off, _ = run("", REQUESTS, token_fn, ahead)
+    on, sched = run(NGRAM, REQUESTS, token_fn, ahead)
+    for rid, _, max_tokens, _ in REQUESTS:
+        assert on.tokens(rid) == off.tokens(rid)
+        assert len(on.tokens(rid)) == max_tokens
+    stats = sched.make_stats()
+    assert stats.spec_decode_num_draft_tokens == proposed_tokens(on)
+    if token_fn is cyclic_token and ahead != "always":  # repetitive: most are accepted
+        assert stats.spec_decode_num_accepted_tokens > stats.spec_decode_num_draft_tokens // 2
+        assert len(on.sched_outputs) < len(off.sched_outputs) * 2 // 3
+    assert stats.spec_decode_accepted_per_position[0] <= stats.spec_decode_num_drafts
+
+
+def test_outputs_carry_the_request_s_proposed_and_accepted_tokens():
+    d, sched = run(NGRAM, [("a", prompt(5), 30, {})])
+    outputs = d.outputs["a"]
+    assert sum(o.num_draft_tokens for o in outputs) == proposed_tokens(d) > 0
+    accepted = sum(o.num_accepted_tokens for o in outputs)
+    assert accepted == sched.make_stats().spec_decode_num_accepted_tokens > 0
+    for o in outputs:  # each output: the accepted proposals and one token of the model's own
+        if o.num_draft_tokens and o.finish_reason is None:
+            assert len(o.new_token_ids) == o.num_accepted_tokens + 1
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 9, 10])
+def test_never_a_token_or_a_computed_position_past_max_tokens_or_max_model_len(max_tokens):
+    requests = [("a", [11, 12, 13, 14, 15, 16, 17, 11, 12], max_tokens, {})]
+    d, _ = run(NGRAM, requests)
+    assert len(d.tokens("a")) == max_tokens
+    assert d.finish("a").finish_reason == FinishReason.LENGTH
+    computed = sum(out.num_scheduled_tokens.get("a", 0) for out in d.sched_outputs)
+    assert computed <= 9 + max_tokens  # never a position beyond the last token's
+    d, _ = run(NGRAM, [("edge", prompt(7, start=11), 50, {})], max_model_len=20)
+    assert len(d.tokens("edge")) == 20 - 7
+
+
+def test_a_stop_token_among_accepted_proposals_ends_the_request_there():
+    requests = [("a", [11, 12, 13, 14, 15, 16, 17], 40, {"stop_token_ids": [16]})]
+    d, sched = run(NGRAM, requests)
+    off, _ = run("", requests)
+    assert d.tokens("a") == off.tokens("a") == [11, 12, 13, 14, 15, 16]
+    assert d.finish("a").finish_reason == FinishReason.STOP
+    assert d.finish("a").stop_reason == 16
+    assert sched.make_stats().spec_decode_num_accepted_tokens > 0  # ended inside proposals
+
+
+def test_preemption_and_prefix_caching_keep_the_tokens():
+    # Few blocks: requests preempt each other and resume from the prefix cache.
+    shared = [11, 12, 13, 14, 15, 16, 17, 11]
+    requests = [(f"r{i}", shared + [100 + i], 30, {}) for i in range(4)]
+    off, _ = run("", requests, num_blocks=24, max_model_len=64)
+    on, sched = run(NGRAM, requests, num_blocks=24, max_model_len=64)
+    assert sched.counters.num_preemptions > 0
+    assert sched.kv.prefix_hits > 0
+    for rid, *_ in requests:
+        assert on.tokens(rid) == off.tokens(rid)
+
+
+def test_no_proposals_while_prefilling_in_chunks():
+    # A 40-token prompt in chunks of 8: the fake worker refuses proposals before the end.
+    requests = [("long", [11, 12, 13, 14, 15, 16, 17] * 5 + [11] * 5, 20, {})]
+    off, _ = run("", requests, max_num_batched_tokens=8)
+    on, _ = run(NGRAM, requests, max_num_batched_tokens=8)
+    assert on.tokens("long") == off.tokens("long")
+    assert proposed_tokens(on) > 0
+
+
+def test_requests_that_speculation_would_change_never_propose():
+    grammar = StructuredOutputParams("regex", "[a-z]+")
+    params = [
+        {"presence_penalty": 0.5},
+        {"frequency_penalty": 0.5},
+        {"repetition_penalty": 1.2},
+        {"bad_words_token_ids": [[13, 14]]},
+    ]
+    requests = [(f"p{i}", [11, 12, 13, 14, 15], 20, p) for i, p in enumerate(params)]
+    d, _ = run(NGRAM, requests)
+    assert proposed_tokens(d) == 0
+    sched = make_scheduler()
+    request = make_request("g", [11, 12, 13], 20, structured_output=grammar)
+    request.grammar = object()  # any grammar: the engine's matcher cannot roll back
+    assert not sched.speculator.will_propose(request)  # type: ignore[union-attr]
+
+
+def test_min_tokens_holds_proposals_back_until_reached():
+    requests = [("a", [11, 12, 13, 14, 15, 16, 17], 30, {"min_tokens": 12})]
+    d, _ = run(NGRAM, requests)
+    first = next(i for i, out in enumerate(d.sched_outputs) if out.scheduled_spec_decode_tokens)
+    before = sum(out.num_scheduled_tokens.get("a", 0) for out in d.sched_outputs[:first])
+    assert before >= 7 + 12 - 1  # prompt + min_tokens outputs computed first
+
+
+def test_a_request_whose_proposals_keep_failing_stops_proposing():
+    # default_token never repeats: proposals (from single-token matches) are all rejected.
+    requests = [("a", [5, 6, 5, 6, 5, 6, 5, 6], 120, {})]
+    d, sched = run(NGRAM, requests, default_token, max_model_len=256)
+    steps_with_proposals = sum(1 for out in d.sched_outputs if out.scheduled_spec_decode_tokens)
+    decode_steps = len(d.sched_outputs) - 1
+    assert sched.make_stats().spec_decode_num_accepted_tokens == 0
+    # pauses of 8, 16, 32, 64 output tokens after MAX_MISSES misses each
+    assert steps_with_proposals <= 5 * MAX_MISSES
+    assert steps_with_proposals < decode_steps // 4
+
+
+def test_the_config_is_vllm_s_json_and_bad_values_are_refused():
+    config = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 3}')
+    assert config is not None
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (5, 5)
+    config = parse_speculative_config(
+        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
+    )
+    assert config is not None and (config.prompt_lookup_min, config.prompt_lookup_max) == (4, 4)
+    assert parse_speculative_config("") is None
+    for bad, says in [
+        ("{", "not JSON"),
+        ('{"method": "eagle", "num_speculative_tokens": 2}', "not supported"),
+        ('{"method": "ngram"}', "num_speculative_tokens"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "lookup": 3}', "lookup"),
+        ('{"model": "/some/dir", "num_speculative_tokens": 2}', "draft model"),
+        (
+            '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, '
+            '"prompt_lookup_max": 2}',
+            "prompt_lookup_min",
+        ),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            parse_speculative_config(bad)
+
+
+def test_the_flag_reaches_the_engine_and_a_bad_one_stops_serve(capsys):
+    from switchboard import cli
+    from switchboard.cli import serve
+
+    args = cli.make_parser().parse_args(["serve", "--model", "/m", "--speculative-config", NGRAM])
+    assert serve.build_configs(args, "/m")[1].scheduler.speculative_config == NGRAM
+    parser = cli.make_parser()
+    bad = ["serve", "--model", "/m", "--speculative-config", '{"method": "ngram"}']
+    with pytest.raises(SystemExit) as exit_info:
+        serve.prepare(parser, parser.parse_args(bad))
+    assert exit_info.value.code == 2
+    assert "num_speculative_tokens" in capsys.readouterr().err
+
+
+def test_the_proposal_length_follows_what_was_accepted():
+    sched = make_scheduler()
+    speculator = sched.speculator
+    assert speculator is not None
+    request = make_request("a", [11, 12, 13] * 4 + [11, 12], 40)
+    state = speculator.state(request)
+    assert min(state.proposal_len(), 4) == 4  # a request starts at the full length
+    lengths = []
+    for accepted in (0, 1, 0, 4, 4, 4):
+        state.record(4, accepted, 0)
+        lengths.append(state.proposal_len())
+    assert lengths == [3, 2, 1, 3, 4, 4]
+    request.append_output_token(13)
+    assert len(speculator.propose(request, 10)) == 4
+
+
+def test_the_ngram_proposer_takes_the_longest_most_recent_match():
+    from switchboard.engine.speculation.ngram import TokenIndex, propose_ngram
+
+    def propose(tokens, k=4, low=1, high=3):
+        return propose_ngram(tokens, TokenIndex(), k, low, high)
+
+    assert propose([1, 2, 3, 1, 2]) == [3, 1, 2, 3]  # the copy continues past the end
+    assert propose([7, 2, 9, 5, 8, 2, 4, 4, 8, 2]) == [4, 4, 8, 2]  # "8 2" beats the later "2"
+    assert propose([5, 2, 6, 1, 2]) == [6, 1, 2, 6]  # one token suffices with min 1
+    assert propose([5, 2, 6, 1, 2], low=2) == []
+    assert propose([1, 2, 3, 4]) == []  # the last token never occurred before
+    assert propose([1, 2, 3, 1, 2], k=2) == [3, 1]
+
+
+def test_a_resumed_stream_proposes_from_its_earlier_output_too():
+    """A request resumed after an engine death arrives with its output so far: the lookup sees
+    prompt and output alike, and the tokens are those of the first engine."""
+    from switchboard.engine.request import Request
+    from switchboard.wire.engine_msgs import EngineCoreRequest, SamplingParams
+
+    first, _ = run(NGRAM, [("a", [11, 12, 13], 30, {})])
+    tokens = first.tokens("a")
+    outputs: dict[str, list[int]] = {}
+    for config in ("", NGRAM):
+        sched = make_scheduler(config)
+        d = Driver(sched, FakeWorker(BS, sched.kv.num_blocks, cyclic_token))
+        resumed = EngineCoreRequest(
+            "a", [11, 12, 13], sampling_params=SamplingParams(max_tokens=30)
+        )
+        resumed.output_token_ids = tokens[:10]
+        sched.add_request(Request.from_engine_core_request(resumed, BS, 1))
+        d.run()
+        outputs[config] = d.tokens("a")
+        if config:
+            assert proposed_tokens(d) > 0
+    assert outputs[""] == outputs[NGRAM] == tokens[10:]
+
+
+def test_no_proposals_while_more_requests_run_than_disable_by_batch_size():
+    config = json.dumps({**json.loads(NGRAM), "disable_by_batch_size": 2})
+    requests = [("a", prompt(5, 11), 10, {}), ("b", prompt(5, 20), 30, {}), ("c", [11] * 4, 30, {})]
+    d, _ = run(config, requests)
+    off, _ = run("", requests)
+    assert proposed_tokens(d) > 0  # once "a" ended, two run and propose
+    first = next(i for i, out in enumerate(d.sched_outputs) if out.scheduled_spec_decode_tokens)
+    assert all("a" not in out.num_scheduled_tokens for out in d.sched_outputs[first:])
+    for rid, *_ in requests:
+        assert d.tokens(rid) == off.tokens(rid)
+    parsed = parse_speculative_config(NGRAM)
+    assert parsed is not None and parsed.disable_by_batch_size == 8  # the default

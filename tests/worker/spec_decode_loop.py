@@ -1,0 +1,101 @@
+"""The engine's step loop in one process: the real scheduler and the real model runner, so that
+speculative decoding is checked end to end on a model without processes or sockets."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from switchboard.config import CacheConfig, SchedulerConfig
+from switchboard.engine.request import Request
+from switchboard.engine.scheduler import Scheduler
+from switchboard.wire.engine_msgs import EngineCoreOutput, EngineCoreRequest, SamplingParams
+from switchboard.worker.model_runner import ModelRunner
+
+BLOCK_SIZE = 4
+_arrival = itertools.count(1)
+
+
+@dataclass
+class LoopResult:
+    outputs: dict[str, list[EngineCoreOutput]] = field(default_factory=dict)
+    steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def tokens(self, request_id: str) -> list[int]:
+        return [t for o in self.outputs[request_id] for t in o.new_token_ids]
+
+    def logprobs(self, request_id: str) -> list[float]:
+        return [lp.logprobs[0] for o in self.outputs[request_id] for lp in o.new_logprobs or []]
+
+
+def run_loop(
+    runner: ModelRunner,
+    prompts: dict[str, list[int]],
+    params: SamplingParams,
+    speculative_config: str,
+    *,
+    num_blocks: int,
+    max_model_len: int = 256,
+    max_num_batched_tokens: int = 64,
+) -> LoopResult:
+    """Generate for every prompt until all finish; the runner's KV cache must have been made
+    with ``num_blocks`` blocks of ``BLOCK_SIZE``."""
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=8,
+            max_num_batched_tokens=max_num_batched_tokens,
+            speculative_config=speculative_config,
+        ),
+        CacheConfig(block_size=BLOCK_SIZE),
+        num_blocks,
+        max_model_len,
+    )
+    for rid, prompt in prompts.items():
+        request = EngineCoreRequest(rid, prompt, sampling_params=params)
+        scheduler.add_request(Request.from_engine_core_request(request, BLOCK_SIZE, next(_arrival)))
+    result = LoopResult()
+    while scheduler.has_unfinished_requests() or scheduler.has_finished_requests():
+        step = scheduler.schedule()
+        by_client = scheduler.update_from_output(step, runner.execute_model(step))
+        for outputs in by_client.values():
+            for output in outputs:
+                result.outputs.setdefault(output.request_id, []).append(output)
+        result.steps += 1
+        assert result.steps < 10_000
+    stats = scheduler.make_stats()
+    result.num_draft_tokens = stats.spec_decode_num_draft_tokens
+    result.num_accepted_tokens = stats.spec_decode_num_accepted_tokens
+    assert scheduler.kv.usage() == 0.0
+    return result
+
+
+def loop_on_rank(
+    parallel: Any, model_dir: str, speculative_config: str, params: SamplingParams
+) -> dict[str, Any]:
+    """``run_loop`` on one rank of a tensor/pipeline-parallel group (``parallel_ranks``): every
+    rank schedules the same steps from the tokens its runner returns (the output rank's, shared
+    with every rank)."""
+    import torch
+
+    from switchboard.config import ModelConfig
+
+    runner = ModelRunner(ModelConfig(model=model_dir), torch.device("cpu"), parallel)
+    runner.load_model()
+    runner.initialize_kv_cache(PARALLEL_NUM_BLOCKS, BLOCK_SIZE)
+    result = run_loop(
+        runner, PARALLEL_PROMPTS, params, speculative_config, num_blocks=PARALLEL_NUM_BLOCKS
+    )
+    return {
+        "tokens": {rid: result.tokens(rid) for rid in PARALLEL_PROMPTS},
+        "accepted": result.num_accepted_tokens,
+    }
+
+
+PARALLEL_NUM_BLOCKS = 96
+PARALLEL_PROMPTS = {
+    "loop": [0, 5, 9, 33, 5, 9, 33, 5, 9, 33, 5, 9],
+    "odd": [0, 900, 3, 3, 3, 77, 512, 8, 1000, 64, 2],
+}
