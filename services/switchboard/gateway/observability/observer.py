@@ -415,6 +415,8 @@ def _label(engine: EngineHandle) -> str:
 
 def _served_by(engine: EngineHandle) -> tuple[int, str]:
     return engine.ready.data_parallel_rank, engine.engine_id
+
+
 def spec_decode_attributes(num_draft_tokens: int, num_accepted_tokens: int) -> dict[str, Any]:
     """Speculative decoding's record of one request, on its span."""
     return {
