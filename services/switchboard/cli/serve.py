@@ -22,6 +22,7 @@ from switchboard.config import (
     SchedulerConfig,
     WorkerConfig,
 )
+from switchboard.config.lora import LoraConfig
 
 
 class ServeFlags(msgspec.Struct, frozen=True, kw_only=True):
@@ -87,6 +88,7 @@ class ServeFlags(msgspec.Struct, frozen=True, kw_only=True):
 # commands add theirs (cli/role_commands.py).
 SHARED_STRUCTS = (
     ModelConfig,
+    LoraConfig,
     GatewayConfig,
     SchedulerConfig,
     CacheConfig,

@@ -45,6 +45,7 @@ from switchboard.config import CacheConfig, SchedulerConfig
 from switchboard.engine import clock
 from switchboard.engine.block_pool import KVCacheBlock
 from switchboard.engine.kv_cache import KVCacheManager
+from switchboard.engine.lora_registry import adapter_may_join
 from switchboard.engine.request import Request, RequestStatus
 from switchboard.engine.request_queue import make_request_queue
 from switchboard.engine.scheduler_stats import SchedulerCounters
@@ -70,7 +71,9 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         max_model_len: int,
+        max_loras: int = 0,
     ) -> None:
+        """``max_loras``: distinct LoRA adapters running at once (0: LoRA off)."""
         if scheduler_config.max_num_seqs <= 0 or scheduler_config.max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         block_size = cache_config.block_size
@@ -94,6 +97,7 @@ class Scheduler:
         self._in_flight: dict[int, tuple[dict[str, int], set[str]]] = {}
         self._step_id = 0
         self.counters = SchedulerCounters()
+        self.max_loras = max_loras
         logger.info(
             "scheduler: policy=%s max_num_seqs=%d max_num_batched_tokens=%d "
             "shared_step_tokens=%d long_prefill_token_threshold=%d blocks=%d x %d tokens "
@@ -261,6 +265,8 @@ class Scheduler:
                 if self._preempt_for(request, plan):
                     continue
                 break
+            if request.lora_name and not adapter_may_join(request, self.running, self.max_loras):
+                break  # FCFS: waits until a running adapter's requests are done
             hits, num_hit_tokens = self._prefix_cache_hits(request)
             if self._waits_for_shared_prefill(request, len(hits), plan):
                 break  # FCFS: the queue behind it waits that one step too

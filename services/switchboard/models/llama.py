@@ -212,6 +212,9 @@ class LlamaForCausalLM(nn.Module):
         # embedding lives on another pipeline stage.
         self.lm_head = stage_lm_head(config, parallel)
         self._decode_stack = decode_stack.DecodeStack()
+        # set per step by models/lora: LoRA deltas are added by the projections' hooks, which
+        # the one-call decode stack does not run
+        self.lora_rows_active = False
 
     @classmethod
     def attention_layout(cls, config: TransformerConfig, layer_index: int) -> AttentionLayout:
@@ -256,6 +259,7 @@ class LlamaForCausalLM(nn.Module):
         if (
             decode is None
             or metadata.prefills
+            or self.lora_rows_active
             or not isinstance(metadata.backend, CpuKernelBackend)
         ):
             return False
