@@ -15,6 +15,8 @@ is in: a lone long prompt takes big steps, a crowd small ones) and a cap on runn
    lookup, while budget, sequence slots and blocks last; skipped for the step if step 1
    preempted (memory is short). Under the priority policy a waiting request may also preempt
    running requests of strictly lower priority, so urgent work does not wait for it to finish.
+   A waiting request whose LoRA adapter is not running while ``max_loras`` others are is
+   passed over (it stays in its place) for this step.
    A waiting request whose next prompt block another request computes in this step (the same
    prefix: sibling sequences of ``n`` > 1 arrive together) waits one step, with the queue
    behind it, and then takes that block from the prefix cache instead of computing it again.
@@ -257,6 +259,7 @@ class Scheduler:
     def _schedule_waiting(self, plan: StepPlan) -> None:
         cap = self._chunk_cap()
         max_num_seqs = self.config.max_num_seqs
+        skipped: list[Request] = []
         while self.waiting and plan.budget > 0:
             request = self.waiting.peek()
             if request in plan.preempted:  # not back in the step that preempted it
@@ -266,7 +269,8 @@ class Scheduler:
                     continue
                 break
             if request.lora_name and not adapter_may_join(request, self.running, self.max_loras):
-                break  # FCFS: waits until a running adapter's requests are done
+                skipped.append(self.waiting.pop())  # its adapter waits for a free slot
+                continue
             hits, num_hit_tokens = self._prefix_cache_hits(request)
             if self._waits_for_shared_prefill(request, len(hits), plan):
                 break  # FCFS: the queue behind it waits that one step too
@@ -280,6 +284,8 @@ class Scheduler:
                 break
             self.waiting.pop()
             self._admit(plan, request, num_hit_tokens, num_tokens)
+        for request in reversed(skipped):  # back in their places
+            self.waiting.add_preempted(request)
 
     def _prefix_cache_hits(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The prefix-cache lookup, skipped for a request that still owes prompt logprobs:
