@@ -44,6 +44,11 @@ def adapter_may_join(request: _HasAdapter, running: Iterable[_HasAdapter], max_l
     return request.lora_name in adapters or len(adapters) < max_loras
 
 
+def adapters_of(requests: Iterable[_HasAdapter]) -> list[str]:
+    """The distinct adapters of these requests, sorted (the stats' lists)."""
+    return sorted({r.lora_name for r in requests if r.lora_name})
+
+
 class EngineLoras:
     def __init__(self, config: LoraConfig) -> None:
         self.config = config

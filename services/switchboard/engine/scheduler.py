@@ -47,7 +47,7 @@ from switchboard.config import CacheConfig, SchedulerConfig
 from switchboard.engine import clock
 from switchboard.engine.block_pool import KVCacheBlock
 from switchboard.engine.kv_cache import KVCacheManager
-from switchboard.engine.lora_registry import adapter_may_join
+from switchboard.engine.lora_registry import adapter_may_join, adapters_of
 from switchboard.engine.request import Request, RequestStatus
 from switchboard.engine.request_queue import make_request_queue
 from switchboard.engine.scheduler_stats import SchedulerCounters
@@ -449,7 +449,11 @@ class Scheduler:
 
     def make_stats(self) -> SchedulerStats:
         """Gauges now, counters cumulative since start-up, tokens of the last step."""
-        return self.counters.make_stats(len(self.running), len(self.waiting), self.kv)
+        stats = self.counters.make_stats(len(self.running), len(self.waiting), self.kv)
+        if self.max_loras:
+            stats.running_lora_adapters = adapters_of(self.running)
+            stats.waiting_lora_adapters = adapters_of(self.waiting)
+        return stats
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.reset_prefix_cache()

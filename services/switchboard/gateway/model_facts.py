@@ -23,6 +23,7 @@ from typing import Any
 
 from switchboard.common.model_tasks import ModelTasks, read_model_tasks
 from switchboard.config import ModelConfig
+from switchboard.gateway.lora_names import LoraNames
 from switchboard.wire.engine_msgs import EngineReady
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,8 @@ class ModelFacts:
     generation_config: dict[str, Any]  # the checkpoint's generation_config.json, as is
     sampling_defaults: dict[str, float | int]  # see sampling_defaults_from
     tasks: ModelTasks = ModelTasks()  # generate and/or embed, and the pooling defaults
+    # the LoRA adapters served beside it (one object, shared by every copy of these facts)
+    loras: LoraNames = dataclasses.field(default_factory=LoraNames)
 
     @classmethod
     def from_checkpoint(cls, model: ModelConfig, tokenizer_vocab_size: int = 0) -> ModelFacts:
@@ -122,6 +125,7 @@ class ModelFacts:
             generation_config=generation_config,
             sampling_defaults=defaults,
             tasks=read_model_tasks(model.model),
+            loras=LoraNames(model.lora),
         )
 
     def with_engine(self, ready: EngineReady) -> ModelFacts:

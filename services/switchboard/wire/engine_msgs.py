@@ -203,6 +203,9 @@ class SchedulerStats(_Wire):
     stalled_worker_rank: int = -1
     stalled_worker_pid: int = 0
     stalled_for_s: float = 0.0
+    # Appended for LoRA: the adapters of the running and of the waiting requests, sorted.
+    running_lora_adapters: list[str] = []
+    waiting_lora_adapters: list[str] = []
 
 
 class EngineCoreOutputs(_Wire):

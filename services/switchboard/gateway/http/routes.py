@@ -76,7 +76,11 @@ class OpenAIRoutes:
             "root": self._state.config.model.model,
             "max_model_len": facts.max_model_len,
         }
-        return json_response({"object": "list", "data": [model]})
+        adapters = [  # vLLM's entries of LoRA adapters: root = the directory, parent = base
+            {**model, "id": name, "root": path, "parent": facts.name}
+            for name, path in sorted(facts.loras.adapters.items())
+        ]
+        return json_response({"object": "list", "data": [model, *adapters]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         arrival_time = time.time()
