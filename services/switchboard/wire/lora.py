@@ -22,11 +22,19 @@ def lora_request(name: str) -> dict[str, Any] | None:
     return {LORA_NAME_KEY: name} if name else None
 
 
+MAX_LORA_NAME_CHARS = 256
+
+
 def lora_name_of(lora_request: dict[str, Any] | None) -> str:
     """The adapter a request names ("" = the base model); ValueError for a malformed map."""
-    if not lora_request:
+    if lora_request is None:
         return ""
+    return check_lora_request(lora_request)
+
+
+def check_lora_request(lora_request: object) -> str:
+    """The adapter name of a ``lora_request`` map; ValueError saying what is wrong."""
     name = lora_request.get(LORA_NAME_KEY) if isinstance(lora_request, dict) else None
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"lora_request must carry a non-empty {LORA_NAME_KEY!r} string")
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_LORA_NAME_CHARS:
+        raise ValueError(f"must carry {LORA_NAME_KEY!r}: 1 to {MAX_LORA_NAME_CHARS} characters")
     return name

@@ -75,6 +75,7 @@ class OpenAIRoutes:
             "owned_by": "switchboard",
             "root": self._state.config.model.model,
             "max_model_len": facts.max_model_len,
+            "parent": None,
         }
         adapters = [  # vLLM's entries of LoRA adapters: root = the directory, parent = base
             {**model, "id": name, "root": path, "parent": facts.name}
@@ -112,7 +113,10 @@ class OpenAIRoutes:
         self, generate: pb.GenerateRequest, options: OpenAIOptions, request_id: str, arrival: float
     ) -> tuple[Any, ...]:
         n = generate.sampling.n if generate.sampling.HasField("n") else 1
-        return request_id, self._state.facts.name, int(arrival), n, options.logprobs
+        facts = self._state.facts
+        # vLLM's responses name the adapter a request ran with; any other model, the served one
+        model = generate.model if generate.model in facts.loras.adapters else facts.name
+        return request_id, model, int(arrival), n, options.logprobs
 
     async def _run(
         self,
