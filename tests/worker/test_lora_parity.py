@@ -104,3 +104,17 @@ def test_more_adapters_than_slots_take_turns(family):
         request = DrivenRequest(f"r-{adapter}", prompt, max_tokens=6)
         AdapterScheduler(runner, None, {request.request_id: adapter}).run([request])
         assert request.output == peft_generate(reference, adapter, prompt, 6), adapter
+
+
+def test_adapters_survive_a_reload_of_the_weights(family):
+    """A deep sleep drops the weights and wake_up loads them again: the adapters known before
+    are served after, read again from their directories."""
+    base_dir, adapter_dirs, reference = family
+    runner = lora_runner(base_dir, max_loras=2, **adapter_dirs)
+    runner.model = None
+    runner.load_model()
+    assert runner.lora is not None and runner.lora.manager.names() == sorted(adapter_dirs)
+    prompt = PROMPTS["one-block"]
+    request = DrivenRequest("after-reload", prompt, max_tokens=6)
+    AdapterScheduler(runner, None, {request.request_id: "some-r16"}).run([request])
+    assert request.output == peft_generate(reference, "some-r16", prompt, 6)

@@ -22,9 +22,12 @@ from switchboard.worker.step_inputs import StepInputs
 
 def lora_requests(runner: object) -> LoraRequests:
     """The runner's LoRA side; AdapterError where it has none."""
-    lora = getattr(runner, "lora", None)
+    if not hasattr(runner, "lora"):
+        raise AdapterError("this model (an encoder) takes no LoRA adapters")
+    lora = runner.lora
     if lora is None:
         raise AdapterError("LoRA adapters are off: start the server with --enable-lora")
+    assert isinstance(lora, LoraRequests)
     return lora
 
 
