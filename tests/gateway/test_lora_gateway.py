@@ -10,6 +10,7 @@ from switchboard.config.lora import LoraConfig
 from switchboard.gateway.api_errors import ApiError
 from switchboard.gateway.lora_names import LoraNames
 from switchboard.gateway.observability.metrics import GatewayMetrics
+from switchboard.gateway.observability.stats_log import StatsLogger, TokenCounts
 from switchboard.wire.engine_msgs import SchedulerStats
 from tests.gateway.test_metrics import engine
 
@@ -60,3 +61,12 @@ def test_lora_requests_info_lists_the_running_and_waiting_adapters():
     for rank, labels in enumerate(per_engine):
         series = {"model_name": "m", "engine": str(rank), "max_lora": "4", **labels}
         assert value("switchboard:lora_requests_info", series) > 1.7e9
+
+
+def test_the_stats_line_names_the_adapters_in_use():
+    counts = TokenCounts()
+    handle = engine(0, SchedulerStats(num_running_reqs=2, running_lora_adapters=["sql"]))
+    line = StatsLogger(0, 10.0, counts, lambda: [handle]).line(0.0)
+    assert line is not None and line.endswith(", LoRA running sql waiting -")
+    handle.scheduler_stats = SchedulerStats(num_running_reqs=1)
+    assert "LoRA" not in (StatsLogger(0, 10.0, counts, lambda: [handle]).line(0.0) or "")
