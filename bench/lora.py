@@ -4,7 +4,7 @@
                          [--steps 32] [--threads N]
 
 Builds a :class:`ModelRunner` with ``--enable-lora`` (``--max-loras 8``) on ``MODEL_DIR`` (default:
-a seeded random Llama of 12 layers, hidden 768, written by the tests' checkpoint writer), writes 8
+a seeded random Llama of 8 layers, hidden 512, written by the tests' checkpoint writer), writes 8
 random adapters of ``--rank`` on every projection in PEFT's format, prefills ``--concurrency``
 requests of ``--context`` random tokens and times greedy decode steps. The requests are spread
 round-robin over 1, 4 or 8 adapters, or all on the base model; a runner without
@@ -41,13 +41,13 @@ from tests.tiny_checkpoint import tiny_llama_dir  # noqa: E402
 
 BLOCK_SIZE = 16
 MAX_LORAS = 8
-LLAMA_100M = dict(num_layers=12, hidden_size=768, num_heads=12, num_kv_heads=4)
-LLAMA_100M.update(intermediate_size=2048, vocab_size=16000, max_position_embeddings=1024)
+LLAMA_30M = dict(num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=4)
+LLAMA_30M.update(intermediate_size=1536, vocab_size=16000, max_position_embeddings=1024)
 
 
 def make_model() -> str:
-    """A seeded random Llama of ~100M parameters (the test helpers' checkpoint writer)."""
-    return tiny_llama_dir(**LLAMA_100M)
+    """A seeded random Llama of ~30M parameters (the test helpers' checkpoint writer)."""
+    return tiny_llama_dir(**LLAMA_30M)
 
 
 def make_adapter(model_dir: str, root: str, index: int, rank: int) -> str:

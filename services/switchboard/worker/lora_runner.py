@@ -80,6 +80,9 @@ class LoraRequests:
         ]
         self.manager.prepare(rows, device)
 
+    def finish(self) -> None:
+        self.manager.prepare([], torch.device("cpu"))
+
     @property
     def rows_active(self) -> bool:
         return self.manager.rows_active

@@ -209,6 +209,8 @@ class ModelRunner:
             self.lora.prepare(step, inputs, self.device)
         self.attention_backend.prepare(inputs.metadata)
         hidden = self._forward_stage(inputs)
+        if self.lora is not None:
+            self.lora.finish()  # no stale batch for what runs next (a graph capture, say)
         logits, pooled = None, None
         if self.parallel.is_last_stage:  # the others' hidden states are not final ones
             logits = self.model.compute_logits(hidden[inputs.logits_rows])
