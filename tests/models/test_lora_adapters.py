@@ -124,43 +124,43 @@ def test_tensor_parallel_shards_put_together_give_the_whole_delta(base_dir, adap
     manager.add("a", adapter_dir)
     adapter = manager.cpu["a"]
     pairs, scaling = adapter.layers[0], adapter.scaling
-    batch_of = {}
+    batch = LoraBatch(torch.tensor([-1, 1, -1]), CPU)  # the middle row runs slot 1
 
-    def batch(stack) -> LoraBatch:
-        return batch_of.setdefault(
-            id(stack), LoraBatch(torch.tensor([0, -1]), stack.num_slots, stack.max_rank, x.dtype)
-        )
+    def delta(stack, x: torch.Tensor) -> torch.Tensor:
+        output = torch.zeros(x.shape[0], stack.b.shape[-1])
+        stack.add_delta(x, output, batch)
+        return output
 
-    x = torch.randn(2, 64)
+    x = torch.randn(3, 64)
     whole_qkv = ColumnParallelLinear(64, _qkv_shards(ParallelState()), bias=False)
     expected = column_stack(whole_qkv, 2, 16, ParallelState())
-    expected.load(0, pairs, scaling)
+    expected.load(1, pairs, scaling)
+    whole = delta(expected, x).split([64, 32, 32], dim=-1)
     parts = []
     for rank in range(2):
         parallel = ParallelState(tp_rank=rank, tp_size=2)
         stack = column_stack(
             ColumnParallelLinear(64, _qkv_shards(parallel), bias=False), 2, 16, parallel
         )
-        stack.load(0, pairs, scaling)
-        parts.append(stack.delta(x, batch(stack)).split([32, 16, 16], dim=-1))
-    whole = expected.delta(x, batch(expected)).split([64, 32, 32], dim=-1)
-    for index in range(3):  # q, k, v: each rank's rows of each part
+        stack.load(1, pairs, scaling)
+        parts.append(delta(stack, x).split([32, 16, 16], dim=-1))
+    for index, module in enumerate(["q_proj", "k_proj", "v_proj"]):  # each rank's rows of each
         torch.testing.assert_close(torch.cat([p[index] for p in parts], -1), whole[index])
-    assert torch.count_nonzero(whole[0][1]) == 0  # the base row
+        a, b = pairs[module]
+        torch.testing.assert_close(whole[index][1], x[1] @ a.T @ b.T * scaling)
+    assert torch.count_nonzero(whole[0][0]) == 0 and torch.count_nonzero(whole[0][2]) == 0
     # row-parallel (o_proj): the ranks' partial shrinks sum to the whole shrink (the all-reduce)
-    attended = torch.randn(2, 64)
-    shrinks = []
+    attended = torch.randn(3, 64)
+    shrink, expand = 0.0, None
     for rank in range(2):
         parallel = ParallelState(tp_rank=rank, tp_size=2)
         o_proj = RowParallelLinear(parallel.split(64, "o"), 64, bias=False, parallel=parallel)
         stack = row_stack(o_proj, "o_proj", 2, 16, parallel)
-        stack.load(0, pairs, scaling)
-        shrinks.append((attended[:, rank * 32 : rank * 32 + 32] @ stack.a.T, stack))
-    total = (shrinks[0][0] + shrinks[1][0]) * batch(shrinks[0][1]).mask(1)
+        stack.load(1, pairs, scaling)
+        shrink = shrink + attended[1, rank * 32 : rank * 32 + 32] @ stack.a[1].T
+        expand = stack.b[1]
     a, b = pairs["o_proj"]
-    torch.testing.assert_close(
-        (total @ shrinks[0][1].b)[0], attended[0] @ a.T @ b.T * scaling, atol=1e-4, rtol=1e-4
-    )
+    torch.testing.assert_close(shrink @ expand, attended[1] @ a.T @ b.T * scaling)
 
 
 def _qkv_shards(parallel: ParallelState) -> dict:

@@ -123,10 +123,7 @@ class LoraManager:
         slots = [slot_of[name] if name else -1 for name, _ in row_adapters]
         counts = [count for _, count in row_adapters]
         token_slots = torch.repeat_interleave(torch.tensor(slots), torch.tensor(counts))
-        dtype = next(iter(self.stacks.values()))[0].a.dtype if self.stacks else torch.float32
-        self.active.current = LoraBatch(
-            token_slots.to(device), self.limits.max_loras, self.limits.max_lora_rank, dtype
-        )
+        self.active.current = LoraBatch(token_slots, device)
 
     @property
     def rows_active(self) -> bool:

@@ -1,25 +1,27 @@
-"""The resident adapters of one projection, side by side, and the delta they add in a step.
+"""The resident adapters of one projection, and the delta they add to a step's rows.
 
 A projection (``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj``) gets a
-:class:`LoraStack`: the ``max_loras`` resident slots' ``A`` matrices stacked into one
-``[slices * slots * max_rank, in]`` matrix and their ``B`` matrices (scaling folded in) into
-one ``[slices * slots * max_rank, out]`` matrix, a fused projection's parts (q/k/v, gate/up)
-each in its own output columns. A step's rows then take their deltas in two matmuls for every
-adapter at once (the shrink/expand of punica / S-LoRA, in its dense form)::
+:class:`LoraStack`: for each of the ``max_loras`` resident slots, its adapter's ``A`` matrices
+(one per part of a fused projection: q/k/v, gate/up) stacked into one ``[parts * max_rank,
+in]`` matrix and its ``B`` matrices (scaling folded in) into one ``[parts * max_rank, out]``
+matrix, each part's ``B`` in its own output columns. A step groups its rows by slot once
+(:class:`LoraBatch`), and every projection then adds, for each slot in use, the grouped
+shrink/expand of punica / S-LoRA (segment-wise)::
 
-    shrink = x @ A_all^T                   [tokens, slices * slots * rank]
-    shrink *= mask                         keeps each row's own slot's columns (base rows: none)
-    delta  = shrink @ B_all                [tokens, out]
+    rows   = the step's rows of that adapter (index_select; all rows: no copy)
+    shrink = x[rows] @ A_slot^T              [rows, parts * rank]
+    out[rows] += shrink @ B_slot             (index_add_, into the base projection's output)
 
-The wasted work is the other slots' columns of ``shrink``: ``slots * rank`` numbers per row,
-small beside the projection itself; in exchange every shape is fixed, nothing loops over the
-adapters, and a step mixing the base model and several adapters is one pass.
+so the work is proportional to each row's own adapter's rank: a batch of the base model and
+several adapters is one forward pass with, per projection, two small matmuls per adapter in
+use. Base rows are in no group and get nothing added.
 
 The delta is added by a forward hook on the projection, after the base path has run however
 it runs (oneDNN, the small-batch or quantized panels). Tensor parallelism: a column-parallel
 projection keeps ``A`` whole and this rank's rows of ``B``; a row-parallel one keeps this
-rank's input columns of ``A``, so ``shrink`` is a partial sum, all-reduced (``slots * rank``
-numbers per row) before the expand.
+rank's input columns of ``A``, so ``shrink`` is a partial sum, all-reduced (``rank`` numbers
+per part per row) before the expand; every rank groups the same rows, so the collectives line
+up.
 """
 
 from __future__ import annotations
@@ -48,21 +50,17 @@ class OutputPart:
 
 
 class LoraBatch:
-    """Which slot each row of a step uses (-1: the base model), as the masks the stacks apply."""
+    """A step's rows grouped by slot: (slot, its rows' indices or None for every row), once per
+    step for every projection."""
 
-    def __init__(
-        self, token_slots: torch.Tensor, num_slots: int, max_rank: int, dtype: torch.dtype
-    ):
-        columns = torch.arange(num_slots, device=token_slots.device).repeat_interleave(max_rank)
-        self._mask = (token_slots[:, None] == columns[None, :]).to(dtype)
-        self._by_parts: dict[int, torch.Tensor] = {1: self._mask}
-
-    def mask(self, num_parts: int) -> torch.Tensor:
-        """``[tokens, num_parts * slots * rank]``: one copy of the slot mask per part."""
-        mask = self._by_parts.get(num_parts)
-        if mask is None:
-            mask = self._by_parts[num_parts] = self._mask.repeat(1, num_parts)
-        return mask
+    def __init__(self, token_slots: torch.Tensor, device: torch.device) -> None:
+        """``token_slots``: each row's slot (-1: the base model), on the CPU."""
+        self.num_rows = int(token_slots.shape[0])
+        self.groups: list[tuple[int, torch.Tensor | None]] = []
+        for slot in sorted(set(token_slots.tolist()) - {-1}):
+            rows = (token_slots == slot).nonzero().squeeze(1)
+            whole = rows.shape[0] == self.num_rows
+            self.groups.append((slot, None if whole else rows.to(device)))
 
 
 class ActiveBatch:
@@ -90,9 +88,9 @@ class LoraStack:
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.parallel = parallel
-        rows = len(parts) * num_slots * max_rank
-        self.a = torch.zeros(rows, in_features, dtype=dtype, device=device)
-        self.b = torch.zeros(rows, out_features, dtype=dtype, device=device)
+        rows = len(parts) * max_rank
+        self.a = torch.zeros(num_slots, rows, in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(num_slots, rows, out_features, dtype=dtype, device=device)
 
     @property
     def nbytes(self) -> int:
@@ -103,28 +101,33 @@ class LoraStack:
     ) -> None:
         """Put an adapter's matrices for this projection (PEFT module -> (A, B), full shapes)
         into ``slot``; parts it does not adapt get zeros."""
+        self.a[slot].zero_()
+        self.b[slot].zero_()
         for index, part in enumerate(self.parts):
-            first = (index * self.num_slots + slot) * self.max_rank
-            self.a[first : first + self.max_rank].zero_()
-            self.b[first : first + self.max_rank].zero_()
             pair = pairs.get(part.module)
             if pair is None:
                 continue
             a, b = pair
-            rank = a.shape[0]
+            first, rank = index * self.max_rank, a.shape[0]
             if self.inputs is not None:
                 a = a[:, self.inputs.start : self.inputs.stop]
             b = b[part.rows.start : part.rows.stop] * scaling
-            self.a[first : first + rank].copy_(a)
+            self.a[slot, first : first + rank].copy_(a)
             columns = slice(part.offset, part.offset + part.rows.size)
-            self.b[first : first + rank, columns].copy_(b.t())
+            self.b[slot, first : first + rank, columns].copy_(b.t())
 
-    def delta(self, x: torch.Tensor, batch: LoraBatch) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        shrink = F.linear(rows, self.a)
-        if self.inputs is not None and self.parallel.tp_size > 1:
-            shrink = self.parallel.all_reduce(shrink)
-        return (shrink * batch.mask(len(self.parts))) @ self.b
+    def add_delta(self, x: torch.Tensor, output: torch.Tensor, batch: LoraBatch) -> None:
+        """``output`` ``[rows, out]`` += each adapter row's delta, in place."""
+        for slot, rows in batch.groups:
+            selected = x if rows is None else x.index_select(0, rows)
+            shrink = F.linear(selected, self.a[slot])
+            if self.inputs is not None and self.parallel.tp_size > 1:
+                shrink = self.parallel.all_reduce(shrink)
+            delta = shrink @ self.b[slot]
+            if rows is None:
+                output.add_(delta)
+            else:
+                output.index_add_(0, rows, delta)
 
 
 def column_stack(
@@ -165,14 +168,15 @@ def row_stack(
 
 
 def attach(layer: nn.Module, stack: LoraStack, active: ActiveBatch) -> None:
-    """Add ``stack``'s delta to ``layer``'s output whenever the step has adapter rows."""
+    """Add ``stack``'s deltas to ``layer``'s output whenever the step has adapter rows."""
 
     def add_delta(module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor):
         batch = active.current
         if batch is None:
             return None
-        delta = stack.delta(args[0], batch)
-        return output + delta.view(output.shape)
+        x = args[0]
+        stack.add_delta(x.reshape(-1, x.shape[-1]), output.view(-1, output.shape[-1]), batch)
+        return output
 
     layer.register_forward_hook(add_delta)
 
