@@ -109,6 +109,7 @@ class PlannedRequest:
     max_tokens: int
     join_step: int = 0
     params: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields
+    lora_name: str = ""  # the LoRA adapter it runs with ("" = the base model)
 
 
 def planned_requests() -> list[PlannedRequest]:
@@ -166,7 +167,14 @@ def drive_runner(runner, requests: list[PlannedRequest], chunk_size: int = 5) ->
                     **{"temperature": 0.0, "max_tokens": request.max_tokens, **request.params}
                 )
                 step.new_requests.append(
-                    NewRequest(request.request_id, list(request.prompt), params, new_blocks, 0)
+                    NewRequest(
+                        request.request_id,
+                        list(request.prompt),
+                        params,
+                        new_blocks,
+                        0,
+                        lora_name=request.lora_name,
+                    )
                 )
             else:
                 step.cached_requests.append(

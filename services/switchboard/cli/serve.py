@@ -22,6 +22,7 @@ from switchboard.config import (
     SchedulerConfig,
     WorkerConfig,
 )
+from switchboard.config.lora import LoraConfig
 
 
 class ServeFlags(msgspec.Struct, frozen=True, kw_only=True):
@@ -87,6 +88,7 @@ class ServeFlags(msgspec.Struct, frozen=True, kw_only=True):
 # commands add theirs (cli/role_commands.py).
 SHARED_STRUCTS = (
     ModelConfig,
+    LoraConfig,
     GatewayConfig,
     SchedulerConfig,
     CacheConfig,
@@ -216,6 +218,24 @@ def apply_security_args(parser: argparse.ArgumentParser, args: argparse.Namespac
         parser.error("--admin-token must differ from every API key")
 
 
+def check_lora_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--lora-modules entries are NAME=DIRECTORY, with --enable-lora, and no larger limits
+    than they can hold; each directory exists (the workers check the rest at start)."""
+    from switchboard.config.lora import parse_lora_modules
+
+    try:
+        modules = parse_lora_modules(args.lora_modules or [])
+    except ValueError as error:
+        parser.error(str(error))
+    if modules and not args.enable_lora:
+        parser.error("--lora-modules needs --enable-lora")
+    for name, path in modules.items():
+        if not os.path.isdir(path):
+            parser.error(f"--lora-modules {name}={path}: no such directory")
+    if args.max_cpu_loras is not None and args.max_cpu_loras < args.max_loras:
+        parser.error("--max-cpu-loras must be at least --max-loras")
+
+
 def prepare(
     parser: argparse.ArgumentParser, args: argparse.Namespace
 ) -> tuple[GatewayRoleConfig, EngineConfig]:
@@ -224,6 +244,7 @@ def prepare(
     check_speculative_config(parser, args)
     model_dir = resolve_model_arg(parser, args)
     check_chat_template(parser, args, model_dir)
+    check_lora_args(parser, args)
     apply_security_args(parser, args)
     gateway, engine = build_configs(args, model_dir)
     check_kv_events(parser, engine)

@@ -103,6 +103,8 @@ def _add_argument(section: argparse._ActionsContainer, field: FieldFlag) -> None
         kwargs["action"] = "store_true"
     elif field.kind is bool:
         kwargs["action"] = argparse.BooleanOptionalAction  # on by default: --no-... turns it off
+    elif field.kind is list and flag.many:
+        kwargs["action"], kwargs["nargs"] = "extend", "+"
     elif field.kind is list:
         kwargs["action"] = "append"
     elif isinstance(field.kind, type) and issubclass(field.kind, msgspec.Struct):

@@ -94,6 +94,7 @@ class Flag:
     accepts: Accepts | None = None
     path: bool = False  # a file or directory: the config holds it absolute
     switch: bool = False  # a flag without a value for a field that is not a bool
+    many: bool = False  # list[str]: one flag takes several values (``--f a b``), and repeats
     to_config: Callable[[Any], Any] | None = None  # the parsed value -> the field's
 
     def option(self, field_name: str) -> str:

@@ -4,6 +4,7 @@ import os
 from typing import Annotated
 
 from switchboard.common.flags import AT_LEAST_1, Flag, Group
+from switchboard.config.lora import LoraConfig
 from switchboard.config.struct import Config
 
 
@@ -74,6 +75,7 @@ class ModelConfig(Config, frozen=True):
             path=True,
         ),
     ] = ""
+    lora: LoraConfig = LoraConfig()
 
     @property
     def name(self) -> str:

@@ -45,6 +45,7 @@ from switchboard.engine.io_threads import (
 )
 from switchboard.engine.kv_event_publisher import KvEventPublisher
 from switchboard.engine.kv_sizing import check_num_blocks, fit_max_model_len
+from switchboard.engine.lora_registry import EngineLoras
 from switchboard.engine.peers import EnginePeers, engine_curve_keys
 from switchboard.engine.request import Request
 from switchboard.engine.scheduler import Scheduler
@@ -106,6 +107,7 @@ class EngineCore:
         self._compiling: dict[str, Request] = {}
         # The step scheduled ahead (async scheduling): on the workers' ring, output not applied.
         self._ahead: _SentStep | None = None
+        self.loras = EngineLoras(config.model.lora)
 
     def start(self) -> None:
         """Start the workers, load the model, size the KV cache, then open the wire to the
@@ -119,6 +121,7 @@ class EngineCore:
         )
         logger.info("Workers ready: pids %s", [w.pid for w in self.executor.workers])
         summary = self.executor.load_model()
+        self.loras.start(self.executor)  # --lora-modules: a bad one stops the engine here
         self.embed_only = read_model_tasks(config.model.model).encoder_only  # an encoder
         if config.cache.num_gpu_blocks_override:
             num_blocks, source = config.cache.num_gpu_blocks_override, "--num-gpu-blocks-override"
@@ -141,7 +144,11 @@ class EngineCore:
         )
         scheduler_config = with_step_budget(config.scheduler, summary.device_type)
         self.scheduler = Scheduler(
-            scheduler_config, config.cache, self.num_gpu_blocks, self.max_model_len
+            scheduler_config,
+            config.cache,
+            self.num_gpu_blocks,
+            self.max_model_len,
+            max_loras=config.model.lora.max_loras if config.model.lora.enable_lora else 0,
         )
         self.structured_output = StructuredOutputManager(config.model.model, summary.vocab_size)
         self._start_kv_events()
@@ -402,6 +409,10 @@ class EngineCore:
             self._abort(ids)
 
     def _add_request(self, request: Request) -> None:
+        lora_refusal = self.loras.refusal(request)  # here, in order with remove_lora
+        if lora_refusal is not None:
+            self._reject(request.request_id, request.client_index, LookupError(lora_refusal))
+            return
         grammar = request.grammar
         if grammar is not None:
             if request.request_id in self._compiling:

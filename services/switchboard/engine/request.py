@@ -29,6 +29,7 @@ from switchboard.wire.engine_msgs import (
     PoolingParams,
     SamplingParams,
 )
+from switchboard.wire.lora import lora_name_of
 
 
 class RequestStatus(enum.IntEnum):
@@ -64,6 +65,7 @@ class Request:
         "pooling_params",
         "grammar",
         "speculation",
+        "lora_name",
     )
 
     def __init__(
@@ -79,6 +81,7 @@ class Request:
         cache_salt: str | None = None,
         hash_blocks: bool = True,
         pooling_params: PoolingParams | None = None,
+        lora_name: str = "",
     ) -> None:
         self.request_id = request_id
         self.client_index = client_index
@@ -112,6 +115,7 @@ class Request:
         self.grammar: Any = None
         # engine/speculation's per-request state, made at its first decode step when enabled.
         self.speculation: Any = None
+        self.lora_name = lora_name  # the LoRA adapter it runs with ("" = the base model)
         self.update_block_hashes()
 
     @classmethod
@@ -140,6 +144,7 @@ class Request:
             cache_salt=req.cache_salt,
             hash_blocks=hash_blocks,
             pooling_params=req.pooling_params,
+            lora_name=lora_name_of(req.lora_request),
         )
         if req.output_token_ids:  # a resumed stream: continue as after a preemption
             request.output_token_ids = list(req.output_token_ids)
@@ -174,7 +179,11 @@ class Request:
             (len(self.block_hashes) + 1) * self.block_size
         ):
             extend_block_hashes(
-                self.block_hashes, self.all_token_ids, self.block_size, self.cache_salt
+                self.block_hashes,
+                self.all_token_ids,
+                self.block_size,
+                self.cache_salt,
+                self.lora_name,
             )
 
     def record_event(self, event_type: EventType, timestamp_ns: int) -> None:

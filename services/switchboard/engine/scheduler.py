@@ -15,6 +15,8 @@ is in: a lone long prompt takes big steps, a crowd small ones) and a cap on runn
    lookup, while budget, sequence slots and blocks last; skipped for the step if step 1
    preempted (memory is short). Under the priority policy a waiting request may also preempt
    running requests of strictly lower priority, so urgent work does not wait for it to finish.
+   A waiting request whose LoRA adapter is not running while ``max_loras`` others are is
+   passed over (it stays in its place) for this step.
    A waiting request whose next prompt block another request computes in this step (the same
    prefix: sibling sequences of ``n`` > 1 arrive together) waits one step, with the queue
    behind it, and then takes that block from the prefix cache instead of computing it again.
@@ -45,6 +47,7 @@ from switchboard.config import CacheConfig, SchedulerConfig
 from switchboard.engine import clock
 from switchboard.engine.block_pool import KVCacheBlock
 from switchboard.engine.kv_cache import KVCacheManager
+from switchboard.engine.lora_registry import adapter_may_join, adapters_of
 from switchboard.engine.request import Request, RequestStatus
 from switchboard.engine.request_queue import make_request_queue
 from switchboard.engine.scheduler_stats import SchedulerCounters
@@ -72,7 +75,9 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         max_model_len: int,
+        max_loras: int = 0,
     ) -> None:
+        """``max_loras``: distinct LoRA adapters running at once (0: LoRA off)."""
         if scheduler_config.max_num_seqs <= 0 or scheduler_config.max_num_batched_tokens <= 0:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         block_size = cache_config.block_size
@@ -99,6 +104,7 @@ class Scheduler:
         # Speculative decoding (engine/speculation/), None when off; the step's proposals.
         self.speculator = make_speculator(scheduler_config.speculative_config)
         self._proposals: dict[str, list[int]] = {}
+        self.max_loras = max_loras
         logger.info(
             "scheduler: policy=%s max_num_seqs=%d max_num_batched_tokens=%d "
             "shared_step_tokens=%d long_prefill_token_threshold=%d blocks=%d x %d tokens "
@@ -290,6 +296,7 @@ class Scheduler:
     def _schedule_waiting(self, plan: StepPlan) -> None:
         cap = self._chunk_cap()
         max_num_seqs = self.config.max_num_seqs
+        skipped: list[Request] = []
         while self.waiting and plan.budget > 0:
             request = self.waiting.peek()
             if request in plan.preempted:  # not back in the step that preempted it
@@ -298,6 +305,9 @@ class Scheduler:
                 if self._preempt_for(request, plan):
                     continue
                 break
+            if request.lora_name and not adapter_may_join(request, self.running, self.max_loras):
+                skipped.append(self.waiting.pop())  # its adapter waits for a free slot
+                continue
             hits, num_hit_tokens = self._prefix_cache_hits(request)
             if self._waits_for_shared_prefill(request, len(hits), plan):
                 break  # FCFS: the queue behind it waits that one step too
@@ -311,6 +321,8 @@ class Scheduler:
                 break
             self.waiting.pop()
             self._admit(plan, request, num_hit_tokens, num_tokens)
+        for request in reversed(skipped):  # back in their places
+            self.waiting.add_preempted(request)
 
     def _prefix_cache_hits(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The prefix-cache lookup, skipped for a request that still owes prompt logprobs:
@@ -487,6 +499,9 @@ class Scheduler:
         stats = self.counters.make_stats(len(self.running), len(self.waiting), self.kv)
         if self.speculator is not None:
             self.speculator.fill_stats(stats)
+        if self.max_loras:
+            stats.running_lora_adapters = adapters_of(self.running)
+            stats.waiting_lora_adapters = adapters_of(self.waiting)
         return stats
 
     def reset_prefix_cache(self) -> bool:

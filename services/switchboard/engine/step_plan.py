@@ -96,6 +96,7 @@ class StepPlan:
                     request.num_computed_tokens,
                     len(request.output_token_ids),
                     request.pooling_params,
+                    request.lora_name,
                 )
             )
             request.num_block_ids_sent = len(block_ids)

@@ -37,6 +37,7 @@ class UtilityTarget(Protocol):
     sleeping: bool
     sleep_level: int
     kv_events: Any
+    loras: Any  # engine/lora_registry.py's EngineLoras
 
 
 def get_cached_block_hashes(core: UtilityTarget) -> dict[str, Any]:
@@ -93,6 +94,21 @@ def wake_up(core: UtilityTarget) -> None:
     logger.info("Engine awake: KV cache re-created with %d blocks", core.num_gpu_blocks)
 
 
+def add_lora(core: UtilityTarget, name: str, path: str) -> dict[str, Any]:
+    """Every worker reads and checks the adapter; running requests go on meanwhile (between
+    two steps). The adapter's description, or a failure naming the problem."""
+    return dict(core.loras.add(name, path))
+
+
+def remove_lora(core: UtilityTarget, name: str) -> None:
+    """Refused while requests use the adapter (``engine/lora_registry.py`` says why)."""
+    core.loras.remove(name, core.scheduler.requests.values())
+
+
+def list_loras(core: UtilityTarget) -> dict[str, str]:
+    return dict(core.loras.names())
+
+
 UTILITIES: dict[str, Callable[..., Any]] = {
     "reset_prefix_cache": reset_prefix_cache,
     "get_stats": get_stats,
@@ -100,6 +116,9 @@ UTILITIES: dict[str, Callable[..., Any]] = {
     "sleep": sleep,
     "wake_up": wake_up,
     "get_cached_block_hashes": get_cached_block_hashes,
+    "add_lora": add_lora,
+    "remove_lora": remove_lora,
+    "list_loras": list_loras,
 }
 
 

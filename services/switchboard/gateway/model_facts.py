@@ -24,6 +24,7 @@ from typing import Any
 
 from switchboard.common.model_tasks import ModelTasks, read_model_tasks
 from switchboard.config import ModelConfig
+from switchboard.gateway.lora_names import LoraNames
 from switchboard.wire.engine_msgs import EngineReady
 
 logger = logging.getLogger(__name__)
@@ -97,6 +98,8 @@ class ModelFacts:
     tasks: ModelTasks = ModelTasks()  # generate and/or embed, and the pooling defaults
     # the weights kept quantized for decode, as an engine reports it ("" until one does)
     quantization: str = ""
+    # the LoRA adapters served beside it (one object, shared by every copy of these facts)
+    loras: LoraNames = dataclasses.field(default_factory=LoraNames)
 
     @classmethod
     def from_checkpoint(cls, model: ModelConfig, tokenizer_vocab_size: int = 0) -> ModelFacts:
@@ -125,6 +128,7 @@ class ModelFacts:
             generation_config=generation_config,
             sampling_defaults=defaults,
             tasks=read_model_tasks(model.model),
+            loras=LoraNames(model.lora),
         )
 
     def with_engine(self, ready: EngineReady) -> ModelFacts:

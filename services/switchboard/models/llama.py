@@ -212,6 +212,9 @@ class LlamaForCausalLM(nn.Module):
         # embedding lives on another pipeline stage.
         self.lm_head = stage_lm_head(config, parallel)
         self._decode_stack = decode_stack.DecodeStack()
+        # set per step by models/lora: LoRA deltas are added by the projections' hooks, which
+        # the one-call decode stack does not run
+        self.lora_rows_active = False
 
     @classmethod
     def attention_layout(cls, config: TransformerConfig, layer_index: int) -> AttentionLayout:
@@ -255,7 +258,7 @@ class LlamaForCausalLM(nn.Module):
         token a row that sees the keys up to its own position. False where the stack does not
         apply (the caller loops over the layers)."""
         decode = metadata.decode
-        if not isinstance(metadata.backend, CpuKernelBackend):
+        if self.lora_rows_active or not isinstance(metadata.backend, CpuKernelBackend):
             return False
         if metadata.prefills:
             rows = stack_rows(metadata, hidden.shape[0])

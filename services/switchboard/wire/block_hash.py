@@ -7,11 +7,13 @@ exactly when their tokens up to the end of that block are equal (and their salts
     hash(block i) = SHA-256( hash(block i-1) | tokens[iB:(i+1)B] as uint32 LE )
 
 ``B`` is the block size; only full blocks get a hash. The extra keys of block 0 are
-``0x01 | uint32 LE length | utf-8 cache_salt`` when the request has a salt and nothing
-otherwise: the parent hash and the tokens have fixed lengths, so the encoding is unambiguous,
-and the salt flows into every later block through the chain. Nothing is pickled, so any
-language can compute the same hashes (e.g. a router that routes by prefix affinity), and a
-cryptographic hash means a client cannot craft collisions to read another tenant's KV.
+``0x01 | uint32 LE length | utf-8 cache_salt`` when the request has a salt, then
+``0x02 | uint32 LE length | utf-8 adapter name`` when it runs with a LoRA adapter (its KV
+differs from the base model's and every other adapter's), nothing otherwise: the parent hash
+and the tokens have fixed lengths, so the encoding is unambiguous, and the salt (and adapter)
+flow into every later block through the chain. Nothing is pickled, so any language can compute
+the same hashes (e.g. a router that routes by prefix affinity), and a cryptographic hash
+means a client cannot craft collisions to read another tenant's KV.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ BlockHash = bytes  # a 32-byte SHA-256 digest
 ROOT_HASH: BlockHash = hashlib.sha256(b"switchboard/prefix-cache/v1").digest()
 
 _SALT_TAG = b"\x01"
+_LORA_TAG = b"\x02"
 _TOKEN_BYTES = 4
 
 if array("I").itemsize != _TOKEN_BYTES:  # pragma: no cover - every mainstream ABI has 4
@@ -44,12 +47,16 @@ def token_bytes(token_ids: list[int]) -> bytes:
     return packed.tobytes()
 
 
-def first_block_extra_keys(cache_salt: str | None) -> bytes:
+def first_block_extra_keys(cache_salt: str | None, lora_name: str = "") -> bytes:
     """The extra keys mixed into block 0 only."""
-    if not cache_salt:
-        return b""
-    salt = cache_salt.encode()
-    return _SALT_TAG + struct.pack("<I", len(salt)) + salt
+    keys = b""
+    if cache_salt:
+        salt = cache_salt.encode()
+        keys += _SALT_TAG + struct.pack("<I", len(salt)) + salt
+    if lora_name:
+        name = lora_name.encode()
+        keys += _LORA_TAG + struct.pack("<I", len(name)) + name
+    return keys
 
 
 def hash_block(parent: BlockHash, block_token_bytes: bytes, extra_keys: bytes = b"") -> BlockHash:
@@ -61,6 +68,7 @@ def extend_block_hashes(
     token_ids: list[int],
     block_size: int,
     cache_salt: str | None,
+    lora_name: str = "",
 ) -> None:
     """Append the hashes of the full blocks of ``token_ids`` not yet in ``block_hashes``."""
     start = len(block_hashes)
@@ -71,6 +79,6 @@ def extend_block_hashes(
     parent = block_hashes[-1] if block_hashes else ROOT_HASH
     stride = block_size * _TOKEN_BYTES
     for i in range(end - start):
-        extra = first_block_extra_keys(cache_salt) if start + i == 0 else b""
+        extra = first_block_extra_keys(cache_salt, lora_name) if start + i == 0 else b""
         parent = hash_block(parent, data[i * stride : (i + 1) * stride], extra)
         block_hashes.append(parent)

@@ -213,6 +213,9 @@ class SchedulerStats(_Wire):
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_accepted_per_position: list[int] = []
+    # Appended for LoRA: the adapters of the running and of the waiting requests, sorted.
+    running_lora_adapters: list[str] = []
+    waiting_lora_adapters: list[str] = []
 
 
 class EngineCoreOutputs(_Wire):

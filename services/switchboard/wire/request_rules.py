@@ -22,6 +22,7 @@ from switchboard.wire.field_rules import (
     MAX_REPETITION_PATTERN_SIZE,
     VOCABULARY,
 )
+from switchboard.wire.lora import check_lora_request
 
 
 class RequestRuleError(ValueError):
@@ -53,9 +54,14 @@ def check_engine_request(request: EngineCoreRequest, vocab_size: int, max_model_
         raise RequestRuleError(
             "output_token_ids", f"prompt and output do not fit max_model_len {max_model_len}"
         )
-    for unsupported in ("mm_features", "lora_request", "prompt_embeds"):
+    for unsupported in ("mm_features", "prompt_embeds"):
         if getattr(request, unsupported) is not None:
             raise RequestRuleError(unsupported, "is not supported by this engine")
+    if request.lora_request is not None:
+        try:
+            check_lora_request(request.lora_request)
+        except ValueError as exc:
+            raise RequestRuleError("lora_request", str(exc)) from None
     if request.sampling_params is not None and request.pooling_params is not None:
         raise RequestRuleError("pooling_params", "a request either samples or pools, not both")
     if request.sampling_params is None and request.pooling_params is None:

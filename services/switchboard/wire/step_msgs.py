@@ -40,6 +40,7 @@ class NewRequest(_Wire):
     num_computed_tokens: int  # > 0 when the prefix cache supplied the first blocks
     num_output_tokens: int = 0  # tokens of prompt_token_ids that were generated (resume)
     pooling_params: PoolingParams | None = None  # set: pool the prompt, sample nothing
+    lora_name: str = ""  # appended: the LoRA adapter it runs with ("" = the base model)
 
 
 class CachedRequest(_Wire):

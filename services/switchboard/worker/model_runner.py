@@ -31,6 +31,7 @@ from switchboard.wire.step_msgs import ModelRunnerOutput, ModelSummary, Schedule
 from switchboard.worker import cuda_graphs
 from switchboard.worker.grammar_mask import apply_grammar_bitmask
 from switchboard.worker.logprobs import prompt_token_logprobs
+from switchboard.worker.lora_runner import LoraRequests
 from switchboard.worker.model_loading import load_runner_model, model_summary, require_config
 from switchboard.worker.pooler import PoolingRequests
 from switchboard.worker.sampler import SamplerOutput, sample
@@ -80,6 +81,7 @@ class ModelRunner:
         self.pooling = PoolingRequests()  # embedding requests: pooled, never sampled
         self.attention_backend: AttentionBackend = REFERENCE  # chosen by load_model
         self.decode_graphs: cuda_graphs.DecodeGraphs | None = None  # CUDA only, see there
+        self.lora: LoraRequests | None = None  # --enable-lora (worker/lora_runner.py)
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -88,6 +90,10 @@ class ModelRunner:
             self.model_config, self.device, self.parallel
         )
         self.model = as_causal_lm(model)
+        if self.model_config.lora.enable_lora:
+            self.lora = LoraRequests.for_model(
+                model, self.config, self.model_config.lora, self.parallel, self.lora
+            )
         # on CPU this loads the C decode kernel (the backend when it loads)
         self.attention_backend = select_backend(self.device)
         if self.device.type == "cpu":
@@ -194,12 +200,18 @@ class ModelRunner:
             raise RuntimeError("execute_model before load_model and initialize_kv_cache")
         self.requests.apply(step)
         self.pooling.apply(step)
+        if self.lora is not None:
+            self.lora.apply(step)
         if not any(n > 0 for n in step.num_scheduled_tokens.values()):
             return ModelRunnerOutput(step_id=step.step_id)
         inputs = build_step_inputs(step, self.requests, self.block_size, self.device)
         inputs = self.pooling.without_pooling(inputs)
+        if self.lora is not None:
+            self.lora.prepare(step, inputs, self.device)
         self.attention_backend.prepare(inputs.metadata)
         hidden = self._forward_stage(inputs)
+        if self.lora is not None:
+            self.lora.finish()  # no stale batch for what runs next (a graph capture, say)
         logits, pooled = None, None
         if self.parallel.is_last_stage:  # the others' hidden states are not final ones
             logits = self.model.compute_logits(sampled_rows(hidden, inputs.logits_rows))
@@ -222,7 +234,7 @@ class ModelRunner:
         first), out to the next (unless last)."""
         assert self.model is not None
         if self.parallel.pp_size == 1:
-            if self.decode_graphs is not None:
+            if self.decode_graphs is not None and not (self.lora and self.lora.rows_active):
                 replayed = self.decode_graphs.run(
                     inputs.input_ids, inputs.positions, inputs.metadata
                 )

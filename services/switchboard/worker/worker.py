@@ -15,7 +15,7 @@ import gc
 import logging
 import os
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -26,6 +26,7 @@ from switchboard.wire.codec import RPC_CALL, RPC_REPLY
 from switchboard.wire.step_msgs import ModelRunnerOutput, ModelSummary, SchedulerOutput
 from switchboard.worker.distributed import init_parallel_state
 from switchboard.worker.encoder_runner import EncoderRunner
+from switchboard.worker.lora_runner import add_lora, lora_requests
 from switchboard.worker.model_runner import ModelRunner
 from switchboard.worker.rpc import dispatch
 
@@ -49,6 +50,8 @@ class Worker:
             "wake_up",
             "shutdown",
             "ping",
+            "add_lora",
+            "remove_lora",
         }
     )
 
@@ -156,6 +159,14 @@ class Worker:
 
     def ping(self) -> str:
         return "pong"
+
+    def add_lora(self, name: str, path: str) -> dict[str, Any]:
+        """Read and check a LoRA adapter: ``{"adapter": description}`` or ``{"error": why}``
+        (a refused adapter is an answer, not a failed call: nothing is disturbed)."""
+        return add_lora(self.runner, name, path)
+
+    def remove_lora(self, name: str) -> None:
+        lora_requests(self.runner).manager.remove(name)
 
 
 class RingReader(Protocol):

@@ -26,19 +26,33 @@ from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from google.rpc import status_pb2 as google_dot_rpc_dot_status__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"switchboard/v1/admin_service.proto\x12\x0eswitchboard.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x17google/rpc/status.proto\"\x87\x01\n\x0eUtilityRequest\x12\x0e\n\x06method\x18\x01 \x01(\t\x12(\n\x04\x61rgs\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.ListValue\x12\'\n\x06kwargs\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x12\n\nengine_ids\x18\x04 \x03(\t\"A\n\x0fUtilityResponse\x12.\n\x07results\x18\x01 \x03(\x0b\x32\x1d.switchboard.v1.UtilityResult\"n\n\rUtilityResult\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12&\n\x06result\x18\x02 \x01(\x0b\x32\x16.google.protobuf.Value\x12\"\n\x06status\x18\x03 \x01(\x0b\x32\x12.google.rpc.Status2Z\n\x0c\x41\x64minService\x12J\n\x07Utility\x12\x1e.switchboard.v1.UtilityRequest\x1a\x1f.switchboard.v1.UtilityResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"switchboard/v1/admin_service.proto\x12\x0eswitchboard.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x17google/rpc/status.proto\">\n\x16LoadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x11\n\tlora_path\x18\x02 \x01(\t\"`\n\x0bLoraAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x0f\n\x07scaling\x18\x04 \x01(\x01\x12\x16\n\x0etarget_modules\x18\x05 \x03(\t\"G\n\x17LoadLoraAdapterResponse\x12,\n\x07\x61\x64\x61pter\x18\x01 \x01(\x0b\x32\x1b.switchboard.v1.LoraAdapter\"-\n\x18UnloadLoraAdapterRequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\"\x1b\n\x19UnloadLoraAdapterResponse\"\x19\n\x17ListLoraAdaptersRequest\"I\n\x18ListLoraAdaptersResponse\x12-\n\x08\x61\x64\x61pters\x18\x01 \x03(\x0b\x32\x1b.switchboard.v1.LoraAdapter\"\x87\x01\n\x0eUtilityRequest\x12\x0e\n\x06method\x18\x01 \x01(\t\x12(\n\x04\x61rgs\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.ListValue\x12\'\n\x06kwargs\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x12\n\nengine_ids\x18\x04 \x03(\t\"A\n\x0fUtilityResponse\x12.\n\x07results\x18\x01 \x03(\x0b\x32\x1d.switchboard.v1.UtilityResult\"n\n\rUtilityResult\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12&\n\x06result\x18\x02 \x01(\x0b\x32\x16.google.protobuf.Value\x12\"\n\x06status\x18\x03 \x01(\x0b\x32\x12.google.rpc.Status2\x8f\x03\n\x0c\x41\x64minService\x12J\n\x07Utility\x12\x1e.switchboard.v1.UtilityRequest\x1a\x1f.switchboard.v1.UtilityResponse\x12\x62\n\x0fLoadLoraAdapter\x12&.switchboard.v1.LoadLoraAdapterRequest\x1a\'.switchboard.v1.LoadLoraAdapterResponse\x12h\n\x11UnloadLoraAdapter\x12(.switchboard.v1.UnloadLoraAdapterRequest\x1a).switchboard.v1.UnloadLoraAdapterResponse\x12\x65\n\x10ListLoraAdapters\x12\'.switchboard.v1.ListLoraAdaptersRequest\x1a(.switchboard.v1.ListLoraAdaptersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'switchboard.v1.admin_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_UTILITYREQUEST']._serialized_start=110
-  _globals['_UTILITYREQUEST']._serialized_end=245
-  _globals['_UTILITYRESPONSE']._serialized_start=247
-  _globals['_UTILITYRESPONSE']._serialized_end=312
-  _globals['_UTILITYRESULT']._serialized_start=314
-  _globals['_UTILITYRESULT']._serialized_end=424
-  _globals['_ADMINSERVICE']._serialized_start=426
-  _globals['_ADMINSERVICE']._serialized_end=516
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_start=109
+  _globals['_LOADLORAADAPTERREQUEST']._serialized_end=171
+  _globals['_LORAADAPTER']._serialized_start=173
+  _globals['_LORAADAPTER']._serialized_end=269
+  _globals['_LOADLORAADAPTERRESPONSE']._serialized_start=271
+  _globals['_LOADLORAADAPTERRESPONSE']._serialized_end=342
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_start=344
+  _globals['_UNLOADLORAADAPTERREQUEST']._serialized_end=389
+  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_start=391
+  _globals['_UNLOADLORAADAPTERRESPONSE']._serialized_end=418
+  _globals['_LISTLORAADAPTERSREQUEST']._serialized_start=420
+  _globals['_LISTLORAADAPTERSREQUEST']._serialized_end=445
+  _globals['_LISTLORAADAPTERSRESPONSE']._serialized_start=447
+  _globals['_LISTLORAADAPTERSRESPONSE']._serialized_end=520
+  _globals['_UTILITYREQUEST']._serialized_start=523
+  _globals['_UTILITYREQUEST']._serialized_end=658
+  _globals['_UTILITYRESPONSE']._serialized_start=660
+  _globals['_UTILITYRESPONSE']._serialized_end=725
+  _globals['_UTILITYRESULT']._serialized_start=727
+  _globals['_UTILITYRESULT']._serialized_end=837
+  _globals['_ADMINSERVICE']._serialized_start=840
+  _globals['_ADMINSERVICE']._serialized_end=1239
 # @@protoc_insertion_point(module_scope)

@@ -41,6 +41,21 @@ class AdminServiceStub:
                 request_serializer=switchboard_dot_v1_dot_admin__service__pb2.UtilityRequest.SerializeToString,
                 response_deserializer=switchboard_dot_v1_dot_admin__service__pb2.UtilityResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/switchboard.v1.AdminService/LoadLoraAdapter',
+                request_serializer=switchboard_dot_v1_dot_admin__service__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=switchboard_dot_v1_dot_admin__service__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/switchboard.v1.AdminService/UnloadLoraAdapter',
+                request_serializer=switchboard_dot_v1_dot_admin__service__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=switchboard_dot_v1_dot_admin__service__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListLoraAdapters = channel.unary_unary(
+                '/switchboard.v1.AdminService/ListLoraAdapters',
+                request_serializer=switchboard_dot_v1_dot_admin__service__pb2.ListLoraAdaptersRequest.SerializeToString,
+                response_deserializer=switchboard_dot_v1_dot_admin__service__pb2.ListLoraAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -56,6 +71,30 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """LoRA adapters, loaded on every engine core while serving (the server runs with
+        --enable-lora; else FAILED_PRECONDITION). A refused adapter (rank above --max-lora-rank, a
+        target module the model lacks, a shape mismatch with the base model, an unreadable file):
+        INVALID_ARGUMENT naming the problem, and no engine keeps it. ALREADY_EXISTS for a name
+        already loaded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """NOT_FOUND for a name not loaded; FAILED_PRECONDITION, naming them, while requests use it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoraAdapters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -63,6 +102,21 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.Utility,
                     request_deserializer=switchboard_dot_v1_dot_admin__service__pb2.UtilityRequest.FromString,
                     response_serializer=switchboard_dot_v1_dot_admin__service__pb2.UtilityResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=switchboard_dot_v1_dot_admin__service__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=switchboard_dot_v1_dot_admin__service__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=switchboard_dot_v1_dot_admin__service__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=switchboard_dot_v1_dot_admin__service__pb2.UnloadLoraAdapterResponse.SerializeToString,
+            ),
+            'ListLoraAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoraAdapters,
+                    request_deserializer=switchboard_dot_v1_dot_admin__service__pb2.ListLoraAdaptersRequest.FromString,
+                    response_serializer=switchboard_dot_v1_dot_admin__service__pb2.ListLoraAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -94,6 +148,87 @@ class AdminService:
             '/switchboard.v1.AdminService/Utility',
             switchboard_dot_v1_dot_admin__service__pb2.UtilityRequest.SerializeToString,
             switchboard_dot_v1_dot_admin__service__pb2.UtilityResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/switchboard.v1.AdminService/LoadLoraAdapter',
+            switchboard_dot_v1_dot_admin__service__pb2.LoadLoraAdapterRequest.SerializeToString,
+            switchboard_dot_v1_dot_admin__service__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/switchboard.v1.AdminService/UnloadLoraAdapter',
+            switchboard_dot_v1_dot_admin__service__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            switchboard_dot_v1_dot_admin__service__pb2.UnloadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoraAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/switchboard.v1.AdminService/ListLoraAdapters',
+            switchboard_dot_v1_dot_admin__service__pb2.ListLoraAdaptersRequest.SerializeToString,
+            switchboard_dot_v1_dot_admin__service__pb2.ListLoraAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -40,7 +40,7 @@ FINISH_REASON_ERROR: FinishReason
 FINISH_REASON_REPETITION: FinishReason
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "text", "token_ids", "sampling", "stopping", "structured_output", "output", "priority", "cache_salt", "truncate_prompt_tokens", "labels", "extra_args", "data_parallel_rank", "messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools")
+    __slots__ = ("request_id", "model", "text", "token_ids", "sampling", "stopping", "structured_output", "output", "priority", "cache_salt", "truncate_prompt_tokens", "labels", "extra_args", "data_parallel_rank", "messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools", "lora_adapter")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class GenerateRequest(_message.Message):
     CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_KWARGS_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     text: str
@@ -86,7 +87,8 @@ class GenerateRequest(_message.Message):
     continue_final_message: bool
     chat_template_kwargs: _struct_pb2.Struct
     tools: _containers.RepeatedCompositeFieldContainer[Tool]
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., truncate_prompt_tokens: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., extra_args: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., data_parallel_rank: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ...) -> None: ...
+    lora_adapter: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ..., output: _Optional[_Union[OutputOptions, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., truncate_prompt_tokens: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., extra_args: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., data_parallel_rank: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., continue_final_message: _Optional[bool] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[Tool, _Mapping]]] = ..., lora_adapter: _Optional[str] = ...) -> None: ...
 
 class Tool(_message.Message):
     __slots__ = ("type", "function")

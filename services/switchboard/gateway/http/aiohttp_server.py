@@ -24,6 +24,7 @@ from switchboard.common.tls import server_ssl_context, tls_enabled
 from switchboard.config import GatewayRoleConfig
 from switchboard.gateway.api_errors import ApiError
 from switchboard.gateway.auth import Credentials, log_refusal
+from switchboard.gateway.http import lora_routes
 from switchboard.gateway.http.openai_errors import error_response, json_response
 from switchboard.gateway.http.routes import OpenAIRoutes, internal_error
 from switchboard.gateway.http.vllm_routes import METRICS_PATH, VllmRoutes
@@ -70,7 +71,8 @@ async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamRe
 
 
 # Probes carry no key; /metrics asks for the metrics token instead (vllm_routes.py).
-_OPEN_PATHS = frozenset({"/health", "/ready", METRICS_PATH})
+# The LoRA routes ask for the admin token themselves (http/lora_routes.py).
+_OPEN_PATHS = frozenset({"/health", "/ready", METRICS_PATH, *lora_routes.PATHS})
 
 
 def _api_keys(credentials: Credentials) -> Middleware:
@@ -112,6 +114,7 @@ class HttpServer:
         app.router.add_post("/v1/completions", routes.completions)
         app.router.add_post("/v1/chat/completions", routes.chat_completions)
         VllmRoutes(state, credentials).add_to(app.router)
+        lora_routes.LoraRoutes(state, credentials).add_to(app.router)
         self._runner: web.AppRunner | None = None
         self._app = app
         self.port: int | None = None

@@ -78,8 +78,13 @@ class OpenAIRoutes:
             # what the engine runs, as GetModelInfo says it (not in OpenAI's model object)
             "dtype": facts.dtype,
             "quantization": facts.quantization,
+            "parent": None,
         }
-        return json_response({"object": "list", "data": [model]})
+        adapters = [  # vLLM's entries of LoRA adapters: root = the directory, parent = base
+            {**model, "id": name, "root": path, "parent": facts.name}
+            for name, path in sorted(facts.loras.adapters.items())
+        ]
+        return json_response({"object": "list", "data": [model, *adapters]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         arrival_time = time.time()
@@ -111,7 +116,10 @@ class OpenAIRoutes:
         self, generate: pb.GenerateRequest, options: OpenAIOptions, request_id: str, arrival: float
     ) -> tuple[Any, ...]:
         n = generate.sampling.n if generate.sampling.HasField("n") else 1
-        return request_id, self._state.facts.name, int(arrival), n, options.logprobs
+        facts = self._state.facts
+        # vLLM's responses name the adapter a request ran with; any other model, the served one
+        model = generate.model if generate.model in facts.loras.adapters else facts.name
+        return request_id, model, int(arrival), n, options.logprobs
 
     async def _run(
         self,

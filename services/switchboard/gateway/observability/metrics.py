@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import ssl
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import NamedTuple
 
@@ -40,6 +41,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from switchboard.gateway.engines.types import EngineHandle
+from switchboard.gateway.observability.lora_metrics import LoraRequestsInfo
 from switchboard.gateway.observability.metrics_server import CheckScrape, MetricsServer
 from switchboard.gateway.observability.spec_decode_metrics import SpecDecodeMetrics
 from switchboard.gateway.observability.vllm_names import VllmNamedFamilies
@@ -250,21 +252,28 @@ class RequestMetrics:
 class EngineStatsCollector(Collector):
     """Engine-level series from each live engine's latest ``SchedulerStats``, at scrape time."""
 
-    def __init__(self, model_name: str, engines: Callable[[], list[EngineHandle]]) -> None:
+    def __init__(
+        self, model_name: str, engines: Callable[[], list[EngineHandle]], max_lora: int = 0
+    ) -> None:
         self._model_name = model_name
         self._engines = engines
+        self._max_lora = max_lora  # LoRA adapters an engine runs at once (0: LoRA off)
 
     def describe(self) -> Iterable[Metric]:
+        lora = LoraRequestsInfo(PREFIX + "lora_requests_info", self._max_lora, LABELS)
         return [
             *self._families(),
+            lora.done(),
             *VllmNamedFamilies(list(LABELS)).families(),
             *SpecDecodeMetrics(list(LABELS)).families(),
         ]
 
     def collect(self) -> Iterable[Metric]:
         families = self._families()
-        vllm_named = VllmNamedFamilies(list(LABELS))
+        vllm_named = VllmNamedFamilies(list(LABELS), self._max_lora)
         spec_decode = SpecDecodeMetrics(list(LABELS))
+        lora = LoraRequestsInfo(PREFIX + "lora_requests_info", self._max_lora, LABELS)
+        now = time.time()
         for engine in self._engines():
             stats = engine.scheduler_stats
             if not engine.alive or stats is None or not engine.exports_engine_stats:
@@ -279,12 +288,13 @@ class EngineStatsCollector(Collector):
             families.hits.add_metric(labels, stats.prefix_cache_hits)
             families.preemptions.add_metric(labels, stats.num_preemptions)
             families.stalled.add_metric(labels, 1.0 if stats.stalled_worker_rank >= 0 else 0.0)
+            lora.add(stats, labels, now)
             counts = stats.iteration_tokens_counts
             if len(counts) == len(ITERATION_TOKENS_BUCKETS) + 1:
                 families.iteration.add_metric(
                     labels, list(_cumulative_buckets(counts)), stats.iteration_tokens_sum
                 )
-        return [*families, *vllm_named.families(), *spec_decode.families()]
+        return [*families, lora.done(), *vllm_named.families(now), *spec_decode.families()]
 
     def _families(self) -> _EngineFamilies:
         p, labels = PREFIX, list(LABELS)
@@ -349,13 +359,14 @@ class GatewayMetrics:
         model_name: str,
         max_model_len: int,
         engines: Callable[[], list[EngineHandle]],
+        max_lora: int = 0,
     ) -> None:
         disable_created_metrics()  # no *_created series (as vLLM): they double the output
         self.registry = CollectorRegistry()
         for collector in (ProcessCollector, PlatformCollector, GCCollector):
             collector(registry=self.registry)
         self.requests = RequestMetrics(self.registry, model_name, max_model_len)
-        self.registry.register(EngineStatsCollector(model_name, engines))
+        self.registry.register(EngineStatsCollector(model_name, engines, max_lora))
         self._server: MetricsServer | None = None
         self.port = 0
 

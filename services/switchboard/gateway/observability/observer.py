@@ -107,6 +107,7 @@ class Observability:
                 self.model_name,
                 config.model.max_model_len or 1 << 20,
                 lambda: list(engines.engines.values()),
+                config.model.lora.max_loras if config.model.lora.enable_lora else 0,
             )
         self._stats_task: asyncio.Task | None = None
 
@@ -447,4 +448,7 @@ def _request_attributes(plan: GeneratePlan, request: EngineCoreRequest) -> dict[
         attributes["gen_ai.request.stop_sequences"] = list(stop)
     if request.priority:
         attributes["switchboard.request.priority"] = request.priority
+    lora_name = getattr(plan, "lora_name", "")
+    if lora_name:  # the adapter it runs with (gen_ai.request.model stays the name asked for)
+        attributes["switchboard.request.lora_adapter"] = lora_name
     return attributes

@@ -6,6 +6,9 @@ happened since the last line (tokens flowed, or an engine had requests), for exa
     Gateway_0: prompt 412.0 tokens/s, generation 96.5 tokens/s, 3 requests in flight |
     engine 0: running 3, waiting 1, KV cache 41.2%, prefix cache hit rate 62.0%, preemptions 0
 
+With LoRA adapters in use, an engine's part ends with them: ``, LoRA running sql,chat waiting
+summary``.
+
 Throughput is this gateway's (each gateway logs its own); engine state is each live engine's
 latest ``SchedulerStats``; the hit rate is over the interval.
 """
@@ -89,6 +92,13 @@ class StatsLogger:
                 f"engine {rank}: running {stats.num_running_reqs}, waiting "
                 f"{stats.num_waiting_reqs}, KV cache {100.0 * stats.kv_cache_usage:.1f}%, "
                 f"prefix cache hit rate {hit_rate:.1f}%, preemptions {stats.num_preemptions}"
+                + _lora_part(stats.running_lora_adapters, stats.waiting_lora_adapters)
             )
         was_busy, self._was_busy = self._was_busy, busy
         return " | ".join(parts) if busy or was_busy else None
+
+
+def _lora_part(running: list[str], waiting: list[str]) -> str:
+    if not running and not waiting:
+        return ""
+    return f", LoRA running {','.join(running) or '-'} waiting {','.join(waiting) or '-'}"

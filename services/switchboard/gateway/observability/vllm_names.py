@@ -12,16 +12,16 @@ collect (so one scrape has equal values), labelled as vLLM labels them: ``model_
 ``engine`` (the data-parallel rank). The two ``_info`` series are vLLM's info-style gauges:
 ``cache_config_info`` is 1 with the engine's KV-cache settings as labels;
 ``lora_requests_info`` carries the adapters as labels and the time of the scrape as its value
-(routers take the newest), with no adapters while switchboard has no LoRA.
+(routers take the newest; ``lora_metrics.py``).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from switchboard.gateway.observability.lora_metrics import LoraRequestsInfo
 from switchboard.wire.engine_msgs import EngineReady, SchedulerStats
 
 PREFIX = "vllm:"
@@ -32,15 +32,13 @@ CACHE_CONFIG_LABELS = (
     "num_gpu_blocks",
     "engine",
 )
-LORA_LABELS = ("max_lora", "running_lora_adapters", "waiting_lora_adapters")
-MAX_LORA = 0  # no LoRA adapters are served
 
 
 class VllmNamedFamilies:
     """One scrape's ``vllm:`` families, filled engine by engine beside the ``switchboard:``
     ones (``metrics.EngineStatsCollector``)."""
 
-    def __init__(self, labels: list[str]) -> None:
+    def __init__(self, labels: list[str], max_lora: int = 0) -> None:
         p = PREFIX
         self.running = GaugeMetricFamily(
             p + "num_requests_running",
@@ -58,9 +56,7 @@ class VllmNamedFamilies:
             "Information of the LLMEngine CacheConfig",
             labels=list(CACHE_CONFIG_LABELS),
         )
-        self.lora = GaugeMetricFamily(
-            p + "lora_requests_info", "Running stats on lora requests.", labels=list(LORA_LABELS)
-        )
+        self.lora = LoraRequestsInfo(p + "lora_requests_info", max_lora)
 
     def add(self, labels: list[str], ready: EngineReady, stats: SchedulerStats) -> None:
         """One engine's series (``labels``: its model_name and engine values)."""
@@ -68,11 +64,12 @@ class VllmNamedFamilies:
         self.waiting.add_metric(labels, stats.num_waiting_reqs)
         self.kv.add_metric(labels, stats.kv_cache_usage)
         self.cache_config.add_metric(cache_config_labels(ready), 1.0)
+        self.lora.add(stats, labels, 0.0)
 
     def families(self, now: float | None = None) -> Iterator[Metric]:
         """Every family, the LoRA one stamped ``now`` (default: the time of the scrape)."""
-        self.lora.add_metric([str(MAX_LORA), "", ""], time.time() if now is None else now)
-        yield from (self.running, self.waiting, self.kv, self.cache_config, self.lora)
+        lora = self.lora.done(now)
+        yield from (self.running, self.waiting, self.kv, self.cache_config, lora)
 
 
 def cache_config_labels(ready: EngineReady) -> list[str]:

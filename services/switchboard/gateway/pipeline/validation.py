@@ -34,6 +34,7 @@ from switchboard.wire.engine_msgs import (
     StructuredOutputParams,
 )
 from switchboard.wire.field_rules import MAX_REQUEST_ID_CHARS, PROMPT_IN_VOCABULARY
+from switchboard.wire.lora import lora_request
 
 _OUTPUT_KINDS = frozenset(pb.OutputKind.values())
 
@@ -78,6 +79,7 @@ class GeneratePlan:
     repetition_detection: RepetitionDetectionParams | None = None
     data_parallel_rank: int | None = None  # pinned engine core (DP > 1); None: engine_pool picks
     chat: ChatPrompt | None = None  # chat messages, rendered by the chat template at submit
+    lora_name: str = ""  # the LoRA adapter it runs with ("" = the base model)
     # The output constraint; its grammar is checked in the thread pool at submit.
     structured_output: StructuredOutputParams | None = None
 
@@ -142,7 +144,9 @@ def plan_generate(
         raise invalid_argument(
             "request_id", f"request_id must be at most {MAX_REQUEST_ID_CHARS} characters"
         )
-    check_model(request.model, facts)
+    check_model_name(request.model)
+    check_model_name(request.lora_adapter)
+    lora_name = facts.loras.choose(request.model, request.lora_adapter, facts.name)
     chat = plan_chat(request, chat_template, facts.name)
     _check_prompt(request, chat is not None)
     check_fields(request, facts.vocab_size)
@@ -208,6 +212,7 @@ def plan_generate(
         ),
         chat=chat,
         structured_output=structured_output,
+        lora_name=lora_name,
     )
 
 
@@ -290,4 +295,5 @@ def build_engine_request(
         priority=plan.priority,
         trace_context=trace_context,
         data_parallel_rank=plan.data_parallel_rank,
+        lora_request=lora_request(plan.lora_name),
     )

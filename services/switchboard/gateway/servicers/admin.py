@@ -20,12 +20,15 @@ from switchboard.api.v1 import admin_service_pb2 as pb
 from switchboard.api.v1 import admin_service_pb2_grpc as pb_grpc
 from switchboard.gateway.api_errors import ApiError, invalid_argument, maps_api_errors, unavailable
 from switchboard.gateway.engines.types import EngineHandle
+from switchboard.gateway.lora_admin import LoraAdmin
 from switchboard.gateway.state import GatewayState
 
 logger = logging.getLogger(__name__)
 
+# add_lora / remove_lora go through LoadLoraAdapter / UnloadLoraAdapter, which keep the
+# gateway's adapter names in step with the engines.
 UTILITY_ALLOW_LIST = frozenset(
-    {"reset_prefix_cache", "sleep", "wake_up", "is_sleeping", "get_stats"}
+    {"reset_prefix_cache", "sleep", "wake_up", "is_sleeping", "get_stats", "list_loras"}
 )
 UTILITY_TIMEOUT_S = 60.0
 
@@ -36,9 +39,43 @@ def _to_value(result: Any) -> struct_pb2.Value:
     return value
 
 
+def lora_adapter_message(described: dict[str, Any]) -> pb.LoraAdapter:
+    """An engine's description of an adapter (``wire/lora.py``) as the API's message."""
+    return pb.LoraAdapter(
+        name=str(described.get("name", "")),
+        path=str(described.get("path", "")),
+        rank=int(described.get("rank", 0)),
+        scaling=float(described.get("scaling", 0.0)),
+        target_modules=[str(m) for m in described.get("target_modules", [])],
+    )
+
+
 class AdminServicer(pb_grpc.AdminServiceServicer):
     def __init__(self, state: GatewayState) -> None:
         self._state = state
+        self._loras = LoraAdmin(state)
+
+    @maps_api_errors
+    async def LoadLoraAdapter(
+        self, request: pb.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoadLoraAdapterResponse:
+        described = await self._loras.load(request.lora_name, request.lora_path)
+        return pb.LoadLoraAdapterResponse(adapter=lora_adapter_message(described))
+
+    @maps_api_errors
+    async def UnloadLoraAdapter(
+        self, request: pb.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.UnloadLoraAdapterResponse:
+        await self._loras.unload(request.lora_name)
+        return pb.UnloadLoraAdapterResponse()
+
+    async def ListLoraAdapters(
+        self, request: pb.ListLoraAdaptersRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListLoraAdaptersResponse:
+        adapters = [
+            pb.LoraAdapter(name=n, path=p) for n, p in sorted(self._loras.adapters().items())
+        ]
+        return pb.ListLoraAdaptersResponse(adapters=adapters)
 
     @maps_api_errors
     async def Utility(

@@ -30,7 +30,12 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
     async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
-        return pb.ListModelsResponse(models=[self._card()])
+        facts = self._state.facts
+        adapters = [
+            pb.ModelCard(name=name, parent=facts.name, tasks=[common_pb2.MODEL_TASK_GENERATE])
+            for name in sorted(facts.loras.adapters)
+        ]
+        return pb.ListModelsResponse(models=[self._card(), *adapters])
 
     @maps_api_errors
     async def GetModelInfo(

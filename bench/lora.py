@@ -1,0 +1,160 @@
+"""LoRA decode throughput, in process: c requests spread over 0, 1, 4 and 8 adapters.
+
+    python bench/lora.py [MODEL_DIR] [--concurrency 32] [--rank 16] [--context 64]
+                         [--steps 32] [--threads N]
+
+Builds a :class:`ModelRunner` with ``--enable-lora`` (``--max-loras 8``) on ``MODEL_DIR`` (default:
+a seeded random Llama of 8 layers, hidden 512, written by the tests' checkpoint writer), writes 8
+random adapters of ``--rank`` on every projection in PEFT's format, prefills ``--concurrency``
+requests of ``--context`` random tokens and times greedy decode steps. The requests are spread
+round-robin over 1, 4 or 8 adapters, or all on the base model; a runner without
+``--enable-lora`` is the baseline. Prints decode tokens per second and the ratio to the
+baseline. The engine, the wires and the gateway are the same whatever the adapters, so the
+forward pass is what differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from switchboard.config import ModelConfig
+from switchboard.config.lora import LoraConfig
+from switchboard.models.hf_config import load_transformer_config
+from switchboard.models.lora.adapter import llama_projections
+from switchboard.wire.engine_msgs import SamplingParams
+from switchboard.wire.step_msgs import CachedRequest, NewRequest, SchedulerOutput
+from switchboard.worker.model_runner import ModelRunner
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test helpers' checkpoint
+from tests.tiny_checkpoint import tiny_llama_dir  # noqa: E402
+
+BLOCK_SIZE = 16
+MAX_LORAS = 8
+LLAMA_30M = dict(num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=4)
+LLAMA_30M.update(intermediate_size=1536, vocab_size=16000, max_position_embeddings=1024)
+
+
+def make_model() -> str:
+    """A seeded random Llama of ~30M parameters (the test helpers' checkpoint writer)."""
+    return tiny_llama_dir(**LLAMA_30M)
+
+
+def make_adapter(model_dir: str, root: str, index: int, rank: int) -> str:
+    """A PEFT directory with random A and B on every projection of every layer."""
+    config = load_transformer_config(model_dir)
+    generator = torch.Generator().manual_seed(index)
+    tensors = {}
+    for layer in range(config.num_layers):
+        for module, shape in llama_projections(config).items():
+            part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            prefix = f"base_model.model.model.layers.{layer}.{part}.{module}"
+            a = torch.randn(rank, shape.in_features, generator=generator) * 0.02
+            b = torch.randn(shape.out_features, rank, generator=generator) * 0.02
+            tensors[f"{prefix}.lora_A.weight"] = a
+            tensors[f"{prefix}.lora_B.weight"] = b
+    path = os.path.join(root, f"adapter-{index}")
+    os.makedirs(path)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    settings = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "target_modules": list(llama_projections(config)),
+    }
+    with open(os.path.join(path, "adapter_config.json"), "w") as file:
+        json.dump(settings, file)
+    return path
+
+
+def decode_tokens_per_s(runner: ModelRunner, adapters: list[str], args) -> float:
+    """Prefill ``--concurrency`` requests (adapter i % len(adapters), or the base model), then
+    the median decode step's tokens per second."""
+    rng = random.Random(0)
+    vocab = runner.summary().vocab_size
+    per_request = -(-(args.context + args.steps + 1) // BLOCK_SIZE)
+    new = [
+        NewRequest(
+            request_id=f"r{i}",
+            prompt_token_ids=[rng.randrange(vocab) for _ in range(args.context)],
+            sampling_params=SamplingParams(temperature=0.0, max_tokens=args.steps + 1),
+            block_ids=list(range(i * per_request, (i + 1) * per_request)),
+            num_computed_tokens=0,
+            lora_name=adapters[i % len(adapters)] if adapters else "",
+        )
+        for i in range(args.concurrency)
+    ]
+    scheduled = {r.request_id: args.context for r in new}
+    runner.execute_model(SchedulerOutput(0, new, [], scheduled, sum(scheduled.values())))
+    times = []
+    for k in range(args.steps):
+        step = SchedulerOutput(
+            k + 1,
+            cached_requests=[CachedRequest(r.request_id, [], args.context + k) for r in new],
+            num_scheduled_tokens={r.request_id: 1 for r in new},
+            total_num_scheduled_tokens=len(new),
+        )
+        started = time.perf_counter()
+        runner.execute_model(step)
+        times.append(time.perf_counter() - started)
+    runner.execute_model(
+        SchedulerOutput(args.steps + 1, finished_request_ids=[r.request_id for r in new])
+    )
+    return len(new) / statistics.median(times)
+
+
+def runner_for(model_dir: str, lora: LoraConfig, args) -> ModelRunner:
+    runner = ModelRunner(
+        ModelConfig(model=model_dir, quantization="none", lora=lora), torch.device("cpu")
+    )
+    runner.load_model()
+    per_request = -(-(args.context + args.steps + 1) // BLOCK_SIZE)
+    runner.initialize_kv_cache(args.concurrency * per_request, BLOCK_SIZE)
+    return runner
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model_dir", nargs="?")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=0)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="bench-lora-") as root:
+        model_dir = args.model_dir or make_model()
+        adapters = {f"a{i}": make_adapter(model_dir, root, i, args.rank) for i in range(MAX_LORAS)}
+        baseline = decode_tokens_per_s(runner_for(model_dir, LoraConfig(), args), [], args)
+        lora = LoraConfig(enable_lora=True, max_loras=MAX_LORAS, max_lora_rank=args.rank)
+        runner = runner_for(model_dir, lora, args)
+        assert runner.lora is not None
+        for name, path in adapters.items():
+            runner.lora.manager.add(name, path)
+        rows = [("base model, LoRA off", baseline)]
+        for count in (0, 1, 4, 8):
+            label = f"{count} adapter(s)" if count else "base model, LoRA on"
+            rows.append((label, decode_tokens_per_s(runner, list(adapters)[:count], args)))
+    print(
+        f"decode, c = {args.concurrency}, rank {args.rank}, context {args.context}, "
+        f"{torch.get_num_threads()} threads"
+    )
+    print(f"{'requests on':<24}{'tokens/s':>10}{'x base':>8}")
+    for label, rate in rows:
+        print(f"{label:<24}{rate:>10.1f}{rate / baseline:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""The adapters a model serves: which are known, which have a CPU copy, which are resident.
+
+* known: name -> directory, from ``add`` until ``remove``; only known names can be requested.
+* CPU copies: the checked matrices of at most ``max_cpu_loras`` adapters, least recently used
+  dropped first (a dropped one is read again from its directory when next needed).
+* resident: ``max_loras`` slots in every projection's :class:`LoraStack`. A step asks for its
+  adapters (the scheduler keeps them to at most ``max_loras``); an adapter not resident takes a
+  free slot or the least recently used one this step does not need.
+
+Pipeline stages: every stage checks the whole adapter (the same refusals everywhere) and
+loads only its own layers' matrices.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from switchboard.models.hf_config import TransformerConfig
+from switchboard.models.lora.adapter import (
+    AdapterError,
+    LoraAdapter,
+    llama_projections,
+    read_adapter,
+)
+from switchboard.models.lora.stacks import (
+    ActiveBatch,
+    LoraBatch,
+    LoraStack,
+    attach,
+    column_stack,
+    row_stack,
+)
+from switchboard.models.parallel import ParallelState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoraLimits:
+    max_loras: int  # adapters resident at once (in one step)
+    max_lora_rank: int
+    max_cpu_loras: int  # CPU copies kept
+
+
+class LoraManager:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: TransformerConfig,
+        limits: LoraLimits,
+        parallel: ParallelState,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.limits = limits
+        self.projections = llama_projections(config)
+        self.active = ActiveBatch()
+        self.stacks = _attach_stacks(model, limits, parallel, self.active)
+        self.known: dict[str, str] = {}
+        self.cpu: OrderedDict[str, LoraAdapter] = OrderedDict()
+        self.slots: list[str | None] = [None] * limits.max_loras
+        self.slot_order: list[int] = list(range(limits.max_loras))  # least recently used first
+        resident = sum(stack.nbytes for stacks in self.stacks.values() for stack in stacks)
+        logger.info(
+            "LoRA: %d resident slots of rank <= %d (%.1f MiB), %d CPU copies",
+            limits.max_loras,
+            limits.max_lora_rank,
+            resident / 2**20,
+            limits.max_cpu_loras,
+        )
+
+    # -- the adapters known -----------------------------------------------------------------
+
+    def add(self, name: str, path: str) -> dict[str, object]:
+        """Read and check the adapter (nothing resident changes); raises AdapterError."""
+        if not name:
+            raise AdapterError("a LoRA adapter needs a name")
+        if name in self.known and self.known[name] != path:
+            raise AdapterError(
+                f"LoRA adapter {name!r} is already loaded from {self.known[name]}; unload it first"
+            )
+        adapter = self._read(name, path)
+        self.known[name] = path
+        self._keep_cpu_copy(adapter)
+        self._evict_slot(name)  # a reload of the same name: the resident copy may be stale
+        logger.info(
+            "LoRA adapter %r loaded from %s: rank %d, %s (%.1f MiB)",
+            name,
+            path,
+            adapter.rank,
+            ", ".join(adapter.modules),
+            adapter.nbytes / 2**20,
+        )
+        return describe(adapter)
+
+    def remove(self, name: str) -> None:
+        if name not in self.known:
+            raise AdapterError(f"LoRA adapter {name!r} is not loaded")
+        del self.known[name]
+        self.cpu.pop(name, None)
+        self._evict_slot(name)
+        logger.info("LoRA adapter %r unloaded", name)
+
+    def names(self) -> list[str]:
+        return sorted(self.known)
+
+    # -- a step ------------------------------------------------------------------------------
+
+    def prepare(self, row_adapters: list[tuple[str, int]], device: torch.device) -> None:
+        """Set the step's batch: ``row_adapters`` is each request's adapter ("" = base) and
+        token count, in row order. No adapter row: the hooks do nothing at all."""
+        names = {name for name, _ in row_adapters if name}
+        setattr(self.model, "lora_rows_active", bool(names))  # noqa: B010 - read by the family
+        if not names:
+            self.active.current = None
+            return
+        slot_of = self._make_resident(names)
+        slots = [slot_of[name] if name else -1 for name, _ in row_adapters]
+        counts = [count for _, count in row_adapters]
+        token_slots = torch.repeat_interleave(torch.tensor(slots), torch.tensor(counts))
+        self.active.current = LoraBatch(token_slots, device)
+
+    @property
+    def rows_active(self) -> bool:
+        return self.active.current is not None
+
+    def _make_resident(self, names: set[str]) -> dict[str, int]:
+        if len(names) > self.limits.max_loras:
+            raise RuntimeError(
+                f"a step asks for {len(names)} LoRA adapters; --max-loras is "
+                f"{self.limits.max_loras}"
+            )
+        slot_of = {name: slot for slot, name in enumerate(self.slots) if name in names}
+        for name in sorted(names - slot_of.keys()):
+            if name not in self.known:
+                raise KeyError(f"LoRA adapter {name!r} is not loaded")
+            free = [slot for slot in self.slot_order if self.slots[slot] not in names]
+            slot = next((s for s in free if self.slots[s] is None), free[0])
+            self._load_slot(slot, self._cpu_copy(name))
+            slot_of[name] = slot
+        for slot in slot_of.values():  # most recently used last
+            self.slot_order.remove(slot)
+            self.slot_order.append(slot)
+        return slot_of
+
+    def _load_slot(self, slot: int, adapter: LoraAdapter) -> None:
+        for layer_index, stacks in self.stacks.items():
+            pairs = adapter.layers.get(layer_index, {})
+            for stack in stacks:
+                stack.load(slot, pairs, adapter.scaling)
+        self.slots[slot] = adapter.name
+
+    def _evict_slot(self, name: str) -> None:
+        for slot, resident in enumerate(self.slots):
+            if resident == name:
+                self.slots[slot] = None
+
+    # -- CPU copies --------------------------------------------------------------------------
+
+    def _read(self, name: str, path: str) -> LoraAdapter:
+        return read_adapter(
+            name, path, self.projections, self.config.num_layers, self.limits.max_lora_rank
+        )
+
+    def _cpu_copy(self, name: str) -> LoraAdapter:
+        adapter = self.cpu.get(name)
+        if adapter is None:
+            adapter = self._read(name, self.known[name])
+        self._keep_cpu_copy(adapter)
+        return adapter
+
+    def _keep_cpu_copy(self, adapter: LoraAdapter) -> None:
+        self.cpu[adapter.name] = adapter
+        self.cpu.move_to_end(adapter.name)
+        while len(self.cpu) > self.limits.max_cpu_loras:
+            self.cpu.popitem(last=False)
+
+
+def describe(adapter: LoraAdapter) -> dict[str, object]:
+    return {
+        "name": adapter.name,
+        "path": adapter.path,
+        "rank": adapter.rank,
+        "scaling": adapter.scaling,
+        "target_modules": adapter.modules,
+    }
+
+
+def _attach_stacks(
+    model: nn.Module, limits: LoraLimits, parallel: ParallelState, active: ActiveBatch
+) -> dict[int, list[LoraStack]]:
+    """A stack on each projection of this stage's decoder layers, by layer index."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise AdapterError(f"LoRA adapters are not supported for {type(model).__name__}")
+    slots, rank = limits.max_loras, limits.max_lora_rank
+    stacks: dict[int, list[LoraStack]] = {}
+    for index, layer in enumerate(layers):
+        attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if attention is None or mlp is None:
+            continue  # another pipeline stage's layer
+        projections = [
+            (attention.qkv_proj, column_stack(attention.qkv_proj, slots, rank, parallel)),
+            (attention.o_proj, row_stack(attention.o_proj, "o_proj", slots, rank, parallel)),
+            (mlp.gate_up_proj, column_stack(mlp.gate_up_proj, slots, rank, parallel)),
+            (mlp.down_proj, row_stack(mlp.down_proj, "down_proj", slots, rank, parallel)),
+        ]
+        for projection, stack in projections:
+            attach(projection, stack, active)
+        stacks[index] = [stack for _, stack in projections]
+    return stacks

@@ -1,0 +1,193 @@
+"""The resident adapters of one projection, and the delta they add to a step's rows.
+
+A projection (``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj``) gets a
+:class:`LoraStack`: for each of the ``max_loras`` resident slots, its adapter's ``A`` matrices
+(one per part of a fused projection: q/k/v, gate/up) stacked into one ``[parts * max_rank,
+in]`` matrix and its ``B`` matrices (scaling folded in) into one ``[parts * max_rank, out]``
+matrix, each part's ``B`` in its own output columns. A step groups its rows by slot once
+(:class:`LoraBatch`), and every projection then adds, for each slot in use, the grouped
+shrink/expand of punica / S-LoRA (segment-wise)::
+
+    rows   = the step's rows of that adapter (index_select; all rows: no copy)
+    shrink = x[rows] @ A_slot^T              [rows, parts * rank]
+    out[rows] += shrink @ B_slot             (index_add_, into the base projection's output)
+
+so the work is proportional to each row's own adapter's rank: a batch of the base model and
+several adapters is one forward pass with, per projection, two small matmuls per adapter in
+use. Base rows are in no group and get nothing added.
+
+The delta is added by a forward hook on the projection, after the base path has run however
+it runs (oneDNN, the small-batch or quantized panels). Tensor parallelism: a column-parallel
+projection keeps ``A`` whole and this rank's rows of ``B``; a row-parallel one keeps this
+rank's input columns of ``A``, so ``shrink`` is a partial sum, all-reduced (``rank`` numbers
+per part per row) before the expand; every rank groups the same rows, so the collectives line
+up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from switchboard.models.parallel import ParallelState, Shard
+from switchboard.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
+
+# PEFT's module names for the parts of the fused projections.
+_PART_MODULES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "gate": "gate_proj", "up": "up_proj"}
+
+
+@dataclass(frozen=True)
+class OutputPart:
+    """A part of a projection's output that one PEFT module's ``B`` writes."""
+
+    module: str  # PEFT's name: q_proj, ..., down_proj
+    offset: int  # where it starts in this rank's output
+    rows: Shard  # this rank's rows of that module's full output
+
+
+class LoraBatch:
+    """A step's rows grouped by slot: (slot, its rows' indices or None for every row), once per
+    step for every projection."""
+
+    def __init__(self, token_slots: torch.Tensor, device: torch.device) -> None:
+        """``token_slots``: each row's slot (-1: the base model), on the CPU."""
+        self.num_rows = int(token_slots.shape[0])
+        self.groups: list[tuple[int, torch.Tensor | None]] = []
+        for slot in sorted(set(token_slots.tolist()) - {-1}):
+            rows = (token_slots == slot).nonzero().squeeze(1)
+            whole = rows.shape[0] == self.num_rows
+            self.groups.append((slot, None if whole else rows.to(device)))
+
+
+class ActiveBatch:
+    """The step's :class:`LoraBatch`, read by every stack's hook; None: no adapter row."""
+
+    def __init__(self) -> None:
+        self.current: LoraBatch | None = None
+
+
+class LoraStack:
+    def __init__(
+        self,
+        parts: list[OutputPart],
+        in_features: int,
+        out_features: int,
+        inputs: Shard | None,  # row-parallel: this rank's input columns of A
+        num_slots: int,
+        max_rank: int,
+        parallel: ParallelState,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.parts = parts
+        self.inputs = inputs
+        self.num_slots = num_slots
+        self.max_rank = max_rank
+        self.parallel = parallel
+        rows = len(parts) * max_rank
+        self.a = torch.zeros(num_slots, rows, in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(num_slots, rows, out_features, dtype=dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return (self.a.numel() + self.b.numel()) * self.a.element_size()
+
+    def load(
+        self, slot: int, pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor]], scaling: float
+    ) -> None:
+        """Put an adapter's matrices for this projection (PEFT module -> (A, B), full shapes)
+        into ``slot``; parts it does not adapt get zeros."""
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        for index, part in enumerate(self.parts):
+            pair = pairs.get(part.module)
+            if pair is None:
+                continue
+            a, b = pair
+            first, rank = index * self.max_rank, a.shape[0]
+            if self.inputs is not None:
+                a = a[:, self.inputs.start : self.inputs.stop]
+            b = b[part.rows.start : part.rows.stop] * scaling
+            self.a[slot, first : first + rank].copy_(a)
+            columns = slice(part.offset, part.offset + part.rows.size)
+            self.b[slot, first : first + rank, columns].copy_(b.t())
+
+    def add_delta(self, x: torch.Tensor, output: torch.Tensor, batch: LoraBatch) -> None:
+        """``output`` ``[rows, out]`` += each adapter row's delta, in place."""
+        for slot, rows in batch.groups:
+            selected = x if rows is None else x.index_select(0, rows)
+            shrink = F.linear(selected, self.a[slot])
+            if self.inputs is not None and self.parallel.tp_size > 1:
+                shrink = self.parallel.all_reduce(shrink)
+            delta = shrink @ self.b[slot]
+            if rows is None:
+                output.add_(delta)
+            else:
+                output.index_add_(0, rows, delta)
+
+
+def column_stack(
+    layer: ColumnParallelLinear, num_slots: int, max_rank: int, parallel: ParallelState
+) -> LoraStack:
+    parts = [
+        OutputPart(_PART_MODULES[name], layer.shard_offsets[name], shard)
+        for name, shard in layer.shard_slices.items()
+    ]
+    return LoraStack(
+        parts,
+        layer.in_features,
+        layer.out_features,
+        None,
+        num_slots,
+        max_rank,
+        parallel,
+        _dtype(layer),
+        _device(layer),
+    )
+
+
+def row_stack(
+    layer: RowParallelLinear, module: str, num_slots: int, max_rank: int, parallel: ParallelState
+) -> LoraStack:
+    out = layer.out_features
+    return LoraStack(
+        [OutputPart(module, 0, Shard(0, out, out))],
+        layer.inputs.size,
+        out,
+        layer.inputs,
+        num_slots,
+        max_rank,
+        parallel,
+        _dtype(layer),
+        _device(layer),
+    )
+
+
+def attach(layer: nn.Module, stack: LoraStack, active: ActiveBatch) -> None:
+    """Add ``stack``'s deltas to ``layer``'s output whenever the step has adapter rows."""
+
+    def add_delta(module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor):
+        batch = active.current
+        if batch is None:
+            return None
+        x = args[0]
+        stack.add_delta(x.reshape(-1, x.shape[-1]), output.view(-1, output.shape[-1]), batch)
+        return output
+
+    layer.register_forward_hook(add_delta)
+
+
+def _dtype(layer: nn.Module) -> torch.dtype:
+    weight = layer.weight
+    assert isinstance(weight, torch.Tensor)
+    return weight.dtype  # a oneDNN-packed weight keeps its dtype
+
+
+def _device(layer: nn.Module) -> torch.device:
+    weight = layer.weight
+    assert isinstance(weight, torch.Tensor)
+    return weight.device
