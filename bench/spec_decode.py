@@ -78,7 +78,7 @@ def document_excerpts() -> list[str]:
 def code_excerpts() -> list[tuple[str, str]]:
     """(function source, its name) from this repository's code: real code to edit."""
     found = []
-    for name in ("engine/stop_check.py", "engine/block_hash.py", "worker/logprobs.py"):
+    for name in ("engine/stop_check.py", "wire/block_hash.py", "worker/logprobs.py"):
         source = (REPO / "services/switchboard" / name).read_text()
         for chunk in source.split("\n\n\ndef ")[1:]:
             body = "def " + chunk.split("\n\n\n")[0]
