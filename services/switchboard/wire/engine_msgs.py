@@ -248,6 +248,11 @@ class EngineReady(_Wire):
     pipeline_parallel_size: int = 1
     engine_version: str = ""
     enable_prefix_caching: bool = True  # appended: vllm:cache_config_info
+    # appended: this engine's KV-event publisher (wire/kv_events.py) as it bound it, offset by
+    # its rank ("" = events off; a wildcard host is this engine's host)
+    kv_events_endpoint: str = ""
+    kv_events_replay_endpoint: str = ""
+    kv_events_topic: str = ""
 
 
 # ---- appended for DP > 1 and engines on other hosts: death notice, load, TCP handshake -------
