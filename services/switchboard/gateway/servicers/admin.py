@@ -25,7 +25,14 @@ from switchboard.gateway.state import GatewayState
 logger = logging.getLogger(__name__)
 
 UTILITY_ALLOW_LIST = frozenset(
-    {"reset_prefix_cache", "sleep", "wake_up", "is_sleeping", "get_stats", "get_cached_block_hashes"}
+    {
+        "reset_prefix_cache",
+        "sleep",
+        "wake_up",
+        "is_sleeping",
+        "get_stats",
+        "get_cached_block_hashes",
+    }
 )
 UTILITY_TIMEOUT_S = 60.0
 

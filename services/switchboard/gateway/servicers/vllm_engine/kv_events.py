@@ -77,7 +77,9 @@ def sources(engines: list[EngineReady]) -> list[RankSource]:
         RankSource(
             ready.data_parallel_rank,
             connectable(ready.kv_events_endpoint),
-            connectable(ready.kv_events_replay_endpoint) if ready.kv_events_replay_endpoint else None,
+            connectable(ready.kv_events_replay_endpoint)
+            if ready.kv_events_replay_endpoint
+            else None,
             ready.kv_events_topic,
         )
         for ready in sorted(engines, key=lambda ready: ready.data_parallel_rank)
@@ -205,9 +207,7 @@ class KvEventRelay:
             await self._queue.put((index, exc))
 
 
-async def subscribe(
-    state: GatewayState, ctx: zmq.asyncio.Context, start: int
-) -> KvEventRelay:
+async def subscribe(state: GatewayState, ctx: zmq.asyncio.Context, start: int) -> KvEventRelay:
     """The relay for one call over the live engines that publish events; the refusals
     (events off, no engine, a start past a rank's stream) come before any socket opens."""
     live = state.engines.live_engines
