@@ -22,6 +22,9 @@ from tests.tiny_checkpoint import tiny_llama_dir
 pytestmark = pytest.mark.slow
 
 TIMEOUT_S = 120.0
+# A subscription outlives the generations it watches (the first may compile kernels); the
+# test cancels it.
+STREAM_TIMEOUT_S = 900.0
 PROMPTS = ([0, *range(5, 45)], [0, *range(50, 90)])  # each more than two KV blocks
 CLOSED = "SubscribeKvEvents: stream closed"
 
@@ -93,7 +96,7 @@ def test_stream_rebuilds_the_engines_cache(server: RunningServer, channel: grpc.
     stub = vgrpc.VllmEngineStub(channel)
     # From batch 1: everything after the engine's first batch (its cache empty: cleared).
     call = stub.SubscribeKvEvents(
-        common_pb2.SubscribeKvEventsRequest(start_sequence_number=1), timeout=TIMEOUT_S
+        common_pb2.SubscribeKvEventsRequest(start_sequence_number=1), timeout=STREAM_TIMEOUT_S
     )
     call.initial_metadata()  # subscribed
     for prompt in PROMPTS:
@@ -106,7 +109,7 @@ def test_stream_rebuilds_the_engines_cache(server: RunningServer, channel: grpc.
     wait_until(lambda: server.log().count(CLOSED) > closed_before, "the relay's sockets closed")
 
     # A live subscription (start 0) sees a new prompt's blocks stored.
-    live = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=TIMEOUT_S)
+    live = stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=STREAM_TIMEOUT_S)
     live.initial_metadata()  # subscribed: what comes next is streamed
     generate(stub, [0, *range(100, 140)])
     cached_now, next_seq_now = engine_cache(channel)
