@@ -45,7 +45,8 @@ NOT_ENABLED = (
     '"replay_endpoint": "tcp://*:5567"}\''
 )
 UTILITY_TIMEOUT_S = 30.0
-RECEIVE_POLL_S = 1.0  # how often an idle rank's loop looks up (cancellation is immediate)
+RECEIVE_POLL_S = 1.0
+CONNECT_TIMEOUT_S = 10.0  # how often an idle rank's loop looks up (cancellation is immediate)
 _WILDCARD_HOSTS = ("tcp://*:", "tcp://0.0.0.0:", "tcp://[::]:", "tcp://:::")
 
 
@@ -139,24 +140,32 @@ class EventConverter:
 class KvEventRelay:
     """One ``SubscribeKvEvents`` call: every rank's subscriber, merged into one stream.
 
-    ``positions``: each rank's next sequence number when the call came (its
+    ``start_at``: each rank's next sequence number once its socket is connected (its
     ``get_cached_block_hashes`` utility). Start 0 follows each rank from there on (live, a
     batch missed while the socket connects replayed); start N replays each rank's buffered
     batches from N on first (the caller checks N is not past a rank's position)."""
 
-    def __init__(
-        self, ctx: zmq.asyncio.Context, ranks: list[RankSource], positions: list[int], start: int
-    ) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, ranks: list[RankSource]) -> None:
         self.ranks = ranks
-        self._positions = positions
         self.subscribers = [
-            KvEventSubscriber(
-                ctx, r.endpoint, r.replay_endpoint, r.topic, next_seq=start or position
-            )
-            for r, position in zip(ranks, positions, strict=True)
+            KvEventSubscriber(ctx, r.endpoint, r.replay_endpoint, r.topic) for r in ranks
         ]
+        self._positions = [0] * len(ranks)
         self._converter = EventConverter()
         self._queue: asyncio.Queue[tuple[int, Batches | Exception]] = asyncio.Queue()
+
+    async def connect(self) -> None:
+        """Wait for every SUB socket to meet its publisher (a rank not met in time is
+        followed anyway: its batches until then come by replay, on its next live batch)."""
+        met = await asyncio.gather(*(s.connected(CONNECT_TIMEOUT_S) for s in self.subscribers))
+        for source, ok in zip(self.ranks, met, strict=True):
+            if not ok:
+                logger.warning("SubscribeKvEvents: %s not connected yet", source.endpoint)
+
+    def start_at(self, positions: list[int], start: int) -> None:
+        self._positions = positions
+        for subscriber, position in zip(self.subscribers, positions, strict=True):
+            subscriber.next_seq = start or position
 
     async def stream(self) -> AsyncIterator[common_pb2.KvEventBatch]:
         """The merged stream, until the caller stops iterating (the client cancelled): the
@@ -216,19 +225,26 @@ async def subscribe(state: GatewayState, ctx: zmq.asyncio.Context, start: int) -
     publishing = [engine for engine in live if engine.ready.kv_events_endpoint]
     if not publishing:
         raise ApiError(grpc.StatusCode.UNIMPLEMENTED, NOT_ENABLED, reason="NOT_IMPLEMENTED")
-    replies = await asyncio.gather(
-        *(
-            state.engines.call_utility(engine, "get_cached_block_hashes", [], UTILITY_TIMEOUT_S)
-            for engine in publishing
-        )
-    )
-    positions = [int(reply["next_seq"]) for reply in replies]
-    for engine, position in zip(publishing, positions, strict=True):
-        if start > position:
-            raise ApiError(
-                grpc.StatusCode.OUT_OF_RANGE,
-                f"start_sequence_number {start} is past DP rank "
-                f"{engine.ready.data_parallel_rank}'s stream (its next batch is {position})",
-                field="start_sequence_number",
+    relay = KvEventRelay(ctx, sources([engine.ready for engine in publishing]))
+    try:
+        await relay.connect()
+        replies = await asyncio.gather(
+            *(
+                state.engines.call_utility(engine, "get_cached_block_hashes", [], UTILITY_TIMEOUT_S)
+                for engine in publishing
             )
-    return KvEventRelay(ctx, sources([engine.ready for engine in publishing]), positions, start)
+        )
+        positions = [int(reply["next_seq"]) for reply in replies]
+        for engine, position in zip(publishing, positions, strict=True):
+            if start > position:
+                raise ApiError(
+                    grpc.StatusCode.OUT_OF_RANGE,
+                    f"start_sequence_number {start} is past DP rank "
+                    f"{engine.ready.data_parallel_rank}'s stream (its next batch is {position})",
+                    field="start_sequence_number",
+                )
+    except BaseException:
+        relay.close()
+        raise
+    relay.start_at(positions, start)
+    return relay
