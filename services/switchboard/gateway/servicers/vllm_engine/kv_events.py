@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 import zmq.asyncio
@@ -45,8 +46,13 @@ NOT_ENABLED = (
     '"replay_endpoint": "tcp://*:5567"}\''
 )
 UTILITY_TIMEOUT_S = 30.0
-RECEIVE_POLL_S = 1.0
-CONNECT_TIMEOUT_S = 10.0  # how often an idle rank's loop looks up (cancellation is immediate)
+RECEIVE_POLL_S = 1.0  # how often an idle rank's loop looks up (cancellation is immediate)
+CONNECT_TIMEOUT_S = 10.0
+# The publisher takes a new subscription on its own I/O thread a moment after the handshake: a
+# batch sent in between reaches no one, and with no later batch to reveal the gap the stream
+# would wait forever. Until a rank's first live batch arrives (or this long), an idle poll asks
+# the engine for its next sequence number and replays what is missing.
+PROBE_WINDOW_S = 30.0
 _WILDCARD_HOSTS = ("tcp://*:", "tcp://0.0.0.0:", "tcp://[::]:", "tcp://:::")
 
 
@@ -145,8 +151,14 @@ class KvEventRelay:
     batch missed while the socket connects replayed); start N replays each rank's buffered
     batches from N on first (the caller checks N is not past a rank's position)."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, ranks: list[RankSource]) -> None:
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        ranks: list[RankSource],
+        next_seq_of: Callable[[int], Awaitable[int]],
+    ) -> None:
         self.ranks = ranks
+        self._next_seq_of = next_seq_of  # a rank's (by index) next batch number, asked of it
         self.subscribers = [
             KvEventSubscriber(ctx, r.endpoint, r.replay_endpoint, r.topic) for r in ranks
         ]
@@ -207,9 +219,14 @@ class KvEventRelay:
             caught_up = await subscriber.catch_up(self._positions[index])
             if caught_up or subscriber.lost_batches:
                 await self._queue.put((index, caught_up))
+            probe_until = time.monotonic() + PROBE_WINDOW_S
             while True:
                 batches = await subscriber.receive(RECEIVE_POLL_S)
                 if batches:
+                    probe_until = 0.0  # a live batch: the subscription is in place
+                elif time.monotonic() < probe_until:
+                    batches = await subscriber.catch_up(await self._next_seq_of(index))
+                if batches or subscriber.lost_batches:
                     await self._queue.put((index, batches))
         except (zmq.ZMQError, OSError) as exc:  # a broken socket ends the stream, not the gateway
             logger.warning("SubscribeKvEvents: DP rank %d: %s", self.ranks[index].rank, exc)
@@ -225,16 +242,18 @@ async def subscribe(state: GatewayState, ctx: zmq.asyncio.Context, start: int) -
     publishing = [engine for engine in live if engine.ready.kv_events_endpoint]
     if not publishing:
         raise ApiError(grpc.StatusCode.UNIMPLEMENTED, NOT_ENABLED, reason="NOT_IMPLEMENTED")
-    relay = KvEventRelay(ctx, sources([engine.ready for engine in publishing]))
+
+    async def next_seq_of(index: int) -> int:
+        engine = publishing[index]
+        reply = await state.engines.call_utility(
+            engine, "get_cached_block_hashes", [], UTILITY_TIMEOUT_S
+        )
+        return int(reply["next_seq"])
+
+    relay = KvEventRelay(ctx, sources([engine.ready for engine in publishing]), next_seq_of)
     try:
         await relay.connect()
-        replies = await asyncio.gather(
-            *(
-                state.engines.call_utility(engine, "get_cached_block_hashes", [], UTILITY_TIMEOUT_S)
-                for engine in publishing
-            )
-        )
-        positions = [int(reply["next_seq"]) for reply in replies]
+        positions = list(await asyncio.gather(*(next_seq_of(i) for i in range(len(publishing)))))
         for engine, position in zip(publishing, positions, strict=True):
             if start > position:
                 raise ApiError(
