@@ -268,6 +268,7 @@ def test_kv_events_and_profiles_say_unimplemented(stub: vgrpc.VllmEngineStub) ->
     request = common_pb2.SubscribeKvEventsRequest()
     error = refusal(lambda: stub.SubscribeKvEvents(request, timeout=TIMEOUT_S))
     assert error.code() == grpc.StatusCode.UNIMPLEMENTED and "KV cache events" in error.details()
+    assert "--kv-events-config" in error.details()
     start = common_pb2.StartProfileRequest()
     error = refusal(lambda: stub.StartProfile(start, timeout=TIMEOUT_S), streamed=False)
     assert error.code() == grpc.StatusCode.UNIMPLEMENTED

@@ -152,6 +152,7 @@ class EngineCore:
         )
         self.structured_output = StructuredOutputManager(config.model.model, summary.vocab_size)
         self._start_kv_events()
+        events = self.kv_events
         self._ready = EngineReady(
             engine_id=f"EngineCore_DP{self.engine_index}-{uuid.uuid4().hex[:8]}",
             data_parallel_rank=self.engine_index,
@@ -170,6 +171,10 @@ class EngineCore:
             pipeline_parallel_size=config.parallel.pipeline_parallel_size,
             engine_version=__version__,
             enable_prefix_caching=config.cache.enable_prefix_caching,
+            # How a gateway subscribes to this engine's KV events ("" = off).
+            kv_events_endpoint=events.endpoint if events else "",
+            kv_events_replay_endpoint=(events.replay_endpoint or "") if events else "",
+            kv_events_topic=events.topic if events else "",
         )
         # Everything allocated while loading is permanent: full collections skip it from now on.
         gc.collect()

@@ -39,6 +39,7 @@ STOP_TIMEOUT_S = 5.0
 class KvEventPublisher:
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], config: KVEventsConfig, rank: int):
         self._rank = rank
+        self.topic = config.topic
         self._topic = config.topic.encode()
         self.endpoint = offset_endpoint(config.endpoint, rank)
         self.replay_endpoint = (

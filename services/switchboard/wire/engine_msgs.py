@@ -264,6 +264,11 @@ class EngineReady(_Wire):
     # appended: the weights kept quantized for decode, as the worker did it ("none", "int8",
     # "gguf Q4_1, Q8_0"); "" from an engine that does not say
     quantization: str = ""
+    # appended: this engine's KV-event publisher (wire/kv_events.py) as it bound it, offset by
+    # its rank ("" = events off; a wildcard host is this engine's host)
+    kv_events_endpoint: str = ""
+    kv_events_replay_endpoint: str = ""
+    kv_events_topic: str = ""
 
 
 # ---- appended for DP > 1 and engines on other hosts: death notice, load, TCP handshake -------

@@ -88,6 +88,17 @@ class KvEventSubscriber:
         self.lost_batches = 0  # batches neither received nor replayable
         self.replayed_batches = 0
 
+    async def connected(self, timeout_s: float) -> bool:
+        """Wait until the SUB socket has met the publisher (False: not within ``timeout_s``).
+        A batch published before that is not delivered live: take the position to follow
+        from (``next_seq``) after this, and the first batch missed is replayed."""
+        monitor = self._sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        try:
+            return bool(await monitor.poll(int(timeout_s * 1000)))
+        finally:
+            self._sub.disable_monitor()
+            monitor.close(linger=0)
+
     async def receive(self, timeout_s: float | None = None) -> Batches:
         """The next live batch, after any it skipped (replayed); [] on timeout."""
         timeout_ms = None if timeout_s is None else int(timeout_s * 1000)

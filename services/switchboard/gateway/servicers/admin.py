@@ -28,7 +28,15 @@ logger = logging.getLogger(__name__)
 # add_lora / remove_lora go through LoadLoraAdapter / UnloadLoraAdapter, which keep the
 # gateway's adapter names in step with the engines.
 UTILITY_ALLOW_LIST = frozenset(
-    {"reset_prefix_cache", "sleep", "wake_up", "is_sleeping", "get_stats", "list_loras"}
+    {
+        "reset_prefix_cache",
+        "sleep",
+        "wake_up",
+        "is_sleeping",
+        "get_stats",
+        "get_cached_block_hashes",
+        "list_loras",
+    }
 )
 UTILITY_TIMEOUT_S = 60.0
 

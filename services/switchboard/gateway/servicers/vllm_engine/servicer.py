@@ -13,6 +13,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 import grpc
+import zmq.asyncio
 from smg_grpc_proto import vllm_engine_pb2 as vllm_pb
 from smg_grpc_proto import vllm_engine_pb2_grpc as vllm_grpc
 from smg_grpc_proto.generated import common_pb2
@@ -22,7 +23,7 @@ from switchboard.gateway.api_errors import ApiError, invalid_argument, maps_api_
 from switchboard.gateway.pipeline.embed_call import embed
 from switchboard.gateway.pipeline.generate_call import GenerateCalls
 from switchboard.gateway.pipeline.request_bounds import check_request_id
-from switchboard.gateway.servicers.vllm_engine import info
+from switchboard.gateway.servicers.vllm_engine import info, kv_events
 from switchboard.gateway.servicers.vllm_engine.request import (
     renamed,
     to_generate_request,
@@ -37,7 +38,6 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = vllm_pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 FLUSH_UTILITY_TIMEOUT_S = 30.0
 FLUSH_RETRY_S = 0.1
-KV_EVENTS_UNIMPLEMENTED = "SubscribeKvEvents: this server does not publish KV cache events yet"
 
 
 class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
@@ -50,6 +50,7 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
         self._started = time.monotonic()
         self._last_receive = 0.0
         self._tokenizer_archive = TokenizerArchive(state.facts.model_path)
+        self._kv_events_ctx = zmq.asyncio.Context()  # SubscribeKvEvents' sockets
 
     @maps_api_errors
     async def Generate(
@@ -180,5 +181,11 @@ class VllmEngineServicer(vllm_grpc.VllmEngineServicer):
     async def SubscribeKvEvents(
         self, request: common_pb2.SubscribeKvEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[common_pb2.KvEventBatch]:
-        raise unimplemented(KV_EVENTS_UNIMPLEMENTED)
-        yield  # pragma: no cover  (a server-streaming method)
+        """Every DP rank's KV cache events (``kv_events.py``); cancelling the call closes
+        its sockets."""
+        relay = await kv_events.subscribe(
+            self._state, self._kv_events_ctx, request.start_sequence_number
+        )
+        await context.send_initial_metadata(())
+        async for batch in relay.stream():
+            yield batch
