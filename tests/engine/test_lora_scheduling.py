@@ -11,10 +11,10 @@ from fake_worker import Driver, FakeWorker
 
 from switchboard.config import CacheConfig, SchedulerConfig
 from switchboard.config.lora import LoraConfig, parse_lora_modules
-from switchboard.wire.block_hash import extend_block_hashes
 from switchboard.engine.lora_registry import EngineLoras, LoraError
 from switchboard.engine.request import Request
 from switchboard.engine.scheduler import Scheduler
+from switchboard.wire.block_hash import extend_block_hashes
 from switchboard.wire.engine_msgs import EngineCoreRequest, SamplingParams
 from switchboard.wire.lora import lora_name_of, lora_request
 
