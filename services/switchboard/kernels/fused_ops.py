@@ -31,13 +31,14 @@ _rms_norm: Callable[..., Any] | None = None
 _rotary: Callable[..., Any] | None = None
 _silu_and_mul: Callable[..., Any] | None = None
 _write_kv: Callable[..., Any] | None = None
+_write_kv_bf16: Callable[..., Any] | None = None
 _argmax: Callable[..., Any] | None = None
 _status = "not loaded"
 
 
 def load() -> bool:
     """Load the kernels (built once per machine); True when they are in use. Idempotent."""
-    global _rms_norm, _rotary, _silu_and_mul, _write_kv, _argmax, _status
+    global _rms_norm, _rotary, _silu_and_mul, _write_kv, _write_kv_bf16, _argmax, _status
     if _rms_norm is not None:
         return True
     loaded, _status = library.load_switched("SWITCHBOARD_FUSED_OPS", "off")
@@ -45,6 +46,7 @@ def load() -> bool:
         return False
     _rms_norm, _rotary = loaded.rms_norm_f32, loaded.rotary_f32
     _silu_and_mul, _write_kv = loaded.silu_and_mul_f32, loaded.write_kv_f32
+    _write_kv_bf16 = loaded.write_kv_bf16
     _argmax = loaded.argmax_rows_f32
     return True
 
@@ -55,8 +57,8 @@ def status() -> str:
 
 def unload() -> None:
     """Back to torch's operators (tests compare the two)."""
-    global _rms_norm, _rotary, _silu_and_mul, _write_kv, _argmax, _status
-    _rms_norm = _rotary = _silu_and_mul = _write_kv = _argmax = None
+    global _rms_norm, _rotary, _silu_and_mul, _write_kv, _write_kv_bf16, _argmax, _status
+    _rms_norm = _rotary = _silu_and_mul = _write_kv = _write_kv_bf16 = _argmax = None
     _status = "not loaded"
 
 
@@ -114,12 +116,17 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
 def write_kv(
     kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
 ) -> bool:
-    """Store ``key``/``value`` ``[tokens, kv_heads, head_dim]`` (any token stride) in their
-    slots of ``kv_cache`` ``[2, blocks, block_size, kv_heads, head_dim]``; False where the
-    kernel does not apply. A slot outside the cache raises IndexError, nothing written."""
+    """Store float32 ``key``/``value`` ``[tokens, kv_heads, head_dim]`` (any token stride) in
+    their slots of ``kv_cache`` ``[2, blocks, block_size, kv_heads, head_dim]``, float32 or
+    bfloat16 (rounded to nearest even, as ``Tensor.to``); False where the kernel does not
+    apply. A slot outside the cache raises IndexError, nothing written."""
+    bf16_cache = kv_cache.dtype == torch.bfloat16
+    write = _write_kv_bf16 if bf16_cache else _write_kv
     if (
-        _write_kv is None
-        or not _usable(kv_cache, key, value)
+        write is None
+        or not _usable(key, value)
+        or not (bf16_cache or _usable(kv_cache))
+        or kv_cache.device.type != "cpu"
         or not kv_cache.is_contiguous()
         or slot_mapping.dtype != torch.int64
         or slot_mapping.device.type != "cpu"
@@ -134,7 +141,7 @@ def write_kv(
     if slots.shape[0] != key.shape[0]:
         return False
     values_at = kv_cache[1]
-    code = _write_kv(
+    code = write(
         key.data_ptr(),
         key.stride(0),
         value.data_ptr(),

@@ -33,6 +33,7 @@ SOURCES = (
     "fused_ops.c",
     "small_batch_gemm.c",
     "quant_gemm.c",
+    "bf16_gemm.c",
     "decode_stack.c",
 )
 
@@ -42,10 +43,12 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "switchboard_work_pool_use_openmp": (None, [_INT]),
     "switchboard_work_pool_helpers": (_INT, []),
     "paged_decode_f32": (_INT, [_PTR, _I64, *[_PTR] * 4, *[_I64] * 7, _F32, _I64]),
+    "paged_decode_bf16kv": (_INT, [_PTR, _I64, *[_PTR] * 4, *[_I64] * 7, _F32, _I64]),
     "rms_norm_f32": (None, [_PTR, _I64, _PTR, _PTR, _I64, _I64, _F32]),
     "rotary_f32": (None, [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR]),
     "silu_and_mul_f32": (None, [_PTR, _I64, _PTR, _I64, _I64]),
     "write_kv_f32": (_INT, [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64]),
+    "write_kv_bf16": (_INT, [_PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _PTR, _PTR, _I64]),
     "argmax_rows_f32": (None, [_PTR, _I64, _I64, _I64, _PTR]),
     "small_batch_max_rows": (_INT, []),
     "small_batch_pack": (None, [_PTR, _PTR, _I64, _I64]),
@@ -53,9 +56,14 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "quant_gemm_max_rows": (_INT, []),
     "quant_pack": (None, [*[_PTR] * 4, *[_I64] * 3]),
     "quant_linear": (_INT, [_PTR, _I64, _PTR, _PTR, _PTR, *[_I64] * 4]),
+    "bf16_gemm_variants": (_INT, []),
+    "bf16_gemm_select": (_INT, [_INT]),
+    "bf16_gemm_max_rows": (_INT, []),
+    "bf16_pack": (None, [_PTR, _PTR, _I64, _I64]),
+    "bf16_linear": (_INT, [_PTR, _I64, _PTR, _PTR, _PTR, *[_I64] * 3]),
     "decode_stack_f32": (
         _INT,
-        [_PTR, _I64, _I64, _PTR, *[_I64] * 5, _F32, _F32, *[_PTR] * 5, *[_I64] * 3],
+        [_PTR, _I64, _I64, _PTR, *[_I64] * 5, _F32, _F32, *[_PTR] * 5, *[_I64] * 4],
     ),
 }
 
