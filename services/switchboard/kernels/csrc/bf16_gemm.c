@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "kernels.h"
 #include "work_pool.h"
 
@@ -26,13 +27,7 @@ enum variant { NONE = 0, AVX2 = 1, AVX512 = 2, DPBF16 = 3 };
 
 static inline int64_t pairs_of(int64_t K) { return (K + 1) / 2; }
 
-/* float32 -> bfloat16 bits, round to nearest even; a NaN stays a (quiet) NaN */
-static inline uint32_t bf16_bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
-    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-}
+static inline uint32_t bf16_bits(float f) { return bf16_from_f32(f); }
 
 /* w [N, K] bfloat16 row-major -> panels [ceil(N / 16), ceil(K / 2), 16] of pairs (input 2k in
    the low half, 2k + 1 in the high half), zero past N and K */

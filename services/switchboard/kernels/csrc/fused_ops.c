@@ -130,32 +130,6 @@ int write_kv_f32(const float *key, int64_t ldk, const float *value, int64_t ldv,
     return 0;
 }
 
-/* write_kv_f32 into a bfloat16 cache: each float rounded to nearest even (as torch's
-   float32 -> bfloat16 conversion: a NaN stays a NaN) */
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-int write_kv_bf16(const float *key, int64_t ldk, const float *value, int64_t ldv,
-                  const int64_t *slots, int64_t tokens, int64_t row, uint16_t *cache_k,
-                  uint16_t *cache_v, int64_t num_slots) {
-    for (int64_t t = 0; t < tokens; t++)
-        if (slots[t] < 0 || slots[t] >= num_slots) return -1;
-    for (int64_t t = 0; t < tokens; t++) {
-        uint16_t *k = cache_k + slots[t] * row, *v = cache_v + slots[t] * row;
-        const float *kt = key + t * ldk, *vt = value + t * ldv;
-#pragma omp simd
-        for (int64_t i = 0; i < row; i++) {
-            k[i] = to_bf16(kt[i]);
-            v[i] = to_bf16(vt[i]);
-        }
-    }
-    return 0;
-}
-
 struct argmax_task {
     const float *x;
     int64_t *out;

@@ -23,10 +23,18 @@ void silu_and_mul_f32(const float *x, int64_t ldx, float *out, int64_t rows, int
 int write_kv_f32(const float *key, int64_t ldk, const float *value, int64_t ldv,
                  const int64_t *slots, int64_t tokens, int64_t row, float *cache_k,
                  float *cache_v, int64_t num_slots);
+void argmax_rows_f32(const float *x, int64_t ldx, int64_t rows, int64_t V, int64_t *out);
+
+/* fused_ops_bf16.c: the same on bfloat16 tensors (bit patterns as uint16_t), and the KV-cache
+   write from float32 into a bfloat16 cache */
+void rms_norm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *weight, uint16_t *out,
+                   int64_t rows, int64_t H, float eps);
+void rotary_bf16(uint16_t *x, int64_t ldx, int64_t tokens, int64_t heads, int64_t D,
+                 const uint16_t *cos_half, const uint16_t *sin_half);
+void silu_and_mul_bf16(const uint16_t *x, int64_t ldx, uint16_t *out, int64_t rows, int64_t I);
 int write_kv_bf16(const float *key, int64_t ldk, const float *value, int64_t ldv,
                   const int64_t *slots, int64_t tokens, int64_t row, uint16_t *cache_k,
                   uint16_t *cache_v, int64_t num_slots);
-void argmax_rows_f32(const float *x, int64_t ldx, int64_t rows, int64_t V, int64_t *out);
 
 /* small_batch_gemm.c: matmuls of a few rows (0 rows at a time: built without AVX2 and FMA) */
 int small_batch_max_rows(void);
