@@ -4,11 +4,11 @@
 #include <stdint.h>
 #include <string.h>
 
-/* round to nearest even, as torch converts; a NaN stays a (quiet) NaN */
+/* round to nearest even, as torch converts (a NaN becomes torch's quiet NaN, 0x7fc0) */
 static inline uint16_t bf16_from_f32(float f) {
     uint32_t u;
     memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
