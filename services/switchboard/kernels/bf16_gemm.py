@@ -107,6 +107,22 @@ def load(wanted: str | None = None) -> bool:
     return True
 
 
+# The CPU flags with which a bfloat16 model measured faster than float32, decode and prefill
+# (``bench/dtype_decode.py``): AVX-512 BF16 (a 2-core EPYC, docs/operations.md) and AMX (oneDNN's
+# tiles for prefill; its decode is this kernel's dpbf16). Without either, bfloat16 is widened
+# in software: no faster than float32 where a step is bound by compute.
+FASTER_THAN_FLOAT32 = ("amx_bf16", "avx512_bf16")
+
+
+def faster_than_float32() -> str | None:
+    """The flag of this CPU's with which bfloat16 runs faster than float32 (``amx_bf16`` or
+    ``avx512_bf16``), when the kernel's dpbf16 variant runs here; else None."""
+    flags = cpu_flags()
+    if "dpbf16" not in available():
+        return None
+    return next((flag for flag in FASTER_THAN_FLOAT32 if flag in flags), None)
+
+
 def status() -> str:
     return _status
 

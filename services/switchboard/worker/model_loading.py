@@ -12,7 +12,7 @@ from switchboard.models.hf_config import TransformerConfig, load_transformer_con
 from switchboard.models.loader import load_model, resolve_dtype
 from switchboard.models.parallel import SINGLE_PROCESS, ParallelState
 from switchboard.models.prepack import prepack_weights
-from switchboard.models.quantized import Quantization, quantize_weights
+from switchboard.models.quantized import Quantization, asks_quantized, quantize_weights
 from switchboard.wire.step_msgs import ModelSummary
 
 logger = logging.getLogger(__name__)
@@ -28,7 +28,8 @@ def load_runner_model(
     checkpoint's share for ``parallel`` and quantize its matrices as asked. Returns (model, its
     config, the dtype it runs in, the quantization applied)."""
     config = load_transformer_config(model_config.model)
-    dtype = resolve_dtype(model_config.dtype, config, device)
+    quantized = asks_quantized(model_config.model, model_config.quantization)
+    dtype = resolve_dtype(model_config.dtype, config, device, quantized)
     logger.info(
         "%sdtype %s (requested %r, checkpoint %s, device %s)",
         log_prefix,
