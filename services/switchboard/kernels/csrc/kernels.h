@@ -1,5 +1,6 @@
 /* Every kernel the library exports, as kernels/library.py declares them to ctypes (one table
-   there mirrors this file). float32 throughout; "ld" arguments are row strides in floats. */
+   there mirrors this file). float32 but where a name or comment says bfloat16 (uint16_t bit
+   patterns); "ld" arguments are row strides in elements. */
 #ifndef SWITCHBOARD_KERNELS_H
 #define SWITCHBOARD_KERNELS_H
 #include <stdint.h>
