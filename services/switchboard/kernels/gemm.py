@@ -113,12 +113,15 @@ def linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     panels: MatmulPanels | None = None,
+    float32_sums: bool = False,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` through oneDNN where that is faster; ``weight`` may be a
-    ``pack``-ed one, and ``panels`` the same weight laid out for a small-batch kernel."""
+    ``pack``-ed one, and ``panels`` the same weight laid out for a small-batch kernel.
+    ``float32_sums``: a product the bfloat16 kernel computes comes back as its float32 sums
+    (the logits: not rounded to bfloat16 and widened again)."""
     onednn = _onednn_linear
     if isinstance(panels, bf16_gemm.Bf16Panels):
-        return _bf16_linear(x, weight, bias, panels)
+        return _bf16_linear(x, weight, bias, panels, float32_sums)
     quantized = isinstance(panels, quant_gemm.QuantPanels)
     if weight.is_mkldnn or quantized:
         rows = x.reshape(-1, x.shape[-1])
@@ -149,12 +152,18 @@ def linear(
 
 
 def _bf16_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, panels: bf16_gemm.Bf16Panels
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    panels: bf16_gemm.Bf16Panels,
+    float32_sums: bool,
 ) -> torch.Tensor:
     """A bfloat16 weight's product: the kernel for few rows (float32 sums, rounded to ``x``'s
-    dtype as torch's matmul rounds them), torch's matmul otherwise."""
+    dtype as torch's matmul rounds them, unless ``float32_sums``), torch's matmul otherwise."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] > BF16_MAX_ROWS or bf16_gemm.max_rows == 0:
         return F.linear(x, weight, bias)
-    y = bf16_gemm.linear(rows.float(), panels, bias).to(x.dtype)
+    y = bf16_gemm.linear(rows.float(), panels, bias)
+    if not float32_sums:
+        y = y.to(x.dtype)
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
