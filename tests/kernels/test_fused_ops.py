@@ -138,10 +138,11 @@ def test_other_inputs_are_left_to_torch(kernels):
     assert fused_ops.argmax_rows(torch.randn(4, 16, dtype=torch.float64)) is None
     assert fused_ops.argmax_rows(torch.randn(16, 4).t()) is None  # columns at a stride
     assert not fused_ops.rotary_(torch.randn(2, 3, 8).transpose(0, 1), *torch.randn(2, 3, 4))
-    bf16 = torch.randn(2, 3, 8, dtype=torch.bfloat16)
-    cos, sin = torch.randn(2, 4, dtype=torch.bfloat16), torch.randn(2, 4, dtype=torch.bfloat16)
-    expected = _torch_rotary(bf16, cos, sin)
-    assert torch.equal(apply_rotary(bf16, cos, sin), expected)  # torch's path, a new tensor
+    half = torch.randn(2, 3, 8, dtype=torch.float16)
+    cos, sin = torch.randn(2, 4, dtype=torch.float16), torch.randn(2, 4, dtype=torch.float16)
+    expected = _torch_rotary(half, cos, sin)
+    assert torch.equal(apply_rotary(half, cos, sin), expected)  # torch's path, a new tensor
+    assert fused_ops.rms_norm(torch.randn(4, 16), torch.randn(16, dtype=torch.bfloat16), 1) is None
 
 
 def test_can_be_turned_off(monkeypatch):

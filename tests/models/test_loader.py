@@ -101,7 +101,7 @@ def test_model_loads_in_the_requested_dtype(tiny_dir):
     assert model.compute_logits(torch.randn(2, 64, dtype=torch.bfloat16)).dtype == torch.float32
 
 
-def test_auto_dtype_is_float32_on_cpu_and_the_checkpoints_elsewhere(tiny_dir, tmp_path):
+def test_auto_dtype_is_the_checkpoints_off_the_cpu(tiny_dir, tmp_path):
     path = copy_checkpoint(tiny_dir, tmp_path)
     with open(os.path.join(path, "config.json")) as f:
         raw = json.load(f)
@@ -109,7 +109,6 @@ def test_auto_dtype_is_float32_on_cpu_and_the_checkpoints_elsewhere(tiny_dir, tm
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(raw, f)
     config = load_transformer_config(path)
-    assert resolve_dtype("auto", config, CPU) == torch.float32
     assert resolve_dtype("auto", config, torch.device("cuda", 0)) == torch.bfloat16
     assert resolve_dtype("float16", config, CPU) == torch.float16
     with pytest.raises(ValueError, match="unknown dtype"):
@@ -138,3 +137,47 @@ def test_unknown_architecture_and_missing_weights_file_are_refused(tiny_dir, tmp
         json.dump(raw, f)
     with pytest.raises(ValueError, match="MambaForCausalLM"):
         load_model(path, CPU, torch.float32)
+
+
+def _checkpoint_dtype(tiny_dir, tmp_path, dtype: str):
+    path = copy_checkpoint(tiny_dir, tmp_path / dtype)
+    with open(os.path.join(path, "config.json")) as f:
+        raw = json.load(f)
+    raw["dtype"] = dtype
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(raw, f)
+    return load_transformer_config(path)
+
+
+def test_auto_dtype_on_cpu_is_bfloat16_only_where_faster_and_nothing_is_lost(
+    tiny_dir, tmp_path, monkeypatch, caplog
+):
+    from switchboard.kernels import bf16_gemm
+
+    half, full = (_checkpoint_dtype(tiny_dir, tmp_path, d) for d in ("bfloat16", "float32"))
+    caplog.set_level("INFO", logger="switchboard.models.loader")
+    monkeypatch.setattr(bf16_gemm, "faster_than_float32", lambda: "avx512_bf16")
+    assert resolve_dtype("auto", half, CPU) == torch.bfloat16
+    assert "dtype auto: bfloat16 on CPU (this CPU has avx512_bf16" in caplog.text
+    assert resolve_dtype("auto", half, CPU, quantized=True) == torch.float32
+    assert resolve_dtype("auto", full, CPU) == torch.float32  # exact, and asked for by name
+    assert "the checkpoint is float32: float32 is exact" in caplog.text
+    monkeypatch.setattr(bf16_gemm, "faster_than_float32", lambda: None)  # AVX2 only: slower
+    caplog.clear()
+    assert resolve_dtype("auto", half, CPU) == torch.float32
+    assert "this CPU has no AVX-512 BF16 or AMX" in caplog.text
+    assert resolve_dtype("bfloat16", half, CPU) == torch.bfloat16  # asked for: served, warned
+    assert "slower than float32" in caplog.text
+
+
+def test_bfloat16_is_faster_by_the_cpus_flags(monkeypatch):
+    from switchboard.kernels import bf16_gemm
+
+    if "dpbf16" not in bf16_gemm.available():
+        assert bf16_gemm.faster_than_float32() is None
+        return
+    flags = bf16_gemm.cpu_flags()
+    monkeypatch.setattr(bf16_gemm, "cpu_flags", lambda: flags | {"amx_bf16"})
+    assert bf16_gemm.faster_than_float32() == "amx_bf16"
+    monkeypatch.setattr(bf16_gemm, "cpu_flags", lambda: flags - {"amx_bf16", "avx512_bf16"})
+    assert bf16_gemm.faster_than_float32() is None

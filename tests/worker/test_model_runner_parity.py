@@ -130,9 +130,10 @@ def reference_generate(model, prompt: list[int], max_tokens: int) -> tuple[list[
 
 
 def make_runner(
-    model_dir: str, num_blocks: int = NUM_BLOCKS, quantization: str = "auto"
+    model_dir: str, num_blocks: int = NUM_BLOCKS, quantization: str = "auto", **options: str
 ) -> ModelRunner:
-    config = ModelConfig(model=model_dir, quantization=quantization)
+    """``options``: more ModelConfig fields (dtype, kv_cache_dtype)."""
+    config = ModelConfig(model=model_dir, quantization=quantization, **options)  # type: ignore[arg-type]
     runner = ModelRunner(config, torch.device("cpu"))
     runner.load_model()
     runner.initialize_kv_cache(num_blocks, BLOCK_SIZE)

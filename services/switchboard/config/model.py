@@ -35,6 +35,16 @@ class ModelConfig(Config, frozen=True):
             choices=("auto", "float32", "bfloat16", "float16"),
         ),
     ] = "auto"
+    kv_cache_dtype: Annotated[
+        str,
+        Flag(
+            "the KV cache's dtype; auto: the model's (--dtype); bfloat16 halves the cache's "
+            "memory and the bytes decode attention reads (on CPU the attention kernels widen it "
+            "to float32 in registers); a dtype other than the model's is CPU-only",
+            Group.MODEL,
+            choices=("auto", "float32", "bfloat16"),
+        ),
+    ] = "auto"
     quantization: Annotated[
         str,
         Flag(

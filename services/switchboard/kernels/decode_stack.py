@@ -21,6 +21,12 @@ the same matmul kernel (the quantized one for a matrix with quantized panels,
 ``models/quantized.py``), so both paths give the same floats, and the stack is batch-invariant (a
 row's floats do not depend on the rows beside it). Its loops run on the kernels' work pool: a
 late thread is not waited for. ``SWITCHBOARD_DECODE_STACK=off`` turns it off alone.
+
+A bfloat16 model runs here too, on its matrices' bfloat16 panels (``bf16_gemm.py``, up to
+``gemm.BF16_MAX_ROWS`` rows): the stack takes its hidden states as float32 and hands them back
+rounded, so its activations stay float32 between the operations (the layer-by-layer path rounds
+each to bfloat16: the two agree to bfloat16 rounding, not bit for bit). Its KV caches may be
+bfloat16 (``--kv-cache-dtype``): written rounded, read widened in registers.
 """
 
 from __future__ import annotations
@@ -31,7 +37,15 @@ from typing import Any
 
 import torch
 
-from switchboard.kernels import fused_ops, gemm, library, paged_decode, quant_gemm, small_batch_gemm
+from switchboard.kernels import (
+    bf16_gemm,
+    fused_ops,
+    gemm,
+    library,
+    paged_decode,
+    quant_gemm,
+    small_batch_gemm,
+)
 from switchboard.kernels.gemm import MatmulPanels
 
 # Rows a step may have. The kernel takes the rows 8 at a time (AVX-512; 6 with AVX2) over each
@@ -54,7 +68,9 @@ def load() -> bool:
     global _stack, _status
     if _stack is not None:
         return True
-    if not (small_batch_gemm.max_rows and paged_decode.status() == "in use"):
+    if not (
+        (small_batch_gemm.max_rows or bf16_gemm.max_rows) and paged_decode.status() == "in use"
+    ):
         _status = "unavailable: needs the small-batch matmul and decode-attention kernels"
         return False
     if fused_ops.status() != "in use":
@@ -104,6 +120,9 @@ class StackLayer:
 
 
 _LAYER_FIELDS = 16  # the C side's LAYER_FIELDS
+_BF16_PANELS = -1  # the C side's kind of bfloat16 panels
+# Where the stack takes a bfloat16 model's steps: its activations are float32 inside.
+_HIDDEN_DTYPES = (torch.float32, torch.bfloat16)
 _Dims = tuple[int, int, int, int, int]  # hidden, heads, KV heads, head_dim, intermediate
 
 
@@ -118,6 +137,8 @@ class _Plan:
     dims: _Dims
     eps: float
     scale: float
+    kv_bf16: bool  # the caches hold bfloat16
+    max_rows: int  # the most rows its matmul kernels take
 
 
 class DecodeStack:
@@ -148,7 +169,7 @@ class DecodeStack:
         if (
             block_table.shape[0] != rows
             or not 1 <= rows <= MAX_ROWS
-            or hidden.dtype != torch.float32
+            or hidden.dtype not in _HIDDEN_DTYPES
             or hidden.device.type != "cpu"
             or not hidden.is_contiguous()
         ):
@@ -162,9 +183,14 @@ class DecodeStack:
             if plan is None:
                 return False
         slots = slot_mapping.contiguous()
-        if slots.dtype != torch.int64 or slots.shape[0] != rows:
+        if slots.dtype != torch.int64 or slots.shape[0] != rows or rows > plan.max_rows:
             return False
-        return _call(plan, hidden, cos, sin, kv_caches[0], slots, block_table, context_lens)
+        if hidden.dtype == torch.float32:
+            return _call(plan, hidden, cos, sin, kv_caches[0], slots, block_table, context_lens)
+        work = hidden.float()
+        _call(plan, work, cos.float(), sin.float(), kv_caches[0], slots, block_table, context_lens)
+        hidden.copy_(work)
+        return True
 
 
 def _call(
@@ -203,6 +229,7 @@ def _call(
         block_table.shape[1],
         num_blocks,
         block_size,
+        int(plan.kv_bf16),
     )
     if code == -2:
         raise IndexError("decode stack: a slot outside the KV cache")
@@ -219,7 +246,14 @@ def _make_plan(layers: Sequence[StackLayer], kv_caches: Sequence[torch.Tensor]) 
     shapes = {row[1] for row in rows if row is not None}
     if any(row is None for row in rows) or len(shapes) != 1:
         return None
+    if len({cache.dtype for cache in kv_caches}) != 1:
+        return None
     dims, eps, scale = shapes.pop()
+    bf16_panels = any(
+        isinstance(m.panels, bf16_gemm.Bf16Panels)
+        for layer in layers
+        for m in (layer.qkv, layer.o, layer.gate_up, layer.down)
+    )
     return _Plan(
         layers=tuple(layers),
         cache_ptrs=tuple(cache.data_ptr() for cache in kv_caches),
@@ -227,6 +261,8 @@ def _make_plan(layers: Sequence[StackLayer], kv_caches: Sequence[torch.Tensor]) 
         dims=dims,
         eps=eps,
         scale=scale,
+        kv_bf16=kv_caches[0].dtype == torch.bfloat16,
+        max_rows=min(MAX_ROWS, gemm.BF16_MAX_ROWS) if bf16_panels else MAX_ROWS,
     )
 
 
@@ -243,7 +279,11 @@ def _layer_fields(
     run it."""
     matmuls = (layer.qkv, layer.o, layer.gate_up, layer.down)
     norms = (layer.input_norm, layer.post_attention_norm)
-    if not all(_dense_f32(t) for t in (*norms, *(m.bias for m in matmuls), cache)):
+    if not all(_dense_f32(t) for t in (*norms, *(m.bias for m in matmuls))):
+        return None
+    if cache.dtype not in paged_decode.CACHE_DTYPES or not cache.is_contiguous():
+        return None
+    if cache.device.type != "cpu":
         return None
     if layer.input_norm_eps != layer.post_attention_norm_eps:
         return None
@@ -276,8 +316,11 @@ def _layer_fields(
 
 
 def _block(matmul: StackMatmul) -> int:
-    """The C side's kind of panels: 0 float32, else the quantized panels' block size."""
+    """The C side's kind of panels: 0 float32, -1 bfloat16, else the quantized panels' block
+    size."""
     panels = matmul.panels
+    if isinstance(panels, bf16_gemm.Bf16Panels):
+        return _BF16_PANELS
     return panels.block if isinstance(panels, quant_gemm.QuantPanels) else 0
 
 

@@ -16,6 +16,11 @@ counts as the largest): torch took 400 us for 32 rows of tiny-llama's 16,000 log
 for SmolLM2's 49,152 on this machine, two threads; eight lanes compared at a time, one thread,
 take a tenth of that. C in ``csrc/fused_ops.c``, in the kernels' one library (``library.py``);
 without a compiler, or with ``SWITCHBOARD_FUSED_OPS=off``, the layers use their torch code.
+
+A model in bfloat16 gets RMSNorm, the rotary embedding and SiLU-and-mul on its bfloat16 tensors
+too (``csrc/fused_ops_bf16.c``): computed in float32 and rounded to bfloat16 wherever torch's
+bfloat16 operators round, so the same values as the torch code but for RMSNorm's sum order. The
+KV-cache write also stores float32 keys and values into a bfloat16 cache (``--kv-cache-dtype``).
 """
 
 from __future__ import annotations
@@ -31,13 +36,18 @@ _rms_norm: Callable[..., Any] | None = None
 _rotary: Callable[..., Any] | None = None
 _silu_and_mul: Callable[..., Any] | None = None
 _write_kv: Callable[..., Any] | None = None
+_write_kv_bf16: Callable[..., Any] | None = None
+# bfloat16 twins of the first three (csrc/fused_ops_bf16.c)
+_rms_norm_bf16: Callable[..., Any] | None = None
+_rotary_bf16: Callable[..., Any] | None = None
+_silu_and_mul_bf16: Callable[..., Any] | None = None
 _argmax: Callable[..., Any] | None = None
 _status = "not loaded"
 
 
 def load() -> bool:
     """Load the kernels (built once per machine); True when they are in use. Idempotent."""
-    global _rms_norm, _rotary, _silu_and_mul, _write_kv, _argmax, _status
+    global _rms_norm, _rotary, _silu_and_mul, _write_kv, _write_kv_bf16, _argmax, _status
     if _rms_norm is not None:
         return True
     loaded, _status = library.load_switched("SWITCHBOARD_FUSED_OPS", "off")
@@ -45,6 +55,10 @@ def load() -> bool:
         return False
     _rms_norm, _rotary = loaded.rms_norm_f32, loaded.rotary_f32
     _silu_and_mul, _write_kv = loaded.silu_and_mul_f32, loaded.write_kv_f32
+    _write_kv_bf16 = loaded.write_kv_bf16
+    global _rms_norm_bf16, _rotary_bf16, _silu_and_mul_bf16
+    _rms_norm_bf16, _rotary_bf16 = loaded.rms_norm_bf16, loaded.rotary_bf16
+    _silu_and_mul_bf16 = loaded.silu_and_mul_bf16
     _argmax = loaded.argmax_rows_f32
     return True
 
@@ -55,8 +69,10 @@ def status() -> str:
 
 def unload() -> None:
     """Back to torch's operators (tests compare the two)."""
-    global _rms_norm, _rotary, _silu_and_mul, _write_kv, _argmax, _status
-    _rms_norm = _rotary = _silu_and_mul = _write_kv = _argmax = None
+    global _rms_norm, _rotary, _silu_and_mul, _write_kv, _write_kv_bf16, _argmax, _status
+    _rms_norm = _rotary = _silu_and_mul = _write_kv = _write_kv_bf16 = _argmax = None
+    global _rms_norm_bf16, _rotary_bf16, _silu_and_mul_bf16
+    _rms_norm_bf16 = _rotary_bf16 = _silu_and_mul_bf16 = None
     _status = "not loaded"
 
 
@@ -66,60 +82,68 @@ def _usable(*tensors: torch.Tensor) -> bool:
     )
 
 
+def _kernel_for(
+    f32: Callable[..., Any] | None, bf16: Callable[..., Any] | None, *tensors: torch.Tensor
+) -> Callable[..., Any] | None:
+    """The float32 or the bfloat16 kernel for ``tensors`` (all of one dtype, on CPU); None
+    where neither applies."""
+    dtype = tensors[0].dtype
+    if any(t.dtype != dtype or t.device.type != "cpu" for t in tensors):
+        return None
+    return f32 if dtype == torch.float32 else bf16 if dtype == torch.bfloat16 else None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """RMSNorm of ``x`` ``[rows, H]`` (last dim contiguous); None where the kernel does not
-    apply (the caller computes it with torch)."""
-    if x.dim() != 2 or x.stride(1) != 1 or not _usable(x, weight) or _rms_norm is None:
+    """RMSNorm of ``x`` ``[rows, H]`` (last dim contiguous), float32 or bfloat16 (weight of
+    the same dtype); None where the kernel does not apply (the caller computes it with
+    torch)."""
+    kernel = _kernel_for(_rms_norm, _rms_norm_bf16, x, weight)
+    if x.dim() != 2 or x.stride(1) != 1 or kernel is None or not weight.is_contiguous():
         return None
     rows, hidden = x.shape
-    out = torch.empty(rows, hidden, dtype=torch.float32)
-    _rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), rows, hidden, eps)
+    out = torch.empty(rows, hidden, dtype=x.dtype)
+    kernel(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), rows, hidden, eps)
     return out
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Rotate ``x`` ``[tokens, heads, D]`` in place (heads contiguous, any token stride) by
     ``cos``/``sin`` ``[tokens, D / 2]``; False where the kernel does not apply."""
-    if (
-        x.dim() != 3
-        or x.stride(2) != 1
-        or x.stride(1) != x.shape[2]
-        or not _usable(x, cos, sin)
-        or _rotary is None
-    ):
+    kernel = _kernel_for(_rotary, _rotary_bf16, x, cos, sin)
+    if x.dim() != 3 or x.stride(2) != 1 or x.stride(1) != x.shape[2] or kernel is None:
         return False
     cos, sin = cos.contiguous(), sin.contiguous()
     tokens, heads, head_dim = x.shape
-    _rotary(x.data_ptr(), x.stride(0), tokens, heads, head_dim, cos.data_ptr(), sin.data_ptr())
+    kernel(x.data_ptr(), x.stride(0), tokens, heads, head_dim, cos.data_ptr(), sin.data_ptr())
     return True
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """``silu(gate) * up`` of ``gate_up`` ``[rows, 2 * I]`` (last dim contiguous); None where
     the kernel does not apply."""
-    if (
-        gate_up.dim() != 2
-        or gate_up.stride(1) != 1
-        or gate_up.shape[1] % 2
-        or not _usable(gate_up)
-        or _silu_and_mul is None
-    ):
+    kernel = _kernel_for(_silu_and_mul, _silu_and_mul_bf16, gate_up)
+    if gate_up.dim() != 2 or gate_up.stride(1) != 1 or gate_up.shape[1] % 2 or kernel is None:
         return None
     rows, width = gate_up.shape
-    out = torch.empty(rows, width // 2, dtype=torch.float32)
-    _silu_and_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, width // 2)
+    out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+    kernel(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, width // 2)
     return out
 
 
 def write_kv(
     kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
 ) -> bool:
-    """Store ``key``/``value`` ``[tokens, kv_heads, head_dim]`` (any token stride) in their
-    slots of ``kv_cache`` ``[2, blocks, block_size, kv_heads, head_dim]``; False where the
-    kernel does not apply. A slot outside the cache raises IndexError, nothing written."""
+    """Store float32 ``key``/``value`` ``[tokens, kv_heads, head_dim]`` (any token stride) in
+    their slots of ``kv_cache`` ``[2, blocks, block_size, kv_heads, head_dim]``, float32 or
+    bfloat16 (rounded to nearest even, as ``Tensor.to``); False where the kernel does not
+    apply. A slot outside the cache raises IndexError, nothing written."""
+    bf16_cache = kv_cache.dtype == torch.bfloat16
+    write = _write_kv_bf16 if bf16_cache else _write_kv
     if (
-        _write_kv is None
-        or not _usable(kv_cache, key, value)
+        write is None
+        or not _usable(key, value)
+        or not (bf16_cache or _usable(kv_cache))
+        or kv_cache.device.type != "cpu"
         or not kv_cache.is_contiguous()
         or slot_mapping.dtype != torch.int64
         or slot_mapping.device.type != "cpu"
@@ -134,7 +158,7 @@ def write_kv(
     if slots.shape[0] != key.shape[0]:
         return False
     values_at = kv_cache[1]
-    code = _write_kv(
+    code = write(
         key.data_ptr(),
         key.stride(0),
         value.data_ptr(),

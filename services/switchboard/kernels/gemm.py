@@ -35,11 +35,11 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from switchboard.kernels import quant_gemm, small_batch_gemm
+from switchboard.kernels import bf16_gemm, quant_gemm, small_batch_gemm
 from switchboard.kernels.build import cpu_flags
 
-# A layer's weight laid out for a kernel of few rows: float32 or quantized.
-MatmulPanels = small_batch_gemm.Panels | quant_gemm.QuantPanels
+# A layer's weight laid out for a kernel of few rows: float32, quantized or bfloat16.
+MatmulPanels = small_batch_gemm.Panels | quant_gemm.QuantPanels | bf16_gemm.Bf16Panels
 
 # Products of at least this many multiply-adds (rows x in x out) go to oneDNN: below it, the
 # per-call lookup costs more than the faster kernel saves (measured 1x256x512: MKL 12 us,
@@ -58,6 +58,14 @@ PACK_BATCH_HINT = 32
 # Quantized panels take the same products (the quantized kernel computes the float32 kernel's
 # sums on the dequantized weights).
 SMALL_BATCH_MAX_ROWS = 128 if "avx512f" in cpu_flags() else 512
+# Products of at most this many rows on a bfloat16 weight with its panels go to the bfloat16
+# kernel (``bf16_gemm.py``), the rest to torch's bfloat16 matmul (oneDNN). Without AMX that
+# matmul was 3-5x slower than the kernel at 1 to 32 rows (SmolLM2's matrices, AVX-512 BF16
+# EPYC, 2 threads: 110 / 142 / 247 ms against 22 / 24 / 64 ms), so the kernel takes what the
+# float32 one does. With AMX oneDNN's tiles do several times the work per cycle once a step is
+# bound by compute; not measured here, so the kernel keeps only the rows where a step is bound
+# by reading the weights.
+BF16_MAX_ROWS = 16 if "amx_bf16" in cpu_flags() else SMALL_BATCH_MAX_ROWS
 
 _onednn_linear: Callable[..., torch.Tensor] | None = None
 _onednn_reorder: Callable[..., torch.Tensor] | None = None
@@ -105,10 +113,15 @@ def linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     panels: MatmulPanels | None = None,
+    float32_sums: bool = False,
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` through oneDNN where that is faster; ``weight`` may be a
-    ``pack``-ed one, and ``panels`` the same weight laid out for a small-batch kernel."""
+    ``pack``-ed one, and ``panels`` the same weight laid out for a small-batch kernel.
+    ``float32_sums``: a product the bfloat16 kernel computes comes back as its float32 sums
+    (the logits: not rounded to bfloat16 and widened again)."""
     onednn = _onednn_linear
+    if isinstance(panels, bf16_gemm.Bf16Panels):
+        return _bf16_linear(x, weight, bias, panels, float32_sums)
     quantized = isinstance(panels, quant_gemm.QuantPanels)
     if weight.is_mkldnn or quantized:
         rows = x.reshape(-1, x.shape[-1])
@@ -136,3 +149,21 @@ def linear(
     ):
         return onednn(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+def _bf16_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    panels: bf16_gemm.Bf16Panels,
+    float32_sums: bool,
+) -> torch.Tensor:
+    """A bfloat16 weight's product: the kernel for few rows (float32 sums, rounded to ``x``'s
+    dtype as torch's matmul rounds them, unless ``float32_sums``), torch's matmul otherwise."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] > BF16_MAX_ROWS or bf16_gemm.max_rows == 0:
+        return F.linear(x, weight, bias)
+    y = bf16_gemm.linear(rows.float(), panels, bias)
+    if not float32_sums:
+        y = y.to(x.dtype)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])

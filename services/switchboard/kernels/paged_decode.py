@@ -20,18 +20,21 @@ import torch
 from switchboard.kernels import library
 
 _kernel: Callable[..., Any] | None = None  # the library's paged_decode_f32
+_kernel_bf16kv: Callable[..., Any] | None = None  # the same over a bfloat16 cache
+# the cache's dtypes the kernel reads (keys and values widened to float32 in registers)
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
 _status = "not loaded"
 
 
 def load() -> bool:
     """Load the kernel (built once per machine); True when it is in use. Idempotent."""
-    global _kernel, _status
+    global _kernel, _kernel_bf16kv, _status
     if _kernel is not None:
         return True
     loaded, _status = library.load_switched("SWITCHBOARD_CPU_ATTENTION", "torch")
     if loaded is None:
         return False
-    _kernel = loaded.paged_decode_f32
+    _kernel, _kernel_bf16kv = loaded.paged_decode_f32, loaded.paged_decode_bf16kv
     return True
 
 
@@ -41,16 +44,17 @@ def status() -> str:
 
 def unload() -> None:
     """Back to torch's path (tests compare the two)."""
-    global _kernel, _status
-    _kernel, _status = None, "not loaded"
+    global _kernel, _kernel_bf16kv, _status
+    _kernel = _kernel_bf16kv = None
+    _status = "not loaded"
 
 
 def usable_for(query: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     return (
         _kernel is not None
         and query.device.type == "cpu"
-        and query.dtype == torch.float32
-        and kv_cache.dtype == torch.float32
+        and query.dtype in CACHE_DTYPES
+        and kv_cache.dtype in CACHE_DTYPES
         and kv_cache.is_contiguous()
         and query.shape[1] % kv_cache.shape[3] == 0
     )
@@ -64,10 +68,15 @@ def paged_decode(
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """``[size, heads, head_dim]`` float32 attention output of one query token per row: row
-    ``i`` attends over the first ``context_lens[i]`` positions of its blocks
-    (``block_table[i]``), no further back than ``sliding_window``."""
-    assert _kernel is not None, "paged_decode before load()"
+    """``[size, heads, head_dim]`` attention output of one query token per row, in the query's
+    dtype (computed in float32; a bfloat16 query or cache is widened): row ``i`` attends over
+    the first ``context_lens[i]`` positions of its blocks (``block_table[i]``), no further back
+    than ``sliding_window``."""
+    kernel = _kernel_bf16kv if kv_cache.dtype == torch.bfloat16 else _kernel
+    assert kernel is not None, "paged_decode before load()"
+    dtype = query.dtype
+    if dtype != torch.float32:
+        query = query.float()
     if query.stride(2) != 1 or query.stride(1) != query.shape[2]:  # rows may be strided
         query = query.contiguous()
     block_table = block_table.contiguous()
@@ -75,7 +84,7 @@ def paged_decode(
     size, heads, head_dim = query.shape
     _, num_blocks, block_size, kv_heads, _ = kv_cache.shape
     out = torch.empty(size, heads, head_dim, dtype=torch.float32)
-    code = _kernel(
+    code = kernel(
         query.data_ptr(),
         query.stride(0),
         kv_cache.data_ptr(),
@@ -94,4 +103,4 @@ def paged_decode(
     )
     if code != 0:
         raise MemoryError("CPU decode-attention kernel: out of scratch memory")
-    return out
+    return out if dtype == torch.float32 else out.to(dtype)

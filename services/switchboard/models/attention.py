@@ -205,8 +205,9 @@ def write_kv(
     if fused_ops.write_kv(kv_cache, key, value, slot_mapping):  # float32 on CPU: one C call
         return
     num_kv_heads, head_dim = kv_cache.shape[-2:]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    dtype = kv_cache.dtype  # the cache's dtype may differ from the model's (--kv-cache-dtype)
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(dtype))
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(dtype))
 
 
 def paged_attention(
@@ -259,7 +260,7 @@ def reference_prefill_attention(
         if span.num_tokens == span.context_len:  # nothing cached, a window cuts: this step's k/v
             keys, values = key[rows], value[rows]
         else:
-            keys, values = _cached_context(kv_cache, span)
+            keys, values = (t.to(query.dtype) for t in _cached_context(kv_cache, span))
         output[rows] = _masked_prefill_attention(
             query[rows], keys, values, span, scale, sliding_window
         )
@@ -323,8 +324,8 @@ def gathered_decode_attention(
     length = batch.max_context_len
     # [2, size, max_blocks, block_size, kv_heads, head_dim] -> [2, size, kv_heads, length, dim]
     gathered = kv_cache[:, batch.block_table].view(2, size, max_blocks * block_size, -1, head_dim)
-    keys = gathered[0, :, :length].transpose(1, 2)
-    values = gathered[1, :, :length].transpose(1, 2)
+    keys = gathered[0, :, :length].transpose(1, 2).to(query.dtype)
+    values = gathered[1, :, :length].transpose(1, 2).to(query.dtype)
     out = F.scaled_dot_product_attention(
         query[:, :, None, :],
         keys,

@@ -1,11 +1,12 @@
 """The CPU attention backend: the C decode kernel (``kernels/paged_decode.py``), which reads the
-paged cache in place, for every float32 query row it can take.
+paged cache (float32 or bfloat16) in place, for every query row it can take (float32 or
+bfloat16, computed in float32).
 
 Decodes go to the kernel. So do prompt tokens while every chunk's context is short
 (``KERNEL_MAX_CONTEXT``): each is one more row of the same kernel call, a row whose context ends
 at the token's own position (the causal mask; SDPA's per-call cost was most of the attention
 time of a step of short prompts). A step with a longer chunk sends its decodes to the kernel and
-its prompt chunks to the torch reference; anything but float32 on CPU runs the reference whole.
+its prompt chunks to the torch reference; any other dtype or device runs the reference whole.
 On this backend a decode-only step of a Llama-family model may skip the layers' Python and run
 in one C call (``LlamaForCausalLM``, ``kernels/decode_stack.py``).
 """

@@ -141,21 +141,23 @@ class LlamaDecoderLayer(nn.Module):
 
     def stack_layer(self) -> StackLayer | None:
         """This layer as the one-call decode stack reads it; None while a matrix has no
-        small-batch panels (weights not packed, or the kernel not in use)."""
+        small-batch panels (weights not packed, or the kernel not in use). The stack computes in
+        float32: a bfloat16 model's norms and biases are handed over as float32 copies."""
         attn, mlp = self.self_attn, self.mlp
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         matmuls = []
         for projection in projections:
             if projection.small_batch is None:
                 return None
-            matmuls.append(StackMatmul(projection.small_batch, projection.bias))
+            bias = None if projection.bias is None else _float32(projection.bias)
+            matmuls.append(StackMatmul(projection.small_batch, bias))
         qkv, o, gate_up, down = matmuls
         return StackLayer(
-            input_norm=self.input_layernorm.weight,
+            input_norm=_float32(self.input_layernorm.weight),
             input_norm_eps=self.input_layernorm.eps,
             qkv=qkv,
             o=o,
-            post_attention_norm=self.post_attention_layernorm.weight,
+            post_attention_norm=_float32(self.post_attention_layernorm.weight),
             post_attention_norm_eps=self.post_attention_layernorm.eps,
             gate_up=gate_up,
             down=down,
@@ -165,6 +167,11 @@ class LlamaDecoderLayer(nn.Module):
             scale=attn.scale,
             sliding_window=attn.sliding_window,
         )
+
+
+def _float32(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself when float32, else a float32 copy (detached)."""
+    return tensor.detach().to(torch.float32).contiguous()
 
 
 class LlamaModel(nn.Module):

@@ -24,8 +24,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from switchboard.kernels import bf16_gemm
 from switchboard.models.attention import AttentionMetadata
 from switchboard.models.bert import BertModel
+from switchboard.models.cpu_dtype import cpu_auto_dtype
 from switchboard.models.gpt2 import GPT2LMHeadModel
 from switchboard.models.hf_config import TransformerConfig, load_transformer_config
 from switchboard.models.llama import LlamaForCausalLM
@@ -118,8 +120,11 @@ def as_causal_lm(model: nn.Module) -> CausalLM:
     return model
 
 
-def resolve_dtype(requested: str, config: TransformerConfig, device: torch.device) -> torch.dtype:
-    """``auto`` = float32 on CPU (half-precision matmuls are slow there and float32 is exact);
+def resolve_dtype(
+    requested: str, config: TransformerConfig, device: torch.device, quantized: bool = False
+) -> torch.dtype:
+    """``auto`` on CPU: bfloat16 for a half-precision checkpoint not served ``quantized`` where
+    the CPU runs bfloat16 faster, else float32 (``cpu_dtype.py``; always logged, with why);
     on CUDA bfloat16, unless the checkpoint is float16 (kept) or the GPU lacks bfloat16
     (float16); on another accelerator the checkpoint's dtype (``dtype``/``torch_dtype`` in
     config.json), float32 if it names none.
@@ -127,17 +132,17 @@ def resolve_dtype(requested: str, config: TransformerConfig, device: torch.devic
     if requested != "auto":
         if requested not in _DTYPES:
             raise ValueError(f"unknown dtype {requested!r}; use auto, float32, float16, bfloat16")
-        if device.type == "cpu" and _DTYPES[requested] != torch.float32:
-            logger.warning("dtype %s on CPU is slow; --dtype auto would use float32", requested)
+        slow_bf16 = requested == "bfloat16" and not bf16_gemm.faster_than_float32()
+        if device.type == "cpu" and requested == "float16":
+            logger.warning("dtype float16 on CPU is slow; --dtype auto would not use it")
+        elif device.type == "cpu" and slow_bf16:
+            logger.warning("dtype bfloat16 on this CPU is slower than float32 (no AVX-512 BF16)")
         return _DTYPES[requested]
     checkpoint = _DTYPES.get(str(config.checkpoint_dtype).removeprefix("torch."))
     if device.type == "cpu":
-        if checkpoint not in (None, torch.float32):
-            logger.info(
-                "dtype auto: float32 on CPU instead of the checkpoint's %s (faster and exact)",
-                config.checkpoint_dtype,
-            )
-        return torch.float32
+        dtype, why = cpu_auto_dtype(checkpoint, quantized)
+        logger.info("dtype auto: %s on CPU (%s)", str(dtype).removeprefix("torch."), why)
+        return dtype
     if device.type == "cuda" and checkpoint != torch.float16:
         # bfloat16 on CUDA for float32 checkpoints and those that name no dtype too: tensor
         # cores, half the memory traffic, and the range float32 weights were trained in.

@@ -182,7 +182,7 @@ def vocab_parallel_logits(
 ) -> torch.Tensor:
     """Float32 logits ``[rows, vocab]`` from this rank's vocabulary rows ``weight`` (and their
     small-batch panels): every TP rank's part, gathered in rank order, padding dropped."""
-    local = linear(hidden, weight, None, small_batch)
+    local = linear(hidden, weight, None, small_batch, float32_sums=True)
     if parallel.tp_size == 1:
         return local.float()
     return parallel.all_gather_last_dim(local)[:, :vocab_size].float()

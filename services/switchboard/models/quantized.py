@@ -82,6 +82,13 @@ def check_mode(requested: str) -> str:
     return requested
 
 
+def asks_quantized(model_dir: str, requested: str) -> bool:
+    """Whether ``requested`` (one of ``MODES``) quantizes this checkpoint's weights where the
+    kernel applies (auto: a checkpoint carrying GGUF blocks)."""
+    mode = check_mode(requested)
+    return mode != "none" and (mode != "auto" or has_gguf_blocks(model_dir))
+
+
 def quantize_weights(
     model: nn.Module,
     model_dir: str,

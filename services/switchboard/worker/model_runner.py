@@ -32,7 +32,13 @@ from switchboard.worker import cuda_graphs
 from switchboard.worker.grammar_mask import apply_grammar_bitmask
 from switchboard.worker.logprobs import prompt_token_logprobs
 from switchboard.worker.lora_runner import LoraRequests
-from switchboard.worker.model_loading import load_runner_model, model_summary, require_config
+from switchboard.worker.model_loading import (
+    dtype_name,
+    load_runner_model,
+    model_summary,
+    require_config,
+    resolve_kv_cache_dtype,
+)
 from switchboard.worker.pooler import PoolingRequests
 from switchboard.worker.sampler import SamplerOutput, sample
 from switchboard.worker.spec_verify import accepted_tokens, build_verify_batch, expand_rows
@@ -74,6 +80,7 @@ class ModelRunner:
         self.model: CausalLM | None = None
         self.config: TransformerConfig | None = None
         self.dtype = torch.float32
+        self.kv_cache_dtype = torch.float32  # the model's unless --kv-cache-dtype says otherwise
         self.quantization = NO_QUANTIZATION
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = 0
@@ -88,6 +95,9 @@ class ModelRunner:
     def load_model(self) -> ModelSummary:
         model, self.config, self.dtype, self.quantization = load_runner_model(
             self.model_config, self.device, self.parallel
+        )
+        self.kv_cache_dtype = resolve_kv_cache_dtype(
+            self.model_config.kv_cache_dtype, self.dtype, self.device
         )
         self.model = as_causal_lm(model)
         if self.model_config.lora.enable_lora:
@@ -114,7 +124,7 @@ class ModelRunner:
         """On this worker: its stage's layers, its share of the KV heads."""
         config = self._require_config()
         num_layers, num_kv_heads = self._kv_cache_share(config)
-        element_size = torch.empty((), dtype=self.dtype).element_size()
+        element_size = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return 2 * num_layers * num_kv_heads * config.head_dim * element_size
 
     def _kv_cache_share(self, config: TransformerConfig) -> tuple[int, int]:
@@ -134,15 +144,16 @@ class ModelRunner:
                 block_size,
                 num_kv_heads,
                 config.head_dim,
-                self.dtype,
+                self.kv_cache_dtype,
                 self.device,
             )
             for _ in range(num_layers)
         ]
         logger.info(
-            "KV cache: %d blocks x %d tokens (%.1f MiB) in %.2f s",
+            "KV cache: %d blocks x %d tokens (%s, %.1f MiB) in %.2f s",
             num_blocks,
             block_size,
+            dtype_name(self.kv_cache_dtype),
             num_blocks * block_size * self.kv_cache_bytes_per_token() / 2**20,
             time.monotonic() - started,
         )

@@ -10,7 +10,9 @@
 
 /* Per layer, the addresses (as integers, 0 = none) of the norms, matmul panels and biases and
    the KV cache, the sliding window, and per matmul its panels' kind: 0 float32
-   (small_batch_gemm.c), else quantized in blocks of that many inputs (quant_gemm.c). */
+   (small_batch_gemm.c), BF16_PANELS bfloat16 (bf16_gemm.c), else quantized in blocks of that
+   many inputs (quant_gemm.c). */
+#define BF16_PANELS (-1)
 enum {
     LN1, QKV, QKV_BIAS, O, O_BIAS, LN2, GATE_UP, GATE_UP_BIAS, DOWN, DOWN_BIAS, KV, WINDOW,
     QKV_BLOCK, O_BLOCK, GATE_UP_BLOCK, DOWN_BLOCK, LAYER_FIELDS
@@ -18,17 +20,19 @@ enum {
 
 static int stack_linear(int64_t block, const float *x, int64_t ldx, const void *p,
                         const float *bias, float *y, int64_t M, int64_t K, int64_t N) {
+    if (block == BF16_PANELS) return bf16_linear(x, ldx, p, bias, y, M, K, N);
     if (block) return quant_linear(x, ldx, p, bias, y, M, K, N, block);
     return small_batch_linear(x, ldx, p, bias, y, M, K, N);
 }
 
-/* x [M, H]: the hidden states in, the last layer's out. Returns 0; -1 out of memory; -2 a
-   slot outside the KV cache. */
+/* x [M, H]: the hidden states in, the last layer's out (float32 whatever the weights). The
+   KV caches hold float32, or bfloat16 where kv_bf16 (written rounded, read widened). Returns 0;
+   -1 out of memory; -2 a slot outside the KV cache. */
 int decode_stack_f32(float *x, int64_t M, int64_t layers, const int64_t *fields, int64_t H,
                      int64_t nH, int64_t nKV, int64_t D, int64_t I, float eps, float scale,
                      const float *cos_half, const float *sin_half, const int64_t *slots,
                      const int64_t *block_table, const int64_t *context_lens, int64_t MB,
-                     int64_t NB, int64_t BS) {
+                     int64_t NB, int64_t BS, int64_t kv_bf16) {
     const int64_t qkv_n = (nH + 2 * nKV) * D, attn_n = nH * D;
     /* scratch kept from call to call (one worker per process calls this, from one thread):
        a new allocation of this size each step would be fresh pages, faulted in every time */
@@ -47,19 +51,27 @@ int decode_stack_f32(float *x, int64_t M, int64_t layers, const int64_t *fields,
     for (int64_t l = 0; l < layers && code == 0; l++) {
         const int64_t *f = fields + l * LAYER_FIELDS;
 #define PTR(i) ((float *)(intptr_t)f[i])
-        float *kv = PTR(KV);
+        void *kv = (void *)(intptr_t)f[KV];
         rms_norm_f32(x, H, PTR(LN1), h, M, H, eps);
         code = stack_linear(f[QKV_BLOCK], h, H, PTR(QKV), PTR(QKV_BIAS), qkv, M, H, qkv_n);
         if (code != 0) break;
         rotary_f32(qkv, qkv_n, M, nH, D, cos_half, sin_half);
         rotary_f32(qkv + nH * D, qkv_n, M, nKV, D, cos_half, sin_half);
-        if (write_kv_f32(qkv + nH * D, qkv_n, qkv + (nH + nKV) * D, qkv_n, slots, M, nKV * D,
-                         kv, kv + NB * BS * nKV * D, NB * BS) != 0) {
+        const float *k_new = qkv + nH * D, *v_new = qkv + (nH + nKV) * D;
+        const int64_t half = NB * BS * nKV * D; /* the values' offset in the cache */
+        const int written =
+            kv_bf16 ? write_kv_bf16(k_new, qkv_n, v_new, qkv_n, slots, M, nKV * D, kv,
+                                    (uint16_t *)kv + half, NB * BS)
+                    : write_kv_f32(k_new, qkv_n, v_new, qkv_n, slots, M, nKV * D, kv,
+                                   (float *)kv + half, NB * BS);
+        if (written != 0) {
             code = -2;
             break;
         }
-        code = paged_decode_f32(qkv, qkv_n, kv, block_table, context_lens, attn, M, nH, nKV, D,
-                                NB, BS, MB, scale, f[WINDOW]);
+        code = kv_bf16 ? paged_decode_bf16kv(qkv, qkv_n, kv, block_table, context_lens, attn, M,
+                                             nH, nKV, D, NB, BS, MB, scale, f[WINDOW])
+                       : paged_decode_f32(qkv, qkv_n, kv, block_table, context_lens, attn, M, nH,
+                                          nKV, D, NB, BS, MB, scale, f[WINDOW]);
         if (code != 0) break;
         code = stack_linear(f[O_BLOCK], attn, attn_n, PTR(O), PTR(O_BIAS), tmp, M, attn_n, H);
         if (code != 0) break;

@@ -1,5 +1,6 @@
 /* Every kernel the library exports, as kernels/library.py declares them to ctypes (one table
-   there mirrors this file). float32 throughout; "ld" arguments are row strides in floats. */
+   there mirrors this file). float32 but where a name or comment says bfloat16 (uint16_t bit
+   patterns); "ld" arguments are row strides in elements. */
 #ifndef SWITCHBOARD_KERNELS_H
 #define SWITCHBOARD_KERNELS_H
 #include <stdint.h>
@@ -8,6 +9,11 @@
 int paged_decode_f32(const float *query, int64_t ldq, const float *kv, const int64_t *block_table,
                      const int64_t *context_lens, float *out, int64_t B, int64_t H, int64_t KVH,
                      int64_t D, int64_t NB, int64_t BS, int64_t MB, float scale, int64_t window);
+/* the same over a bfloat16 cache (float32 query and output) */
+int paged_decode_bf16kv(const float *query, int64_t ldq, const uint16_t *kv,
+                        const int64_t *block_table, const int64_t *context_lens, float *out,
+                        int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t NB, int64_t BS,
+                        int64_t MB, float scale, int64_t window);
 
 /* fused_ops.c: a layer's small operations */
 void rms_norm_f32(const float *x, int64_t ldx, const float *weight, float *out, int64_t rows,
@@ -19,6 +25,17 @@ int write_kv_f32(const float *key, int64_t ldk, const float *value, int64_t ldv,
                  const int64_t *slots, int64_t tokens, int64_t row, float *cache_k,
                  float *cache_v, int64_t num_slots);
 void argmax_rows_f32(const float *x, int64_t ldx, int64_t rows, int64_t V, int64_t *out);
+
+/* fused_ops_bf16.c: the same on bfloat16 tensors (bit patterns as uint16_t), and the KV-cache
+   write from float32 into a bfloat16 cache */
+void rms_norm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *weight, uint16_t *out,
+                   int64_t rows, int64_t H, float eps);
+void rotary_bf16(uint16_t *x, int64_t ldx, int64_t tokens, int64_t heads, int64_t D,
+                 const uint16_t *cos_half, const uint16_t *sin_half);
+void silu_and_mul_bf16(const uint16_t *x, int64_t ldx, uint16_t *out, int64_t rows, int64_t I);
+int write_kv_bf16(const float *key, int64_t ldk, const float *value, int64_t ldv,
+                  const int64_t *slots, int64_t tokens, int64_t row, uint16_t *cache_k,
+                  uint16_t *cache_v, int64_t num_slots);
 
 /* small_batch_gemm.c: matmuls of a few rows (0 rows at a time: built without AVX2 and FMA) */
 int small_batch_max_rows(void);
@@ -34,10 +51,19 @@ void quant_pack(const int8_t *q, const float *scale, const float *offset, uint8_
 int quant_linear(const float *x, int64_t ldx, const uint8_t *p, const float *bias, float *y,
                  int64_t M, int64_t K, int64_t N, int64_t B);
 
+/* bf16_gemm.c: matmuls of a few rows on bfloat16 weights (variants: bit 1 AVX2, 2 AVX-512,
+   3 AVX-512 BF16; 0 rows at a time: none selected) */
+int bf16_gemm_variants(void);
+int bf16_gemm_select(int variant);
+int bf16_gemm_max_rows(void);
+void bf16_pack(const uint16_t *w, uint32_t *p, int64_t N, int64_t K);
+int bf16_linear(const float *x, int64_t ldx, const uint32_t *p, const float *bias, float *y,
+                int64_t M, int64_t K, int64_t N);
+
 /* decode_stack.c: a decode step's decoder layers in one call */
 int decode_stack_f32(float *x, int64_t M, int64_t layers, const int64_t *fields, int64_t H,
                      int64_t nH, int64_t nKV, int64_t D, int64_t I, float eps, float scale,
                      const float *cos_half, const float *sin_half, const int64_t *slots,
                      const int64_t *block_table, const int64_t *context_lens, int64_t MB,
-                     int64_t NB, int64_t BS);
+                     int64_t NB, int64_t BS, int64_t kv_bf16);
 #endif
