@@ -18,10 +18,11 @@ from tests.worker.test_model_runner_parity import DrivenRequest, ToyScheduler, m
 
 PROMPTS = [[1, 5, 40, 77, 100], [1, 9], [1, *range(20, 40)], [3, 4, 5, 6]]
 # bfloat16 keeps 8 significant bits: the two paths round different intermediate values (the
-# kernel path keeps its activations float32 through a decode step, torch rounds every one), so a
-# log-probability moves by a few hundredths on the tiny model; its flat vocabulary of 1,024
-# has best-two gaps below that
-BF16_ERROR = 0.15
+# kernel path keeps its activations float32 through a decode step, and through the prefill of a
+# prompt of up to 16 tokens, which the one-call stack takes too; torch rounds every one), so a
+# log-probability moves by up to about a tenth on the tiny model (0.157 seen); its flat
+# vocabulary of 1,024 has best-two gaps below that
+BF16_ERROR = 0.25
 
 
 def _greedy(runner, tokens: int = 12) -> list[DrivenRequest]:

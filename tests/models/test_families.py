@@ -148,10 +148,14 @@ def test_every_family_loads_in_half_precision(family):
 
 
 def test_auto_dtype_follows_the_checkpoint_on_an_accelerator(tmp_path):
+    from switchboard.models.cpu_dtype import cpu_auto_dtype
     from switchboard.models.loader import resolve_dtype
 
     config = qwen2(torch_dtype="bfloat16")
-    assert resolve_dtype("auto", config, CPU) == torch.float32
+    # on CPU: bfloat16 only where this CPU runs it faster (models/cpu_dtype.py), else float32
+    on_cpu, _ = cpu_auto_dtype(torch.bfloat16, quantized=False)
+    assert resolve_dtype("auto", config, CPU) == on_cpu
+    assert resolve_dtype("auto", qwen2(), CPU) == torch.float32  # a float32 checkpoint stays so
     assert resolve_dtype("auto", config, torch.device("cuda", 0)) == torch.bfloat16
     assert resolve_dtype("auto", qwen2(dtype="float16"), torch.device("cuda", 0)) == torch.float16
     # a checkpoint that names no dtype (or float32): bfloat16 on CUDA (tests/worker/test_gpu_paths)
