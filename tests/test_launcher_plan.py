@@ -9,12 +9,8 @@ from switchboard.config import (
     ModelConfig,
     ParallelConfig,
 )
-from switchboard.supervisor.launcher import (
-    plan_coordinator,
-    plan_server,
-    ready_line,
-    server_addresses,
-)
+from switchboard.supervisor.launcher import plan_coordinator, plan_server
+from switchboard.supervisor.ready_report import ready_line, server_addresses
 
 
 def plan(a: int, dp: int, pp: int, tp: int, run_dir: str = "/run/sb"):

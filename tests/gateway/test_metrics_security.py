@@ -22,7 +22,7 @@ from switchboard.cli import serve
 from switchboard.config import METRICS_TOKEN_ENV, GatewayConfig, GatewayRoleConfig, ModelConfig
 from switchboard.gateway.auth import Credentials
 from switchboard.gateway.grpc_server import GatewayServer
-from switchboard.supervisor.launcher import server_addresses
+from switchboard.supervisor.ready_report import server_addresses
 
 TOKEN = "scrape-token-0123456789"
 API_KEY = "api-key-0123456789"
