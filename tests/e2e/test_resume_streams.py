@@ -99,6 +99,7 @@ def test_dp2_structured_streams_resume_through_their_grammar(
             "--metrics-port", str(metrics_port),
             "--otlp-traces-endpoint", receiver.endpoint,
         )  # fmt: skip
+    workers: list[int] = []
     try:
         references = [
             Stream(server, [], 0, request=constrained_request(i, f"ref-{i}")) for i in range(6)
@@ -108,7 +109,7 @@ def test_dp2_structured_streams_resume_through_their_grammar(
             assert reference.code == grpc.StatusCode.OK, reference.details
             assert_valid(index, reference.text)
         titled = server.titled_processes()
-        workers = [titled[f"switchboard::Worker_DP{rank}_PP0_TP0"] for rank in (0, 1)]
+        workers += [titled[f"switchboard::Worker_DP{rank}_PP0_TP0"] for rank in (0, 1)]
         tries = itertools.count()  # a try's streams have ids of their own (spans find them)
 
         def start() -> list[Stream]:
@@ -166,8 +167,18 @@ def test_dp2_structured_streams_resume_through_their_grammar(
         assert completion.start_ns <= cut.start_ns <= cut.end_ns <= completion.end_ns
         print(f"\ndp2 kill -9 DP{victim}: {len(resumed)} of 6 constrained streams resumed")
     finally:
+        resume_processes(workers)  # a failed check must not leave a worker stopped for good
         assert server.stop() == 0, server.log()
         receiver.stop()
+
+
+def resume_processes(pids: list[int]) -> None:
+    """SIGCONT to each (gone already: nothing to do)."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
 
 
 class SseStream:
@@ -218,6 +229,7 @@ def test_http_sse_streams_resume_on_the_restarted_engine(tiny_model: str, tmp_pa
     are held mid-stream: the engine is restarted and both streams continue on it, ending as an
     undisturbed run does, on the same connection."""
     server = start_server(tiny_model, tmp_path)
+    held: list[int] = []
     try:
         kinds: list[dict[str, Any]] = [{"ignore_eos": True}, {"guided_regex": PAIRS}]
         expected = []
@@ -228,6 +240,7 @@ def test_http_sse_streams_resume_on_the_restarted_engine(tiny_model: str, tmp_pa
             expected.append((reference.text, reference.finish_reason))
         assert expected[0][1] == "length" and expected[1][1] == "stop"
         worker = server.titled_processes()["switchboard::Worker_DP0_PP0_TP0"]
+        held.append(worker)
         streams = held_up_streams(
             [worker], lambda: [SseStream(server, PROMPTS[0], **extra) for extra in kinds]
         )
@@ -242,4 +255,5 @@ def test_http_sse_streams_resume_on_the_restarted_engine(tiny_model: str, tmp_pa
         done_s = time.monotonic() - killed
         print(f"\nSSE kill -9 worker: both streams resumed, done {done_s:.1f}s after the kill")
     finally:
+        resume_processes(held)
         assert server.stop() == 0, server.log()
