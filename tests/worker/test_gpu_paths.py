@@ -74,11 +74,19 @@ def test_graphs_only_on_cuda_with_triton_and_one_worker(monkeypatch):
 
 
 def test_auto_dtype_on_cuda_is_bfloat16_unless_the_checkpoint_is_float16():
+    from switchboard.models.cpu_dtype import cpu_auto_dtype
+
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     for checkpoint in ("float32", None, "bfloat16"):
         config = SimpleNamespace(checkpoint_dtype=checkpoint)
         assert resolve_dtype("auto", config, cuda) == torch.bfloat16  # type: ignore[arg-type]
+    # on CPU: float32, but bfloat16 for a bfloat16 checkpoint where this CPU runs it faster
+    for checkpoint in ("float32", None):
+        config = SimpleNamespace(checkpoint_dtype=checkpoint)
         assert resolve_dtype("auto", config, cpu) == torch.float32  # type: ignore[arg-type]
+    on_cpu, _ = cpu_auto_dtype(torch.bfloat16, quantized=False)
+    config = SimpleNamespace(checkpoint_dtype="bfloat16")
+    assert resolve_dtype("auto", config, cpu) == on_cpu  # type: ignore[arg-type]
     config = SimpleNamespace(checkpoint_dtype="float16")
     assert resolve_dtype("auto", config, cuda) == torch.float16  # type: ignore[arg-type]
     assert resolve_dtype("float32", config, cuda) == torch.float32  # type: ignore[arg-type]
