@@ -29,6 +29,7 @@ import torch
 
 from switchboard.kernels import library
 from switchboard.kernels.build import cpu_flags
+from switchboard.kernels.panel_call import call_panel_linear
 
 logger = logging.getLogger(__name__)
 
@@ -161,23 +162,9 @@ def linear(x: torch.Tensor, panels: Bf16Panels, bias: torch.Tensor | None = None
     rows, in_features = x.shape
     if in_features != panels.in_features:
         raise ValueError(f"{in_features} inputs for a weight of {panels.in_features}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
     if bias is not None:
-        bias = bias.to(torch.float32).contiguous()
-    y = torch.empty(rows, panels.out_features, dtype=torch.float32)
-    if rows == 0:
-        return y
-    code = _linear(
-        x.data_ptr(),
-        x.stride(0),
-        panels.data.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        y.data_ptr(),
-        rows,
-        in_features,
-        panels.out_features,
-    )
+        bias = bias.to(torch.float32)
+    y, code = call_panel_linear(_linear, x, panels.data, panels.out_features, bias)
     if code != 0:
         raise MemoryError(f"bf16 matmul of {rows} rows failed ({code})")
     return y

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from switchboard.kernels import library
+from switchboard.kernels.panel_call import call_panel_linear
 from switchboard.kernels.quant_formats import QuantRows
 
 PANEL = 16
@@ -123,24 +124,7 @@ def linear(x: torch.Tensor, panels: QuantPanels, bias: torch.Tensor | None = Non
     rows, in_features = x.shape
     if in_features != panels.in_features:
         raise ValueError(f"{in_features} inputs for a weight of {panels.in_features}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if bias is not None:
-        bias = bias.contiguous()
-    y = torch.empty(rows, panels.out_features, dtype=torch.float32)
-    if rows == 0:
-        return y
-    code = _linear(
-        x.data_ptr(),
-        x.stride(0),
-        panels.data.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        y.data_ptr(),
-        rows,
-        in_features,
-        panels.out_features,
-        panels.block,
-    )
+    y, code = call_panel_linear(_linear, x, panels.data, panels.out_features, bias, panels.block)
     if code != 0:
         raise MemoryError(f"quantized matmul of {rows} rows: out of memory")
     return y

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from switchboard.kernels import library
+from switchboard.kernels.panel_call import call_panel_linear
 
 PANEL = 16
 # Rows one call takes, read from the library at load (8 with AVX-512's registers, else 6);
@@ -112,24 +113,7 @@ def pack(weight: torch.Tensor) -> Panels:
 def linear(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W^T + b`` for ``x`` ``[rows, in]`` float32 on CPU (``max_rows`` at a time)."""
     assert _linear is not None, "small_batch_gemm.linear before load()"
-    rows, in_features = x.shape
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if bias is not None:
-        bias = bias.contiguous()
-    y = torch.empty(rows, panels.out_features, dtype=torch.float32)
-    if rows == 0:  # a step whose prefill chunk samples nothing
-        return y
-    code = _linear(
-        x.data_ptr(),
-        x.stride(0),
-        panels.data.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        y.data_ptr(),
-        rows,
-        in_features,
-        panels.out_features,
-    )
+    y, code = call_panel_linear(_linear, x, panels.data, panels.out_features, bias)
     if code != 0:
-        raise ValueError(f"small-batch matmul: {rows} rows")
+        raise ValueError(f"small-batch matmul: {x.shape[0]} rows")
     return y
