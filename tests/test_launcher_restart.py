@@ -85,3 +85,33 @@ def test_a_restart_waits_for_the_dead_engines_workers_then_kills_them(tmp_path: 
         if worker.poll() is None:
             worker.kill()
             worker.wait()
+
+
+def child_exiting_with(role: str, code: int) -> Child:
+    process = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})"])
+    process.wait()
+    return Child(role, process, "switchboard.engine", "{}")
+
+
+def test_a_process_whose_first_start_failed_stops_the_server(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """START_FAILED on a first start (a bad model, a port in use) is not retried: each try
+    would fail the same way. After a restart it is on the budget like any other exit."""
+    from switchboard.common.exit_codes import START_FAILED
+
+    supervisor = Supervisor([], [], str(tmp_path), restart=RestartPolicy("always", 3, 300.0))
+    with caplog.at_level(logging.ERROR, logger="switchboard.supervisor.launcher"):
+        for role in ("EngineCore_DP0", "Gateway_0"):
+            failed = child_exiting_with(role, START_FAILED)
+            supervisor._children.append(failed)
+            assert not supervisor._schedule_restart(failed), role
+            assert f"{role} (pid {failed.process.pid}) failed to start" in caplog.text
+    assert supervisor._due == {}
+    crashed = child_exiting_with("EngineCore_DP1", 1)
+    supervisor._children.append(crashed)
+    assert supervisor._schedule_restart(crashed), "a crash while serving is restarted"
+    supervisor._due.clear()
+    again = child_exiting_with("EngineCore_DP1", START_FAILED)
+    supervisor._children.append(again)
+    assert supervisor._schedule_restart(again), "a failed restart is on the budget"

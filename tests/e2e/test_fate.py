@@ -4,7 +4,12 @@ so."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -14,7 +19,7 @@ import pytest
 
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
-from tests.e2e.server import RunningServer, descendants, start_server
+from tests.e2e.server import RunningServer, descendants, free_port, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -117,3 +122,48 @@ def test_a_dead_process_takes_the_server_down(tiny_model: str, tmp_path: Path, v
     assert code != 0, server.log()
     assert ring_segments(engine_pid) == []
     assert_nothing_left(server, list(titled.values()) + descendants(server.process.pid))
+
+
+def _serve_until_exit(cmd_args: list[str], workdir: Path) -> tuple[int, str]:
+    run_base = Path(tempfile.mkdtemp(prefix="sb-"))
+    env = dict(os.environ, SWITCHBOARD_RPC_BASE_PATH=str(run_base), PYTHONUNBUFFERED="1")
+    log_path = workdir / "server.log"
+    cmd = [sys.executable, "-m", "switchboard.cli", "serve", "--host", "127.0.0.1", *cmd_args]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        code = process.wait(240)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        shutil.rmtree(run_base, ignore_errors=True)
+    return code, log_path.read_text(errors="replace")
+
+
+@pytest.mark.parametrize("failure", ["weights", "port"])
+def test_a_process_that_cannot_start_stops_the_server_without_restarts(
+    tiny_model: str, tmp_path: Path, failure: str
+) -> None:
+    """An engine whose model fails to load, or a gateway whose port is taken, fails the same way
+    on every try: the server stops at once with the cause in its log, instead of restarting it."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    http_port = holder.getsockname()[1] if failure == "port" else free_port()
+    if failure == "weights":
+        (weights,) = model.glob("*.safetensors")
+        weights.write_bytes(weights.read_bytes()[:1000])
+    try:
+        code, log = _serve_until_exit(
+            ["--model", str(model), "--port", str(free_port()), "--http-port", str(http_port)],
+            tmp_path,
+        )
+    finally:
+        holder.close()
+    role = "EngineCore_DP0" if failure == "weights" else "Gateway_0"
+    assert code != 0, log
+    assert f"{role} (pid" in log and "failed to start" in log, log
+    assert "restarting it" not in log, log

@@ -1,7 +1,8 @@
 """Process entry of an engine core: ``python -m switchboard.engine --config-json JSON``.
 
 ``JSON`` is ``config.encode_config(EngineConfig(...))``. The process exits 0 after a clean
-shutdown (SIGTERM/SIGINT) and non-zero after a fatal error.
+shutdown (SIGTERM/SIGINT), ``START_FAILED`` (common/exit_codes.py) when its start-up failed, and
+1 after a fatal error while serving.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import sys
 
 import setproctitle
 
+from switchboard.common.exit_codes import START_FAILED
 from switchboard.config import EngineConfig, decode_config
 from switchboard.engine.core import EngineCore
 from switchboard.engine.io_threads import InputQueue
@@ -31,14 +33,19 @@ def run_engine_core(config: EngineConfig) -> int:
     signal.signal(signal.SIGTERM, shutdown.on_signal)
     signal.signal(signal.SIGINT, shutdown.on_signal)
     core = EngineCore(config, shutdown, input_queue)
+    started = False
     try:
         core.start()
+        started = True
         core.run_busy_loop()
         return 0
     except Exception:
-        logger.exception("EngineCore encountered a fatal error")
+        if started:
+            logger.exception("EngineCore encountered a fatal error")
+        else:
+            logger.exception("EngineCore failed to start")
         core.send_engine_dead()
-        return 1
+        return 1 if started else START_FAILED
     finally:
         core.shutdown()
 

@@ -39,6 +39,7 @@ from switchboard.api.v1 import (
     model_service_pb2,
     model_service_pb2_grpc,
 )
+from switchboard.common.exit_codes import START_FAILED
 from switchboard.common.log_limits import report_suppressed
 from switchboard.common.tls import grpc_server_credentials, tls_enabled
 from switchboard.config import GatewayConfig, GatewayRoleConfig
@@ -312,12 +313,17 @@ class GatewayServer:
 
 
 async def serve(config: GatewayRoleConfig) -> int:
-    """Run one gateway until SIGINT/SIGTERM (exit code 0) or its engines die (non-zero)."""
+    """Run one gateway until SIGINT/SIGTERM (exit code 0) or its engines die (non-zero);
+    ``START_FAILED`` when it cannot start (a port in use, a bad certificate)."""
     server = GatewayServer(config)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, server.request_stop, 0)
-    await server.start()
+    try:
+        await server.start()
+    except Exception:
+        logger.exception("the gateway failed to start")
+        return START_FAILED
     return await server.run()
 
 

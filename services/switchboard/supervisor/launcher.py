@@ -16,10 +16,11 @@ default; each process has its own budget):
 * the coordinator: the gateways route on their own counts until it publishes again; it
   rebuilds its table from the engines' next reports.
 
-More than ``max_restarts`` within ``window_s``, or policy "never": the whole server goes down
-with a non-zero exit code. SIGINT/SIGTERM stops everything cleanly with exit code 0, the
-gateways first (they drain their streams for ``--shutdown-grace``). The run directory is
-removed at exit.
+More than ``max_restarts`` within ``window_s``, policy "never", or a process whose first start
+failed (exit code ``START_FAILED``: a bad model or configuration would fail every restart the
+same way): the whole server goes down with a non-zero exit code. SIGINT/SIGTERM stops
+everything cleanly with exit code 0, the gateways first (they drain their streams for
+``--shutdown-grace``). The run directory is removed at exit.
 
 Children are started as fresh interpreters (``python -m switchboard.<role>``), which is what the
 ``spawn`` start method means: nothing of the supervisor's state is inherited, and no role imports
@@ -53,6 +54,7 @@ import msgspec
 import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from switchboard.common.exit_codes import START_FAILED
 from switchboard.common.tls import tls_enabled, tls_handshake_failed
 from switchboard.config import (
     CoordinatorConfig,
@@ -326,6 +328,14 @@ class Supervisor:
         the gateways, its ring removed and its workers awaited; a gateway or the coordinator
         needs nothing but the restart (their peers reconnect to the same addresses)."""
         if not (self._restart.restarts and child.role.startswith(RESTARTED_ROLES)):
+            return False
+        if child.process.returncode == START_FAILED and child.role not in self._restart_times:
+            logger.error(
+                "%s (pid %d) failed to start (its error is logged above): a restart would fail "
+                "the same way; stopping the server",
+                child.role,
+                child.process.pid,
+            )
             return False
         now = time.monotonic()
         window = [
