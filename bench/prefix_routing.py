@@ -1,25 +1,37 @@
 """Prefix-aware routing vs power of two choices across DP engines, on multi-turn conversations.
 
-    python bench/prefix_routing.py [--model DIR] [-dp 2] [--conversations 16] [--turns 6]
-                                   [--system-tokens 128] [--user-tokens 128] [--max-tokens 64]
-                                   [--kv-blocks 800] [--repeat 2] [--server-arg ARG ...]
+    python bench/prefix_routing.py [--workload capacity|small] [--model DIR] [-dp 2]
+        [--conversations N] [--turns N] [--system-tokens N] [--user-tokens N]
+        [--max-tokens N] [--think-ms MS] [--kv-share F | --kv-blocks N] [--repeat 2]
+        [--server-arg ARG ...]
 
-Starts two real servers (`switchboard serve -dp N`) one after the other, the same in every way
-but ``--routing-policy`` (prefix, then power-of-two), and runs the same workload on each:
-``--conversations`` conversations at once, each on its own gRPC channel (so the server's
-gateways share them), each ``--turns`` turns long. Every prompt is a system prompt shared by
-all conversations, then the conversation so far (each earlier turn's user message and the
-tokens the server answered), then a new user message of ``--user-tokens`` random tokens; a
-conversation sends its next turn when the last one ends. Prompts are token ids, greedy,
-``--max-tokens`` output tokens each. A few unrelated requests warm each server up first.
+Starts one real server (`switchboard serve -dp N`) per policy and run, the same in every way
+but ``--routing-policy`` (prefix, then power-of-two, alternated ``--repeat`` times), and runs
+the same workload on each: ``--conversations`` conversations at once, each on its own gRPC
+channel (so the server's gateways share them), each ``--turns`` turns long. Every prompt is a
+system prompt shared by all conversations, then the conversation so far (each earlier turn's
+user message and the tokens the server answered), then a new user message; a conversation
+sends its next turn when the last one ends, after ``--think-ms`` (exponentially distributed,
+0: none). Prompts are token ids, greedy, a fixed number of output tokens per turn. A few
+unrelated requests warm each server up first.
 
-Printed per policy: the share of prompt tokens the server served from its prefix cache
-(``Usage.cached_prompt_tokens``), client-side time to first token (p50, p90), output tokens per
-second over the whole run, and the ratios prefix / power-of-two. ``--repeat`` runs each policy
-that many times, alternating, and pools their requests (a shared machine's noise). ``--kv-blocks``
-sizes each engine's KV cache (``--num-gpu-blocks-override``); the default holds a little more
-than half of all the conversations at their longest: what prefix routing asks of each engine,
-where power of two choices sends every conversation to both.
+The workloads (each flag overrides its preset):
+
+* ``capacity`` (default): what a production router is for. 48 conversations x 8 turns, a
+  256-token system prompt, user messages of 32-128 tokens and answers of 32-80 (drawn per
+  turn, the same for every run). Each engine's KV cache is sized (``--num-gpu-blocks-override``)
+  to ``--kv-share`` (0.6) of the blocks all conversations hold at their longest: more than one
+  engine holds, less than two do. Power of two choices sends each conversation to both engines
+  over its turns, so each engine would need all of it and evicts what the next turn needs;
+  prefix routing keeps each conversation on one engine, whose cache then holds its share.
+* ``small``: 16 conversations x 6 turns, a 128-token system prompt, 128 user and 64 output
+  tokens a turn, 800 KV blocks per engine (they hold everything): routing can only save the
+  turns power of two choices sends to the other engine.
+
+Printed: the KV sizing, the machine's load average before and after, then per policy the share
+of prompt tokens served from the prefix cache (``Usage.cached_prompt_tokens``), client-side
+time to first token (p50, p90), output tokens per second over the whole run, and the ratios
+prefix / power-of-two. Every run's requests are pooled per policy.
 
 The default model is a small random-weight Llama built on the fly (as bench/prefix_cache.py).
 """
@@ -27,12 +39,15 @@ The default model is a small random-weight Llama built on the fly (as bench/pref
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import random
 import sys
 import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -48,6 +63,23 @@ from tests.tiny_checkpoint import tiny_llama_dir  # noqa: E402
 RPC_TIMEOUT_S = 600.0
 POLICIES = ("prefix", "power-of-two")
 WARMUP_REQUESTS = 4
+BLOCK_SIZE = 16  # the server's default
+
+
+@dataclass(frozen=True)
+class Preset:
+    conversations: int
+    turns: int
+    system_tokens: int
+    user_tokens: tuple[int, int]  # drawn per turn, inclusive
+    max_tokens: tuple[int, int]
+    kv_blocks: int  # 0: sized by kv_share
+
+
+PRESETS = {
+    "capacity": Preset(48, 8, 256, (32, 128), (32, 80), 0),
+    "small": Preset(16, 6, 128, (128, 128), (64, 64), 800),
+}
 
 
 def generate(
@@ -72,26 +104,70 @@ def generate(
 
 
 class Workload:
-    """The same conversations for every server: a seed per conversation and turn."""
+    """The same conversations for every server: each turn's lengths and tokens drawn from a
+    seed per conversation and turn."""
 
-    def __init__(self, args: argparse.Namespace, vocab: int) -> None:
+    def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.vocab = vocab
         self.system = self.tokens(random.Random(0), args.system_tokens)
 
     def tokens(self, rng: random.Random, n: int) -> list[int]:
-        return [rng.randrange(3, self.vocab) for _ in range(n)]
+        return [rng.randrange(3, self.args.vocab) for _ in range(n)]
 
-    def conversation(self, target: str, index: int, samples: list[Sample]) -> None:
+    def turn(self, conversation: int, turn: int) -> tuple[list[int], int, float]:
+        """A turn's user message, answer length and think time before it (seconds)."""
         args = self.args
+        rng = random.Random(conversation * 1000 + turn + 1)
+        user = self.tokens(rng, rng.randint(*args.user_tokens))
+        think = rng.expovariate(1000.0 / args.think_ms) if args.think_ms and turn else 0.0
+        return user, rng.randint(*args.max_tokens), think
+
+    def longest_prompt(self, conversation: int) -> int:
+        """Tokens of the conversation's context after its last turn."""
+        total = self.args.system_tokens
+        for turn in range(self.args.turns):
+            user, answer, _ = self.turn(conversation, turn)
+            total += len(user) + answer
+        return total
+
+    def run(self, target: str, conversation: int, samples: list[Sample]) -> None:
         with grpc.insecure_channel(target) as channel:  # its own connection: any gateway
             stub = pb_grpc.GenerationServiceStub(channel)
             history = list(self.system)
-            for turn in range(args.turns):
-                history += self.tokens(random.Random(index * 1000 + turn + 1), args.user_tokens)
-                sample, answer = generate(stub, history, args.max_tokens)
+            for turn in range(self.args.turns):
+                user, max_tokens, think = self.turn(conversation, turn)
+                time.sleep(think)
+                history += user
+                sample, answer = generate(stub, history, max_tokens)
                 samples.append(sample)
                 history += answer
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """What all conversations hold at their longest, and each engine's KV cache."""
+
+    context_blocks: int  # the shared system prompt once, each conversation's own blocks
+    kv_blocks: int  # per engine
+
+    def describe(self, dp: int) -> str:
+        return (
+            f"KV cache: {self.kv_blocks} blocks of {BLOCK_SIZE} tokens per engine "
+            f"({self.kv_blocks * BLOCK_SIZE} tokens); all conversations at their longest hold "
+            f"{self.context_blocks} blocks = {self.context_blocks / self.kv_blocks:.2f}x one "
+            f"engine's cache, {self.context_blocks / (dp * self.kv_blocks):.2f}x all {dp}"
+        )
+
+
+def sizing(workload: Workload) -> Sizing:
+    args = workload.args
+    system_blocks = args.system_tokens // BLOCK_SIZE
+    own = sum(
+        math.ceil(workload.longest_prompt(c) / BLOCK_SIZE) - system_blocks
+        for c in range(args.conversations)
+    )
+    context = system_blocks + own
+    return Sizing(context, args.kv_blocks or math.ceil(args.kv_share * context))
 
 
 def run_workload(target: str, workload: Workload) -> RunResult:
@@ -106,7 +182,7 @@ def run_workload(target: str, workload: Workload) -> RunResult:
 
     def one(index: int) -> None:
         mine: list[Sample] = []
-        workload.conversation(target, index, mine)
+        workload.run(target, index, mine)
         with lock:
             samples.extend(mine)
 
@@ -116,13 +192,13 @@ def run_workload(target: str, workload: Workload) -> RunResult:
     return RunResult(samples, time.perf_counter() - started)
 
 
-def serve_and_run(model_dir: str, policy: str, workload: Workload, workdir: Path) -> RunResult:
+def serve_and_run(
+    model_dir: str, policy: str, workload: Workload, kv_blocks: int, workdir: Path
+) -> RunResult:
     args = workload.args
     server_args = ["-dp", str(args.data_parallel_size), "--routing-policy", policy]
     server_args += ["--max-num-seqs", str(max(args.conversations, 1))]
-    if args.kv_blocks:
-        server_args += ["--num-gpu-blocks-override", str(args.kv_blocks)]
-    server_args += args.server_arg
+    server_args += ["--num-gpu-blocks-override", str(kv_blocks), *args.server_arg]
     logs = workdir / policy
     logs.mkdir(parents=True, exist_ok=True)
     server = start_server(model_dir, logs, *server_args, ready_timeout=600.0)
@@ -135,19 +211,31 @@ def serve_and_run(model_dir: str, policy: str, workload: Workload, workdir: Path
     return result
 
 
-def main() -> None:
+def span(text: str) -> tuple[int, int]:
+    """``N`` or ``LOW-HIGH``."""
+    low, _, high = text.partition("-")
+    return int(low), int(high or low)
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=sorted(PRESETS), default="capacity")
     parser.add_argument("--model", default=None, help="checkpoint directory (default: tiny)")
     parser.add_argument("-dp", "--data-parallel-size", type=int, default=2)
-    parser.add_argument("--conversations", type=int, default=16)
-    parser.add_argument("--turns", type=int, default=6)
-    parser.add_argument("--system-tokens", type=int, default=128)
-    parser.add_argument("--user-tokens", type=int, default=128)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--conversations", type=int, help="at once (preset)")
+    parser.add_argument("--turns", type=int, help="per conversation (preset)")
+    parser.add_argument("--system-tokens", type=int, help="shared system prompt (preset)")
+    parser.add_argument("--user-tokens", type=span, help="per turn: N or LOW-HIGH (preset)")
+    parser.add_argument("--max-tokens", type=span, help="answer per turn: N or LOW-HIGH (preset)")
+    parser.add_argument("--think-ms", type=float, default=0.0, help="mean think time per turn")
     parser.add_argument("--vocab", type=int, default=1000, help="token ids drawn below this")
     parser.add_argument(
-        "--kv-blocks", type=int, default=800, help="KV blocks per engine (0: sized by memory)"
+        "--kv-share",
+        type=float,
+        default=0.6,
+        help="each engine's KV blocks as a share of all conversations' longest contexts",
     )
+    parser.add_argument("--kv-blocks", type=int, help="KV blocks per engine (overrides share)")
     parser.add_argument(
         "--repeat", type=int, default=2, help="runs per policy, alternated (the machine's noise)"
     )
@@ -155,31 +243,19 @@ def main() -> None:
         "--server-arg", action="append", default=[], help="extra `serve` argument (repeatable)"
     )
     args = parser.parse_args()
-    longest = args.system_tokens + args.turns * (args.user_tokens + args.max_tokens)
+    preset = PRESETS[args.workload]
+    for name in ("conversations", "turns", "system_tokens", "user_tokens", "max_tokens"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(preset, name))
+    if args.kv_blocks is None:
+        args.kv_blocks = preset.kv_blocks
+    longest = args.system_tokens + args.turns * (args.user_tokens[1] + args.max_tokens[1])
     if args.model is None and longest > TINY["max_position_embeddings"]:
-        parser.error(f"the last turn's prompt ({longest} tokens) exceeds the tiny model's 2048")
+        parser.error(f"the last turn's prompt (up to {longest} tokens) exceeds the tiny model's")
+    return args
 
-    model_dir = args.model or tiny_llama_dir(**TINY)
-    workload = Workload(args, args.vocab)
-    runs: dict[str, list[RunResult]] = {policy: [] for policy in POLICIES}
-    with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp:
-        for _ in range(args.repeat):
-            for policy in POLICIES:
-                runs[policy].append(serve_and_run(model_dir, policy, workload, Path(tmp)))
-    # Every run's requests pooled: percentiles over all of them, tokens over the summed time.
-    results = {
-        policy: RunResult([s for r in rs for s in r.samples], sum(r.wall_s for r in rs))
-        for policy, rs in runs.items()
-    }
 
-    print(
-        f"model {args.model or 'tiny random Llama ' + str(TINY)}, -dp {args.data_parallel_size}, "
-        f"{args.kv_blocks or 'memory-sized'} KV blocks per engine, {args.repeat} run(s) per "
-        "policy, alternated\n"
-        f"{args.conversations} conversations at once x {args.turns} turns: a {args.system_tokens}"
-        f"-token system prompt shared by all, {args.user_tokens} user tokens and "
-        f"{args.max_tokens} output tokens per turn (last prompt ~{longest} tokens), greedy"
-    )
+def print_table(results: dict[str, RunResult]) -> None:
     header = (
         f"{'routing':<16} | {'prefix hit rate':>15} | {'TTFT p50 ms':>11} | "
         f"{'TTFT p90 ms':>11} | {'output tok/s':>12}"
@@ -198,6 +274,42 @@ def main() -> None:
         f"{on.ttft_ms(0.9) / off.ttft_ms(0.9):>11.2f} | "
         f"{on.tokens_per_s / off.tokens_per_s:>12.2f}"
     )
+
+
+def main() -> None:
+    args = parse_args()
+    model_dir = args.model or tiny_llama_dir(**TINY)
+    workload = Workload(args)
+    size = sizing(workload)
+    load_before = os.getloadavg()
+    runs: dict[str, list[RunResult]] = {policy: [] for policy in POLICIES}
+    with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp:
+        for _ in range(args.repeat):
+            for policy in POLICIES:
+                result = serve_and_run(model_dir, policy, workload, size.kv_blocks, Path(tmp))
+                runs[policy].append(result)
+                print(
+                    f"  {policy}: hit rate {result.cached_share:.1%}, TTFT p50 "
+                    f"{result.ttft_ms(0.5):.0f} ms, {result.tokens_per_s:.1f} tok/s",
+                    file=sys.stderr,
+                )
+    load_after = os.getloadavg()
+    # Every run's requests pooled: percentiles over all of them, tokens over the summed time.
+    results = {
+        policy: RunResult([s for r in rs for s in r.samples], sum(r.wall_s for r in rs))
+        for policy, rs in runs.items()
+    }
+    user, answer = args.user_tokens, args.max_tokens
+    print(
+        f"model {args.model or 'tiny random Llama ' + str(TINY)}, -dp {args.data_parallel_size}, "
+        f"{args.repeat} run(s) per policy, alternated; load average "
+        f"{load_before[0]:.1f} before, {load_after[0]:.1f} after\n"
+        f"workload {args.workload}: {args.conversations} conversations at once x {args.turns} "
+        f"turns, a {args.system_tokens}-token system prompt shared by all, {user[0]}-{user[1]} "
+        f"user tokens and {answer[0]}-{answer[1]} output tokens a turn, think time "
+        f"{args.think_ms:g} ms, greedy\n{size.describe(args.data_parallel_size)}"
+    )
+    print_table(results)
 
 
 if __name__ == "__main__":
