@@ -51,14 +51,26 @@ class CacheEventFollower:
             self._run(engine), name=f"kv-events-{engine.ready.data_parallel_rank}"
         )
         self._tasks[id(engine)] = task
-        task.add_done_callback(lambda _: self._tasks.pop(id(engine), None))
+        task.add_done_callback(lambda done: self._drop(id(engine), done))
 
     def forget(self, engine: EngineHandle) -> None:
         """``engine`` died or was replaced: stop following it."""
-        task = self._tasks.get(id(engine))
+        task = self._tasks.pop(id(engine), None)
         if task is not None:
             task.cancel()
         engine.prefix_table.unfollow()
+
+    def refollow(self, engine: EngineHandle) -> None:
+        """``engine``'s cache was just emptied at this gateway's request: follow it again from
+        a new snapshot, so that no event from before the reset, still on its way, is applied
+        after it (its ``AllBlocksCleared`` comes later and would undo it only then)."""
+        if id(engine) in self._tasks:
+            self.forget(engine)
+            self.follow(engine)
+
+    def _drop(self, key: int, task: asyncio.Task[None]) -> None:
+        if self._tasks.get(key) is task:
+            del self._tasks[key]
 
     async def close(self) -> None:
         tasks = list(self._tasks.values())

@@ -207,4 +207,6 @@ class EngineClient:
         if method in _EMPTY_THE_CACHE and result is not False:
             # Without KV events nothing else would tell the router the cache is gone.
             engine.prefix_table.clear()
+            if self._cache_events is not None:
+                self._cache_events.refollow(engine)
         return result

@@ -40,11 +40,15 @@ class PrefixRouting:
     ) -> EngineHandle:
         """The engine for ``request`` among ``live`` (two or more), its prompt recorded there."""
         block_size = live[0].ready.block_size
-        hashes: list[BlockHash] = []
-        extend_block_hashes(hashes, request.prompt_token_ids, block_size, request.cache_salt)
+        hashes = _chain(request, block_size)
         engine = self._pick(live, hashes, block_size, rng) if hashes else power_of_two(live, rng)
         engine.prefix_table.record(hashes)
         return engine
+
+    @staticmethod
+    def record(engine: EngineHandle, request: EngineCoreRequest) -> None:
+        """``request`` goes to ``engine`` whatever its prefix (its DP rank was pinned)."""
+        engine.prefix_table.record(_chain(request, engine.ready.block_size))
 
     def _pick(
         self, live: list[EngineHandle], hashes: list[BlockHash], block_size: int, rng: random.Random
@@ -61,3 +65,9 @@ class PrefixRouting:
         if gain_tokens < max(1, self.min_match_tokens) * (1 + imbalance):
             return power_of_two(live, rng)
         return best
+
+
+def _chain(request: EngineCoreRequest, block_size: int) -> list[BlockHash]:
+    hashes: list[BlockHash] = []
+    extend_block_hashes(hashes, request.prompt_token_ids, block_size, request.cache_salt)
+    return hashes
