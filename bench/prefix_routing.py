@@ -68,17 +68,20 @@ BLOCK_SIZE = 16  # the server's default
 
 @dataclass(frozen=True)
 class Preset:
-    conversations: int
-    turns: int
+    conversations: int  # at once
+    turns: int  # per conversation
+    rounds: int  # turns each of the ``conversations`` slots sends in a run
     system_tokens: int
-    user_tokens: tuple[int, int]  # drawn per turn, inclusive
-    max_tokens: tuple[int, int]
+    document_tokens: tuple[int, int]  # the first user message, drawn (inclusive)
+    user_tokens: tuple[int, int]  # each later one
+    max_tokens: tuple[int, int]  # each answer
+    stagger: bool  # slots start mid-conversation (a steady working set), or all at turn 1
     kv_blocks: int  # 0: sized by kv_share
 
 
 PRESETS = {
-    "capacity": Preset(48, 8, 256, (32, 128), (32, 80), 0),
-    "small": Preset(16, 6, 128, (128, 128), (64, 64), 800),
+    "capacity": Preset(32, 6, 12, 64, (384, 640), (32, 96), (32, 64), True, 0),
+    "small": Preset(16, 6, 6, 128, (128, 128), (128, 128), (64, 64), False, 800),
 }
 
 
@@ -105,7 +108,11 @@ def generate(
 
 class Workload:
     """The same conversations for every server: each turn's lengths and tokens drawn from a
-    seed per conversation and turn."""
+    seed per conversation and turn. Slot ``j`` runs conversations ``j * 1000``, ``+ 1``, ...
+    back to back until it has sent ``rounds`` turns; staggered, its first one starts at turn
+    ``j % turns`` with the turns before as history (answers drawn, not asked: a conversation
+    already under way, cold on every engine), so that the conversations in flight hold about
+    the same context all along rather than all growing together."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -118,34 +125,47 @@ class Workload:
         """A turn's user message, answer length and think time before it (seconds)."""
         args = self.args
         rng = random.Random(conversation * 1000 + turn + 1)
-        user = self.tokens(rng, rng.randint(*args.user_tokens))
+        user = self.tokens(rng, rng.randint(*(args.user_tokens if turn else args.document_tokens)))
         think = rng.expovariate(1000.0 / args.think_ms) if args.think_ms and turn else 0.0
         return user, rng.randint(*args.max_tokens), think
 
-    def longest_prompt(self, conversation: int) -> int:
-        """Tokens of the conversation's context after its last turn."""
-        total = self.args.system_tokens
+    def context_blocks(self, conversation: int) -> float:
+        """The conversation's own blocks (past the system prompt) after each of its turns, on
+        average: what it holds in a cache while in flight."""
+        total, own = 0, 0
         for turn in range(self.args.turns):
             user, answer, _ = self.turn(conversation, turn)
-            total += len(user) + answer
-        return total
+            own += len(user) + answer
+            total += math.ceil((self.args.system_tokens + own) / BLOCK_SIZE)
+        return total / self.args.turns - self.args.system_tokens // BLOCK_SIZE
 
-    def run(self, target: str, conversation: int, samples: list[Sample]) -> None:
+    def run_slot(self, target: str, slot: int, samples: list[Sample]) -> None:
+        args = self.args
+        sent, conversation = 0, slot * 1000
+        first_turn = slot % args.turns if args.stagger else 0
         with grpc.insecure_channel(target) as channel:  # its own connection: any gateway
             stub = pb_grpc.GenerationServiceStub(channel)
-            history = list(self.system)
-            for turn in range(self.args.turns):
-                user, max_tokens, think = self.turn(conversation, turn)
-                time.sleep(think)
-                history += user
-                sample, answer = generate(stub, history, max_tokens)
-                samples.append(sample)
-                history += answer
+            while sent < args.rounds:
+                history = list(self.system)
+                for turn in range(first_turn):  # the conversation so far
+                    user, answer, _ = self.turn(conversation, turn)
+                    history += user + self.tokens(random.Random(-conversation - turn), answer)
+                for turn in range(first_turn, args.turns):
+                    if sent == args.rounds:
+                        break
+                    user, max_tokens, think = self.turn(conversation, turn)
+                    time.sleep(think)
+                    history += user
+                    sample, answer = generate(stub, history, max_tokens)
+                    samples.append(sample)
+                    history += answer
+                    sent += 1
+                conversation, first_turn = conversation + 1, 0
 
 
 @dataclass(frozen=True)
 class Sizing:
-    """What all conversations hold at their longest, and each engine's KV cache."""
+    """What the conversations in flight hold, and each engine's KV cache."""
 
     context_blocks: int  # the shared system prompt once, each conversation's own blocks
     kv_blocks: int  # per engine
@@ -153,7 +173,7 @@ class Sizing:
     def describe(self, dp: int) -> str:
         return (
             f"KV cache: {self.kv_blocks} blocks of {BLOCK_SIZE} tokens per engine "
-            f"({self.kv_blocks * BLOCK_SIZE} tokens); all conversations at their longest hold "
+            f"({self.kv_blocks * BLOCK_SIZE} tokens); the conversations in flight hold about "
             f"{self.context_blocks} blocks = {self.context_blocks / self.kv_blocks:.2f}x one "
             f"engine's cache, {self.context_blocks / (dp * self.kv_blocks):.2f}x all {dp}"
         )
@@ -161,12 +181,8 @@ class Sizing:
 
 def sizing(workload: Workload) -> Sizing:
     args = workload.args
-    system_blocks = args.system_tokens // BLOCK_SIZE
-    own = sum(
-        math.ceil(workload.longest_prompt(c) / BLOCK_SIZE) - system_blocks
-        for c in range(args.conversations)
-    )
-    context = system_blocks + own
+    own = sum(workload.context_blocks(slot * 1000) for slot in range(args.conversations))
+    context = args.system_tokens // BLOCK_SIZE + round(own)
     return Sizing(context, args.kv_blocks or math.ceil(args.kv_share * context))
 
 
@@ -180,9 +196,9 @@ def run_workload(target: str, workload: Workload) -> RunResult:
     samples: list[Sample] = []
     lock = threading.Lock()
 
-    def one(index: int) -> None:
+    def one(slot: int) -> None:
         mine: list[Sample] = []
-        workload.run(target, index, mine)
+        workload.run_slot(target, slot, mine)
         with lock:
             samples.extend(mine)
 
@@ -224,15 +240,23 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("-dp", "--data-parallel-size", type=int, default=2)
     parser.add_argument("--conversations", type=int, help="at once (preset)")
     parser.add_argument("--turns", type=int, help="per conversation (preset)")
+    parser.add_argument("--rounds", type=int, help="turns each slot sends a run (preset)")
     parser.add_argument("--system-tokens", type=int, help="shared system prompt (preset)")
-    parser.add_argument("--user-tokens", type=span, help="per turn: N or LOW-HIGH (preset)")
+    parser.add_argument("--document-tokens", type=span, help="first user message (preset)")
+    parser.add_argument("--user-tokens", type=span, help="later ones: N or LOW-HIGH (preset)")
+    parser.add_argument(
+        "--stagger",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="slots start mid-conversation (preset)",
+    )
     parser.add_argument("--max-tokens", type=span, help="answer per turn: N or LOW-HIGH (preset)")
     parser.add_argument("--think-ms", type=float, default=0.0, help="mean think time per turn")
     parser.add_argument("--vocab", type=int, default=1000, help="token ids drawn below this")
     parser.add_argument(
         "--kv-share",
         type=float,
-        default=0.6,
+        default=0.65,
         help="each engine's KV blocks as a share of all conversations' longest contexts",
     )
     parser.add_argument("--kv-blocks", type=int, help="KV blocks per engine (overrides share)")
@@ -244,12 +268,14 @@ def parse_args() -> argparse.Namespace:
     )
     args = parser.parse_args()
     preset = PRESETS[args.workload]
-    for name in ("conversations", "turns", "system_tokens", "user_tokens", "max_tokens"):
+    fields = ("conversations", "turns", "rounds", "system_tokens", "document_tokens")
+    for name in (*fields, "user_tokens", "max_tokens", "stagger"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(preset, name))
     if args.kv_blocks is None:
         args.kv_blocks = preset.kv_blocks
-    longest = args.system_tokens + args.turns * (args.user_tokens[1] + args.max_tokens[1])
+    longest = args.system_tokens + args.document_tokens[1] - args.user_tokens[1]
+    longest += args.turns * (args.user_tokens[1] + args.max_tokens[1])
     if args.model is None and longest > TINY["max_position_embeddings"]:
         parser.error(f"the last turn's prompt (up to {longest} tokens) exceeds the tiny model's")
     return args
@@ -299,15 +325,17 @@ def main() -> None:
         policy: RunResult([s for r in rs for s in r.samples], sum(r.wall_s for r in rs))
         for policy, rs in runs.items()
     }
-    user, answer = args.user_tokens, args.max_tokens
+    document, user, answer = args.document_tokens, args.user_tokens, args.max_tokens
+    start = "staggered" if args.stagger else "all at turn 1"
     print(
         f"model {args.model or 'tiny random Llama ' + str(TINY)}, -dp {args.data_parallel_size}, "
         f"{args.repeat} run(s) per policy, alternated; load average "
         f"{load_before[0]:.1f} before, {load_after[0]:.1f} after\n"
-        f"workload {args.workload}: {args.conversations} conversations at once x {args.turns} "
-        f"turns, a {args.system_tokens}-token system prompt shared by all, {user[0]}-{user[1]} "
-        f"user tokens and {answer[0]}-{answer[1]} output tokens a turn, think time "
-        f"{args.think_ms:g} ms, greedy\n{size.describe(args.data_parallel_size)}"
+        f"workload {args.workload}: {args.conversations} conversations at once ({start}), "
+        f"{args.turns} turns each, {args.rounds} turns per slot; a {args.system_tokens}-token "
+        f"system prompt shared by all, a first message of {document[0]}-{document[1]} tokens, "
+        f"then {user[0]}-{user[1]} user tokens a turn, {answer[0]}-{answer[1]} output tokens a "
+        f"turn, think time {args.think_ms:g} ms, greedy\n{size.describe(args.data_parallel_size)}"
     )
     print_table(results)
 
