@@ -1,37 +1,44 @@
 """Prefix-aware routing vs power of two choices across DP engines, on multi-turn conversations.
 
-    python bench/prefix_routing.py [--workload capacity|small] [--model DIR] [-dp 2]
-        [--conversations N] [--turns N] [--system-tokens N] [--user-tokens N]
-        [--max-tokens N] [--think-ms MS] [--kv-share F | --kv-blocks N] [--repeat 2]
-        [--server-arg ARG ...]
+    python bench/prefix_routing.py [--workload capacity|small] [--repeat 2] [--model DIR]
+        [-dp 2] [--conversations N] [--turns N] [--rounds N] [--system-tokens N]
+        [--document-tokens N|LOW-HIGH] [--user-tokens N|LOW-HIGH] [--max-tokens N|LOW-HIGH]
+        [--think-ms MS] [--[no-]stagger] [--kv-share F | --kv-blocks N] [--server-arg ARG ...]
 
 Starts one real server (`switchboard serve -dp N`) per policy and run, the same in every way
 but ``--routing-policy`` (prefix, then power-of-two, alternated ``--repeat`` times), and runs
-the same workload on each: ``--conversations`` conversations at once, each on its own gRPC
-channel (so the server's gateways share them), each ``--turns`` turns long. Every prompt is a
-system prompt shared by all conversations, then the conversation so far (each earlier turn's
+the same workload on each: ``--conversations`` conversation slots at once, each on its own
+gRPC channel (so the server's gateways share them), each sending ``--rounds`` turns of
+conversations ``--turns`` turns long, one after the other. Every prompt is a system prompt
+shared by all conversations, then the conversation so far (its first message, each later
 user message and the tokens the server answered), then a new user message; a conversation
-sends its next turn when the last one ends, after ``--think-ms`` (exponentially distributed,
-0: none). Prompts are token ids, greedy, a fixed number of output tokens per turn. A few
-unrelated requests warm each server up first.
+sends its next turn when the last one has ended and ``--think-ms`` (exponentially distributed,
+0: none) have passed. Prompts are token ids, greedy, the answer's length drawn per turn (the
+same in every run). A few unrelated requests warm each server up first.
 
 The workloads (each flag overrides its preset):
 
-* ``capacity`` (default): what a production router is for. 48 conversations x 8 turns, a
-  256-token system prompt, user messages of 32-128 tokens and answers of 32-80 (drawn per
-  turn, the same for every run). Each engine's KV cache is sized (``--num-gpu-blocks-override``)
-  to ``--kv-share`` (0.6) of the blocks all conversations hold at their longest: more than one
-  engine holds, less than two do. Power of two choices sends each conversation to both engines
-  over its turns, so each engine would need all of it and evicts what the next turn needs;
-  prefix routing keeps each conversation on one engine, whose cache then holds its share.
-* ``small``: 16 conversations x 6 turns, a 128-token system prompt, 128 user and 64 output
-  tokens a turn, 800 KV blocks per engine (they hold everything): routing can only save the
-  turns power of two choices sends to the other engine.
+* ``capacity`` (default): what a production router is for — many conversations in flight and
+  more context than one engine's KV cache holds. 32 slots, conversations of 8 turns, 16 turns a
+  slot; a 64-token system prompt, a first message of 128-256 tokens, then 48-128 user tokens
+  and 48-80 answer tokens a turn, 1 s think time. The slots start staggered (slot j mid-way
+  through a conversation at turn j mod 8, its history cold on every engine), so the context in
+  flight stays about the same all run. Each engine's KV cache (``--num-gpu-blocks-override``)
+  is ``--kv-share`` (0.6) of that context (the conversations' blocks averaged over their
+  turns): less than one engine would need, more than half. Power of two choices sends each
+  conversation to both engines over its turns, so each engine caches all of them and evicts
+  what the next turn needs; prefix routing keeps a conversation on one engine, whose cache then
+  holds its half.
+* ``small``: the earlier workload: 16 conversations x 6 turns, all starting together, a
+  128-token system prompt, 128 user and 64 output tokens a turn, no think time, 800 KV blocks
+  per engine (they hold everything): routing can only save the turns power of two choices
+  sends to the other engine.
 
 Printed: the KV sizing, the machine's load average before and after, then per policy the share
 of prompt tokens served from the prefix cache (``Usage.cached_prompt_tokens``), client-side
 time to first token (p50, p90), output tokens per second over the whole run, and the ratios
-prefix / power-of-two. Every run's requests are pooled per policy.
+prefix / power-of-two. Every run's requests are pooled per policy; each run's line goes to
+stderr as it ends.
 
 The default model is a small random-weight Llama built on the fly (as bench/prefix_cache.py).
 """
@@ -76,12 +83,13 @@ class Preset:
     user_tokens: tuple[int, int]  # each later one
     max_tokens: tuple[int, int]  # each answer
     stagger: bool  # slots start mid-conversation (a steady working set), or all at turn 1
+    think_ms: float  # mean think time before each later turn
     kv_blocks: int  # 0: sized by kv_share
 
 
 PRESETS = {
-    "capacity": Preset(32, 6, 12, 64, (384, 640), (32, 96), (32, 64), True, 0),
-    "small": Preset(16, 6, 6, 128, (128, 128), (128, 128), (64, 64), False, 800),
+    "capacity": Preset(32, 8, 16, 64, (128, 256), (48, 128), (48, 80), True, 1000.0, 0),
+    "small": Preset(16, 6, 6, 128, (128, 128), (128, 128), (64, 64), False, 0.0, 800),
 }
 
 
@@ -251,12 +259,12 @@ def parse_args() -> argparse.Namespace:
         help="slots start mid-conversation (preset)",
     )
     parser.add_argument("--max-tokens", type=span, help="answer per turn: N or LOW-HIGH (preset)")
-    parser.add_argument("--think-ms", type=float, default=0.0, help="mean think time per turn")
+    parser.add_argument("--think-ms", type=float, help="mean think time per turn (preset)")
     parser.add_argument("--vocab", type=int, default=1000, help="token ids drawn below this")
     parser.add_argument(
         "--kv-share",
         type=float,
-        default=0.65,
+        default=0.6,
         help="each engine's KV blocks as a share of all conversations' longest contexts",
     )
     parser.add_argument("--kv-blocks", type=int, help="KV blocks per engine (overrides share)")
@@ -269,7 +277,7 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     preset = PRESETS[args.workload]
     fields = ("conversations", "turns", "rounds", "system_tokens", "document_tokens")
-    for name in (*fields, "user_tokens", "max_tokens", "stagger"):
+    for name in (*fields, "user_tokens", "max_tokens", "stagger", "think_ms"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(preset, name))
     if args.kv_blocks is None:
