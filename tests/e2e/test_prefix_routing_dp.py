@@ -25,6 +25,7 @@ pytestmark = pytest.mark.slow
 BLOCK = 16  # the server's default block size
 ANSWER_TOKENS = 4
 RPC_TIMEOUT_S = 120.0
+FOLLOWED = "routing follows its KV events"
 EVENTS = {"events": (), "no-events": ("--kv-events-config", '{"enable_kv_cache_events": false}')}
 
 
@@ -81,6 +82,8 @@ def reset_prefix_cache(channel: grpc.Channel, engine_id: str) -> bool:
 
 
 def test_turns_follow_their_prefix_and_not_a_reset_engine(server: RunningServer) -> None:
+    if "--kv-events-config" not in server.process.args:  # serve has the engines publish
+        wait_until(lambda: server.log().count(FOLLOWED) == 2, "both engines' events followed")
     with grpc.insecure_channel(server.target) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
         ranks = engine_ids(channel)

@@ -40,6 +40,7 @@ class CacheEventFollower:
         self._call_utility = call_utility
         self._ctx: zmq.asyncio.Context | None = None
         self._tasks: dict[int, asyncio.Task[None]] = {}  # by id() of the engine handle
+        self._running: set[asyncio.Task[None]] = set()  # those too that were told to stop
 
     def follow(self, engine: EngineHandle) -> None:
         """Start following ``engine``'s events, if it publishes any."""
@@ -51,6 +52,7 @@ class CacheEventFollower:
             self._run(engine), name=f"kv-events-{engine.ready.data_parallel_rank}"
         )
         self._tasks[id(engine)] = task
+        self._running.add(task)
         task.add_done_callback(lambda done: self._drop(id(engine), done))
 
     def forget(self, engine: EngineHandle) -> None:
@@ -69,16 +71,17 @@ class CacheEventFollower:
             self.follow(engine)
 
     def _drop(self, key: int, task: asyncio.Task[None]) -> None:
+        self._running.discard(task)
         if self._tasks.get(key) is task:
             del self._tasks[key]
 
     async def close(self) -> None:
-        tasks = list(self._tasks.values())
+        tasks = list(self._running)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._ctx is not None:
-            self._ctx.term()
+            self._ctx.destroy(linger=0)
             self._ctx = None
 
     async def _run(self, engine: EngineHandle) -> None:
