@@ -1,25 +1,44 @@
 """Prefix-aware routing vs power of two choices across DP engines, on multi-turn conversations.
 
-    python bench/prefix_routing.py [--model DIR] [-dp 2] [--conversations 16] [--turns 6]
-                                   [--system-tokens 128] [--user-tokens 128] [--max-tokens 64]
-                                   [--kv-blocks 800] [--repeat 2] [--server-arg ARG ...]
+    python bench/prefix_routing.py [--workload capacity|small] [--repeat 2] [--model DIR]
+        [-dp 2] [--conversations N] [--turns N] [--rounds N] [--system-tokens N]
+        [--document-tokens N|LOW-HIGH] [--user-tokens N|LOW-HIGH] [--max-tokens N|LOW-HIGH]
+        [--think-ms MS] [--[no-]stagger] [--kv-share F | --kv-blocks N] [--server-arg ARG ...]
 
-Starts two real servers (`switchboard serve -dp N`) one after the other, the same in every way
-but ``--routing-policy`` (prefix, then power-of-two), and runs the same workload on each:
-``--conversations`` conversations at once, each on its own gRPC channel (so the server's
-gateways share them), each ``--turns`` turns long. Every prompt is a system prompt shared by
-all conversations, then the conversation so far (each earlier turn's user message and the
-tokens the server answered), then a new user message of ``--user-tokens`` random tokens; a
-conversation sends its next turn when the last one ends. Prompts are token ids, greedy,
-``--max-tokens`` output tokens each. A few unrelated requests warm each server up first.
+Starts one real server (`switchboard serve -dp N`) per policy and run, the same in every way
+but ``--routing-policy`` (prefix, then power-of-two, alternated ``--repeat`` times), and runs
+the same workload on each: ``--conversations`` conversation slots at once, each on its own
+gRPC channel (so the server's gateways share them), each sending ``--rounds`` turns of
+conversations ``--turns`` turns long, one after the other. Every prompt is a system prompt
+shared by all conversations, then the conversation so far (its first message, each later
+user message and the tokens the server answered), then a new user message; a conversation
+sends its next turn when the last one has ended and ``--think-ms`` (exponentially distributed,
+0: none) have passed. Prompts are token ids, greedy, the answer's length drawn per turn (the
+same in every run). A few unrelated requests warm each server up first.
 
-Printed per policy: the share of prompt tokens the server served from its prefix cache
-(``Usage.cached_prompt_tokens``), client-side time to first token (p50, p90), output tokens per
-second over the whole run, and the ratios prefix / power-of-two. ``--repeat`` runs each policy
-that many times, alternating, and pools their requests (a shared machine's noise). ``--kv-blocks``
-sizes each engine's KV cache (``--num-gpu-blocks-override``); the default holds a little more
-than half of all the conversations at their longest: what prefix routing asks of each engine,
-where power of two choices sends every conversation to both.
+The workloads (each flag overrides its preset):
+
+* ``capacity`` (default): what a production router is for — many conversations in flight and
+  more context than one engine's KV cache holds. 32 slots, conversations of 8 turns, 16 turns a
+  slot; a 64-token system prompt, a first message of 128-256 tokens, then 48-128 user tokens
+  and 48-80 answer tokens a turn, 1 s think time. The slots start staggered (slot j mid-way
+  through a conversation at turn j mod 8, its history cold on every engine), so the context in
+  flight stays about the same all run. Each engine's KV cache (``--num-gpu-blocks-override``)
+  is ``--kv-share`` (0.6) of that context (the conversations' blocks averaged over their
+  turns): less than one engine would need, more than half. Power of two choices sends each
+  conversation to both engines over its turns, so each engine caches all of them and evicts
+  what the next turn needs; prefix routing keeps a conversation on one engine, whose cache then
+  holds its half.
+* ``small``: the earlier workload: 16 conversations x 6 turns, all starting together, a
+  128-token system prompt, 128 user and 64 output tokens a turn, no think time, 800 KV blocks
+  per engine (they hold everything): routing can only save the turns power of two choices
+  sends to the other engine.
+
+Printed: the KV sizing, the machine's load average before and after, then per policy the share
+of prompt tokens served from the prefix cache (``Usage.cached_prompt_tokens``), client-side
+time to first token (p50, p90), output tokens per second over the whole run, and the ratios
+prefix / power-of-two. Every run's requests are pooled per policy; each run's line goes to
+stderr as it ends.
 
 The default model is a small random-weight Llama built on the fly (as bench/prefix_cache.py).
 """
@@ -27,12 +46,15 @@ The default model is a small random-weight Llama built on the fly (as bench/pref
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import random
 import sys
 import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -48,6 +70,27 @@ from tests.tiny_checkpoint import tiny_llama_dir  # noqa: E402
 RPC_TIMEOUT_S = 600.0
 POLICIES = ("prefix", "power-of-two")
 WARMUP_REQUESTS = 4
+BLOCK_SIZE = 16  # the server's default
+
+
+@dataclass(frozen=True)
+class Preset:
+    conversations: int  # at once
+    turns: int  # per conversation
+    rounds: int  # turns each of the ``conversations`` slots sends in a run
+    system_tokens: int
+    document_tokens: tuple[int, int]  # the first user message, drawn (inclusive)
+    user_tokens: tuple[int, int]  # each later one
+    max_tokens: tuple[int, int]  # each answer
+    stagger: bool  # slots start mid-conversation (a steady working set), or all at turn 1
+    think_ms: float  # mean think time before each later turn
+    kv_blocks: int  # 0: sized by kv_share
+
+
+PRESETS = {
+    "capacity": Preset(32, 8, 16, 64, (128, 256), (48, 128), (48, 80), True, 1000.0, 0),
+    "small": Preset(16, 6, 6, 128, (128, 128), (128, 128), (64, 64), False, 0.0, 800),
+}
 
 
 def generate(
@@ -72,26 +115,83 @@ def generate(
 
 
 class Workload:
-    """The same conversations for every server: a seed per conversation and turn."""
+    """The same conversations for every server: each turn's lengths and tokens drawn from a
+    seed per conversation and turn. Slot ``j`` runs conversations ``j * 1000``, ``+ 1``, ...
+    back to back until it has sent ``rounds`` turns; staggered, its first one starts at turn
+    ``j % turns`` with the turns before as history (answers drawn, not asked: a conversation
+    already under way, cold on every engine), so that the conversations in flight hold about
+    the same context all along rather than all growing together."""
 
-    def __init__(self, args: argparse.Namespace, vocab: int) -> None:
+    def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.vocab = vocab
         self.system = self.tokens(random.Random(0), args.system_tokens)
 
     def tokens(self, rng: random.Random, n: int) -> list[int]:
-        return [rng.randrange(3, self.vocab) for _ in range(n)]
+        return [rng.randrange(3, self.args.vocab) for _ in range(n)]
 
-    def conversation(self, target: str, index: int, samples: list[Sample]) -> None:
+    def turn(self, conversation: int, turn: int) -> tuple[list[int], int, float]:
+        """A turn's user message, answer length and think time before it (seconds)."""
         args = self.args
+        rng = random.Random(conversation * 1000 + turn + 1)
+        user = self.tokens(rng, rng.randint(*(args.user_tokens if turn else args.document_tokens)))
+        think = rng.expovariate(1000.0 / args.think_ms) if args.think_ms and turn else 0.0
+        return user, rng.randint(*args.max_tokens), think
+
+    def context_blocks(self, conversation: int) -> float:
+        """The conversation's own blocks (past the system prompt) after each of its turns, on
+        average: what it holds in a cache while in flight."""
+        total, own = 0, 0
+        for turn in range(self.args.turns):
+            user, answer, _ = self.turn(conversation, turn)
+            own += len(user) + answer
+            total += math.ceil((self.args.system_tokens + own) / BLOCK_SIZE)
+        return total / self.args.turns - self.args.system_tokens // BLOCK_SIZE
+
+    def run_slot(self, target: str, slot: int, samples: list[Sample]) -> None:
+        args = self.args
+        sent, conversation = 0, slot * 1000
+        first_turn = slot % args.turns if args.stagger else 0
         with grpc.insecure_channel(target) as channel:  # its own connection: any gateway
             stub = pb_grpc.GenerationServiceStub(channel)
-            history = list(self.system)
-            for turn in range(args.turns):
-                history += self.tokens(random.Random(index * 1000 + turn + 1), args.user_tokens)
-                sample, answer = generate(stub, history, args.max_tokens)
-                samples.append(sample)
-                history += answer
+            while sent < args.rounds:
+                history = list(self.system)
+                for turn in range(first_turn):  # the conversation so far
+                    user, answer, _ = self.turn(conversation, turn)
+                    history += user + self.tokens(random.Random(-conversation - turn), answer)
+                for turn in range(first_turn, args.turns):
+                    if sent == args.rounds:
+                        break
+                    user, max_tokens, think = self.turn(conversation, turn)
+                    time.sleep(think)
+                    history += user
+                    sample, answer = generate(stub, history, max_tokens)
+                    samples.append(sample)
+                    history += answer
+                    sent += 1
+                conversation, first_turn = conversation + 1, 0
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """What the conversations in flight hold, and each engine's KV cache."""
+
+    context_blocks: int  # the shared system prompt once, each conversation's own blocks
+    kv_blocks: int  # per engine
+
+    def describe(self, dp: int) -> str:
+        return (
+            f"KV cache: {self.kv_blocks} blocks of {BLOCK_SIZE} tokens per engine "
+            f"({self.kv_blocks * BLOCK_SIZE} tokens); the conversations in flight hold about "
+            f"{self.context_blocks} blocks = {self.context_blocks / self.kv_blocks:.2f}x one "
+            f"engine's cache, {self.context_blocks / (dp * self.kv_blocks):.2f}x all {dp}"
+        )
+
+
+def sizing(workload: Workload) -> Sizing:
+    args = workload.args
+    own = sum(workload.context_blocks(slot * 1000) for slot in range(args.conversations))
+    context = args.system_tokens // BLOCK_SIZE + round(own)
+    return Sizing(context, args.kv_blocks or math.ceil(args.kv_share * context))
 
 
 def run_workload(target: str, workload: Workload) -> RunResult:
@@ -104,9 +204,9 @@ def run_workload(target: str, workload: Workload) -> RunResult:
     samples: list[Sample] = []
     lock = threading.Lock()
 
-    def one(index: int) -> None:
+    def one(slot: int) -> None:
         mine: list[Sample] = []
-        workload.conversation(target, index, mine)
+        workload.run_slot(target, slot, mine)
         with lock:
             samples.extend(mine)
 
@@ -116,13 +216,13 @@ def run_workload(target: str, workload: Workload) -> RunResult:
     return RunResult(samples, time.perf_counter() - started)
 
 
-def serve_and_run(model_dir: str, policy: str, workload: Workload, workdir: Path) -> RunResult:
+def serve_and_run(
+    model_dir: str, policy: str, workload: Workload, kv_blocks: int, workdir: Path
+) -> RunResult:
     args = workload.args
     server_args = ["-dp", str(args.data_parallel_size), "--routing-policy", policy]
     server_args += ["--max-num-seqs", str(max(args.conversations, 1))]
-    if args.kv_blocks:
-        server_args += ["--num-gpu-blocks-override", str(args.kv_blocks)]
-    server_args += args.server_arg
+    server_args += ["--num-gpu-blocks-override", str(kv_blocks), *args.server_arg]
     logs = workdir / policy
     logs.mkdir(parents=True, exist_ok=True)
     server = start_server(model_dir, logs, *server_args, ready_timeout=600.0)
@@ -135,19 +235,39 @@ def serve_and_run(model_dir: str, policy: str, workload: Workload, workdir: Path
     return result
 
 
-def main() -> None:
+def span(text: str) -> tuple[int, int]:
+    """``N`` or ``LOW-HIGH``."""
+    low, _, high = text.partition("-")
+    return int(low), int(high or low)
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=sorted(PRESETS), default="capacity")
     parser.add_argument("--model", default=None, help="checkpoint directory (default: tiny)")
     parser.add_argument("-dp", "--data-parallel-size", type=int, default=2)
-    parser.add_argument("--conversations", type=int, default=16)
-    parser.add_argument("--turns", type=int, default=6)
-    parser.add_argument("--system-tokens", type=int, default=128)
-    parser.add_argument("--user-tokens", type=int, default=128)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--conversations", type=int, help="at once (preset)")
+    parser.add_argument("--turns", type=int, help="per conversation (preset)")
+    parser.add_argument("--rounds", type=int, help="turns each slot sends a run (preset)")
+    parser.add_argument("--system-tokens", type=int, help="shared system prompt (preset)")
+    parser.add_argument("--document-tokens", type=span, help="first user message (preset)")
+    parser.add_argument("--user-tokens", type=span, help="later ones: N or LOW-HIGH (preset)")
+    parser.add_argument(
+        "--stagger",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="slots start mid-conversation (preset)",
+    )
+    parser.add_argument("--max-tokens", type=span, help="answer per turn: N or LOW-HIGH (preset)")
+    parser.add_argument("--think-ms", type=float, help="mean think time per turn (preset)")
     parser.add_argument("--vocab", type=int, default=1000, help="token ids drawn below this")
     parser.add_argument(
-        "--kv-blocks", type=int, default=800, help="KV blocks per engine (0: sized by memory)"
+        "--kv-share",
+        type=float,
+        default=0.6,
+        help="each engine's KV blocks as a share of all conversations' longest contexts",
     )
+    parser.add_argument("--kv-blocks", type=int, help="KV blocks per engine (overrides share)")
     parser.add_argument(
         "--repeat", type=int, default=2, help="runs per policy, alternated (the machine's noise)"
     )
@@ -155,31 +275,21 @@ def main() -> None:
         "--server-arg", action="append", default=[], help="extra `serve` argument (repeatable)"
     )
     args = parser.parse_args()
-    longest = args.system_tokens + args.turns * (args.user_tokens + args.max_tokens)
+    preset = PRESETS[args.workload]
+    fields = ("conversations", "turns", "rounds", "system_tokens", "document_tokens")
+    for name in (*fields, "user_tokens", "max_tokens", "stagger", "think_ms"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(preset, name))
+    if args.kv_blocks is None:
+        args.kv_blocks = preset.kv_blocks
+    longest = args.system_tokens + args.document_tokens[1] - args.user_tokens[1]
+    longest += args.turns * (args.user_tokens[1] + args.max_tokens[1])
     if args.model is None and longest > TINY["max_position_embeddings"]:
-        parser.error(f"the last turn's prompt ({longest} tokens) exceeds the tiny model's 2048")
+        parser.error(f"the last turn's prompt (up to {longest} tokens) exceeds the tiny model's")
+    return args
 
-    model_dir = args.model or tiny_llama_dir(**TINY)
-    workload = Workload(args, args.vocab)
-    runs: dict[str, list[RunResult]] = {policy: [] for policy in POLICIES}
-    with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp:
-        for _ in range(args.repeat):
-            for policy in POLICIES:
-                runs[policy].append(serve_and_run(model_dir, policy, workload, Path(tmp)))
-    # Every run's requests pooled: percentiles over all of them, tokens over the summed time.
-    results = {
-        policy: RunResult([s for r in rs for s in r.samples], sum(r.wall_s for r in rs))
-        for policy, rs in runs.items()
-    }
 
-    print(
-        f"model {args.model or 'tiny random Llama ' + str(TINY)}, -dp {args.data_parallel_size}, "
-        f"{args.kv_blocks or 'memory-sized'} KV blocks per engine, {args.repeat} run(s) per "
-        "policy, alternated\n"
-        f"{args.conversations} conversations at once x {args.turns} turns: a {args.system_tokens}"
-        f"-token system prompt shared by all, {args.user_tokens} user tokens and "
-        f"{args.max_tokens} output tokens per turn (last prompt ~{longest} tokens), greedy"
-    )
+def print_table(results: dict[str, RunResult]) -> None:
     header = (
         f"{'routing':<16} | {'prefix hit rate':>15} | {'TTFT p50 ms':>11} | "
         f"{'TTFT p90 ms':>11} | {'output tok/s':>12}"
@@ -198,6 +308,44 @@ def main() -> None:
         f"{on.ttft_ms(0.9) / off.ttft_ms(0.9):>11.2f} | "
         f"{on.tokens_per_s / off.tokens_per_s:>12.2f}"
     )
+
+
+def main() -> None:
+    args = parse_args()
+    model_dir = args.model or tiny_llama_dir(**TINY)
+    workload = Workload(args)
+    size = sizing(workload)
+    load_before = os.getloadavg()
+    runs: dict[str, list[RunResult]] = {policy: [] for policy in POLICIES}
+    with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp:
+        for _ in range(args.repeat):
+            for policy in POLICIES:
+                result = serve_and_run(model_dir, policy, workload, size.kv_blocks, Path(tmp))
+                runs[policy].append(result)
+                print(
+                    f"  {policy}: hit rate {result.cached_share:.1%}, TTFT p50 "
+                    f"{result.ttft_ms(0.5):.0f} ms, {result.tokens_per_s:.1f} tok/s",
+                    file=sys.stderr,
+                )
+    load_after = os.getloadavg()
+    # Every run's requests pooled: percentiles over all of them, tokens over the summed time.
+    results = {
+        policy: RunResult([s for r in rs for s in r.samples], sum(r.wall_s for r in rs))
+        for policy, rs in runs.items()
+    }
+    document, user, answer = args.document_tokens, args.user_tokens, args.max_tokens
+    start = "staggered" if args.stagger else "all at turn 1"
+    print(
+        f"model {args.model or 'tiny random Llama ' + str(TINY)}, -dp {args.data_parallel_size}, "
+        f"{args.repeat} run(s) per policy, alternated; load average "
+        f"{load_before[0]:.1f} before, {load_after[0]:.1f} after\n"
+        f"workload {args.workload}: {args.conversations} conversations at once ({start}), "
+        f"{args.turns} turns each, {args.rounds} turns per slot; a {args.system_tokens}-token "
+        f"system prompt shared by all, a first message of {document[0]}-{document[1]} tokens, "
+        f"then {user[0]}-{user[1]} user tokens a turn, {answer[0]}-{answer[1]} output tokens a "
+        f"turn, think time {args.think_ms:g} ms, greedy\n{size.describe(args.data_parallel_size)}"
+    )
+    print_table(results)
 
 
 if __name__ == "__main__":

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from switchboard.config import (
+    CacheConfig,
     EngineConfig,
     GatewayConfig,
     GatewayRoleConfig,
     ModelConfig,
     ParallelConfig,
 )
+from switchboard.config.kv_events import KVEventsConfig
 from switchboard.supervisor.launcher import plan_coordinator, plan_server
 from switchboard.supervisor.ready_report import ready_line, server_addresses
 
@@ -94,3 +98,24 @@ def test_without_metrics_only_grpc_is_listed_and_ipv6_is_bracketed() -> None:
     gateway = GatewayRoleConfig(model=model, gateway=GatewayConfig(host="::", port=7))
     gateways, _ = plan_server(gateway, EngineConfig(model=model), "/r")
     assert server_addresses(gateways) == [("gRPC", "[::]:7")]
+
+
+def test_prefix_routing_across_engines_has_them_publish_kv_events_unless_told() -> None:
+    model = ModelConfig(model="/m")
+    engine = EngineConfig(model=model, parallel=ParallelConfig(data_parallel_size=2))
+
+    def events(policy: str, engine: EngineConfig = engine) -> list:
+        gateway = GatewayRoleConfig(model=model, gateway=GatewayConfig(routing_policy=policy))
+        _, engines = plan_server(gateway, engine, "/run/sb")
+        return [e.cache.kv_events_config for e in engines]
+
+    published = events("prefix")
+    assert all(c is not None and c.enabled for c in published)
+    assert published[0].endpoint == "ipc:///run/sb/kv-events"
+    assert published[0].replay_endpoint == "ipc:///run/sb/kv-replay"
+    assert events("power-of-two") == [None, None]
+    off = KVEventsConfig(enable_kv_cache_events=False)
+    told = msgspec.structs.replace(engine, cache=CacheConfig(kv_events_config=off))
+    assert events("prefix", told) == [off, off]
+    one = msgspec.structs.replace(engine, parallel=ParallelConfig(data_parallel_size=1))
+    assert events("prefix", one) == [None]

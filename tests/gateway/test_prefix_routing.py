@@ -52,7 +52,7 @@ def test_a_prefix_every_engine_holds_gains_nothing_and_load_decides() -> None:
     live = [handle(0), handle(1)]
     system = tokens(0, 8 * BLOCK)
     for engine in live:
-        engine.routed_prefixes.record(_hashes(system + tokens(engine.ready.data_parallel_rank, 20)))
+        engine.prefix_table.record(_hashes(system + tokens(engine.ready.data_parallel_rank, 20)))
     live[0].num_requests = 3  # e0 busier: the same prefix is cheaper on e1
     picks = {
         ROUTING.choose(live, request(system + tokens(9, 30)), random.Random(s)).engine_id
@@ -64,7 +64,7 @@ def test_a_prefix_every_engine_holds_gains_nothing_and_load_decides() -> None:
 def test_a_gain_below_the_minimum_is_not_followed() -> None:
     live = [handle(0), handle(1)]
     short = tokens(5, BLOCK)  # one block: below the two-block minimum
-    live[0].routed_prefixes.record(_hashes(short))
+    live[0].prefix_table.record(_hashes(short))
     live[0].num_requests = 1
     assert ROUTING.choose(live, request(short + tokens(6, 40)), random.Random(0)).engine_id == "e1"
 
@@ -72,7 +72,7 @@ def test_a_gain_below_the_minimum_is_not_followed() -> None:
 def test_a_holder_busier_than_the_threshold_is_passed_over() -> None:
     live = [handle(0), handle(1)]
     prompt = tokens(7, 10 * BLOCK)
-    live[0].routed_prefixes.record(_hashes(prompt))
+    live[0].prefix_table.record(_hashes(prompt))
     live[0].num_requests = 4  # at the threshold, and 160 >= 32 * 5: still followed
     assert ROUTING.choose(live, request(prompt + [1]), random.Random(0)).engine_id == "e0"
     live[0].num_requests = 5  # past it: load decides, whatever the gain
@@ -82,7 +82,7 @@ def test_a_holder_busier_than_the_threshold_is_passed_over() -> None:
 def test_each_request_of_imbalance_asks_for_a_longer_gain() -> None:
     live = [handle(0), handle(1)]
     prompt = tokens(9, 3 * BLOCK)  # a 48-token gain: enough alone, not for one more request
-    live[0].routed_prefixes.record(_hashes(prompt))
+    live[0].prefix_table.record(_hashes(prompt))
     assert ROUTING.choose(live, request(prompt + [1]), random.Random(0)).engine_id == "e0"
     live[0].num_requests = 1  # e0 now one request busier: 48 < 32 * 2
     assert ROUTING.choose(live, request(prompt + [1]), random.Random(0)).engine_id == "e1"
@@ -91,7 +91,7 @@ def test_each_request_of_imbalance_asks_for_a_longer_gain() -> None:
 def test_a_salted_prompt_matches_only_its_own_salt() -> None:
     live = [handle(0), handle(1)]
     prompt = tokens(8, 10 * BLOCK)
-    live[0].routed_prefixes.record(_hashes(prompt, "tenant-a"))
+    live[0].prefix_table.record(_hashes(prompt, "tenant-a"))
     live[0].num_requests = 1
     assert ROUTING.choose(live, request(prompt, "tenant-a"), random.Random(0)).engine_id == "e0"
     assert ROUTING.choose(live, request(prompt, "tenant-b"), random.Random(0)).engine_id == "e1"
@@ -125,7 +125,7 @@ def test_membership_routes_by_prefix_only_when_asked() -> None:
     assert all(routed.choose(None, prompt) is chosen for _ in range(10))
     plain = membership(None)
     assert {plain.choose(None, prompt).engine_id for _ in range(40)} == {"e0", "e1"}
-    assert not any(len(e.routed_prefixes) for e in plain.engines.values())
+    assert not any(len(e.prefix_table) for e in plain.engines.values())
 
 
 def _hashes(token_ids: list[int], salt: str | None = None) -> list[bytes]:

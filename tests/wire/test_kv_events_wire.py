@@ -241,3 +241,61 @@ def test_batches_past_the_replay_buffer_are_counted_lost(where: str) -> None:
     finally:
         publisher.stop()
         ctx.destroy(linger=0)
+
+
+def test_follow_probes_for_missed_batches_and_a_snapshot_drops_older_ones(where: str) -> None:
+    config = KVEventsConfig(
+        enable_kv_cache_events=True,
+        endpoint=f"ipc://{where}/pub",
+        replay_endpoint=f"ipc://{where}/replay",
+    )
+    ctx = zmq.Context()
+    actx = zmq.asyncio.Context.shadow(ctx)
+    publisher = KvEventPublisher(ctx, config, rank=0)
+
+    async def next_seq() -> int:
+        return publisher.next_seq
+
+    async def scenario() -> None:
+        publisher.start()  # batch 0: AllBlocksCleared
+        publisher.publish([stored(H1)])  # batch 1: before anyone subscribed
+        sent = KvEventSubscriber(actx, config.endpoint, config.replay_endpoint)
+        assert len(await sent.catch_up(2)) == 2  # replayable: sent out already
+        sent.close()
+        follower = KvEventSubscriber(actx, config.endpoint, config.replay_endpoint)
+        late = None
+        try:
+            # No live batch comes to reveal the two it missed: it asks, and replays them.
+            mirror = CachedBlocks()
+            stream = follower.follow(next_seq, poll_s=0.2)
+            while H1 not in mirror.hashes:
+                for _, batch in await anext(stream):
+                    mirror.apply(batch)
+            assert follower.next_seq == 2 and follower.replayed_batches == 2
+            await stream.aclose()
+
+            # A consumer that took a snapshot at batch N drops what was queued before it (not
+            # an engine restart) and goes on from N.
+            late = KvEventSubscriber(actx, config.endpoint, config.replay_endpoint)
+            while not await late.receive(0.2):  # until its subscription is surely in place
+                publisher.publish([])
+            publisher.publish([stored(H2)])  # queued on the socket, and in the snapshot
+            late.start_from(publisher.next_seq)
+            publisher.publish([stored(H3)])
+            received: list[tuple[int, KVEventBatch]] = []
+            while not received:
+                received = await late.receive(5.0)
+            assert [(seq, batch.events) for seq, batch in received] == [
+                (publisher.next_seq - 1, [stored(H3)])
+            ]
+            assert late.lost_batches == 0 and late.next_seq == publisher.next_seq
+        finally:
+            follower.close()
+            if late is not None:
+                late.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        publisher.stop()
+        ctx.destroy(linger=0)

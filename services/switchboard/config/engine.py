@@ -62,7 +62,8 @@ class CacheConfig(Config, frozen=True):
             "publish the prefix cache's block events over ZeroMQ, as vLLM's flag of this name: "
             'JSON, e.g. \'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
             '"replay_endpoint": "tcp://*:5558"}\' (DP rank r: the ports + r; '
-            "docs/operations.md, KV events) (default: none)",
+            "docs/operations.md, KV events) (default: none; `serve -dp N` with prefix routing: "
+            "ipc:// sockets in the run directory, followed by the gateways' router)",
             Group.SCHEDULER,
             metavar="JSON",
         ),

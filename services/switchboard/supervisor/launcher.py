@@ -70,6 +70,7 @@ from switchboard.supervisor.ready_report import (
     ready_line,
     served_as,
 )
+from switchboard.supervisor.routing_events import with_routing_events
 from switchboard.supervisor.start_method import require_main_process
 from switchboard.wire import zmq_channel
 from switchboard.wire.shm_ring import unlink_orphaned_segments
@@ -130,6 +131,7 @@ def plan_server(
     connected to every gateway, and to the coordinator when DP > 1)."""
     parallel = engine.parallel
     coordinator = plan_coordinator(engine, run_dir)
+    engine = with_routing_events(gateway, engine, run_dir)
     gateways = [
         _replace(
             gateway,

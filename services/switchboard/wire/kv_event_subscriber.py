@@ -18,13 +18,21 @@ A batch numbered below the next expected one means the engine restarted (its fir
 publisher no longer buffers are counted in ``lost_batches``: the mirror may then hold hashes
 the engine evicted, or miss some it stored, until a reset. ``catch_up`` replays up to a known
 sequence number (``next_seq`` of the engine's ``get_cached_block_hashes`` utility) when no
-live batch is coming to reveal a gap.
+live batch is coming to reveal a gap; ``follow`` does so by itself until the first live batch
+(a subscription the publisher has not taken yet when a batch goes out misses it, and with no
+later batch nothing would reveal the gap).
+
+A consumer that starts from a snapshot of the engine's cache (``get_cached_block_hashes``: its
+hashes and ``next_seq``) connects first (``connected``), then takes the snapshot, then calls
+``start_from(next_seq)``: batches queued on the socket from before the snapshot are then
+dropped as already in it, not taken for an engine restart.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 import zmq
@@ -45,8 +53,23 @@ from switchboard.wire.kv_events import (
 logger = logging.getLogger(__name__)
 
 REPLAY_TIMEOUT_S = 10.0
+FOLLOW_POLL_S = 1.0  # how often an idle ``follow`` looks up (cancellation is immediate)
+# The publisher takes a new subscription on its own I/O thread a moment after the handshake: a
+# batch sent in between reaches no one. Until the first live batch arrives (or this long), an
+# idle poll asks the engine for its next sequence number and replays what is missing.
+PROBE_WINDOW_S = 30.0
 
 Batches = list[tuple[int, KVEventBatch]]
+_WILDCARD_HOSTS = ("tcp://*:", "tcp://0.0.0.0:", "tcp://[::]:", "tcp://:::")
+
+
+def connectable(endpoint: str) -> str:
+    """A bound endpoint as a subscriber on this host reaches it: a wildcard host is the
+    engine's own host, which for the engines of this gateway's machine is 127.0.0.1."""
+    for wildcard in _WILDCARD_HOSTS:
+        if endpoint.startswith(wildcard):
+            return "tcp://127.0.0.1:" + endpoint[len(wildcard) :]
+    return endpoint
 
 
 class CachedBlocks:
@@ -85,6 +108,7 @@ class KvEventSubscriber:
         self._sub.connect(endpoint)
         self._replay: zmq.asyncio.Socket | None = None
         self.next_seq = next_seq  # the batch expected next
+        self._applied_below = 0  # batches under this are in the consumer's snapshot already
         self.lost_batches = 0  # batches neither received nor replayable
         self.replayed_batches = 0
 
@@ -99,6 +123,36 @@ class KvEventSubscriber:
             self._sub.disable_monitor()
             monitor.close(linger=0)
 
+    def start_from(self, next_seq: int, replay_from: int | None = None) -> None:
+        """Follow from batch ``next_seq``: the consumer knows the state of every batch before
+        it (a snapshot taken after ``connected``), so older ones still queued are dropped.
+        ``replay_from``: start there instead (``catch_up(next_seq)`` replays the batches up
+        to ``next_seq``), for a consumer that wants them as batches."""
+        self.next_seq = next_seq if replay_from is None else replay_from
+        self._applied_below = next_seq
+
+    async def follow(
+        self,
+        next_seq_of: Callable[[], Awaitable[int]],
+        poll_s: float = FOLLOW_POLL_S,
+        probe_window_s: float = PROBE_WINDOW_S,
+    ) -> AsyncIterator[Batches]:
+        """The batches to apply, in order, for as long as the caller iterates; also yields []
+        when batches were lost (``lost_batches`` grew) with none to apply. Until the first live
+        batch (at most ``probe_window_s``), an idle poll asks ``next_seq_of`` (the engine's
+        ``next_seq``) and replays what the subscription missed."""
+        probe_until = time.monotonic() + probe_window_s
+        lost = self.lost_batches
+        while True:
+            batches = await self.receive(poll_s)
+            if batches:
+                probe_until = 0.0  # a live batch: the subscription is in place
+            elif time.monotonic() < probe_until:
+                batches = await self.catch_up(await next_seq_of())
+            if batches or self.lost_batches != lost:
+                lost = self.lost_batches
+                yield batches
+
     async def receive(self, timeout_s: float | None = None) -> Batches:
         """The next live batch, after any it skipped (replayed); [] on timeout."""
         timeout_ms = None if timeout_s is None else int(timeout_s * 1000)
@@ -112,6 +166,9 @@ class KvEventSubscriber:
         except (ValueError, msgspec.DecodeError) as exc:
             logger.warning("KV events: dropped a bad message: %s", exc)
             return []
+        if seq < self._applied_below:
+            return []  # queued before the consumer's snapshot, which holds it
+        self._applied_below = 0
         if seq < self.next_seq:
             logger.info("KV events: sequence went back to %d: the engine restarted", seq)
             self.next_seq = 0

@@ -6,7 +6,8 @@ passes what arrives to the part it is for.
 * ``routing.py``: ADD (to the engine ``pool.py`` picks), ABORT, outputs to the requests' channels;
 * ``resume.py``: a dead engine's requests resumed on another (or the restarted) engine, or failed;
 * ``stream_stalls.py``: streams that got no token for a while from an engine that is alive;
-* ``utility_calls.py``: utility calls and their replies.
+* ``utility_calls.py``: utility calls and their replies;
+* ``cache_events.py``: with prefix routing, each engine's KV events into its prefix table.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from switchboard.gateway.api_errors import unavailable
+from switchboard.gateway.engines.cache_events import CacheEventFollower
 from switchboard.gateway.engines.membership import EngineMembership
 from switchboard.gateway.engines.prefix_routing import PrefixRouting
 from switchboard.gateway.engines.resume import Failover
@@ -24,7 +26,10 @@ from switchboard.gateway.engines.sockets import EngineSockets
 from switchboard.gateway.engines.stream_stalls import StreamStalls
 from switchboard.gateway.engines.types import EngineHandle, RequestChannel
 from switchboard.gateway.engines.utility_calls import UtilityCalls
-from switchboard.wire.engine_msgs import EngineCoreOutputs, EngineCoreRequest
+from switchboard.wire.engine_msgs import EngineCoreOutputs, EngineCoreRequest, EngineReady
+
+# Utilities after which an engine's prefix cache is empty (when they succeed).
+_EMPTY_THE_CACHE = frozenset({"reset_prefix_cache", "sleep"})
 
 
 class EngineClient:
@@ -67,6 +72,9 @@ class EngineClient:
         )
         self._utility_calls = UtilityCalls(self._sockets.send, client_index)
         self._stalls = StreamStalls(stall_warn_s, self._router.channels)
+        self._cache_events = (
+            CacheEventFollower(self.call_utility) if prefix_routing is not None else None
+        )
         self._tasks: list[asyncio.Task] = []
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -75,7 +83,7 @@ class EngineClient:
         membership, sockets = self._membership, self._sockets
         self._tasks = [
             *sockets.bind(lambda: membership.engines),
-            asyncio.create_task(sockets.receive_ready(membership.admit), name="engine-ready-loop"),
+            asyncio.create_task(sockets.receive_ready(self._admit), name="engine-ready-loop"),
             asyncio.create_task(
                 sockets.receive_outputs(self._on_outputs, membership.engine_said_dead),
                 name="engine-output-loop",
@@ -90,6 +98,8 @@ class EngineClient:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks = []
+        if self._cache_events is not None:
+            await self._cache_events.close()
         self._router.fail_all("the gateway is shutting down")
         self._utility_calls.fail(unavailable("the gateway is shutting down"))
         self._sockets.close()
@@ -102,7 +112,14 @@ class EngineClient:
             self._utility_calls.resolve(outputs.utility_output)
         self._router.deliver(engine, outputs)
 
+    def _admit(self, identity: bytes, ready: EngineReady) -> None:
+        self._membership.admit(identity, ready)
+        if self._cache_events is not None:
+            self._cache_events.follow(self._membership.engines[ready.data_parallel_rank])
+
     def _engine_died(self, engine: EngineHandle, why: str) -> None:
+        if self._cache_events is not None:
+            self._cache_events.forget(engine)
         self._failover.engine_died(engine, why)
         self._utility_calls.fail(unavailable(f"engine {engine.engine_id} died: {why}"), engine)
 
@@ -186,4 +203,10 @@ class EngineClient:
         self, engine: EngineHandle, method: str, args: list[Any], timeout_s: float = 30.0
     ) -> Any:
         """Call an engine-core utility method; raise ApiError if the engine reports failure."""
-        return await self._utility_calls.call(engine, method, args, timeout_s)
+        result = await self._utility_calls.call(engine, method, args, timeout_s)
+        if method in _EMPTY_THE_CACHE and result is not False:
+            # Without KV events nothing else would tell the router the cache is gone.
+            engine.prefix_table.clear()
+            if self._cache_events is not None:
+                self._cache_events.refollow(engine)
+        return result

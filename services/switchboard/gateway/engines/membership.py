@@ -72,12 +72,15 @@ class EngineMembership:
         routing = self._prefix_routing
         if routing is None or request is None:
             return choose_engine(self.engines, pinned_rank, self._rng)
-        return choose_engine(
+        engine = choose_engine(
             self.engines,
             pinned_rank,
             self._rng,
             lambda live: routing.choose(live, request, self._rng),
         )
+        if pinned_rank is not None:  # the engine will cache it all the same
+            routing.record(engine, request)
+        return engine
 
     def check_routable(self) -> None:
         """Raise UNAVAILABLE (saying why) unless some engine takes new requests."""

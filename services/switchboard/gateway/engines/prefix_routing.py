@@ -14,9 +14,9 @@ its engine through some imbalance; a new one whose only cached part is a system 
 one engine holds goes there only while that engine is about as loaded as the others (so a
 burst of them does not pile onto it). Otherwise power of two choices decides, as without this
 policy. Among engines with the same longest prefix the least loaded wins. What each engine
-holds is this gateway's table of the prompts it routed there (``routed_prefixes.py``, why:
-docs/operations.md, "Prefix-aware routing"); the prompt's block hashes are recorded on the
-engine chosen, whatever chose it.
+holds is its ``prefix_table.py``: the engine's KV events when they are followed, and the
+prompts this gateway routed there (docs/operations.md, "Prefix-aware routing"); the prompt's
+block hashes are recorded on the engine chosen, whatever chose it.
 """
 
 from __future__ import annotations
@@ -40,18 +40,22 @@ class PrefixRouting:
     ) -> EngineHandle:
         """The engine for ``request`` among ``live`` (two or more), its prompt recorded there."""
         block_size = live[0].ready.block_size
-        hashes: list[BlockHash] = []
-        extend_block_hashes(hashes, request.prompt_token_ids, block_size, request.cache_salt)
+        hashes = _chain(request, block_size)
         engine = self._pick(live, hashes, block_size, rng) if hashes else power_of_two(live, rng)
-        engine.routed_prefixes.record(hashes)
+        engine.prefix_table.record(hashes)
         return engine
+
+    @staticmethod
+    def record(engine: EngineHandle, request: EngineCoreRequest) -> None:
+        """``request`` goes to ``engine`` whatever its prefix (its DP rank was pinned)."""
+        engine.prefix_table.record(_chain(request, engine.ready.block_size))
 
     def _pick(
         self, live: list[EngineHandle], hashes: list[BlockHash], block_size: int, rng: random.Random
     ) -> EngineHandle:
         order = rng.sample(live, len(live))  # ties go to a random one, not always the first
         scores = {id(e): engine_score(e) for e in order}
-        matches = {id(e): e.routed_prefixes.match(hashes) for e in order}
+        matches = {id(e): e.prefix_table.match(hashes) for e in order}
         least = min(order, key=lambda e: scores[id(e)])
         best = max(order, key=lambda e: (matches[id(e)], -scores[id(e)]))
         gain_tokens = (matches[id(best)] - min(matches.values())) * block_size
@@ -61,3 +65,9 @@ class PrefixRouting:
         if gain_tokens < max(1, self.min_match_tokens) * (1 + imbalance):
             return power_of_two(live, rng)
         return best
+
+
+def _chain(request: EngineCoreRequest, block_size: int) -> list[BlockHash]:
+    hashes: list[BlockHash] = []
+    extend_block_hashes(hashes, request.prompt_token_ids, block_size, request.cache_salt)
+    return hashes

@@ -5,7 +5,9 @@ most recent last, at most as many as the engine has KV blocks.
 An approximation, as SGLang's router keeps one: the engine may have evicted sooner (its output
 blocks take room too, other gateways' requests as well), and it also holds other gateways'
 prompts, which this table does not know. Both only make a routing choice worse, never wrong:
-the engine serves whatever it really holds from cache and computes the rest.
+the engine serves whatever it really holds from cache and computes the rest. With the
+engine's KV events followed (``prefix_table.py``) it holds only the prompts sent and not yet
+reported stored.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ class RoutedPrefixes:
                 return i
         return len(hashes)
 
+    def holds(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._recent
+
     def record(self, hashes: list[BlockHash]) -> None:
         """The prompt with these block hashes was sent here. Its tail is made the least recent
         (the engine too frees a chain tail first), so that forgetting cuts a chain from its end
@@ -41,6 +46,11 @@ class RoutedPrefixes:
             recent.move_to_end(block_hash)
         while len(recent) > self.capacity_blocks:
             recent.popitem(last=False)
+
+    def discard(self, hashes: list[BlockHash]) -> None:
+        recent = self._recent
+        for block_hash in hashes:
+            recent.pop(block_hash, None)
 
     def clear(self) -> None:
         self._recent.clear()

@@ -17,7 +17,7 @@ from typing import Any
 
 from switchboard.gateway.api_errors import ApiError
 from switchboard.gateway.engines.engine_clock import EngineClock
-from switchboard.gateway.engines.routed_prefixes import RoutedPrefixes
+from switchboard.gateway.engines.prefix_table import PrefixTable
 from switchboard.wire.engine_msgs import (
     EngineCoreOutput,
     EngineCoreRequest,
@@ -69,10 +69,10 @@ class EngineHandle:
         return self.alive and not self.stalled
 
     @functools.cached_property
-    def routed_prefixes(self) -> RoutedPrefixes:
-        """The prompts this gateway routed here, as block hashes (prefix_routing.py); a
-        restarted engine (a new handle) starts empty, as its cache does."""
-        return RoutedPrefixes(self.ready.num_gpu_blocks)
+    def prefix_table(self) -> PrefixTable:
+        """What its prefix cache holds, as block hashes (prefix_routing.py); a restarted
+        engine (a new handle) starts empty, as its cache does."""
+        return PrefixTable(self.ready.num_gpu_blocks)
 
     @functools.cached_property
     def clock(self) -> EngineClock:

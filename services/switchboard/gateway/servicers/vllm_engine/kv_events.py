@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
@@ -28,7 +27,7 @@ from switchboard.gateway.api_errors import ApiError, unavailable
 from switchboard.gateway.state import GatewayState
 from switchboard.wire.block_hash import BlockHash
 from switchboard.wire.engine_msgs import EngineReady
-from switchboard.wire.kv_event_subscriber import Batches, KvEventSubscriber
+from switchboard.wire.kv_event_subscriber import Batches, KvEventSubscriber, connectable
 from switchboard.wire.kv_events import (
     MEDIUM_GPU,
     AllBlocksCleared,
@@ -46,14 +45,7 @@ NOT_ENABLED = (
     '"replay_endpoint": "tcp://*:5567"}\''
 )
 UTILITY_TIMEOUT_S = 30.0
-RECEIVE_POLL_S = 1.0  # how often an idle rank's loop looks up (cancellation is immediate)
 CONNECT_TIMEOUT_S = 10.0
-# The publisher takes a new subscription on its own I/O thread a moment after the handshake: a
-# batch sent in between reaches no one, and with no later batch to reveal the gap the stream
-# would wait forever. Until a rank's first live batch arrives (or this long), an idle poll asks
-# the engine for its next sequence number and replays what is missing.
-PROBE_WINDOW_S = 30.0
-_WILDCARD_HOSTS = ("tcp://*:", "tcp://0.0.0.0:", "tcp://[::]:", "tcp://:::")
 
 
 def to_int64(block_hash: BlockHash) -> int:
@@ -67,15 +59,6 @@ class RankSource:
     endpoint: str
     replay_endpoint: str | None
     topic: str
-
-
-def connectable(endpoint: str) -> str:
-    """A bound endpoint as a subscriber on this host reaches it: a wildcard host is the
-    engine's own host, which for the engines of this gateway's machine is 127.0.0.1."""
-    for wildcard in _WILDCARD_HOSTS:
-        if endpoint.startswith(wildcard):
-            return "tcp://127.0.0.1:" + endpoint[len(wildcard) :]
-    return endpoint
 
 
 def sources(engines: list[EngineReady]) -> list[RankSource]:
@@ -177,7 +160,7 @@ class KvEventRelay:
     def start_at(self, positions: list[int], start: int) -> None:
         self._positions = positions
         for subscriber, position in zip(self.subscribers, positions, strict=True):
-            subscriber.next_seq = start or position
+            subscriber.start_from(position, replay_from=start or None)
 
     async def stream(self) -> AsyncIterator[common_pb2.KvEventBatch]:
         """The merged stream, until the caller stops iterating (the client cancelled): the
@@ -219,15 +202,8 @@ class KvEventRelay:
             caught_up = await subscriber.catch_up(self._positions[index])
             if caught_up or subscriber.lost_batches:
                 await self._queue.put((index, caught_up))
-            probe_until = time.monotonic() + PROBE_WINDOW_S
-            while True:
-                batches = await subscriber.receive(RECEIVE_POLL_S)
-                if batches:
-                    probe_until = 0.0  # a live batch: the subscription is in place
-                elif time.monotonic() < probe_until:
-                    batches = await subscriber.catch_up(await self._next_seq_of(index))
-                if batches or subscriber.lost_batches:
-                    await self._queue.put((index, batches))
+            async for batches in subscriber.follow(lambda: self._next_seq_of(index)):
+                await self._queue.put((index, batches))
         except (zmq.ZMQError, OSError) as exc:  # a broken socket ends the stream, not the gateway
             logger.warning("SubscribeKvEvents: DP rank %d: %s", self.ranks[index].rank, exc)
             await self._queue.put((index, exc))
