@@ -135,3 +135,16 @@ def test_the_runner_refuses_a_draft_with_another_vocabulary(model_dir):
     runner = ModelRunner(config, device, draft=draft)
     with pytest.raises(ValueError, match="share the model's tokenizer"):
         runner.load_model()
+
+
+def test_serve_refuses_a_draft_with_another_vocabulary_before_starting(model_dir, capsys):
+    from switchboard import cli
+    from switchboard.cli import serve
+
+    parser = cli.make_parser()
+    other = draft_config(tiny_llama_dir(vocab_size=512))
+    args = parser.parse_args(["serve", "--model", model_dir, "--speculative-config", other])
+    with pytest.raises(SystemExit) as exit_info:
+        serve.prepare(parser, args)
+    assert exit_info.value.code == 2
+    assert "a draft must share the model's tokenizer" in capsys.readouterr().err
