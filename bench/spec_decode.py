@@ -1,8 +1,15 @@
-"""Speculative decoding (n-gram proposals) on vs off, on the built-in default model, in one run.
+"""Speculative decoding (n-gram or draft-model proposals) on vs off, on the built-in default
+model, in one run.
 
     .venv/bin/python bench/spec_decode.py                      # c = 1, 4, 16; both workloads
     .venv/bin/python bench/spec_decode.py --concurrency 1 --output-len 64 --json out.json
     .venv/bin/python bench/spec_decode.py --spec '{"method": "ngram", "num_speculative_tokens": 6}'
+    .venv/bin/python bench/spec_decode.py --draft DIR          # a draft model instead of n-gram
+    .venv/bin/python bench/spec_decode.py --draft self         # the model as its own draft
+
+``--draft self`` makes the default model its own draft: every proposal is accepted, but the
+draft costs as much as the model, so it measures the mechanism's cost, never a speed-up (the
+default model has no smaller sibling with its tokenizer here).
 
 Two servers side by side, the same flags but ``--speculative-config``: off and on (default
 ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
@@ -346,6 +353,11 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--output-len", type=int, default=96)
     parser.add_argument("--spec", default=DEFAULT_SPEC, help="--speculative-config when on")
+    parser.add_argument(
+        "--draft",
+        help="a draft model's checkpoint directory ('self': the model itself) instead of --spec",
+    )
+    parser.add_argument("--draft-tokens", type=int, default=4, help="its num_speculative_tokens")
     parser.add_argument("--workloads", nargs="+", default=["repetitive", "random"])
     parser.add_argument("--rounds", type=int, default=2, help="alternations per level")
     parser.add_argument("--min-requests", type=int, default=6, help="requests per level")
@@ -360,6 +372,9 @@ def main() -> int:
     from switchboard.checkpoint import resolve_model
 
     args.model_dir = resolve_model(None)
+    if args.draft:
+        draft_dir = args.model_dir if args.draft == "self" else args.draft
+        args.spec = json.dumps({"model": draft_dir, "num_speculative_tokens": args.draft_tokens})
     all_workloads = {
         "repetitive": (repetitive_prompts(), False),
         "random": (make_prompts(8, RANDOM_PROMPT_LEN, VOCAB, "spec-decode"), True),

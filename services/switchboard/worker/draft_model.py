@@ -12,11 +12,12 @@ A request with ``k`` ``DRAFT_PLACEHOLDER`` proposals (``SchedulerOutput.
 scheduled_spec_decode_tokens``) has ``N`` tokens, ``N - 1`` of them in both caches.
 :meth:`DraftModel.propose` runs the draft ``k`` times, one row per such request each time: its
 last token at position ``N - 1``, then each proposal at the next position, every time taking the
-draft's argmax as the next proposal. Those positions were reserved by the engine for the step;
-the served model then computes ``N - 1 .. N + k - 1`` with the proposals filled in, and the
-mirror pass writes the draft's entries there from the same tokens (its last proposal's entry
-the draft never wrote). A greedy draft is a deterministic proposer, so verification keeps the
-served model's output exact (``worker/spec_verify.py``), greedy and seeded alike.
+draft's argmax as the next proposal. One more run writes the KV of the last proposal at
+``N + k - 1``: the draft's cache then holds all of the step's positions of the request (the
+engine reserved them), from the tokens the served model computes there; :meth:`DraftModel.mirror`
+computes those of the step's other requests. A greedy draft is a deterministic proposer, so
+verification keeps the served model's output exact (``worker/spec_verify.py``), greedy and
+seeded alike.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from switchboard.worker.step_inputs import (
     RequestState,
     RequestStates,
     StepInputs,
+    build_step_inputs,
     decode_batch,
     upload,
 )
@@ -70,6 +72,7 @@ class DraftModel:
         self.kv_cache_dtype = torch.float32
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = 0
+        self._drafted: set[str] = set()  # the step's requests whose proposals the draft made
 
     def load(self, served_vocab_size: int) -> None:
         """Load the draft (once: it stays across a sleep of the served model) and check that it
@@ -122,13 +125,17 @@ class DraftModel:
     def propose(
         self, step: SchedulerOutput, states: RequestStates, backend: AttentionBackend
     ) -> None:
-        """Fill in the step's placeholder proposals with the draft's greedy tokens."""
+        """Fill in the step's placeholder proposals with the draft's greedy tokens. For a
+        request with ``k`` of them the draft runs ``k + 1`` times: the last run writes the KV
+        of its last proposal, so the draft's cache has the step's positions of every drafting
+        request already (:meth:`mirror` computes the other requests')."""
         proposals = step.scheduled_spec_decode_tokens
         wanted = {
             rid: len(drafts)
             for rid, drafts in proposals.items()
             if drafts and drafts[0] == DRAFT_PLACEHOLDER
         }
+        self._drafted = set(wanted)
         if not wanted:
             return
         assert self.model is not None
@@ -140,39 +147,79 @@ class DraftModel:
                     f"{len(state.token_ids) - state.num_computed_tokens} tokens to compute"
                 )
         drafted: dict[str, list[int]] = {rid: [] for rid in wanted}
-        for j in range(max(wanted.values())):
-            rows = [states[rid] for rid, k in wanted.items() if k > j]
-            input_ids = [
-                drafted[state.request_id][-1] if j else state.token_ids[-1] for state in rows
-            ]
-            positions = [state.num_computed_tokens + j for state in rows]
-            slots = [
-                state.block_ids[p // self.block_size] * self.block_size + p % self.block_size
-                for state, p in zip(rows, positions, strict=True)
-            ]
-            metadata = AttentionMetadata(
-                slot_mapping=upload(torch.tensor(slots, dtype=torch.long), self.device),
-                decode=decode_batch(rows, self.block_size, self.device, positions),
-                prefills=[],
+        for j in range(max(wanted.values()) + 1):
+            rows = [states[rid] for rid, k in wanted.items() if k >= j]
+            hidden = self._decode_rows(
+                rows,
+                [drafted[state.request_id][-1] if j else state.token_ids[-1] for state in rows],
+                [state.num_computed_tokens + j for state in rows],
+                backend,
             )
-            backend.prepare(metadata)
-            hidden = self.model(
-                upload(torch.tensor(input_ids, dtype=torch.long), self.device),
-                upload(torch.tensor(positions, dtype=torch.long), self.device),
-                self.kv_caches,
-                metadata,
-            )
+            # the rows that still propose (the others only wrote their last proposal's KV)
+            proposing = [i for i, state in enumerate(rows) if wanted[state.request_id] > j]
+            if not proposing:
+                continue
+            if len(proposing) < len(rows):
+                hidden = hidden[torch.tensor(proposing, dtype=torch.long, device=hidden.device)]
+                rows = [rows[i] for i in proposing]
             logits = self.model.compute_logits(hidden)
             _keep_allowed_tokens(logits, rows)
-            next_ids = logits.argmax(dim=-1).tolist()
-            for state, token_id in zip(rows, next_ids, strict=True):
+            for state, token_id in zip(rows, logits.argmax(dim=-1).tolist(), strict=True):
                 drafted[state.request_id].append(token_id)
         proposals.update(drafted)
 
-    @torch.inference_mode()
-    def mirror(self, inputs: StepInputs) -> None:
-        """Compute the draft's KV for every position the served model computes in the step."""
+    def _decode_rows(
+        self,
+        rows: list[RequestState],
+        input_ids: list[int],
+        positions: list[int],
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """The draft's final hidden states of one token per row, at ``positions``."""
         assert self.model is not None
+        block_size = self.block_size
+        slots = [
+            state.block_ids[p // block_size] * block_size + p % block_size
+            for state, p in zip(rows, positions, strict=True)
+        ]
+        metadata = AttentionMetadata(
+            slot_mapping=upload(torch.tensor(slots, dtype=torch.long), self.device),
+            decode=decode_batch(rows, block_size, self.device, positions),
+            prefills=[],
+        )
+        backend.prepare(metadata)
+        return self.model(
+            upload(torch.tensor(input_ids, dtype=torch.long), self.device),
+            upload(torch.tensor(positions, dtype=torch.long), self.device),
+            self.kv_caches,
+            metadata,
+        )
+
+    @torch.inference_mode()
+    def mirror(
+        self,
+        step: SchedulerOutput,
+        inputs: StepInputs,
+        states: RequestStates,
+        backend: AttentionBackend,
+    ) -> None:
+        """Compute the draft's KV for every position the served model computes in the step
+        (before the step advances the requests' computed tokens): the served model's inputs,
+        but for requests the draft proposed for (:meth:`propose` wrote theirs)."""
+        assert self.model is not None
+        if self._drafted:
+            others = {
+                rid: n
+                for rid, n in step.num_scheduled_tokens.items()
+                if n > 0 and rid not in self._drafted
+            }
+            if not others:
+                return
+            rest = msgspec.structs.replace(
+                step, num_scheduled_tokens=others, scheduled_spec_decode_tokens={}
+            )
+            inputs = build_step_inputs(rest, states, self.block_size, self.device)
+            backend.prepare(inputs.metadata)
         self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
 
     def _config(self) -> TransformerConfig:

@@ -234,7 +234,7 @@ class ModelRunner:
         self.attention_backend.prepare(inputs.metadata)
         hidden = self._forward_stage(inputs)
         if self.draft is not None:
-            self.draft.mirror(inputs)
+            self.draft.mirror(step, inputs, self.requests, self.attention_backend)
         if self.lora is not None:
             self.lora.finish()  # no stale batch for what runs next (a graph capture, say)
         logits, pooled = None, None
