@@ -148,3 +148,13 @@ def test_serve_refuses_a_draft_with_another_vocabulary_before_starting(model_dir
         serve.prepare(parser, args)
     assert exit_info.value.code == 2
     assert "a draft must share the model's tokenizer" in capsys.readouterr().err
+
+
+def test_the_runner_refuses_a_draft_with_fewer_positions_than_a_request_may_reach(model_dir):
+    short = tiny_llama_dir(max_position_embeddings=128)
+    device = torch.device("cpu")
+    config = ModelConfig(model=model_dir)
+    with pytest.raises(ValueError, match="--max-model-len 128"):
+        ModelRunner(config, device, draft=DraftModel(short, config, device)).load_model()
+    fitted = ModelConfig(model=model_dir, max_model_len=128)
+    ModelRunner(fitted, device, draft=DraftModel(short, fitted, device)).load_model()

@@ -74,9 +74,9 @@ class DraftModel:
         self.block_size = 0
         self._drafted: set[str] = set()  # the step's requests whose proposals the draft made
 
-    def load(self, served_vocab_size: int) -> None:
+    def load(self, served: TransformerConfig) -> None:
         """Load the draft (once: it stays across a sleep of the served model) and check that it
-        can propose for a model of ``served_vocab_size`` tokens (ValueError)."""
+        can propose for the ``served`` model: its tokens, its positions (ValueError)."""
         if self.model is not None:
             return
         where = f"--speculative-config: the draft model {self.model_config.model!r}"
@@ -87,10 +87,17 @@ class DraftModel:
             causal_lm = as_causal_lm(model)
         except (ValueError, TypeError) as exc:
             raise ValueError(f"{where}: {exc}") from exc
-        if config.vocab_size != served_vocab_size:
+        if config.vocab_size != served.vocab_size:
             raise ValueError(
-                f"{where} has {config.vocab_size} tokens, the model {served_vocab_size}: "
+                f"{where} has {config.vocab_size} tokens, the model {served.vocab_size}: "
                 "a draft must share the model's tokenizer"
+            )
+        positions = self.model_config.max_model_len or served.max_position_embeddings
+        if config.max_position_embeddings < positions:
+            raise ValueError(
+                f"{where} has {config.max_position_embeddings} positions, fewer than the "
+                f"{positions} a request may reach: set --max-model-len "
+                f"{config.max_position_embeddings} or less"
             )
         self.kv_cache_dtype = resolve_kv_cache_dtype(
             self.model_config.kv_cache_dtype, dtype, self.device

@@ -104,7 +104,7 @@ class ModelRunner:
         )
         self.model = as_causal_lm(model)
         if self.draft is not None:
-            self.draft.load(self.config.vocab_size)
+            self.draft.load(self.config)
         if self.model_config.lora.enable_lora:
             self.lora = LoraRequests.for_model(
                 model, self.config, self.model_config.lora, self.parallel, self.lora
