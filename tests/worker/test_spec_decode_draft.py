@@ -148,6 +148,12 @@ def test_serve_refuses_a_draft_with_another_vocabulary_before_starting(model_dir
         serve.prepare(parser, args)
     assert exit_info.value.code == 2
     assert "a draft must share the model's tokenizer" in capsys.readouterr().err
+    # a gateway loads no model: the draft need not be on its host
+    elsewhere = draft_config("/not/on/this/host")
+    serve.prepare(
+        parser,
+        parser.parse_args(["gateway", "--model", model_dir, "--speculative-config", elsewhere]),
+    )
 
 
 def test_the_runner_refuses_a_draft_with_fewer_positions_than_a_request_may_reach(model_dir):

@@ -152,12 +152,13 @@ def check_speculative_config(
     parser: argparse.ArgumentParser, args: argparse.Namespace, model_dir: str | None = None
 ) -> None:
     """--speculative-config parses, before a model is resolved or converted; with the
-    resolved ``model_dir``, a draft model fits it too."""
+    resolved ``model_dir``, a draft model fits it too (where it loads: not in a gateway)."""
     from switchboard.config.speculative import check_draft_model, parse_speculative_config
 
     try:
         config = parse_speculative_config(getattr(args, "speculative_config", "") or "")
-        if config is not None and model_dir is not None:
+        loads_models = getattr(args, "command", "serve") != "gateway"
+        if config is not None and model_dir is not None and loads_models:
             check_draft_model(
                 config,
                 model_dir,
