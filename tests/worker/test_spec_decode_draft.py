@@ -164,3 +164,18 @@ def test_the_runner_refuses_a_draft_with_fewer_positions_than_a_request_may_reac
         ModelRunner(config, device, draft=DraftModel(short, config, device)).load_model()
     fitted = ModelConfig(model=model_dir, max_model_len=128)
     ModelRunner(fitted, device, draft=DraftModel(short, fitted, device)).load_model()
+
+
+@pytest.mark.parametrize("family", ["qwen2", "mistral", "gpt2"])
+def test_other_decoder_families_draft_for_themselves(family):
+    """Qwen2 (biases), Mistral (a sliding window shorter than the output), GPT-2 (learned
+    positions): the model as its own draft has its proposals accepted, the tokens unchanged."""
+    model_dir = tiny_checkpoint_dir(family)
+    prompts = {"loop": PROMPTS["loop"], "counting": PROMPTS["counting"]}
+    params = SamplingParams(temperature=0.0, max_tokens=30)
+    off = run_loop(make_runner(model_dir, NUM_BLOCKS), prompts, params, "", num_blocks=NUM_BLOCKS)
+    runner = draft_runner(model_dir, model_dir)
+    on = run_loop(runner, prompts, params, draft_config(model_dir, k=3), num_blocks=NUM_BLOCKS)
+    for rid in prompts:
+        assert on.tokens(rid) == off.tokens(rid), rid
+    assert on.num_accepted_tokens >= 0.9 * on.num_draft_tokens > 0
