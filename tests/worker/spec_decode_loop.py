@@ -43,10 +43,12 @@ def run_loop(
     max_num_batched_tokens: int = 64,
     params_of: dict[str, SamplingParams] | None = None,
     lora_of: dict[str, str] | None = None,
+    resumed_outputs: dict[str, list[int]] | None = None,
 ) -> LoopResult:
     """Generate for every prompt until all finish; the runner's KV cache must have been made
     with ``num_blocks`` blocks of ``BLOCK_SIZE``. ``params_of`` / ``lora_of``: a request's own
-    sampling parameters / LoRA adapter instead of ``params`` / the base model."""
+    sampling parameters / LoRA adapter instead of ``params`` / the base model;
+    ``resumed_outputs``: a request's output so far, as a stream resumed on another engine."""
     scheduler = Scheduler(
         SchedulerConfig(
             max_num_seqs=8,
@@ -64,6 +66,7 @@ def run_loop(
             prompt,
             sampling_params=(params_of or {}).get(rid, params),
             lora_request=lora_request((lora_of or {}).get(rid, "")),
+            output_token_ids=(resumed_outputs or {}).get(rid, []),
         )
         scheduler.add_request(Request.from_engine_core_request(request, BLOCK_SIZE, next(_arrival)))
     result = LoopResult()

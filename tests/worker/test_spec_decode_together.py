@@ -1,7 +1,8 @@
 """Speculative decoding together with what else a step carries, on the real scheduler and model
 runner, n-gram and draft-model proposals alike: seeded ``n > 1`` (the gateway's child requests:
 one prompt, seeds ``seed + i``, sharing the prompt's cached blocks), LoRA adapters next to base
-requests, and chunked prefill with preemption. The tokens are those of speculation off."""
+requests, chunked prefill with preemption, and streams resumed with their output so far (as on
+another engine after one died). The tokens are those of speculation off."""
 
 from __future__ import annotations
 
@@ -86,6 +87,21 @@ def test_chunked_prefill_and_preemption_keep_the_tokens_and_the_draft_s_cache(ru
     assert on.num_draft_tokens > 0
     if proposer == "draft":
         assert on.num_accepted_tokens >= 0.9 * on.num_draft_tokens
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_a_resumed_stream_goes_on_with_the_tokens_of_one_engine(runners, proposer):
+    prompts = {"a": PROMPT, "b": PROMPT[3:]}
+    params = SamplingParams(temperature=0.7, seed=9, max_tokens=30, allowed_token_ids=ALLOWED)
+    whole = run_loop(runners["off"][0], prompts, params, "", num_blocks=NUM_BLOCKS)
+    runner, config = runners[proposer]
+    so_far = {rid: whole.tokens(rid)[:11] for rid in prompts}
+    resumed = run_loop(
+        runner, prompts, params, config, num_blocks=NUM_BLOCKS, resumed_outputs=so_far
+    )
+    for rid in prompts:
+        assert resumed.tokens(rid) == whole.tokens(rid)[11:], rid
+    assert resumed.num_accepted_tokens > 0
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
