@@ -6,6 +6,8 @@ none accepted); and the configuration refuses a draft that cannot propose for th
 from __future__ import annotations
 
 import json
+import os
+import shutil
 
 import pytest
 import torch
@@ -179,3 +181,18 @@ def test_other_decoder_families_draft_for_themselves(family):
     for rid in prompts:
         assert on.tokens(rid) == off.tokens(rid), rid
     assert on.num_accepted_tokens >= 0.9 * on.num_draft_tokens > 0
+
+
+def test_the_runner_refuses_a_draft_of_an_unsupported_architecture(model_dir, tmp_path):
+    for name in os.listdir(model_dir):
+        shutil.copy(os.path.join(model_dir, name), tmp_path)
+    config_path = tmp_path / "config.json"
+    raw = json.loads(config_path.read_text())
+    config_path.write_text(
+        json.dumps({**raw, "architectures": ["PhiForCausalLM"], "model_type": "phi"})
+    )
+    config = ModelConfig(model=model_dir)
+    device = torch.device("cpu")
+    runner = ModelRunner(config, device, draft=DraftModel(str(tmp_path), config, device))
+    with pytest.raises(ValueError, match="draft model .*unsupported architecture 'PhiForCausalLM'"):
+        runner.load_model()
