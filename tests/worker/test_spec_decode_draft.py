@@ -121,6 +121,13 @@ def test_the_config_takes_vllm_s_draft_form_and_refuses_a_draft_that_cannot_prop
     assert encoder is not None
     with pytest.raises(ValueError, match="not a decoder"):
         check_draft_model(encoder, model_dir)
+    (tmp_path / "config.json").write_text(
+        json.dumps({"architectures": ["PhiForCausalLM"], "vocab_size": 1024})
+    )
+    with pytest.raises(ValueError, match="PhiForCausalLM.*not a decoder"):
+        check_draft_model(encoder, model_dir)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "vocab_size": 1024}))
+    check_draft_model(encoder, model_dir)  # no "architectures": its model_type says it
     for bad, says in [
         ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs"),
         ('{"method": "ngram", "model": "/d", "num_speculative_tokens": 2}', "takes no model"),
@@ -196,3 +203,11 @@ def test_the_runner_refuses_a_draft_of_an_unsupported_architecture(model_dir, tm
     runner = ModelRunner(config, device, draft=DraftModel(str(tmp_path), config, device))
     with pytest.raises(ValueError, match="draft model .*unsupported architecture 'PhiForCausalLM'"):
         runner.load_model()
+
+
+def test_the_draft_architectures_are_the_loader_s_decoders():
+    from switchboard.config.speculative import DRAFT_ARCHITECTURES
+    from switchboard.models.loader import _MODEL_TYPES, MODEL_FAMILIES
+
+    assert set(DRAFT_ARCHITECTURES) == set(MODEL_FAMILIES) - {"BertModel"}
+    assert {v: k for k, v in DRAFT_ARCHITECTURES.items()} == _MODEL_TYPES

@@ -14,8 +14,8 @@ Unknown keys are refused, so a typo does not silently turn speculation off. Off 
 smaller checkpoint that shares the served model's tokenizer, run greedily in the same worker
 (``worker/draft_model.py``); the prompt lookup bounds do not apply to it.
 :func:`check_draft_model` refuses, before anything loads, a draft whose vocabulary differs from
-the served model's, one that is no decoder, and tensor or pipeline parallelism (the draft runs
-whole in one worker).
+the served model's, one that is not a decoder family the workers run, and tensor or pipeline
+parallelism (the draft runs whole in one worker).
 """
 
 from __future__ import annotations
@@ -31,6 +31,14 @@ DRAFT_MODEL = "draft_model"
 METHODS = (NGRAM, DRAFT_MODEL)
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's, when neither bound is given
 MAX_SPECULATIVE_TOKENS = 32
+# The decoder families a draft may be (models/loader.py's, less the encoder; a test keeps the
+# two in step), by architecture and by model_type for a config without "architectures".
+DRAFT_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "MistralForCausalLM": "mistral",
+    "GPT2LMHeadModel": "gpt2",
+}
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 
@@ -127,8 +135,15 @@ def check_draft_model(
         )
     draft = _read_config_json(draft_dir, "the draft model")
     target = _read_config_json(target_dir, "the model")
-    if "BertModel" in (draft.get("architectures") or []) or draft.get("model_type") == "bert":
-        raise ValueError(f"--speculative-config: the draft model {draft_dir!r} is not a decoder")
+    architecture = (draft.get("architectures") or [""])[0]
+    if architecture not in DRAFT_ARCHITECTURES and (
+        architecture or draft.get("model_type") not in DRAFT_ARCHITECTURES.values()
+    ):
+        raise ValueError(
+            f"--speculative-config: the draft model {draft_dir!r} "
+            f"({architecture or draft.get('model_type')}) is not a decoder that can draft; "
+            f"one of {', '.join(DRAFT_ARCHITECTURES)}"
+        )
     draft_vocab, target_vocab = draft.get("vocab_size"), target.get("vocab_size")
     if draft_vocab != target_vocab:
         raise ValueError(
