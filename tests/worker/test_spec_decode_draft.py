@@ -108,6 +108,11 @@ def test_the_config_takes_vllm_s_draft_form_and_refuses_a_draft_that_cannot_prop
     )
     assert explicit == config
     check_draft_model(config, model_dir)  # the same tokenizer: accepted
+    short = parse_speculative_config(draft_config(tiny_llama_dir(max_position_embeddings=128)))
+    assert short is not None
+    with pytest.raises(ValueError, match="--max-model-len 128"):
+        check_draft_model(short, model_dir)
+    check_draft_model(short, model_dir, max_model_len=128)
     with pytest.raises(ValueError, match="-tp 1 -pp 1"):
         check_draft_model(config, model_dir, tensor_parallel_size=2)
     other_vocab = parse_speculative_config(draft_config(tiny_llama_dir(vocab_size=512)))

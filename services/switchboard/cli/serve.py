@@ -164,6 +164,7 @@ def check_speculative_config(
                 model_dir,
                 getattr(args, "tensor_parallel_size", 1) or 1,
                 getattr(args, "pipeline_parallel_size", 1) or 1,
+                getattr(args, "max_model_len", None),
             )
     except ValueError as error:
         parser.error(str(error))

@@ -122,6 +122,7 @@ def check_draft_model(
     target_dir: str,
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
+    max_model_len: int | None = None,
 ) -> None:
     """Refuse a draft model that cannot propose for the served model at ``target_dir``
     (ValueError), from the checkpoints' JSON files alone: nothing is loaded."""
@@ -150,6 +151,13 @@ def check_draft_model(
             f"--speculative-config: the draft model's vocabulary has {draft_vocab} tokens, "
             f"the model's {target_vocab}: a draft must share the model's tokenizer"
         )
+    positions = max_model_len or _positions(target)
+    if positions and _positions(draft) and _positions(draft) < positions:
+        raise ValueError(
+            f"--speculative-config: the draft model {draft_dir!r} has {_positions(draft)} "
+            f"positions, fewer than the {positions} a request may reach: set --max-model-len "
+            f"{_positions(draft)} or less"
+        )
     draft_vocab_map = _tokenizer_vocab(draft_dir)
     target_vocab_map = _tokenizer_vocab(target_dir)
     if draft_vocab_map is not None and target_vocab_map is not None:
@@ -158,6 +166,11 @@ def check_draft_model(
                 f"--speculative-config: the draft model {draft_dir!r} has another tokenizer "
                 "than the model (tokenizer.json vocabularies differ): a draft must share it"
             )
+
+
+def _positions(config: dict[str, Any]) -> int:
+    """A checkpoint's positions (0: its config.json does not say)."""
+    return int(config.get("max_position_embeddings") or config.get("n_positions") or 0)
 
 
 def _read_config_json(model_dir: str, what: str) -> dict[str, Any]:
