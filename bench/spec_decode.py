@@ -1,16 +1,25 @@
-"""Speculative decoding (n-gram proposals) on vs off, on the built-in default model, in one run.
+"""Speculative decoding (n-gram or draft-model proposals) on vs off, on the built-in default
+model, in one run.
 
     .venv/bin/python bench/spec_decode.py                      # c = 1, 4, 16; both workloads
     .venv/bin/python bench/spec_decode.py --concurrency 1 --output-len 64 --json out.json
     .venv/bin/python bench/spec_decode.py --spec '{"method": "ngram", "num_speculative_tokens": 6}'
+    .venv/bin/python bench/spec_decode.py --draft DIR          # a draft model instead of n-gram
+    .venv/bin/python bench/spec_decode.py --draft self         # the model as its own draft
 
-Two servers side by side, the same flags but ``--speculative-config``: off and on (default
+``--draft self`` makes the default model its own draft: every proposal is accepted, but the
+draft costs as much as the model, so it measures the mechanism's cost, never a speed-up (the
+default model has no smaller sibling with its tokenizer here).
+
+Servers side by side, the same flags but ``--speculative-config``: off and on (default
 ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-"prompt_lookup_min": 1}``). Each level (a workload at a concurrency c: a closed loop of c clients,
-each sending its next request when its last one ends, greedy) runs on one server, then the
-other, ``--rounds`` times in alternation, and each side's best round is reported: on a machine
-others share, the load drifts over minutes, and alternating keeps both sides under the same
-drift. Only one server computes at a time. The workloads:
+"prompt_lookup_min": 1}``; several ``--spec`` values, and ``--draft``, are each a server of their
+own, so variants compare in one run: ``--spec A B --draft DIR``). Each level (a workload at a
+concurrency c: a closed loop of c clients, each sending its next request when its last one ends,
+greedy) runs on one server, then the next, ``--rounds`` times in alternation, and each side's
+best round is reported: on a machine others share, the load drifts over minutes, and
+alternating keeps every side under the same drift. Only one server computes at a time. The
+workloads:
 
 * **repetitive**, built from real text (this repository's own documents and code): summarise a
   document quoting its sentences, edit a piece of code (rename a function and give the whole code
@@ -294,9 +303,10 @@ async def run_both(
     """Every level on both servers of ``kind``, alternated ``--rounds`` times; each side's
     best round (with every round's tok/s under ``rounds``)."""
     servers = []
-    best: dict[str, dict[str, Any]] = {"off": {}, "on": {}}
+    variants = spec_variants(args.specs)
+    best: dict[str, dict[str, Any]] = {"off": {}, **{label: {} for label in variants}}
     try:
-        for label, spec in (("off", ""), ("on", args.spec)):
+        for label, spec in {"off": "", **variants}.items():
             servers.append(await start_server(kind, label, spec, args, log_dir))
         sides = {label: generate for label, (_, generate) in zip(best, servers, strict=True)}
         for generate in sides.values():
@@ -325,6 +335,13 @@ async def run_both(
     return best
 
 
+def spec_variants(specs: list[str]) -> dict[str, str]:
+    """Each --speculative-config to measure, by its label: "on", or "on1", "on2" ..."""
+    if len(specs) == 1:
+        return {"on": specs[0]}
+    return {f"on{i + 1}": spec for i, spec in enumerate(specs)}
+
+
 def print_table(off: dict[str, Any], on: dict[str, Any]) -> None:
     print(
         f"{'workload':<11} {'c':>3} {'off tok/s':>10} {'on tok/s':>10} {'on/off':>7} "
@@ -345,7 +362,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--output-len", type=int, default=96)
-    parser.add_argument("--spec", default=DEFAULT_SPEC, help="--speculative-config when on")
+    parser.add_argument(
+        "--spec",
+        nargs="+",
+        help="--speculative-config when on (several: each a server of its own, all alternated "
+        f"with off; default {DEFAULT_SPEC})",
+    )
+    parser.add_argument(
+        "--draft",
+        help="a draft model's checkpoint directory ('self': the model itself); with --spec, a "
+        "variant more, else instead of the default n-gram config",
+    )
+    parser.add_argument("--draft-tokens", type=int, default=4, help="its num_speculative_tokens")
     parser.add_argument("--workloads", nargs="+", default=["repetitive", "random"])
     parser.add_argument("--rounds", type=int, default=2, help="alternations per level")
     parser.add_argument("--min-requests", type=int, default=6, help="requests per level")
@@ -360,6 +388,12 @@ def main() -> int:
     from switchboard.checkpoint import resolve_model
 
     args.model_dir = resolve_model(None)
+    args.specs = list(args.spec or ([] if args.draft else [DEFAULT_SPEC]))
+    if args.draft:
+        draft_dir = args.model_dir if args.draft == "self" else args.draft
+        args.specs.append(
+            json.dumps({"model": draft_dir, "num_speculative_tokens": args.draft_tokens})
+        )
     all_workloads = {
         "repetitive": (repetitive_prompts(), False),
         "random": (make_prompts(8, RANDOM_PROMPT_LEN, VOCAB, "spec-decode"), True),
@@ -377,14 +411,14 @@ def main() -> int:
     finally:
         stop_all()
     print(
-        f"\nspeculative config: {args.spec}; output up to {args.output_len} tokens, greedy; "
-        f"best of {args.rounds} alternated rounds"
+        f"\noutput up to {args.output_len} tokens, greedy; best of {args.rounds} alternated rounds"
     )
     for kind, both in results.items():
-        print(f"\n{kind}")
-        print_table(both["off"], both["on"])
+        for label, spec in spec_variants(args.specs).items():
+            print(f"\n{kind}, {label}: --speculative-config '{spec}'")
+            print_table(both["off"], both[label])
     if args.json:
-        args.json.write_text(json.dumps({"spec": args.spec, **results}))
+        args.json.write_text(json.dumps({"specs": spec_variants(args.specs), **results}))
     return 0
 
 

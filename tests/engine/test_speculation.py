@@ -198,7 +198,7 @@ def test_the_config_is_vllm_s_json_and_bad_values_are_refused():
         ('{"method": "eagle", "num_speculative_tokens": 2}', "not supported"),
         ('{"method": "ngram"}', "num_speculative_tokens"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "lookup": 3}', "lookup"),
-        ('{"model": "/some/dir", "num_speculative_tokens": 2}', "draft model"),
+        ('{"model": "", "num_speculative_tokens": 2}', "needs"),
         (
             '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3, '
             '"prompt_lookup_max": 2}',

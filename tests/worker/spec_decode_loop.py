@@ -11,6 +11,7 @@ from switchboard.config import CacheConfig, SchedulerConfig
 from switchboard.engine.request import Request
 from switchboard.engine.scheduler import Scheduler
 from switchboard.wire.engine_msgs import EngineCoreOutput, EngineCoreRequest, SamplingParams
+from switchboard.wire.lora import lora_request
 from switchboard.worker.model_runner import ModelRunner
 
 BLOCK_SIZE = 4
@@ -40,9 +41,14 @@ def run_loop(
     num_blocks: int,
     max_model_len: int = 256,
     max_num_batched_tokens: int = 64,
+    params_of: dict[str, SamplingParams] | None = None,
+    lora_of: dict[str, str] | None = None,
+    resumed_outputs: dict[str, list[int]] | None = None,
 ) -> LoopResult:
     """Generate for every prompt until all finish; the runner's KV cache must have been made
-    with ``num_blocks`` blocks of ``BLOCK_SIZE``."""
+    with ``num_blocks`` blocks of ``BLOCK_SIZE``. ``params_of`` / ``lora_of``: a request's own
+    sampling parameters / LoRA adapter instead of ``params`` / the base model;
+    ``resumed_outputs``: a request's output so far, as a stream resumed on another engine."""
     scheduler = Scheduler(
         SchedulerConfig(
             max_num_seqs=8,
@@ -52,9 +58,16 @@ def run_loop(
         CacheConfig(block_size=BLOCK_SIZE),
         num_blocks,
         max_model_len,
+        max_loras=1 if lora_of else 0,
     )
     for rid, prompt in prompts.items():
-        request = EngineCoreRequest(rid, prompt, sampling_params=params)
+        request = EngineCoreRequest(
+            rid,
+            prompt,
+            sampling_params=(params_of or {}).get(rid, params),
+            lora_request=lora_request((lora_of or {}).get(rid, "")),
+            output_token_ids=(resumed_outputs or {}).get(rid, []),
+        )
         scheduler.add_request(Request.from_engine_core_request(request, BLOCK_SIZE, next(_arrival)))
     result = LoopResult()
     while scheduler.has_unfinished_requests() or scheduler.has_finished_requests():

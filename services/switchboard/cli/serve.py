@@ -148,12 +148,24 @@ def resolve_model_arg(parser: argparse.ArgumentParser, args: argparse.Namespace)
     return model_dir
 
 
-def check_speculative_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """--speculative-config parses, before a model is resolved or converted."""
-    from switchboard.config.speculative import parse_speculative_config
+def check_speculative_config(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, model_dir: str | None = None
+) -> None:
+    """--speculative-config parses, before a model is resolved or converted; with the
+    resolved ``model_dir``, a draft model fits it too (where it loads: not in a gateway)."""
+    from switchboard.config.speculative import check_draft_model, parse_speculative_config
 
     try:
-        parse_speculative_config(getattr(args, "speculative_config", "") or "")
+        config = parse_speculative_config(getattr(args, "speculative_config", "") or "")
+        loads_models = getattr(args, "command", "serve") != "gateway"
+        if config is not None and model_dir is not None and loads_models:
+            check_draft_model(
+                config,
+                model_dir,
+                getattr(args, "tensor_parallel_size", 1) or 1,
+                getattr(args, "pipeline_parallel_size", 1) or 1,
+                getattr(args, "max_model_len", None),
+            )
     except ValueError as error:
         parser.error(str(error))
 
@@ -243,6 +255,7 @@ def prepare(
     anything starts."""
     check_speculative_config(parser, args)
     model_dir = resolve_model_arg(parser, args)
+    check_speculative_config(parser, args, model_dir)
     check_chat_template(parser, args, model_dir)
     check_lora_args(parser, args)
     apply_security_args(parser, args)

@@ -130,8 +130,9 @@ class SchedulerConfig(Config, frozen=True):
         Flag(
             "speculative decoding, as vLLM's JSON: "
             '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
-            "proposes tokens from the prompt and output so far and verifies them in one "
-            "forward pass (default: off)",
+            "proposes tokens from the prompt and output so far, "
+            '\'{"model": DIR, "num_speculative_tokens": 4}\' with a smaller draft model '
+            "sharing the tokenizer; either is verified in one forward pass (default: off)",
             Group.SCHEDULER,
             metavar="JSON",
         ),

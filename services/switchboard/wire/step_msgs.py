@@ -51,6 +51,11 @@ class CachedRequest(_Wire):
     num_computed_tokens: int
 
 
+# A proposal the engine leaves to the workers' draft model (speculative decoding with a draft
+# model): the engine reserves the position, the worker fills in the token.
+DRAFT_PLACEHOLDER = -1
+
+
 class SchedulerOutput(_Wire):
     step_id: int
     new_requests: list[NewRequest] = []
@@ -67,7 +72,8 @@ class SchedulerOutput(_Wire):
     # Appended for speculative decoding: tokens proposed for a decoding request, computed after
     # its scheduled token (num_scheduled_tokens counts them). The workers sample every one of
     # those positions and return the longest prefix of proposals equal to their samples, plus
-    # the sample after it (worker/spec_verify.py).
+    # the sample after it (worker/spec_verify.py). Entries of DRAFT_PLACEHOLDER: the workers'
+    # draft model proposes those positions itself, in this step, before verifying them.
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
 
 

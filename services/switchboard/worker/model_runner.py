@@ -29,6 +29,7 @@ from switchboard.models.quantized import NONE as NO_QUANTIZATION
 from switchboard.wire.engine_msgs import TokenLogprobs
 from switchboard.wire.step_msgs import ModelRunnerOutput, ModelSummary, SchedulerOutput
 from switchboard.worker import cuda_graphs
+from switchboard.worker.draft_model import DraftModel
 from switchboard.worker.grammar_mask import apply_grammar_bitmask
 from switchboard.worker.logprobs import prompt_token_logprobs
 from switchboard.worker.lora_runner import LoraRequests
@@ -73,6 +74,7 @@ class ModelRunner:
         model_config: ModelConfig,
         device: torch.device,
         parallel: ParallelState = SINGLE_PROCESS,
+        draft: DraftModel | None = None,
     ) -> None:
         self.model_config = model_config
         self.device = device
@@ -89,6 +91,7 @@ class ModelRunner:
         self.attention_backend: AttentionBackend = REFERENCE  # chosen by load_model
         self.decode_graphs: cuda_graphs.DecodeGraphs | None = None  # CUDA only, see there
         self.lora: LoraRequests | None = None  # --enable-lora (worker/lora_runner.py)
+        self.draft = draft  # speculative decoding's draft model (worker/draft_model.py)
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -100,6 +103,8 @@ class ModelRunner:
             self.model_config.kv_cache_dtype, self.dtype, self.device
         )
         self.model = as_causal_lm(model)
+        if self.draft is not None:
+            self.draft.load(self.config)
         if self.model_config.lora.enable_lora:
             self.lora = LoraRequests.for_model(
                 model, self.config, self.model_config.lora, self.parallel, self.lora
@@ -125,7 +130,8 @@ class ModelRunner:
         config = self._require_config()
         num_layers, num_kv_heads = self._kv_cache_share(config)
         element_size = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        return 2 * num_layers * num_kv_heads * config.head_dim * element_size
+        draft = self.draft.kv_cache_bytes_per_token() if self.draft is not None else 0
+        return 2 * num_layers * num_kv_heads * config.head_dim * element_size + draft
 
     def _kv_cache_share(self, config: TransformerConfig) -> tuple[int, int]:
         """(layers, KV heads) whose cache this worker holds."""
@@ -149,6 +155,8 @@ class ModelRunner:
             )
             for _ in range(num_layers)
         ]
+        if self.draft is not None:
+            self.draft.initialize_kv_cache(num_blocks, block_size)
         logger.info(
             "KV cache: %d blocks x %d tokens (%s, %.1f MiB) in %.2f s",
             num_blocks,
@@ -193,6 +201,8 @@ class ModelRunner:
     def free_kv_cache(self) -> None:
         self.decode_graphs = None
         self.kv_caches = []
+        if self.draft is not None:
+            self.draft.free_kv_cache()
         self.requests.clear()
         self.pooling.clear()
         if self.device.type == "cuda":
@@ -215,12 +225,16 @@ class ModelRunner:
             self.lora.apply(step)
         if not any(n > 0 for n in step.num_scheduled_tokens.values()):
             return ModelRunnerOutput(step_id=step.step_id)
+        if self.draft is not None:  # its proposals first: they are the step's input tokens
+            self.draft.propose(step, self.requests, self.attention_backend)
         inputs = build_step_inputs(step, self.requests, self.block_size, self.device)
         inputs = self.pooling.without_pooling(inputs)
         if self.lora is not None:
             self.lora.prepare(step, inputs, self.device)
         self.attention_backend.prepare(inputs.metadata)
         hidden = self._forward_stage(inputs)
+        if self.draft is not None:
+            self.draft.mirror(step, inputs, self.requests, self.attention_backend)
         if self.lora is not None:
             self.lora.finish()  # no stale batch for what runs next (a graph capture, say)
         logits, pooled = None, None

@@ -213,7 +213,7 @@ def build_step_inputs(
         slot_mapping=upload(
             torch.cat([torch.tensor(decode_slots, dtype=torch.long), *prefill_slots]), device
         ),
-        decode=_decode_batch([state for state, _ in decodes], block_size, device),
+        decode=decode_batch([state for state, _ in decodes], block_size, device),
         prefills=spans,
     )
     return StepInputs(
@@ -231,12 +231,18 @@ def build_step_inputs(
     )
 
 
-def _decode_batch(
-    states: list[RequestState], block_size: int, device: torch.device
+def decode_batch(
+    states: list[RequestState],
+    block_size: int,
+    device: torch.device,
+    positions: list[int] | None = None,
 ) -> DecodeBatch | None:
+    """One query row per state, at ``positions`` (default: each state's next one)."""
     if not states:
         return None
-    context_lens = [state.num_computed_tokens + 1 for state in states]
+    if positions is None:
+        positions = [state.num_computed_tokens for state in states]
+    context_lens = [position + 1 for position in positions]
     max_blocks = -(-max(context_lens) // block_size)
     table = [
         state.block_ids[:max_blocks] + [0] * (max_blocks - min(max_blocks, len(state.block_ids)))

@@ -25,6 +25,7 @@ from switchboard.models.loader import resolve_device
 from switchboard.wire.codec import RPC_CALL, RPC_REPLY
 from switchboard.wire.step_msgs import ModelRunnerOutput, ModelSummary, SchedulerOutput
 from switchboard.worker.distributed import init_parallel_state
+from switchboard.worker.draft_model import make_draft_model
 from switchboard.worker.encoder_runner import EncoderRunner
 from switchboard.worker.lora_runner import add_lora, lora_requests
 from switchboard.worker.model_runner import ModelRunner
@@ -75,7 +76,8 @@ class Worker:
         if encoder:
             self.runner = EncoderRunner(config.model, self.device)
         else:
-            self.runner = ModelRunner(config.model, self.device, self.parallel)
+            draft = make_draft_model(config, self.device)  # --speculative-config's, if any
+            self.runner = ModelRunner(config.model, self.device, self.parallel, draft)
         self.shutdown_requested = False
         self._kv_cache_shape: tuple[int, int] | None = None  # (num_blocks, block_size)
         self.sleep_level = 0  # 0 awake; 1 KV cache freed; 2 weights dropped too

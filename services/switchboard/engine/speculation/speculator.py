@@ -32,12 +32,14 @@ from dataclasses import dataclass, field
 
 from switchboard.config.speculative import (
     DEFAULT_DISABLE_BY_BATCH_SIZE,
+    DRAFT_MODEL,
     SpeculativeConfig,
     parse_speculative_config,
 )
 from switchboard.engine.request import Request
 from switchboard.engine.speculation.ngram import TokenIndex, propose_ngram
 from switchboard.wire.engine_msgs import SamplingParams, SchedulerStats
+from switchboard.wire.step_msgs import DRAFT_PLACEHOLDER
 
 MAX_MISSES = 3
 MAX_DRY_LOOKUPS = 16
@@ -119,6 +121,8 @@ class Speculator:
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
         self.max_batch = config.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE
+        # A draft model proposes in the workers: the engine only reserves its positions.
+        self.worker_proposes = config.method == DRAFT_MODEL
         self.counters = SpeculationCounters(
             accepted_per_position=[0] * config.num_speculative_tokens
         )
@@ -152,13 +156,13 @@ class Speculator:
         if max_tokens <= 0 or not self.will_propose(request):
             return []
         state = self.state(request)
-        drafts = propose_ngram(
-            request.all_token_ids,
-            state.index,
-            min(max_tokens, self.num_speculative_tokens, state.proposal_len()),
-            self.min_n,
-            self.max_n,
-        )
+        num_tokens = min(max_tokens, self.num_speculative_tokens, state.proposal_len())
+        if self.worker_proposes:
+            drafts = [DRAFT_PLACEHOLDER] * num_tokens
+        else:
+            drafts = propose_ngram(
+                request.all_token_ids, state.index, num_tokens, self.min_n, self.max_n
+            )
         if not drafts:
             state.record(0, 0, request.num_output_tokens)
         state.in_flight = len(drafts)
