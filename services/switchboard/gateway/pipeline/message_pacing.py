@@ -40,8 +40,11 @@ class MessagePacing:
             return
         if event.output.finish_reason is not None:
             return
+        deadline = sent_at + self.interval()
+        if deadline <= asyncio.get_running_loop().time():
+            return  # the engine's steps are further apart than the interval: nothing to wait
         channel = group.channels[0]
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout_at(sent_at + self.interval()):
+            async with asyncio.timeout_at(deadline):
                 while not channel.end_queued():
                     await channel.next_arrival()
