@@ -77,6 +77,7 @@ def test_scheduler_and_kv_flags_reach_the_engine_config() -> None:
         ("--scheduling-policy", "lottery"),
         ("--torch-threads", "-1"),
         ("--stream-interval", "0"),
+        ("--stream-messages-per-s", "-1"),
     ],
 )
 def test_bad_values_are_refused(flags: tuple[str, str], capsys: pytest.CaptureFixture) -> None:
@@ -94,3 +95,8 @@ def test_torch_threads_default_to_auto_and_a_count_is_kept() -> None:
 def test_the_stream_interval_reaches_the_gateway() -> None:
     assert configs()[0].gateway.stream_interval == 1  # one message per token, as vLLM
     assert configs("--stream-interval", "4")[0].gateway.stream_interval == 4
+
+
+def test_the_message_budget_reaches_the_gateway() -> None:
+    assert configs()[0].gateway.stream_messages_per_s > 0  # on by default
+    assert configs("--stream-messages-per-s", "0")[0].gateway.stream_messages_per_s == 0

@@ -1,5 +1,7 @@
 """A call that fell behind its engine sends the steps that queued up as one message; with a
-stream interval of k, a stream sends its first token at once, then one message per k tokens.
+stream interval of k, a stream sends its first token at once, then one message per k tokens;
+under the gateway's message budget a call waits its share of it between messages, and sends
+what came meanwhile as one.
 
 The gateway here is the real one (its state, engine client, tokenizer, observer), with a
 scripted engine peer that takes the ADD and never answers: the test plays the engine client's
@@ -9,6 +11,7 @@ call reads is exactly what the test put there.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -62,6 +65,14 @@ async def calls(checkpoint_dir: Path, run_dir: str) -> AsyncIterator[GenerateCal
 async def calls_every_3(checkpoint_dir: Path, run_dir: str) -> AsyncIterator[GenerateCalls]:
     """A gateway with ``--stream-interval 3``."""
     gateway = GatewayConfig(host="127.0.0.1", port=0, stream_interval=3)
+    async with _serving(gateway_config(checkpoint_dir, run_dir, gateway=gateway)) as served:
+        yield served
+
+
+@pytest.fixture
+async def calls_paced(checkpoint_dir: Path, run_dir: str) -> AsyncIterator[GenerateCalls]:
+    """A gateway whose message budget leaves a call ~17 minutes between messages."""
+    gateway = GatewayConfig(host="127.0.0.1", port=0, stream_messages_per_s=0.001)
     async with _serving(gateway_config(checkpoint_dir, run_dir, gateway=gateway)) as served:
         yield served
 
@@ -248,3 +259,46 @@ async def test_a_stream_that_ends_inside_an_interval_sends_what_it_held_with_the
     assert list(last.outputs[0].token_ids) == ids[1:]
     assert first.outputs[0].text + last.outputs[0].text == tokenizer.decode(ids)
     assert last.outputs[0].finish_reason == pb.FINISH_REASON_STOP
+
+
+async def test_a_paced_call_sends_its_first_step_at_once_and_the_rest_with_the_end(
+    calls_paced: GenerateCalls,
+) -> None:
+    """Steps that come one by one while the call waits out its interval go out together, and
+    the step that ends the call ends the wait: no message is held past the end."""
+    tokenizer = calls_paced.state.tokenizer
+    ids = tokenizer.encode(TEXT * 2, add_special_tokens=False)[:6]
+    request = _request(logprobs=1)
+    request.stopping.max_tokens = len(ids)
+    async with calls_paced.open(request, "req-paced", time.time(), _TestFront()) as call:
+        responses = call.responses()
+        _step(call, ids[0], first=True, logprobs=1)
+        first = await anext(responses)
+        rest = asyncio.ensure_future(anext(responses))
+        for token_id in ids[1:-1]:
+            _step(call, token_id, logprobs=1)
+            await asyncio.sleep(0)  # the call takes the step and waits again
+        assert not rest.done()  # held: the interval has not passed, the call has not ended
+        _step(call, ids[-1], finish=FinishReason.LENGTH, logprobs=1)
+        second = await asyncio.wait_for(rest, WAIT_S)
+        with pytest.raises(StopAsyncIteration):
+            await anext(responses)
+
+    assert list(first.outputs[0].token_ids) == ids[:1]
+    assert list(second.outputs[0].token_ids) == ids[1:]
+    assert [e.token_id for e in second.outputs[0].logprobs] == ids[1:]
+    assert first.outputs[0].text + second.outputs[0].text == tokenizer.decode(ids)
+    assert first.HasField("prompt_info") and not second.HasField("prompt_info")
+    assert second.usage.completion_tokens == len(ids)
+    assert second.outputs[0].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+async def test_the_interval_is_the_calls_share_of_the_budget(
+    calls_paced: GenerateCalls,
+) -> None:
+    async with calls_paced.open(_request(), "req-a", time.time(), _TestFront()):
+        async with calls_paced.open(_request(), "req-b", time.time(), _TestFront()) as call:
+            pacing = call._pacing
+            assert pacing is not None
+            assert pacing.interval() == pytest.approx(2 / 0.001)
+        assert pacing.interval() == pytest.approx(1 / 0.001)

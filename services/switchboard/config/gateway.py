@@ -112,6 +112,20 @@ class GatewayConfig(Config, frozen=True):
             accepts=AT_LEAST_1,
         ),
     ] = 1
+    stream_messages_per_s: Annotated[
+        float,
+        Flag(
+            "streamed messages a second one gateway aims to send at most, all calls together: "
+            "while more calls stream than that allows at one message per engine step, each "
+            "waits 1/(this / calls) seconds between messages and sends the steps that came "
+            "meanwhile as one (the same tokens and text in fewer messages; a call's first "
+            "message and a finished step are never held); 0: one message per step whatever "
+            "the load",
+            Group.GATEWAY,
+            metavar="N",
+            accepts=AT_LEAST_0,
+        ),
+    ] = 1000.0
     tokenizer_threads: int = 2
     max_message_bytes: int = 64 * 1024 * 1024
     startup_timeout_s: float = 600.0

@@ -206,23 +206,57 @@ class EngineSockets:
         on_engine_dead: Callable[[EngineDead | None], None],
     ) -> None:
         """Hand each engine step's outputs to ``on_outputs`` and each ENGINE_CORE_DEAD (None when
-        it names no engine) to ``on_engine_dead``."""
+        it names no engine) to ``on_engine_dead``.
+
+        The PULL is read from a reader callback on its file descriptor, every frame that is
+        there at once until the queue is empty (libzmq signals the descriptor only when the
+        queue goes from empty to not): pyzmq's awaitable receive costs a future, a poll of the
+        socket's events and several flag-enum operations for each message, and a message
+        arrives per engine step."""
         assert self._pull is not None
-        while True:
-            received = await self._pull.recv_multipart(copy=False)
-            frames = [frame.buffer for frame in received]
+        pull: zmq.Socket[bytes] = zmq.Socket.shadow(self._pull.underlying)
+        loop = asyncio.get_running_loop()
+        failed: asyncio.Future[None] = loop.create_future()
+
+        def drain() -> None:
             try:
-                outputs, _ = zmq_channel.parse_output_frames(frames)
-            except zmq_channel.BadFrame as exc:
-                limited.warning("bad output frame", "dropped a bad output frame: %s", exc)
-                continue
-            if outputs is None:
-                dead = zmq_channel.parse_engine_dead(frames)
-                rank = None if dead is None else dead.engine_index
-                if self._key_may_be(received[0], rank, "ENGINE_CORE_DEAD"):
-                    on_engine_dead(dead)
-            elif self._key_may_be(received[0], outputs.engine_index, "outputs"):
-                on_outputs(outputs)
+                while True:
+                    try:
+                        received = pull.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        return
+                    self._receive(received, on_outputs, on_engine_dead)
+            except Exception as exc:  # the task ends with it, as an awaited receive would
+                if not failed.done():
+                    failed.set_exception(exc)
+
+        fd = cast(int, pull.getsockopt(zmq.FD))
+        loop.add_reader(fd, drain)
+        try:
+            drain()  # what came before the reader was added
+            await failed
+        finally:
+            loop.remove_reader(fd)
+
+    def _receive(
+        self,
+        received: list[zmq.Frame],
+        on_outputs: Callable[[EngineCoreOutputs], None],
+        on_engine_dead: Callable[[EngineDead | None], None],
+    ) -> None:
+        frames = [frame.buffer for frame in received]
+        try:
+            outputs, _ = zmq_channel.parse_output_frames(frames)
+        except zmq_channel.BadFrame as exc:
+            limited.warning("bad output frame", "dropped a bad output frame: %s", exc)
+            return
+        if outputs is None:
+            dead = zmq_channel.parse_engine_dead(frames)
+            rank = None if dead is None else dead.engine_index
+            if self._key_may_be(received[0], rank, "ENGINE_CORE_DEAD"):
+                on_engine_dead(dead)
+        elif self._key_may_be(received[0], outputs.engine_index, "outputs"):
+            on_outputs(outputs)
 
     def _key_may_be(self, frame: zmq.Frame, rank: int | None, what: str) -> bool:
         """CURVE on: a key named for a rank (``engine-<r>``) speaks for that rank only (a

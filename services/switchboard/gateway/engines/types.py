@@ -141,6 +141,19 @@ class RequestChannel:
             await self._arrived.wait()
         return self._events.popleft()
 
+    def end_queued(self) -> bool:
+        """Whether the event that ends the request is already here (a finished step, a
+        failure, an abort): nothing comes after it."""
+        if not self._events:
+            return False
+        last = self._events[-1]
+        return not isinstance(last, StepOutput) or last.output.finish_reason is not None
+
+    async def next_arrival(self) -> None:
+        """Until the next event arrives (those already here are left queued)."""
+        self._arrived.clear()
+        await self._arrived.wait()
+
     def take_ready_step(self) -> StepOutput | None:
         """The next event if it is already here and is a step's output, without waiting: a
         consumer that fell behind takes the steps that queued up together."""

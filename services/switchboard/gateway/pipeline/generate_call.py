@@ -17,6 +17,7 @@ flight by request id, so the Abort RPC reaches a call whichever front took it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import functools
@@ -34,6 +35,7 @@ from switchboard.gateway.engines.types import RequestEvent
 from switchboard.gateway.observability.observer import RequestObserver
 from switchboard.gateway.pipeline.coalesce import coalesce
 from switchboard.gateway.pipeline.generate_stream import GenerateStream
+from switchboard.gateway.pipeline.message_pacing import MessagePacing
 from switchboard.gateway.pipeline.prepare import PreparedGenerate, prepare_generate
 from switchboard.gateway.pipeline.sequence_group import (
     SequenceGroup,
@@ -70,18 +72,28 @@ class _LiveRequest:
 class GenerateCall:
     """A submitted call: its sequence group and the responses it makes."""
 
-    def __init__(self, group: SequenceGroup, observer: RequestObserver, ticket: Ticket) -> None:
+    def __init__(
+        self,
+        group: SequenceGroup,
+        observer: RequestObserver,
+        ticket: Ticket,
+        pacing: MessagePacing | None = None,
+    ) -> None:
         self.group = group
         self._observer = observer
         self._ticket = ticket
+        self._pacing = pacing
         self.finished = False  # ran to its end: nothing left to abort
 
     async def responses(self) -> AsyncIterator[pb.GenerateResponse]:
         group = self.group
         kind = group.streams[0].plan.output_kind
+        sent_at: float | None = None  # the event loop's time of the last message
         while not group.finished:
             index, event = await group.next_event()
             self._ticket.prompt_started()  # the engine answered: the prompt left the queue
+            if sent_at is not None and self._pacing is not None:
+                await self._pacing.wait(group, event, sent_at)
             batch = [self._handle(index, event)]
             failure: ApiError | None = None
             try:
@@ -93,6 +105,7 @@ class GenerateCall:
             responses = [response for response in batch if response is not None]
             if responses:
                 yield coalesce(responses, kind)
+                sent_at = asyncio.get_running_loop().time()
             if failure is not None:
                 raise failure
         self.finished = True
@@ -110,6 +123,8 @@ class GenerateCalls:
         self.state = state
         self._credentials = credentials or Credentials()
         self._live: dict[str, _LiveRequest] = {}
+        budget = state.config.gateway.stream_messages_per_s
+        self._pacing = MessagePacing(budget, lambda: len(self._live)) if budget > 0 else None
 
     def is_in_flight(self, request_id: str) -> bool:
         return request_id in self._live
@@ -156,7 +171,7 @@ class GenerateCalls:
             live.engine_request_ids = group.request_ids
             if live.aborted:  # the Abort RPC came while the prompt was being tokenized
                 state.engines.abort(group.request_ids, "Abort RPC")
-            call = GenerateCall(group, observer, ticket)
+            call = GenerateCall(group, observer, ticket, self._pacing)
             yield call
         except ApiError:
             failed = True  # the engine client already forgot a failed request
