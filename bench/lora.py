@@ -7,19 +7,21 @@ Builds a :class:`ModelRunner` with ``--enable-lora`` (``--max-loras 8``) on ``MO
 a seeded random Llama of 8 layers, hidden 512, written by the tests' checkpoint writer), writes 8
 random adapters of ``--rank`` on every projection in PEFT's format, prefills ``--concurrency``
 requests of ``--context`` random tokens and times greedy decode steps. The requests are spread
-round-robin over 1, 4 or 8 adapters, or all on the base model; a runner without
-``--enable-lora`` is the baseline. The variants alternate, one measurement of each per round
-(``--rounds``), so a busy machine slows them alike; prints each one's median and best decode
-tokens per second over the rounds, the median of its per-round ratios to the baseline and the
-ratio of the bests, and the load average. The
+round-robin over 1, 4 or 8 adapters, or all on the base model, and over 4 adapters with the
+deltas in torch (the path before the C delta kernel: off the one-call decode stack); a runner
+without ``--enable-lora`` is the baseline. Each variant has its own runner and their decode steps
+alternate (step k of each, then step k + 1 of each), so a busy machine slows them alike; a round
+(``--rounds``) is a prefill and ``--steps`` decode steps of each. Prints each variant's median
+and best (over the rounds) of its median step's tokens per second, the median of its per-round
+ratios to the baseline and the ratio of the bests, and the load average. The
 engine, the wires and the gateway are the same whatever the adapters, so the forward pass is
-what differs. ``SWITCHBOARD_LORA_DELTA=off`` measures the deltas in torch (and decode steps with
-adapter rows off the one-call decode stack).
+what differs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -27,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -34,6 +37,7 @@ from safetensors.torch import save_file
 
 from switchboard.config import ModelConfig
 from switchboard.config.lora import LoraConfig
+from switchboard.kernels import lora_delta
 from switchboard.models.hf_config import load_transformer_config
 from switchboard.models.lora.adapter import llama_projections
 from switchboard.wire.engine_msgs import SamplingParams
@@ -81,9 +85,8 @@ def make_adapter(model_dir: str, root: str, index: int, rank: int) -> str:
     return path
 
 
-def decode_tokens_per_s(runner: ModelRunner, adapters: list[str], args) -> float:
-    """Prefill ``--concurrency`` requests (adapter i % len(adapters), or the base model), then
-    the median decode step's tokens per second."""
+def prefill(runner: ModelRunner, adapters: list[str], args) -> list[NewRequest]:
+    """Prefill ``--concurrency`` requests (adapter i % len(adapters), or the base model)."""
     rng = random.Random(0)
     vocab = runner.summary().vocab_size
     per_request = -(-(args.context + args.steps + 1) // BLOCK_SIZE)
@@ -100,21 +103,36 @@ def decode_tokens_per_s(runner: ModelRunner, adapters: list[str], args) -> float
     ]
     scheduled = {r.request_id: args.context for r in new}
     runner.execute_model(SchedulerOutput(0, new, [], scheduled, sum(scheduled.values())))
-    times = []
-    for k in range(args.steps):
-        step = SchedulerOutput(
-            k + 1,
-            cached_requests=[CachedRequest(r.request_id, [], args.context + k) for r in new],
-            num_scheduled_tokens={r.request_id: 1 for r in new},
-            total_num_scheduled_tokens=len(new),
-        )
-        started = time.perf_counter()
-        runner.execute_model(step)
-        times.append(time.perf_counter() - started)
-    runner.execute_model(
-        SchedulerOutput(args.steps + 1, finished_request_ids=[r.request_id for r in new])
+    return new
+
+
+def decode_step_s(runner: ModelRunner, requests: list[NewRequest], k: int, context: int) -> float:
+    """The seconds of decode step ``k`` (every request one token)."""
+    step = SchedulerOutput(
+        k + 1,
+        cached_requests=[CachedRequest(r.request_id, [], context + k) for r in requests],
+        num_scheduled_tokens={r.request_id: 1 for r in requests},
+        total_num_scheduled_tokens=len(requests),
     )
-    return len(new) / statistics.median(times)
+    started = time.perf_counter()
+    runner.execute_model(step)
+    return time.perf_counter() - started
+
+
+def finish(runner: ModelRunner, requests: list[NewRequest], step_id: int) -> None:
+    finished = [r.request_id for r in requests]
+    runner.execute_model(SchedulerOutput(step_id, finished_request_ids=finished))
+
+
+@contextlib.contextmanager
+def torch_delta(on: bool) -> Iterator[None]:
+    """The deltas in torch, off the one-call decode stack (the path before the C kernel)."""
+    if on:
+        lora_delta.unload()
+    try:
+        yield
+    finally:
+        lora_delta.load()
 
 
 def runner_for(model_dir: str, lora: LoraConfig, args) -> ModelRunner:
@@ -142,20 +160,28 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-lora-") as root:
         model_dir = args.model_dir or make_model()
         adapters = {f"a{i}": make_adapter(model_dir, root, i, args.rank) for i in range(MAX_LORAS)}
-        base_runner = runner_for(model_dir, LoraConfig(), args)
+        variants = [("base model, LoRA off", runner_for(model_dir, LoraConfig(), args), [])]
         lora = LoraConfig(enable_lora=True, max_loras=MAX_LORAS, max_lora_rank=args.rank)
-        runner = runner_for(model_dir, lora, args)
-        assert runner.lora is not None
-        for name, path in adapters.items():
-            runner.lora.manager.add(name, path)
-        variants = [("base model, LoRA off", base_runner, [])]
-        for count in (0, 1, 4, 8):
-            label = f"{count} adapter(s)" if count else "base model, LoRA on"
-            variants.append((label, runner, list(adapters)[:count]))
+        for count in (0, 1, 4, 8, -4):  # a runner each, so their steps can alternate
+            runner = runner_for(model_dir, lora, args)
+            assert runner.lora is not None
+            for name, path in adapters.items():
+                runner.lora.manager.add(name, path)
+            label = f"{count} adapter(s)" if count > 0 else "base model, LoRA on"
+            if count < 0:
+                label = f"{-count} adapter(s), torch"
+            variants.append((label, runner, list(adapters)[: abs(count)]))
         rates: dict[str, list[float]] = {label: [] for label, _, _ in variants}
         for _ in range(args.rounds):
-            for label, variant_runner, names in variants:
-                rates[label].append(decode_tokens_per_s(variant_runner, names, args))
+            requests = [prefill(runner, names, args) for _, runner, names in variants]
+            times: list[list[float]] = [[] for _ in variants]
+            for k in range(args.steps):  # step k of every variant, one after the other
+                for (label, runner, _), batch, spent in zip(variants, requests, times, strict=True):
+                    with torch_delta(label.endswith("torch")):
+                        spent.append(decode_step_s(runner, batch, k, args.context))
+            for (label, runner, _), batch, spent in zip(variants, requests, times, strict=True):
+                rates[label].append(args.concurrency / statistics.median(spent))
+                finish(runner, batch, args.steps + 1)
     print(
         f"decode, c = {args.concurrency}, rank {args.rank}, context {args.context}, "
         f"{torch.get_num_threads()} threads, {args.rounds} rounds alternated, "
