@@ -12,7 +12,7 @@
    The rows are grouped by slot and taken up to ROWS at a time, so each row of A and of B is
    read once for them; the groups run on the work pool. A row's floats do not depend on the rows
    beside it: each shrink output is the same LANES-lane sum over K, each output column the same
-   chain of multiply-adds over the rank, whichever rows share the group. */
+   sum over the rank (then added to it), whichever rows share the group. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -23,8 +23,8 @@
 
 #define ROWS 4 /* rows of one slot per group */
 
-/* The shrink's partial sums, one vector of LANES. Written with intrinsics: the same loop left to
-   the vectoriser gave a row other floats in a group of one than in a group of four. */
+/* Vectors of LANES floats. Written with intrinsics: the shrink's loop left to the vectoriser gave
+   a row other floats in a group of one than in a group of four. */
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define LANES 16
@@ -33,6 +33,8 @@ typedef __m512 vec;
 #define VLOAD(p) _mm512_loadu_ps(p)
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VSTORE(p, v) _mm512_storeu_ps(p, v)
+#define VSET1(x) _mm512_set1_ps(x)
+#define VADD(a, b) _mm512_add_ps(a, b)
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define LANES 8
@@ -41,6 +43,8 @@ typedef __m256 vec;
 #define VLOAD(p) _mm256_loadu_ps(p)
 #define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define VSTORE(p, v) _mm256_storeu_ps(p, v)
+#define VSET1(x) _mm256_set1_ps(x)
+#define VADD(a, b) _mm256_add_ps(a, b)
 #else
 #define LANES 1
 typedef float vec;
@@ -48,6 +52,8 @@ typedef float vec;
 #define VLOAD(p) (*(p))
 #define VFMA(a, b, c) fmaf(a, b, c)
 #define VSTORE(p, v) (*(p) = (v))
+#define VSET1(x) (x)
+#define VADD(a, b) ((a) + (b))
 #endif
 
 struct lora_task {
@@ -60,7 +66,7 @@ struct lora_task {
     const int64_t *group_slot;
 };
 
-/* shrink[i][j] = x[rows[i]] . a[j] for the n rows (n a constant where inlined) */
+/* shrink[j][i] = x[rows[i]] . a[j] for the n rows (n a constant where inlined) */
 static inline __attribute__((always_inline)) void shrink_rows(const int n, const float *const *x,
                                                               const float *a, int64_t K,
                                                               int64_t rank, float (*shrink)[ROWS]) {
@@ -89,26 +95,49 @@ static inline __attribute__((always_inline)) void shrink_rows(const int n, const
     }
 }
 
-/* y[rows[i]][c0 .. c1) += sum over j of shrink[j][i] * b[j][c0 .. c1) */
+/* y[rows[i]][c0 .. c1) += sum over j of shrink[j][i] * b[j][c0 .. c1): per output the sum over
+   the rank in registers from zero, then added to y once (a vector, or the same operations one
+   column at a time for the last few) */
+#define EXPAND_ROW(i)                                                                    \
+    if (n > i) {                                                                         \
+        const vec s = VSET1(shrink[j][i]);                                               \
+        lo##i = VFMA(s, w0, lo##i);                                                      \
+        hi##i = VFMA(s, w1, hi##i);                                                      \
+    }
+#define EXPAND_STORE(i)                                                                  \
+    if (n > i) {                                                                         \
+        VSTORE(y[i] + c, VADD(VLOAD(y[i] + c), lo##i));                                  \
+        VSTORE(y[i] + c + LANES, VADD(VLOAD(y[i] + c + LANES), hi##i));                  \
+    }
 static inline __attribute__((always_inline)) void expand_rows(const int n, float *const *y,
                                                               const float *b, int64_t N,
                                                               int64_t rank, float (*shrink)[ROWS],
                                                               int64_t c0, int64_t c1) {
-    for (int64_t j = 0; j < rank; j++) {
-        const float *w = b + j * N;
-        const float s0 = shrink[j][0], s1 = shrink[j][n > 1], s2 = shrink[j][n > 2 ? 2 : 0],
-                    s3 = shrink[j][n > 3 ? 3 : 0];
-        float *y0 = y[0], *y1 = y[n > 1], *y2 = y[n > 2 ? 2 : 0], *y3 = y[n > 3 ? 3 : 0];
-#pragma omp simd
-        for (int64_t c = c0; c < c1; c++) {
-            const float v = w[c];
-            y0[c] += s0 * v;
-            if (n > 1) y1[c] += s1 * v;
-            if (n > 2) y2[c] += s2 * v;
-            if (n > 3) y3[c] += s3 * v;
+    int64_t c = c0;
+    for (; c + 2 * LANES <= c1; c += 2 * LANES) {
+        vec lo0 = VZERO(), hi0 = VZERO(), lo1 = VZERO(), hi1 = VZERO(), lo2 = VZERO(),
+            hi2 = VZERO(), lo3 = VZERO(), hi3 = VZERO();
+        for (int64_t j = 0; j < rank; j++) {
+            const vec w0 = VLOAD(b + j * N + c), w1 = VLOAD(b + j * N + c + LANES);
+            EXPAND_ROW(0)
+            EXPAND_ROW(1)
+            EXPAND_ROW(2)
+            EXPAND_ROW(3)
         }
+        EXPAND_STORE(0)
+        EXPAND_STORE(1)
+        EXPAND_STORE(2)
+        EXPAND_STORE(3)
     }
+    for (; c < c1; c++)
+        for (int i = 0; i < n; i++) {
+            float sum = 0.0f;
+            for (int64_t j = 0; j < rank; j++) sum = fmaf(shrink[j][i], b[j * N + c], sum);
+            y[i][c] += sum;
+        }
 }
+#undef EXPAND_ROW
+#undef EXPAND_STORE
 
 static inline __attribute__((always_inline)) void group_delta(const int n,
                                                               const struct lora_task *t,
