@@ -10,7 +10,8 @@ requests of ``--context`` random tokens and times greedy decode steps. The reque
 round-robin over 1, 4 or 8 adapters, or all on the base model, and over 4 adapters with the
 deltas in torch (the path before the C delta kernel: off the one-call decode stack); a runner
 without ``--enable-lora`` is the baseline. Each variant has its own runner and their decode steps
-alternate (step k of each, then step k + 1 of each), so a busy machine slows them alike; a round
+alternate (step k of each, in an order rotated every step, then step k + 1 of each), so a busy
+machine slows them alike; a round
 (``--rounds``) is a prefill and ``--steps`` decode steps of each. Prints each variant's median
 and best (over the rounds) of its median step's tokens per second, the median of its per-round
 ratios to the baseline and the ratio of the bests, and the load average. The
@@ -124,6 +125,10 @@ def finish(runner: ModelRunner, requests: list[NewRequest], step_id: int) -> Non
     runner.execute_model(SchedulerOutput(step_id, finished_request_ids=finished))
 
 
+def rotated(items: range, k: int) -> list[int]:
+    return [*items[k % len(items) :], *items[: k % len(items)]]
+
+
 @contextlib.contextmanager
 def torch_delta(on: bool) -> Iterator[None]:
     """The deltas in torch, off the one-call decode stack (the path before the C kernel)."""
@@ -176,9 +181,10 @@ def main() -> None:
             requests = [prefill(runner, names, args) for _, runner, names in variants]
             times: list[list[float]] = [[] for _ in variants]
             for k in range(args.steps):  # step k of every variant, one after the other
-                for (label, runner, _), batch, spent in zip(variants, requests, times, strict=True):
+                for v in rotated(range(len(variants)), k):  # no variant always first
+                    label, runner, _ = variants[v]
                     with torch_delta(label.endswith("torch")):
-                        spent.append(decode_step_s(runner, batch, k, args.context))
+                        times[v].append(decode_step_s(runner, requests[v], k, args.context))
             for (label, runner, _), batch, spent in zip(variants, requests, times, strict=True):
                 rates[label].append(args.concurrency / statistics.median(spent))
                 finish(runner, batch, args.steps + 1)
