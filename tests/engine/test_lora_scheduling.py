@@ -11,7 +11,7 @@ from fake_worker import Driver, FakeWorker
 
 from switchboard.config import CacheConfig, SchedulerConfig
 from switchboard.config.lora import LoraConfig, parse_lora_modules
-from switchboard.engine.lora_registry import EngineLoras, LoraError
+from switchboard.engine.lora_registry import EngineLoras, LoraError, adapters_file
 from switchboard.engine.request import Request
 from switchboard.engine.scheduler import Scheduler
 from switchboard.wire.block_hash import extend_block_hashes
@@ -133,3 +133,27 @@ def test_lora_modules_and_lora_requests_are_checked():
     assert lora_name_of(None) == "" and lora_name_of({"lora_name": "a", "lora_int_id": 3}) == "a"
     with pytest.raises(ValueError, match="lora_name"):
         lora_name_of({"lora_path": "/x"})
+
+
+def test_a_restarted_engine_serves_the_adapters_it_served_before(tmp_path):
+    """Every change is written to the run directory's file; an engine started again there loads
+    that list instead of --lora-modules, and drops (logs) one that no longer loads."""
+    config = LoraConfig(enable_lora=True, lora_modules=["a=/a"])
+    saved = adapters_file(str(tmp_path), data_parallel_rank=1)
+    assert saved is not None and adapters_file("", 1) is None  # no run directory: no file
+    first = EngineLoras(config, saved)
+    first.start(_Workers())
+    first.add("b", "/b")
+    first.add("c", "/c")
+    first.remove("a", [])
+    restarted, workers = EngineLoras(config, saved), _Workers()
+    restarted.start(workers)
+    assert restarted.names() == {"b": "/b", "c": "/c"}
+    assert workers.calls == [("add_lora", ("b", "/b")), ("add_lora", ("c", "/c"))]
+    (tmp_path / "lora-adapters-dp1.json").write_text('{"b": "/b", "x": "/bad"}')
+    again = EngineLoras(config, saved)
+    again.start(_Workers())
+    assert again.names() == {"b": "/b"}
+    other_rank = EngineLoras(config, adapters_file(str(tmp_path), data_parallel_rank=0))
+    other_rank.start(_Workers())
+    assert other_rank.names() == {"a": "/a"}  # its own first start: --lora-modules

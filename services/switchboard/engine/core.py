@@ -107,7 +107,7 @@ class EngineCore:
         self._compiling: dict[str, Request] = {}
         # The step scheduled ahead (async scheduling): on the workers' ring, output not applied.
         self._ahead: _SentStep | None = None
-        self.loras = EngineLoras(config.model.lora)
+        self.loras = EngineLoras.for_engine(config)
 
     def start(self) -> None:
         """Start the workers, load the model, size the KV cache, then open the wire to the

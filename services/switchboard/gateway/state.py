@@ -13,6 +13,7 @@ from switchboard.config import GatewayRoleConfig
 from switchboard.gateway.admission import Admission
 from switchboard.gateway.chat.template import ChatTemplate
 from switchboard.gateway.engines.engine_client import EngineClient
+from switchboard.gateway.lora_lookup import AdapterLookup
 from switchboard.gateway.model_facts import ModelFacts
 from switchboard.gateway.observability.observer import Observability
 from switchboard.gateway.text import Tokenizer
@@ -34,9 +35,11 @@ class GatewayState:
     longest_token_bytes: int = 0
     admission: Admission = dataclasses.field(default_factory=lambda: Admission(0, 0))
     facts: ModelFacts = dataclasses.field(init=False)  # checkpoint facts + the engine's READY
+    adapter_lookup: AdapterLookup = dataclasses.field(init=False)  # names loaded elsewhere
 
     def __post_init__(self) -> None:
         self.refresh_facts()
+        self.adapter_lookup = AdapterLookup(self)
 
     def refresh_facts(self) -> None:
         """Called when engines come and go: the lowest-ranked live engine's READY wins."""

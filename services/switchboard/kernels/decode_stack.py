@@ -27,6 +27,10 @@ A bfloat16 model runs here too, on its matrices' bfloat16 panels (``bf16_gemm.py
 rounded, so its activations stay float32 between the operations (the layer-by-layer path rounds
 each to bfloat16: the two agree to bfloat16 rounding, not bit for bit). Its KV caches may be
 bfloat16 (``--kv-cache-dtype``): written rounded, read widened in registers.
+
+A step with rows of LoRA adapters runs here too (float32 adapters, ``lora_delta.py``): the
+stack adds their deltas after each of the four matmuls, as the projections' hooks do on the
+layer-by-layer path (the same C kernel, so the two agree bit for bit).
 """
 
 from __future__ import annotations
@@ -42,11 +46,13 @@ from switchboard.kernels import (
     fused_ops,
     gemm,
     library,
+    lora_delta,
     paged_decode,
     quant_gemm,
     small_batch_gemm,
 )
 from switchboard.kernels.gemm import MatmulPanels
+from switchboard.kernels.lora_delta import StackLora
 
 # Rows a step may have. The kernel takes the rows 8 at a time (AVX-512; 6 with AVX2) over each
 # cached panel, as fast as oneDNN with AVX-512 (SmolLM2's matmuls, 2 threads: 16 rows 0.95x,
@@ -159,10 +165,12 @@ class DecodeStack:
         slot_mapping: torch.Tensor,
         block_table: torch.Tensor,
         context_lens: torch.Tensor,
+        lora: StackLora | None = None,
     ) -> bool:
         """Run the decoder layers on ``hidden`` ``[rows, hidden_size]`` in place, one query
         token per row; False (nothing done) where the stack does not apply and the caller loops
-        over the layers. ``layers`` is asked for the model's layers when a plan is made."""
+        over the layers. ``layers`` is asked for the model's layers when a plan is made.
+        ``lora``: the step's adapter rows (None: every row on the base model)."""
         if _stack is None or self._unusable:
             return False
         rows = hidden.shape[0]
@@ -185,10 +193,16 @@ class DecodeStack:
         slots = slot_mapping.contiguous()
         if slots.dtype != torch.int64 or slots.shape[0] != rows or rows > plan.max_rows:
             return False
+        if lora is not None and (
+            lora.fields.shape[0] != plan.fields.shape[0] or lora.row_slots.shape[0] != rows
+        ):
+            return False
         if hidden.dtype == torch.float32:
-            return _call(plan, hidden, cos, sin, kv_caches[0], slots, block_table, context_lens)
+            _call(plan, hidden, cos, sin, kv_caches[0], slots, block_table, context_lens, lora)
+            return True
         work = hidden.float()
-        _call(plan, work, cos.float(), sin.float(), kv_caches[0], slots, block_table, context_lens)
+        cos, sin = cos.float(), sin.float()
+        _call(plan, work, cos, sin, kv_caches[0], slots, block_table, context_lens, lora)
         hidden.copy_(work)
         return True
 
@@ -202,7 +216,8 @@ def _call(
     slots: torch.Tensor,
     block_table: torch.Tensor,
     context_lens: torch.Tensor,
-) -> bool:
+    lora: StackLora | None,
+) -> None:
     assert _stack is not None
     cos, sin = cos.contiguous(), sin.contiguous()
     block_table = block_table.contiguous()
@@ -230,12 +245,28 @@ def _call(
         num_blocks,
         block_size,
         int(plan.kv_bf16),
+        *_lora_arguments(lora),
     )
     if code == -2:
         raise IndexError("decode stack: a slot outside the KV cache")
+    if code in (-3, -4):
+        raise ValueError(f"decode stack: LoRA: {lora_delta.error(code)}")
     if code != 0:
         raise MemoryError(f"decode stack failed ({code}): out of scratch memory")
-    return True
+
+
+def _lora_arguments(lora: StackLora | None) -> tuple[int, int, int, int, int]:
+    """The C side's LoRA arguments: the fields, each row's slot, the slots, their ranks and the
+    largest rank (the fields' address 0: no adapter row)."""
+    if lora is None:
+        return 0, 0, 0, 0, 0
+    return (
+        lora.fields.data_ptr(),
+        lora.row_slots.data_ptr(),
+        lora.slots,
+        lora.slot_ranks.data_ptr(),
+        lora.max_rank,
+    )
 
 
 def _make_plan(layers: Sequence[StackLayer], kv_caches: Sequence[torch.Tensor]) -> _Plan | None:

@@ -36,6 +36,7 @@ SOURCES = (
     "quant_gemm.c",
     "bf16_gemm.c",
     "decode_stack.c",
+    "lora_delta.c",
 )
 
 _I64, _F32, _INT, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
@@ -67,7 +68,12 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "bf16_linear": (_INT, [_PTR, _I64, _PTR, _PTR, _PTR, *[_I64] * 3]),
     "decode_stack_f32": (
         _INT,
-        [_PTR, _I64, _I64, _PTR, *[_I64] * 5, _F32, _F32, *[_PTR] * 5, *[_I64] * 4],
+        [_PTR, _I64, _I64, _PTR, *[_I64] * 5, _F32, _F32, *[_PTR] * 5, *[_I64] * 4]
+        + [_PTR, _PTR, _I64, _PTR, _I64],
+    ),
+    "lora_delta_f32": (
+        _INT,
+        [_PTR, _I64, _PTR, *[_I64] * 4, *[_PTR] * 3, _I64, _PTR, *[_I64] * 2, _PTR],
     ),
 }
 

@@ -33,12 +33,15 @@ from __future__ import annotations
 import math
 import mmap
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from switchboard.kernels import fused_ops
+
+if TYPE_CHECKING:
+    from switchboard.models.lora.stacks import LoraBatch
 
 
 @dataclass
@@ -114,6 +117,8 @@ class AttentionMetadata:
     # Set by AttentionBackend.prepare (once per step); None = the reference backend.
     backend: AttentionBackend | None = None
     prepared: Any = None  # the backend's own per-step metadata
+    # The step's rows of LoRA adapters (models/lora); None = every row on the base model.
+    lora: LoraBatch | None = None
 
 
 class AttentionBackend:

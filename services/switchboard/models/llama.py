@@ -219,9 +219,6 @@ class LlamaForCausalLM(nn.Module):
         # embedding lives on another pipeline stage.
         self.lm_head = stage_lm_head(config, parallel)
         self._decode_stack = decode_stack.DecodeStack()
-        # set per step by models/lora: LoRA deltas are added by the projections' hooks, which
-        # the one-call decode stack does not run
-        self.lora_rows_active = False
 
     @classmethod
     def attention_layout(cls, config: TransformerConfig, layer_index: int) -> AttentionLayout:
@@ -263,9 +260,13 @@ class LlamaForCausalLM(nn.Module):
         """A decode step on the CPU kernel backend: every layer in one C call, ``hidden`` in
         place. Decodes, and chunks of a few tokens (a decode with its proposed tokens), each
         token a row that sees the keys up to its own position. False where the stack does not
-        apply (the caller loops over the layers)."""
+        apply (the caller loops over the layers): also a step with LoRA rows whose deltas the
+        stack cannot add (they are the projections' hooks', which it does not run)."""
         decode = metadata.decode
-        if self.lora_rows_active or not isinstance(metadata.backend, CpuKernelBackend):
+        lora = metadata.lora
+        if lora is not None and lora.stack is None:
+            return False
+        if not isinstance(metadata.backend, CpuKernelBackend):
             return False
         if metadata.prefills:
             rows = stack_rows(metadata, hidden.shape[0])
@@ -285,6 +286,7 @@ class LlamaForCausalLM(nn.Module):
             metadata.slot_mapping,
             block_table,
             context_lens,
+            None if lora is None else lora.stack,
         )
 
     def decode_stack_layers(self) -> list[StackLayer] | None:

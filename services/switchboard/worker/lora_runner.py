@@ -2,7 +2,9 @@
 
 A request's adapter arrives once, with the request (``NewRequest.lora_name``); each step the
 runner hands the manager every scheduled request's adapter and token count in row order, and
-the manager makes those adapters resident and sets the per-row slots the projections read.
+the manager makes those adapters resident and sets the per-row slots the projections read. The
+step's batch goes on the step's attention metadata (``metadata.lora``), where the model reads
+it (the one-call decode stack adds the deltas itself, or leaves the step to the layers).
 """
 
 from __future__ import annotations
@@ -70,19 +72,14 @@ class LoraRequests:
                 self.adapter_of.pop(new.request_id, None)
 
     def prepare(self, step: SchedulerOutput, inputs: StepInputs, device: torch.device) -> None:
-        """Make the step's adapters resident and set each row's slot."""
-        if not self.adapter_of:
-            self.manager.prepare([], device)
-            return
-        rows = [
-            (self.adapter_of.get(request_id, ""), step.num_scheduled_tokens[request_id])
-            for request_id in inputs.request_ids
-        ]
-        self.manager.prepare(rows, device)
+        """Make the step's adapters resident and put each row's slot on the step's metadata."""
+        rows = []
+        if self.adapter_of:
+            rows = [
+                (self.adapter_of.get(request_id, ""), step.num_scheduled_tokens[request_id])
+                for request_id in inputs.request_ids
+            ]
+        inputs.metadata.lora = self.manager.prepare(rows, device)
 
     def finish(self) -> None:
-        self.manager.prepare([], torch.device("cpu"))
-
-    @property
-    def rows_active(self) -> bool:
-        return self.manager.rows_active
+        self.manager.finish()

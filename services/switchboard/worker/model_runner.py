@@ -259,7 +259,7 @@ class ModelRunner:
         first), out to the next (unless last)."""
         assert self.model is not None
         if self.parallel.pp_size == 1:
-            if self.decode_graphs is not None and not (self.lora and self.lora.rows_active):
+            if self.decode_graphs is not None and inputs.metadata.lora is None:
                 replayed = self.decode_graphs.run(
                     inputs.input_ids, inputs.positions, inputs.metadata
                 )

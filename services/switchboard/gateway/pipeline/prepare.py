@@ -66,6 +66,7 @@ async def prepare_generate(
             reason="TASK_NOT_SUPPORTED",
         )
     _check_work(request, state)
+    await state.adapter_lookup.learn(request)  # an adapter loaded through another gateway
     plan = plan_generate(request, request_id, facts, state.chat_template)
     if plan.bad_words and state.longest_token_bytes:
         check_bad_word_bytes(plan.bad_words, state.longest_token_bytes)

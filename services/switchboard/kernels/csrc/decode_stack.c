@@ -2,7 +2,9 @@
    the rotary embedding, the KV-cache write, paged decode attention, the output matmul and
    residual add, RMSNorm, gate/up, SiLU-and-mul, down and residual add. It calls the same
    functions the layers call one by one, in the same order on the same floats, so the hidden
-   states are bit-identical to the layer-by-layer path. */
+   states are bit-identical to the layer-by-layer path. A step with rows of LoRA adapters adds
+   their deltas after each of the four matmuls (lora_delta.c), as the projections' hooks do on
+   the layer-by-layer path. */
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -18,6 +20,9 @@ enum {
     QKV_BLOCK, O_BLOCK, GATE_UP_BLOCK, DOWN_BLOCK, LAYER_FIELDS
 };
 
+/* With LoRA rows, per layer the addresses of the A and B (lora_delta.c) of each matmul. */
+enum { QKV_A, QKV_B, O_A, O_B, GATE_UP_A, GATE_UP_B, DOWN_A, DOWN_B, LORA_FIELDS };
+
 static int stack_linear(int64_t block, const float *x, int64_t ldx, const void *p,
                         const float *bias, float *y, int64_t M, int64_t K, int64_t N) {
     if (block == BF16_PANELS) return bf16_linear(x, ldx, p, bias, y, M, K, N);
@@ -27,12 +32,14 @@ static int stack_linear(int64_t block, const float *x, int64_t ldx, const void *
 
 /* x [M, H]: the hidden states in, the last layer's out (float32 whatever the weights). The
    KV caches hold float32, or bfloat16 where kv_bf16 (written rounded, read widened). Returns 0;
-   -1 out of memory; -2 a slot outside the KV cache. */
+   -1 out of memory; -2 a slot outside the KV cache; -3 / -4 lora_delta_f32's refusals. */
 int decode_stack_f32(float *x, int64_t M, int64_t layers, const int64_t *fields, int64_t H,
                      int64_t nH, int64_t nKV, int64_t D, int64_t I, float eps, float scale,
                      const float *cos_half, const float *sin_half, const int64_t *slots,
                      const int64_t *block_table, const int64_t *context_lens, int64_t MB,
-                     int64_t NB, int64_t BS, int64_t kv_bf16) {
+                     int64_t NB, int64_t BS, int64_t kv_bf16, const int64_t *lora_fields,
+                     const int64_t *row_slot, int64_t lora_slots, const int64_t *slot_rank,
+                     int64_t max_rank) {
     const int64_t qkv_n = (nH + 2 * nKV) * D, attn_n = nH * D;
     /* scratch kept from call to call (one worker per process calls this, from one thread):
        a new allocation of this size each step would be fresh pages, faulted in every time */
@@ -48,12 +55,24 @@ int decode_stack_f32(float *x, int64_t M, int64_t layers, const int64_t *fields,
     float *h = buffer, *qkv = h + M * H, *attn = qkv + M * qkv_n, *tmp = attn + M * attn_n;
     float *gate_up = tmp + M * H, *act = gate_up + M * 2 * I;
     int code = 0;
+    /* each LoRA part's output columns: q, k, v; the whole output; gate, up; the whole output */
+    const int64_t qkv_cols[] = {0, nH * D, (nH + nKV) * D, qkv_n}, hidden_cols[] = {0, H};
+    const int64_t gate_up_cols[] = {0, I, 2 * I};
     for (int64_t l = 0; l < layers && code == 0; l++) {
         const int64_t *f = fields + l * LAYER_FIELDS;
+        const int64_t *lf = lora_fields ? lora_fields + l * LORA_FIELDS : NULL;
+/* y [M, N] += the LoRA rows' delta of the matmul x [M, K] -> y (parts: see lora_delta.c) */
+#define LORA_DELTA(which, x, y, K, N, parts, cols)                                             \
+    (lf ? lora_delta_f32(x, K, y, N, M, K, N, (const float *)(intptr_t)lf[which##_A],          \
+                         (const float *)(intptr_t)lf[which##_B], row_slot, lora_slots,          \
+                         slot_rank, max_rank, parts, cols)                                      \
+        : 0)
 #define PTR(i) ((float *)(intptr_t)f[i])
         void *kv = (void *)(intptr_t)f[KV];
         rms_norm_f32(x, H, PTR(LN1), h, M, H, eps);
         code = stack_linear(f[QKV_BLOCK], h, H, PTR(QKV), PTR(QKV_BIAS), qkv, M, H, qkv_n);
+        if (code != 0) break;
+        code = LORA_DELTA(QKV, h, qkv, H, qkv_n, 3, qkv_cols);
         if (code != 0) break;
         rotary_f32(qkv, qkv_n, M, nH, D, cos_half, sin_half);
         rotary_f32(qkv + nH * D, qkv_n, M, nKV, D, cos_half, sin_half);
@@ -75,16 +94,23 @@ int decode_stack_f32(float *x, int64_t M, int64_t layers, const int64_t *fields,
         if (code != 0) break;
         code = stack_linear(f[O_BLOCK], attn, attn_n, PTR(O), PTR(O_BIAS), tmp, M, attn_n, H);
         if (code != 0) break;
+        code = LORA_DELTA(O, attn, tmp, attn_n, H, 1, hidden_cols);
+        if (code != 0) break;
         for (int64_t i = 0; i < M * H; i++) x[i] = x[i] + tmp[i];
         rms_norm_f32(x, H, PTR(LN2), h, M, H, eps);
         code = stack_linear(f[GATE_UP_BLOCK], h, H, PTR(GATE_UP), PTR(GATE_UP_BIAS), gate_up, M, H,
                             2 * I);
         if (code != 0) break;
+        code = LORA_DELTA(GATE_UP, h, gate_up, H, 2 * I, 2, gate_up_cols);
+        if (code != 0) break;
         silu_and_mul_f32(gate_up, 2 * I, act, M, I);
         code = stack_linear(f[DOWN_BLOCK], act, I, PTR(DOWN), PTR(DOWN_BIAS), tmp, M, I, H);
         if (code != 0) break;
+        code = LORA_DELTA(DOWN, act, tmp, I, H, 1, hidden_cols);
+        if (code != 0) break;
         for (int64_t i = 0; i < M * H; i++) x[i] = x[i] + tmp[i];
 #undef PTR
+#undef LORA_DELTA
     }
     return code;
 }

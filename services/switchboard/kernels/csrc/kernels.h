@@ -60,10 +60,23 @@ void bf16_pack(const uint16_t *w, uint32_t *p, int64_t N, int64_t K);
 int bf16_linear(const float *x, int64_t ldx, const uint32_t *p, const float *bias, float *y,
                 int64_t M, int64_t K, int64_t N);
 
-/* decode_stack.c: a decode step's decoder layers in one call */
+/* lora_delta.c: y[r] += (x[r] A_s^T) B_s for each row r of a slot s = row_slot[r] != -1 (A
+   [slots, parts * max_rank, K], B [slots, parts * max_rank, N]; part p writes the columns
+   [cols[p], cols[p + 1]) only). 0; -1 out of memory; -3 a slot out of range; -4 max_rank above
+   LORA_MAX_RANK. */
+#define LORA_MAX_RANK 512
+int lora_delta_f32(const float *x, int64_t ldx, float *y, int64_t ldy, int64_t M, int64_t K,
+                   int64_t N, const float *a, const float *b, const int64_t *row_slot,
+                   int64_t slots, const int64_t *slot_rank, int64_t max_rank, int64_t parts,
+                   const int64_t *cols);
+
+/* decode_stack.c: a decode step's decoder layers in one call; with LoRA rows where lora_fields
+   is not NULL ([layers, 8]: the A and B of qkv, o, gate_up and down, for lora_delta_f32) */
 int decode_stack_f32(float *x, int64_t M, int64_t layers, const int64_t *fields, int64_t H,
                      int64_t nH, int64_t nKV, int64_t D, int64_t I, float eps, float scale,
                      const float *cos_half, const float *sin_half, const int64_t *slots,
                      const int64_t *block_table, const int64_t *context_lens, int64_t MB,
-                     int64_t NB, int64_t BS, int64_t kv_bf16);
+                     int64_t NB, int64_t BS, int64_t kv_bf16, const int64_t *lora_fields,
+                     const int64_t *row_slot, int64_t lora_slots, const int64_t *slot_rank,
+                     int64_t max_rank);
 #endif

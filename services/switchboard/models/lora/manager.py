@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from switchboard.kernels import lora_delta
+from switchboard.kernels.lora_delta import StackLora
 from switchboard.models.hf_config import TransformerConfig
 from switchboard.models.lora.adapter import (
     AdapterError,
@@ -60,7 +62,12 @@ class LoraManager:
         self.limits = limits
         self.projections = llama_projections(config)
         self.active = ActiveBatch()
+        if _device(model).type == "cpu":
+            lora_delta.load()
         self.stacks = _attach_stacks(model, limits, parallel, self.active)
+        self.slot_ranks = torch.zeros(limits.max_loras, dtype=torch.int64)
+        # what the one-call decode stack reads of the slots (None: it cannot add the deltas)
+        self.stack_fields = _stack_fields(self.stacks, config, parallel)
         self.known: dict[str, str] = {}
         self.cpu: OrderedDict[str, LoraAdapter] = OrderedDict()
         self.slots: list[str | None] = [None] * limits.max_loras
@@ -111,23 +118,32 @@ class LoraManager:
 
     # -- a step ------------------------------------------------------------------------------
 
-    def prepare(self, row_adapters: list[tuple[str, int]], device: torch.device) -> None:
-        """Set the step's batch: ``row_adapters`` is each request's adapter ("" = base) and
-        token count, in row order. No adapter row: the hooks do nothing at all."""
+    def prepare(
+        self, row_adapters: list[tuple[str, int]], device: torch.device
+    ) -> LoraBatch | None:
+        """The step's batch, which the projections' hooks read until :meth:`finish`:
+        ``row_adapters`` is each request's adapter ("" = base) and token count, in row order.
+        None (no adapter row): the hooks do nothing at all."""
         names = {name for name, _ in row_adapters if name}
-        setattr(self.model, "lora_rows_active", bool(names))  # noqa: B010 - read by the family
         if not names:
             self.active.current = None
-            return
+            return None
         slot_of = self._make_resident(names)
         slots = [slot_of[name] if name else -1 for name, _ in row_adapters]
         counts = [count for _, count in row_adapters]
         token_slots = torch.repeat_interleave(torch.tensor(slots), torch.tensor(counts))
-        self.active.current = LoraBatch(token_slots, device)
+        stack = None
+        if self.stack_fields is not None and lora_delta.in_use():
+            fields, held = self.stack_fields
+            rank = self.limits.max_lora_rank
+            stack = StackLora(fields, held, rank, self.slot_ranks, token_slots)
+        batch = LoraBatch(token_slots, device, self.slot_ranks, stack)
+        self.active.current = batch
+        return batch
 
-    @property
-    def rows_active(self) -> bool:
-        return self.active.current is not None
+    def finish(self) -> None:
+        """The step is done: no stale batch for what runs next (a graph capture, say)."""
+        self.active.current = None
 
     def _make_resident(self, names: set[str]) -> dict[str, int]:
         if len(names) > self.limits.max_loras:
@@ -154,6 +170,7 @@ class LoraManager:
             for stack in stacks:
                 stack.load(slot, pairs, adapter.scaling)
         self.slots[slot] = adapter.name
+        self.slot_ranks[slot] = adapter.rank
 
     def _evict_slot(self, name: str) -> None:
         for slot, resident in enumerate(self.slots):
@@ -214,3 +231,37 @@ def _attach_stacks(
             attach(projection, stack, active)
         stacks[index] = [stack for _, stack in projections]
     return stacks
+
+
+def _device(model: nn.Module) -> torch.device:
+    parameter = next(model.parameters(), None)
+    return torch.device("cpu") if parameter is None else parameter.device
+
+
+def _stack_fields(
+    stacks: dict[int, list[LoraStack]], config: TransformerConfig, parallel: ParallelState
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
+    """Per layer the addresses of the A and B of qkv, o, gate_up and down for the one-call decode
+    stack, and the tensors they point into; None where it cannot use them: more than one
+    process (the stack runs one), a projection the C kernel cannot take, or fused parts other
+    than the q, k, v and gate, up columns the stack derives from the layer's shape."""
+    if parallel.world_size != 1 or not stacks:
+        return None
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    expected_columns = (
+        [0, q, q + kv, q + 2 * kv],
+        [0, config.hidden_size],
+        [0, config.intermediate_size, 2 * config.intermediate_size],
+        [0, config.hidden_size],
+    )
+    rows, held = [], []
+    for index in sorted(stacks):
+        row = []
+        for stack, columns in zip(stacks[index], expected_columns, strict=True):
+            kernel = stack.kernel
+            if kernel is None or kernel.columns.tolist() != columns:
+                return None
+            row += [kernel.a.data_ptr(), kernel.b.data_ptr()]
+            held += [kernel.a, kernel.b]
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.int64), tuple(held)

@@ -14,25 +14,32 @@ shrink/expand of punica / S-LoRA (segment-wise)::
 
 so the work is proportional to each row's own adapter's rank: a batch of the base model and
 several adapters is one forward pass with, per projection, two small matmuls per adapter in
-use. Base rows are in no group and get nothing added.
+use. Base rows are in no group and get nothing added. On the CPU in float32 one C call per
+projection does all of it (``kernels/lora_delta.py``: the rows grouped by slot in C), and the
+one-call decode stack makes the same call (the step's :class:`LoraBatch` carries what it reads,
+``stack``), so a decode step with adapter rows stays in that stack.
 
 The delta is added by a forward hook on the projection, after the base path has run however
 it runs (oneDNN, the small-batch or quantized panels). Tensor parallelism: a column-parallel
 projection keeps ``A`` whole and this rank's rows of ``B``; a row-parallel one keeps this
 rank's input columns of ``A``, so ``shrink`` is a partial sum, all-reduced (``rank`` numbers
 per part per row) before the expand; every rank groups the same rows, so the collectives line
-up.
+up. The C kernel takes a row-parallel projection only without tensor parallelism (the
+all-reduce sits between its shrink and its expand).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from switchboard.kernels import lora_delta
+from switchboard.kernels.lora_delta import SlotMatrices, StackLora
 from switchboard.models.parallel import ParallelState, Shard
 from switchboard.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
 
@@ -50,17 +57,34 @@ class OutputPart:
 
 
 class LoraBatch:
-    """A step's rows grouped by slot: (slot, its rows' indices or None for every row), once per
-    step for every projection."""
+    """A step's adapter rows, read by every projection: each row's slot (and, for the C kernel,
+    each slot's rank), and for the torch path the rows grouped by slot (made on first use)."""
 
-    def __init__(self, token_slots: torch.Tensor, device: torch.device) -> None:
-        """``token_slots``: each row's slot (-1: the base model), on the CPU."""
+    def __init__(
+        self,
+        token_slots: torch.Tensor,
+        device: torch.device,
+        slot_ranks: torch.Tensor | None = None,
+        stack: StackLora | None = None,
+    ) -> None:
+        """``token_slots``: each row's slot (-1: the base model), int64 on the CPU;
+        ``slot_ranks``: each slot's rank (None: every slot's the largest); ``stack``: what the
+        one-call decode stack reads (None: the stack cannot add these rows' deltas)."""
         self.num_rows = int(token_slots.shape[0])
-        self.groups: list[tuple[int, torch.Tensor | None]] = []
-        for slot in sorted(set(token_slots.tolist()) - {-1}):
-            rows = (token_slots == slot).nonzero().squeeze(1)
+        self.token_slots = token_slots
+        self.slot_ranks = slot_ranks
+        self.device = device
+        self.stack = stack
+
+    @cached_property
+    def groups(self) -> list[tuple[int, torch.Tensor | None]]:
+        """(slot, its rows' indices or None for every row), for the torch path."""
+        groups: list[tuple[int, torch.Tensor | None]] = []
+        for slot in sorted(set(self.token_slots.tolist()) - {-1}):
+            rows = (self.token_slots == slot).nonzero().squeeze(1)
             whole = rows.shape[0] == self.num_rows
-            self.groups.append((slot, None if whole else rows.to(device)))
+            groups.append((slot, None if whole else rows.to(self.device)))
+        return groups
 
 
 class ActiveBatch:
@@ -91,6 +115,23 @@ class LoraStack:
         rows = len(parts) * max_rank
         self.a = torch.zeros(num_slots, rows, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(num_slots, rows, out_features, dtype=dtype, device=device)
+        self.kernel = self._kernel_matrices(out_features)
+
+    def _kernel_matrices(self, out_features: int) -> SlotMatrices | None:
+        """The slots as the C kernel reads them; None where it cannot run this projection: not
+        float32 on the CPU, the all-reduce of a row-parallel one between its two matmuls, or
+        parts that do not tile the output in order."""
+        if not lora_delta.usable(self.a, self.b, self.max_rank):
+            return None
+        if self.inputs is not None and self.parallel.tp_size > 1:
+            return None
+        columns = [part.offset for part in self.parts] + [out_features]
+        sizes = [part.rows.size for part in self.parts]
+        ends = [offset + size for offset, size in zip(columns, sizes, strict=False)]
+        if columns[0] != 0 or ends != columns[1:]:
+            return None
+        self.full_ranks = torch.full((self.num_slots,), self.max_rank, dtype=torch.int64)
+        return SlotMatrices(self.a, self.b, self.max_rank, torch.tensor(columns))
 
     @property
     def nbytes(self) -> int:
@@ -118,6 +159,11 @@ class LoraStack:
 
     def add_delta(self, x: torch.Tensor, output: torch.Tensor, batch: LoraBatch) -> None:
         """``output`` ``[rows, out]`` += each adapter row's delta, in place."""
+        kernel = self.kernel
+        if kernel is not None and lora_delta.in_use() and x.stride(1) == output.stride(1) == 1:
+            ranks = self.full_ranks if batch.slot_ranks is None else batch.slot_ranks
+            lora_delta.add_delta(x, output, kernel, batch.token_slots, ranks)
+            return
         for slot, rows in batch.groups:
             selected = x if rows is None else x.index_select(0, rows)
             shrink = F.linear(selected, self.a[slot])
