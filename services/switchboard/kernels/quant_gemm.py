@@ -185,15 +185,13 @@ def unpack(panels: QuantPanels) -> torch.Tensor:
 
 def linear(x: torch.Tensor, panels: QuantPanels, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W^T + b`` for ``x`` ``[rows, in]`` float32 on CPU, by the kernel the panels were
-    packed for (which must be the loaded one)."""
+    packed for (the dot product kernel: the variant loaded last)."""
     assert _linear is not None, "quant_gemm.linear before load()"
-    if panels.dot != (variant != EXACT):
-        raise ValueError(f"panels packed for the {'dot' if panels.dot else 'exact'} kernel; "
-                         f"{variant} is loaded")
     rows, in_features = x.shape
     if in_features != panels.in_features:
         raise ValueError(f"{in_features} inputs for a weight of {panels.in_features}")
-    y, code = call_panel_linear(_linear, x, panels.data, panels.out_features, bias, panels.block)
+    kernel = library.load().quant_dot_linear if panels.dot else library.load().quant_linear
+    y, code = call_panel_linear(kernel, x, panels.data, panels.out_features, bias, panels.block)
     if code != 0:
         raise MemoryError(f"quantized matmul of {rows} rows failed ({code})")
     return y
