@@ -22,9 +22,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
-import sys
 from pathlib import Path
 
 import torch
