@@ -1,11 +1,11 @@
 """Quantized weights for decode: a model converted from a GGUF file of each type the kernels take
 (and a Q4_K_M-like mix) greedy-decodes as on its float32 weights: with the exact kernel the same
 logits bit for bit (its decode matmuls are the float32 kernel's on the very same values), with
-the default integer dot product kernel (the rows rounded to int8) the same tokens except near-
-ties; int8 made at load agrees with float32 except near-ties; a tied head on a later pipeline
-stage reads the embedding's blocks; tensor parallelism, another device or dtype fall back to
-float32; a type the kernel does not take stays float32 under ``auto`` and is refused by name
-under ``gguf``; the one-call decode stack runs quantized panels as the layers do."""
+the default integer dot product kernel (the rows rounded to int8) the same tokens except
+near-ties; int8 made at load agrees with float32 except near-ties; a tied head on a later
+pipeline stage reads the embedding's blocks; tensor parallelism, another device or dtype fall
+back to float32; a type the kernel does not take stays float32 under ``auto`` and is refused by
+name under ``gguf``; the one-call decode stack runs quantized panels as the layers do."""
 
 from __future__ import annotations
 
