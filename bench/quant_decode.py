@@ -8,8 +8,9 @@ Loads ``MODEL_DIR`` (default: the built-in SmolLM2-135M-Instruct, whose GGUF fil
 a Q8_0 embedding) once per ``--kernels`` entry: ``float32`` throughout (``none``), quantized
 (``--mode``: ``gguf`` for a checkpoint converted from a GGUF file, else ``int8``) with the
 quantized matmul kernel of that name (``exact``: float32 sums, bit for bit the float32 path;
-``vnni512``, ``avx2``: integer dot products; ``SWITCHBOARD_QUANT_GEMM``), and NAME-fp32head: the
-same but with a float32 logits matrix (the question whether to quantize it). Then, per batch
+``vnni512``, ``avx2``: integer dot products; ``SWITCHBOARD_QUANT_GEMM``), NAME-8bit: 4-bit
+formats kept as 8 bits (``SWITCHBOARD_QUANT_4BIT=off``), and NAME-fp32head: with a float32
+logits matrix (the question whether to quantize it). Then, per batch
 size, runs ``--rounds`` rounds of ``--steps`` greedy decode steps on each in turn (alternating,
 so that other load on the machine falls on all alike) and prints the median step time of each
 and each one's speed-up over the first. Variants this CPU cannot run are skipped. ``--matmuls``
@@ -51,10 +52,11 @@ def load_with_kernel(model_dir: str, kernel: str, mode: str, blocks: int) -> Mod
     """A runner whose quantized matrices are packed for ``kernel`` (float32: none)."""
     if kernel == "float32":
         return load(model_dir, "none", blocks)
-    name, _, head = kernel.partition("-")
+    name, _, suffix = kernel.partition("-")
     os.environ["SWITCHBOARD_QUANT_GEMM"] = name
+    os.environ["SWITCHBOARD_QUANT_4BIT"] = "off" if suffix == "8bit" else "auto"
     runner = load(model_dir, mode, blocks)
-    return with_float32_head(runner) if head == "fp32head" else runner
+    return with_float32_head(runner) if suffix == "fp32head" else runner
 
 
 def select(kernel: str) -> None:
@@ -76,7 +78,9 @@ def matmul_pass(runner: ModelRunner, rows: int, clock: Callable[[], float]) -> f
         x, y = torch.randn(rows, in_features), torch.empty(rows, out_features)
         lib = library.load()
         if isinstance(panels, quant_gemm.QuantPanels):
-            kernel = lib.quant_dot_linear if panels.dot else lib.quant_linear
+            kernel = lib.quant_linear
+            if panels.dot:
+                kernel = lib.quant_dot4_linear if panels.bits == 4 else lib.quant_dot_linear
             extra: tuple[int, ...] = (panels.block,)
         else:
             kernel, extra = lib.small_batch_linear, ()
@@ -107,8 +111,9 @@ def main() -> None:
     parser.add_argument(
         "--kernels",
         nargs="+",
-        default=["float32", "exact", "vnni512", "avx2", "vnni512-fp32head"],
-        help="float32, exact, vnni512, avx2; NAME-fp32head: with a float32 logits matrix",
+        default=["float32", "exact", "vnni512-8bit", "vnni512", "avx2"],
+        help="float32, exact, vnni512, avx2; NAME-8bit: 4-bit formats as 8 bits; "
+        "NAME-fp32head: with a float32 logits matrix",
     )
     parser.add_argument(
         "--matmuls",

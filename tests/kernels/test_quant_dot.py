@@ -2,7 +2,8 @@
 forced in turn (``SWITCHBOARD_QUANT_GEMM``): the panels give back the weight exactly; a product
 is the exact integer sums of the rows rounded to int8 per block (as computed here in float64)
 to float32 rounding, and within the rounding of the rows of the float32 product; every variant
-gives the same floats; each row independent of its neighbours; 16- and 32-input blocks, a bias,
+gives the same floats; 4-bit formats packed as 4 bits compute what 8 do; each row independent
+of its neighbours; 16- and 32-input blocks, a bias,
 strided and empty inputs; the pick by the CPU's flags and the override."""
 
 from __future__ import annotations
@@ -64,13 +65,38 @@ def _rounded_rows_product(x: torch.Tensor, rows: QuantRows, bias: torch.Tensor |
     return (y if bias is None else y + bias.double()).float()
 
 
+FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # q spans 16 values: packed as 4 bits
+
+
 @pytest.mark.parametrize("type_name", KERNEL_TYPES)
 def test_packing_keeps_every_gguf_types_values(variant, type_name):
     rng = np.random.default_rng(sum(map(ord, type_name)))
     rows = decode_gguf(gguf_blocks(type_name, 37, 512, rng), type_name)
     panels = quant_gemm.pack(rows)
-    assert panels.dot and panels.nbytes == quant_gemm.panel_bytes(37, 512, rows.block)
+    bits = 4 if type_name in FOUR_BIT_TYPES else 8
+    assert panels.dot and panels.bits == bits
+    assert panels.nbytes == quant_gemm.panel_bytes(37, 512, rows.block, bits)
     assert torch.equal(quant_gemm.unpack(panels), torch.from_numpy(rows.dequantize()))
+
+
+@pytest.mark.parametrize("type_name", FOUR_BIT_TYPES)
+def test_four_bits_compute_what_eight_do(variant, type_name, monkeypatch):
+    """The same integer sums; Q4_0's -8 moves from the sums into the offset (a float rounding
+    apart), the others give the same floats."""
+    rng = np.random.default_rng(5)
+    rows = decode_gguf(gguf_blocks(type_name, 50, 256, rng), type_name)
+    four = quant_gemm.pack(rows)
+    monkeypatch.setenv("SWITCHBOARD_QUANT_4BIT", "off")
+    eight = quant_gemm.pack(rows)
+    assert (four.bits, eight.bits) == (4, 8)
+    for count in (1, 2, 3, 9):
+        x = torch.randn(count, 256)
+        got, expected = quant_gemm.linear(x, four), quant_gemm.linear(x, eight)
+        if type_name == "Q4_0":
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(got, expected)
+        torch.testing.assert_close(got, _rounded_rows_product(x, rows, None), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 13, 21])

@@ -66,6 +66,8 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "quant_dot_max_rows": (_INT, []),
     "quant_dot_pack": (None, [*[_PTR] * 4, *[_I64] * 3]),
     "quant_dot_linear": (_INT, [_PTR, _I64, _PTR, _PTR, _PTR, *[_I64] * 4]),
+    "quant_dot4_pack": (None, [*[_PTR] * 4, *[_I64] * 4]),
+    "quant_dot4_linear": (_INT, [_PTR, _I64, _PTR, _PTR, _PTR, *[_I64] * 4]),
     "bf16_gemm_variants": (_INT, []),
     "bf16_gemm_select": (_INT, [_INT]),
     "bf16_gemm_max_rows": (_INT, []),

@@ -39,6 +39,7 @@ from switchboard.kernels.quant_formats import QuantRows
 
 PANEL = 16
 _VARIABLE = "SWITCHBOARD_QUANT_GEMM"
+_NIBBLES_VARIABLE = "SWITCHBOARD_QUANT_4BIT"
 EXACT = "exact"
 # dot product variant -> (the C side's number, the CPU flags it needs), fastest first
 _AVX2 = frozenset({"avx2", "fma"})
@@ -60,7 +61,8 @@ class QuantPanels:
     """A weight ``[out_features, in_features]`` laid out for a kernel: ``data`` is uint8, per
     panel of 16 output columns ``in_features / block`` blocks of the values ``[block, 16]``
     (int8 q, input-major) or, for the dot product kernel (``dot``), ``[block / 4, 16, 4]``
-    (uint8 q + 128), then 16 float32 scales and 16 float32 offsets; zero past ``out_features``."""
+    (uint8 q + 128) or 4 bits (``bits``), then 16 float32 scales and 16 float32 offsets; zero
+    past ``out_features``."""
 
     data: torch.Tensor
     out_features: int
@@ -68,15 +70,23 @@ class QuantPanels:
     block: int
     format: str  # the GGUF type, "int8", or "mixed"
     dot: bool = False
+    bits: int = 8  # 4: the dot product kernel's values as 4 bits ``[block / 8, 16, 4]`` bytes,
+    # input k in the low half and k + block / 2 in the high half (q - its least, in 0..15)
 
     @property
     def nbytes(self) -> int:
         return self.data.numel()
 
 
-def panel_bytes(out_features: int, in_features: int, block: int) -> int:
+def panel_bytes(out_features: int, in_features: int, block: int, bits: int = 8) -> int:
     panels = -(-out_features // PANEL)
-    return panels * (in_features // block) * (block * PANEL + 2 * PANEL * 4)
+    return panels * (in_features // block) * (block * PANEL * bits // 8 + 2 * PANEL * 4)
+
+
+def nibbles_allowed() -> bool:
+    """Whether the dot product kernel packs weights whose q span at most 16 values as 4 bits
+    (``SWITCHBOARD_QUANT_4BIT=off``: 8 bits, for comparison)."""
+    return os.environ.get(_NIBBLES_VARIABLE, "auto") != "off"
 
 
 def dot_variants() -> list[str]:
@@ -152,8 +162,11 @@ def pack(rows: QuantRows) -> QuantPanels:
     q = torch.from_numpy(rows.q)
     scale = torch.from_numpy(rows.scale)
     offset = None if rows.offset is None else torch.from_numpy(rows.offset)
-    data = torch.empty(panel_bytes(out_features, in_features, rows.block), dtype=torch.uint8)
-    _pack(
+    dot = variant != EXACT
+    least = int(rows.q.min()) if rows.q.size else 0
+    bits = 4 if dot and nibbles_allowed() and int(rows.q.max(initial=0)) - least < 16 else 8
+    data = torch.empty(panel_bytes(out_features, in_features, rows.block, bits), dtype=torch.uint8)
+    pointers = (
         q.data_ptr(),
         scale.data_ptr(),
         None if offset is None else offset.data_ptr(),
@@ -162,20 +175,28 @@ def pack(rows: QuantRows) -> QuantPanels:
         in_features,
         rows.block,
     )
-    dot = variant != EXACT
-    return QuantPanels(data, out_features, in_features, rows.block, rows.format, dot)
+    if bits == 4:
+        library.load().quant_dot4_pack(*pointers, least)
+    else:
+        _pack(*pointers)
+    return QuantPanels(data, out_features, in_features, rows.block, rows.format, dot, bits)
 
 
 def unpack(panels: QuantPanels) -> torch.Tensor:
     """The float32 weight ``[out, in]`` the panels hold: ``scale * q + offset`` per block."""
     block, in_features = panels.block, panels.in_features
     count, blocks = -(-panels.out_features // PANEL), in_features // block
-    raw = panels.data.view(count, blocks, block * PANEL + 8 * PANEL)
-    values = raw[:, :, : block * PANEL].contiguous()
-    if panels.dot:  # [block / 4, 16, 4] of q + 128 -> [block, 16] of q
-        values = (values ^ 0x80).view(count, blocks, block // 4, PANEL, 4).transpose(3, 4)
+    value_bytes = block * PANEL * panels.bits // 8
+    raw = panels.data.view(count, blocks, value_bytes + 8 * PANEL)
+    values = raw[:, :, :value_bytes].contiguous()
+    if panels.bits == 4:  # [block / 8, 16, 4] of two halves' nibbles -> [block / 4, 16, 4]
+        values = torch.cat([values & 0x0F, values >> 4], dim=2)
+    if panels.dot:  # [block / 4, 16, 4] of q + 128 (or 4 bits) -> [block, 16] of q
+        if panels.bits == 8:
+            values = values ^ 0x80
+        values = values.view(count, blocks, block // 4, PANEL, 4).transpose(3, 4)
     q = values.contiguous().view(torch.int8).view(count, blocks, block, PANEL)
-    factors = raw[:, :, block * PANEL :].contiguous().view(torch.float32)
+    factors = raw[:, :, value_bytes:].contiguous().view(torch.float32)
     scale = factors.view(count, blocks, 2, PANEL)[:, :, 0, None, :]
     offset = factors.view(count, blocks, 2, PANEL)[:, :, 1, None, :]
     w = scale * q.to(torch.float32) + offset  # [count, blocks, block, 16]
@@ -190,7 +211,14 @@ def linear(x: torch.Tensor, panels: QuantPanels, bias: torch.Tensor | None = Non
     rows, in_features = x.shape
     if in_features != panels.in_features:
         raise ValueError(f"{in_features} inputs for a weight of {panels.in_features}")
-    kernel = library.load().quant_dot_linear if panels.dot else library.load().quant_linear
+    loaded = library.load()
+    kernel = (
+        loaded.quant_linear
+        if not panels.dot
+        else loaded.quant_dot4_linear
+        if panels.bits == 4
+        else loaded.quant_dot_linear
+    )
     y, code = call_panel_linear(kernel, x, panels.data, panels.out_features, bias, panels.block)
     if code != 0:
         raise MemoryError(f"quantized matmul of {rows} rows failed ({code})")

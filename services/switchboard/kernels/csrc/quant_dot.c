@@ -18,7 +18,14 @@
      AVX2     q = u ^ 0x80; _mm256_maddubs_epi16(|q|, sign(xq, q)) (pairs at most 2 * 128 * 127:
               no saturation) and _mm256_madd_epi16 with ones sum 4 inputs a lane.
    The variants give the same integer sums, hence the same floats (the same float operations
-   in the same order per lane). A row's result does not depend on the rows beside it. */
+   in the same order per lane). A row's result does not depend on the rows beside it.
+
+   Weights whose q span at most 16 values (Q4_0, Q4_1, Q4_K) pack as 4 bits instead
+   (quant_dot4_pack: u = q - qmin in 0..15, the offset made offset + qmin * scale, exact for
+   qmin 0 and -8): per block of a panel [B / 8][16][4] bytes, input k in the low half of a byte
+   and input k + B / 2 in the high half, then the scales and offsets: 0.75 bytes a weight
+   instead of 1.25, for the step at one row is bound by reading the weights. The sums then
+   start at 0, and |u| <= 15 needs no sign trick with AVX2. */
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -29,13 +36,17 @@
 
 enum variant { NONE = 0, AVX2 = 1, VNNI512 = 2 };
 
-static inline int64_t block_bytes(int64_t B) { return B * PW + 2 * PW * (int64_t)sizeof(float); }
+/* the bytes of one block of a panel: the values (4 bits each when `nibbles`), the scales and the
+   offsets */
+static inline int64_t block_bytes(int64_t B, int nibbles) {
+    return (nibbles ? B * PW / 2 : B * PW) + 2 * PW * (int64_t)sizeof(float);
+}
 
 /* q [N, K] int8, scale and offset [N, K / B] (offset NULL: zeros) -> panels, zero past N (a
    zero weight: u = 128, scale and offset 0) */
 void quant_dot_pack(const int8_t *q, const float *scale, const float *offset, uint8_t *p,
                     int64_t N, int64_t K, int64_t B) {
-    const int64_t panels = (N + PW - 1) / PW, blocks = K / B, bb = block_bytes(B);
+    const int64_t panels = (N + PW - 1) / PW, blocks = K / B, bb = block_bytes(B, 0);
 #pragma omp parallel for schedule(static)
     for (int64_t pq = 0; pq < panels; pq++)
         for (int64_t b = 0; b < blocks; b++) {
@@ -51,6 +62,31 @@ void quant_dot_pack(const int8_t *q, const float *scale, const float *offset, ui
                 so[PW + j] = n < N && offset ? offset[n * blocks + b] : 0.0f;
             }
             __builtin_memcpy(blk + B * PW, so, sizeof so);
+        }
+}
+
+/* the same as 4 bits: q - qmin in 0..15 (the caller checks), offset + qmin * scale */
+void quant_dot4_pack(const int8_t *q, const float *scale, const float *offset, uint8_t *p,
+                     int64_t N, int64_t K, int64_t B, int64_t qmin) {
+    const int64_t panels = (N + PW - 1) / PW, blocks = K / B, bb = block_bytes(B, 1);
+#pragma omp parallel for schedule(static)
+    for (int64_t pq = 0; pq < panels; pq++)
+        for (int64_t b = 0; b < blocks; b++) {
+            uint8_t *blk = p + (pq * blocks + b) * bb;
+            float so[2 * PW];
+            for (int64_t j = 0; j < PW; j++) {
+                const int64_t n = pq * PW + j;
+                for (int64_t k = 0; k < B / 2; k++) {
+                    const int64_t at = n * K + b * B + k;
+                    const uint8_t lo = n < N ? (uint8_t)(q[at] - qmin) : 0;
+                    const uint8_t hi = n < N ? (uint8_t)(q[at + B / 2] - qmin) : 0;
+                    blk[(k / 4) * 4 * PW + j * 4 + k % 4] = (uint8_t)(lo | hi << 4);
+                }
+                const float s = n < N ? scale[n * blocks + b] : 0.0f;
+                so[j] = s;
+                so[PW + j] = (n < N && offset ? offset[n * blocks + b] : 0.0f) + (float)qmin * s;
+            }
+            __builtin_memcpy(blk + B * PW / 2, so, sizeof so);
         }
 }
 
@@ -156,25 +192,35 @@ static inline __attribute__((always_inline)) void store_tile(const int R, const 
 }
 
 #if HAVE_VNNI512
+/* 4 inputs of a panel's 16 columns (one 64-byte line of values), line k4 of a block */
+static inline __m512i line512(const int nibbles, const uint8_t *blk, int64_t k4, int64_t B) {
+    if (!nibbles) return _mm512_loadu_si512((const void *)(blk + k4 * 4 * PW));
+    const int64_t half = B / 8; /* lines in the low nibbles */
+    const __m512i v = _mm512_loadu_si512((const void *)(blk + (k4 % half) * 4 * PW));
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    return k4 < half ? _mm512_and_si512(v, low) : _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+}
+
 static inline __attribute__((always_inline)) void tile_vnni(
-    const int R, const int P, const int64_t B, const struct qrows *x, int64_t r0,
-    const uint8_t *p, int64_t panel_bytes, int64_t ahead, float *y, int64_t ldy,
+    const int R, const int P, const int nibbles, const int64_t B, const struct qrows *x,
+    int64_t r0, const uint8_t *p, int64_t panel_bytes, int64_t ahead, float *y, int64_t ldy,
     int64_t ncols_last, const float *bias) {
-    const int64_t bb = block_bytes(B);
+    const int64_t bb = block_bytes(B, nibbles), values = nibbles ? B * PW / 2 : B * PW;
     __m512 acc[8 * 4];
     for (int i = 0; i < R * P; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < x->blocks; b++) {
         __m512i sums[8 * 4];
         for (int r = 0; r < R; r++) {
-            const __m512i c = _mm512_set1_epi32(x->corr[(r0 + r) * x->blocks + b]);
+            const __m512i c = _mm512_set1_epi32(nibbles ? 0 : x->corr[(r0 + r) * x->blocks + b]);
             for (int pp = 0; pp < P; pp++) sums[r * P + pp] = c;
         }
         for (int64_t k4 = 0; k4 < B / 4; k4++) {
             __m512i w[4];
             for (int pp = 0; pp < P; pp++) {
-                const uint8_t *line = p + pp * panel_bytes + b * bb + k4 * 4 * PW;
-                _mm_prefetch((const char *)line + ahead, _MM_HINT_T1);
-                w[pp] = _mm512_loadu_si512((const void *)line);
+                const uint8_t *blk = p + pp * panel_bytes + b * bb;
+                if (!nibbles || k4 < B / 8)
+                    _mm_prefetch((const char *)blk + k4 * 4 * PW + ahead, _MM_HINT_T1);
+                w[pp] = line512(nibbles, blk, k4, B);
             }
             for (int r = 0; r < R; r++) {
                 int32_t four;
@@ -185,7 +231,7 @@ static inline __attribute__((always_inline)) void tile_vnni(
             }
         }
         for (int pp = 0; pp < P; pp++) {
-            const float *so = (const float *)(p + pp * panel_bytes + b * bb + B * PW);
+            const float *so = (const float *)(p + pp * panel_bytes + b * bb + values);
             _mm_prefetch((const char *)so + ahead, _MM_HINT_T1);
             _mm_prefetch((const char *)so + ahead + 64, _MM_HINT_T1);
             const __m512 s = _mm512_loadu_ps(so), o = _mm512_loadu_ps(so + PW);
@@ -205,11 +251,20 @@ static inline __attribute__((always_inline)) void tile_vnni(
 #endif
 
 /* The AVX2 variant: a panel's 4 inputs are two vectors of 8 columns. */
+static inline __m256i line256(const int nibbles, const uint8_t *blk, int64_t k4, int64_t B,
+                              int h) {
+    if (!nibbles) return _mm256_loadu_si256((const __m256i *)(blk + k4 * 4 * PW + 32 * h));
+    const int64_t half = B / 8;
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + (k4 % half) * 4 * PW + 32 * h));
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    return k4 < half ? _mm256_and_si256(v, low) : _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+}
+
 static inline __attribute__((always_inline)) void tile_avx2(
-    const int R, const int P, const int64_t B, const struct qrows *x, int64_t r0,
-    const uint8_t *p, int64_t panel_bytes, int64_t ahead, float *y, int64_t ldy,
+    const int R, const int P, const int nibbles, const int64_t B, const struct qrows *x,
+    int64_t r0, const uint8_t *p, int64_t panel_bytes, int64_t ahead, float *y, int64_t ldy,
     int64_t ncols_last, const float *bias) {
-    const int64_t bb = block_bytes(B);
+    const int64_t bb = block_bytes(B, nibbles), values = nibbles ? B * PW / 2 : B * PW;
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
     __m256 acc[2 * 2 * 2];
     for (int i = 0; i < 2 * R * P; i++) acc[i] = _mm256_setzero_ps();
@@ -219,12 +274,16 @@ static inline __attribute__((always_inline)) void tile_avx2(
         for (int64_t k4 = 0; k4 < B / 4; k4++) {
             __m256i wq[2 * 2], wa[2 * 2];
             for (int pp = 0; pp < P; pp++) {
-                const uint8_t *line = p + pp * panel_bytes + b * bb + k4 * 4 * PW;
-                _mm_prefetch((const char *)line + ahead, _MM_HINT_T1);
+                const uint8_t *blk = p + pp * panel_bytes + b * bb;
+                if (!nibbles || k4 < B / 8)
+                    _mm_prefetch((const char *)blk + k4 * 4 * PW + ahead, _MM_HINT_T1);
                 for (int h = 0; h < 2; h++) {
-                    wq[2 * pp + h] = _mm256_xor_si256(
-                        _mm256_loadu_si256((const __m256i *)(line + 32 * h)), flip);
-                    wa[2 * pp + h] = _mm256_abs_epi8(wq[2 * pp + h]);
+                    /* 4 bits: u itself (at most 15); else q = u ^ 0x80 and |q| */
+                    wq[2 * pp + h] = line256(nibbles, blk, k4, B, h);
+                    if (!nibbles) {
+                        wq[2 * pp + h] = _mm256_xor_si256(wq[2 * pp + h], flip);
+                        wa[2 * pp + h] = _mm256_abs_epi8(wq[2 * pp + h]);
+                    }
                 }
             }
             for (int r = 0; r < R; r++) {
@@ -233,14 +292,15 @@ static inline __attribute__((always_inline)) void tile_avx2(
                 const __m256i xb = _mm256_set1_epi32(four);
                 for (int i = 0; i < 2 * P; i++) {
                     const __m256i pairs =
-                        _mm256_maddubs_epi16(wa[i], _mm256_sign_epi8(xb, wq[i]));
+                        nibbles ? _mm256_maddubs_epi16(wq[i], xb)
+                                : _mm256_maddubs_epi16(wa[i], _mm256_sign_epi8(xb, wq[i]));
                     sums[2 * r * P + i] =
                         _mm256_add_epi32(sums[2 * r * P + i], _mm256_madd_epi16(pairs, ones));
                 }
             }
         }
         for (int pp = 0; pp < P; pp++) {
-            const float *so = (const float *)(p + pp * panel_bytes + b * bb + B * PW);
+            const float *so = (const float *)(p + pp * panel_bytes + b * bb + values);
             _mm_prefetch((const char *)so + ahead, _MM_HINT_T1);
             _mm_prefetch((const char *)so + ahead + 64, _MM_HINT_T1);
             for (int r = 0; r < R; r++) {
@@ -260,12 +320,14 @@ static inline __attribute__((always_inline)) void tile_avx2(
     store_tile(R, P, out, y, ldy, ncols_last, bias);
 }
 
-#define TILE_ARGS B, x, r0, p, panel_bytes, ahead, y, ldy, ncols_last, bias
+#define TILE_ARGS NIBBLES, B, x, r0, p, panel_bytes, ahead, y, ldy, ncols_last, bias
 
-/* M rows (at most the variant's) times one panel, or panels_for(v, M) when `many` */
-static void panel_group(int v, int64_t M, int many, int64_t B, const struct qrows *x,
-                        int64_t r0, const uint8_t *p, int64_t panel_bytes, int64_t ahead,
-                        float *y, int64_t ldy, int64_t ncols_last, const float *bias) {
+/* M rows (at most the variant's) times one panel, or panels_for(v, M) when `many`; values of
+   8 bits, or 4 when NIBBLES (a constant: one instance of each) */
+static inline __attribute__((always_inline)) void panel_group_of(
+    const int NIBBLES, int v, int64_t M, int many, int64_t B, const struct qrows *x, int64_t r0,
+    const uint8_t *p, int64_t panel_bytes, int64_t ahead, float *y, int64_t ldy,
+    int64_t ncols_last, const float *bias) {
 #if HAVE_VNNI512
     if (v == VNNI512) {
         switch (M) {
@@ -288,13 +350,25 @@ static void panel_group(int v, int64_t M, int many, int64_t B, const struct qrow
     }
 }
 
+static void panel_group8(int v, int64_t M, int many, int64_t B, const struct qrows *x,
+                         int64_t r0, const uint8_t *p, int64_t panel_bytes, int64_t ahead,
+                         float *y, int64_t ldy, int64_t ncols_last, const float *bias) {
+    panel_group_of(0, v, M, many, B, x, r0, p, panel_bytes, ahead, y, ldy, ncols_last, bias);
+}
+
+static void panel_group4(int v, int64_t M, int many, int64_t B, const struct qrows *x,
+                         int64_t r0, const uint8_t *p, int64_t panel_bytes, int64_t ahead,
+                         float *y, int64_t ldy, int64_t ncols_last, const float *bias) {
+    panel_group_of(1, v, M, many, B, x, r0, p, panel_bytes, ahead, y, ldy, ncols_last, bias);
+}
+
 struct dot_task {
     struct qrows x;
     const float *bias;
     const uint8_t *p;
     float *y;
     int64_t M, N, B, step; /* step: the panels of a work item */
-    int v;
+    int v, nibbles;
 };
 
 /* work items [i0, i1) of `step` panels each, every row, in groups of the variant's rows (the
@@ -303,7 +377,7 @@ static void dot_panels(void *arg, int64_t i0, int64_t i1) {
     const struct dot_task *t = arg;
     const int64_t most = rows_of(t->v), groups = (t->M + most - 1) / most;
     const int64_t base = t->M / groups, wider = t->M % groups;
-    const int64_t panel_bytes = t->x.blocks * block_bytes(t->B);
+    const int64_t panel_bytes = t->x.blocks * block_bytes(t->B, t->nibbles);
     const int64_t panels = (t->N + PW - 1) / PW;
     const int64_t q1 = i1 * t->step < panels ? i1 * t->step : panels;
     for (int64_t q = i0 * t->step; q < q1;) {
@@ -313,21 +387,23 @@ static void dot_panels(void *arg, int64_t i0, int64_t i1) {
         const float *bq = t->bias ? t->bias + q * PW : 0;
         for (int64_t g = 0, r0 = 0; g < groups; g++) {
             const int64_t rows = base + (g < wider);
-            panel_group(t->v, rows, many, t->B, &t->x, r0, t->p + q * panel_bytes, panel_bytes,
-                        g == 0 ? PREFETCH_AHEAD : panel_bytes, t->y + r0 * t->N + q * PW, t->N,
-                        ncols_last, bq);
+            (t->nibbles ? panel_group4 : panel_group8)(
+                t->v, rows, many, t->B, &t->x, r0, t->p + q * panel_bytes, panel_bytes,
+                g == 0 ? PREFETCH_AHEAD : panel_bytes, t->y + r0 * t->N + q * PW, t->N,
+                ncols_last, bq);
             r0 += rows;
         }
         q = last + 1;
     }
 }
 
-/* y [M, N] = x [M, K] (row stride ldx) @ w^T (+ bias), w in quant_dot_pack's panels of blocks
-   of B inputs (16 or 32; K a multiple of it), x quantized per block, with the selected
-   variant. Returns 0; -1 for bad sizes or no variant; -2 out of memory. */
+/* y [M, N] = x [M, K] (row stride ldx) @ w^T (+ bias), w in quant_dot_pack's panels (or
+   quant_dot4_pack's when `nibbles`) of blocks of B inputs (16 or 32; K a multiple of it), x
+   quantized per block, with the selected variant. Returns 0; -1 for bad sizes or no variant;
+   -2 out of memory. */
 #define PANEL_WORK 32768
-int quant_dot_linear(const float *x, int64_t ldx, const uint8_t *p, const float *bias, float *y,
-                     int64_t M, int64_t K, int64_t N, int64_t B) {
+static int dot_linear(const float *x, int64_t ldx, const uint8_t *p, const float *bias, float *y,
+                      int64_t M, int64_t K, int64_t N, int64_t B, int nibbles) {
     const int v = selected;
     if (M < 1 || K < 1 || (B != 16 && B != 32) || K % B != 0 || v == NONE) return -1;
     const int64_t blocks = K / B;
@@ -351,11 +427,22 @@ int quant_dot_linear(const float *x, int64_t ldx, const uint8_t *p, const float 
             quantize_block(x + r * ldx + b * B, B, q + r * K + b * B, d + i, ds + i, corr + i);
         }
     const int64_t step = M <= rows_of(v) ? panels_for(v, M) : 1;
-    const struct dot_task task = {{q, d, ds, corr, K, blocks}, bias, p, y, M, N, B, step, v};
+    const struct dot_task task = {{q, d, ds, corr, K, blocks}, bias, p, y, M, N, B, step, v,
+                                  nibbles};
     const int64_t per_item = M * K * PW * step, min_items = PANEL_WORK / per_item;
     const int64_t items = ((N + PW - 1) / PW + step - 1) / step;
     switchboard_parallel_for(items, min_items, dot_panels, (void *)&task);
     return 0;
+}
+
+int quant_dot_linear(const float *x, int64_t ldx, const uint8_t *p, const float *bias, float *y,
+                     int64_t M, int64_t K, int64_t N, int64_t B) {
+    return dot_linear(x, ldx, p, bias, y, M, K, N, B, 0);
+}
+
+int quant_dot4_linear(const float *x, int64_t ldx, const uint8_t *p, const float *bias,
+                      float *y, int64_t M, int64_t K, int64_t N, int64_t B) {
+    return dot_linear(x, ldx, p, bias, y, M, K, N, B, 1);
 }
 
 #else /* no AVX2 and FMA: nothing to run; quant_dot_variants() says so */
@@ -367,5 +454,10 @@ int quant_dot_linear(const float *x, int64_t ldx, const uint8_t *p, const float 
                      int64_t M, int64_t K, int64_t N, int64_t B) {
     (void)x, (void)ldx, (void)p, (void)bias, (void)y, (void)M, (void)K, (void)N, (void)B;
     return -1;
+}
+
+int quant_dot4_linear(const float *x, int64_t ldx, const uint8_t *p, const float *bias,
+                      float *y, int64_t M, int64_t K, int64_t N, int64_t B) {
+    return quant_dot_linear(x, ldx, p, bias, y, M, K, N, B);
 }
 #endif
