@@ -79,10 +79,13 @@ def write_tiny_llama_gguf(
     intermediate_size: int = 96,
     kind_types: dict[str, str] | None = None,
     tied: bool = False,
+    layer_spread: float = 1.0,
 ) -> TinyLlama:
     """Write the file and return what a correct conversion must reproduce. ``kind_types``
     gives some kinds of matrix (``attn_v``, ``ffn_down``, ...) a type other than
-    ``matrix_type`` (as llama.cpp's Q4_K_M does); ``tied`` leaves out ``output.weight``."""
+    ``matrix_type`` (as llama.cpp's Q4_K_M does); ``tied`` leaves out ``output.weight``;
+    ``layer_spread``: the size of the layers' quantized matrices' values (about
+    1 / sqrt(inputs) keeps the activations of the size a trained model's have)."""
     model = TinyLlama(hidden_size=hidden_size, intermediate_size=intermediate_size)
     rng = np.random.default_rng(seed)
     model.tokens = SPECIAL_TOKENS + byte_level_alphabet() + [m.replace(" ", "") for m in MERGES]
@@ -118,7 +121,8 @@ def write_tiny_llama_gguf(
         kind = gguf_name.split(".")[-2]
         type_name = (kind_types or {}).get(kind, matrix_type)
         if type_name is not None and len(shape) == 2:
-            blocks = gguf_blocks(type_name, shape[0], shape[1], rng)
+            spread = layer_spread if gguf_name.startswith("blk.") else 1.0
+            blocks = gguf_blocks(type_name, shape[0], shape[1], rng, spread)
             model.hf_blocks[hf_name] = (blocks, type_name)
             model.hf_tensors[hf_name] = dequantize(blocks, GGMLQuantizationType[type_name])
             raw = llama_cpp_permute(blocks, heads) if heads else blocks

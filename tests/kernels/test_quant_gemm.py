@@ -1,7 +1,8 @@
-"""The quantized small-batch matmul: every GGUF type it takes packed exactly (the panels give
-back gguf's own dequantization bit for bit), its products those of the float32 small-batch
-kernel on the dequantized weight bit for bit (and x @ w.T to rounding) for one row to several
-groups of rows, any output size, with or without a bias; each row independent of its
+"""The quantized small-batch matmul's exact kernel (``SWITCHBOARD_QUANT_GEMM=exact``; the default
+integer dot product kernel: test_quant_dot.py): every GGUF type it takes packed exactly (the
+panels give back gguf's own dequantization bit for bit), its products those of the float32
+small-batch kernel on the dequantized weight bit for bit (and x @ w.T to rounding) for one row
+to several groups of rows, any output size, with or without a bias; each row independent of its
 neighbours; the same floats from the AVX2 build; int8 made from float32 weights; a clear error
 for other types; an off switch."""
 
@@ -33,7 +34,7 @@ from tests.gguf_blocks import KERNEL_TYPES, gguf_blocks
 def kernels():
     quant_gemm.unload()
     small_batch_gemm.unload()
-    assert quant_gemm.load(), quant_gemm.status()  # this machine has AVX2 and cc
+    assert quant_gemm.load(quant_gemm.EXACT), quant_gemm.status()  # this machine has AVX2 and cc
     assert small_batch_gemm.load(), small_batch_gemm.status()
     yield
     quant_gemm.unload()

@@ -127,6 +127,8 @@ class StackLayer:
 
 _LAYER_FIELDS = 16  # the C side's LAYER_FIELDS
 _BF16_PANELS = -1  # the C side's kind of bfloat16 panels
+_DOT_PANELS = 1024  # csrc/decode_stack.c's kind of dot product panels: this plus the block
+_DOT4_PANELS = 2048  # the same with 4-bit values
 # Where the stack takes a bfloat16 model's steps: its activations are float32 inside.
 _HIDDEN_DTYPES = (torch.float32, torch.bfloat16)
 _Dims = tuple[int, int, int, int, int]  # hidden, heads, KV heads, head_dim, intermediate
@@ -348,11 +350,15 @@ def _layer_fields(
 
 def _block(matmul: StackMatmul) -> int:
     """The C side's kind of panels: 0 float32, -1 bfloat16, else the quantized panels' block
-    size."""
+    size (plus ``_DOT_PANELS`` or ``_DOT4_PANELS`` for the dot product kernel's)."""
     panels = matmul.panels
     if isinstance(panels, bf16_gemm.Bf16Panels):
         return _BF16_PANELS
-    return panels.block if isinstance(panels, quant_gemm.QuantPanels) else 0
+    if isinstance(panels, quant_gemm.QuantPanels):
+        if not panels.dot:
+            return panels.block
+        return panels.block + (_DOT4_PANELS if panels.bits == 4 else _DOT_PANELS)
+    return 0
 
 
 def _addresses(matmul: StackMatmul) -> tuple[int, int]:

@@ -1,20 +1,32 @@
-"""Matmuls of a few rows (decode) on quantized weights: a C kernel that dequantizes in registers.
+"""Matmuls of a few rows (decode) on quantized weights: C kernels that read them as they are.
 
 At one request a decode step's time is reading the weights (``small_batch_gemm.py``). Kept as
 int8 values with a float32 scale and offset per block of 16 or 32 inputs
 (``quant_formats.QuantRows``: GGUF's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K exactly,
 or int8 made from float32 weights), a weight is 1.25 bytes a value (1.5 with 16-input blocks)
-instead of 4. The kernel (``csrc/quant_gemm.c``) reads the weight in panels of 16 output
-columns like the float32 small-batch kernel, ``max_rows`` rows at a time (8 with AVX-512's
-registers, else 6), accumulates x * q per block in registers and folds in scale * sum +
-offset * (the block's sum of x) at the block's end. Rows' results do not depend on the rows
-beside them (batch-invariant); they agree with ``x @ w.T`` on the dequantized weight to
-float32 rounding, not bit for bit. Needs AVX2 and FMA; ``SWITCHBOARD_QUANT_GEMM=off`` turns it off
-(the weights then stay float32).
+instead of 4. Two kernels read them in panels of 16 output columns, a few rows at a time:
+
+- integer dot products (``csrc/quant_dot.c``, the default): the rows are quantized to int8 per
+  block as llama.cpp does, and per block the sum of q * x is an exact integer sum
+  (``_mm512_dpbusd_epi32`` with AVX-512 VNNI, ``_mm256_maddubs_epi16`` with AVX2), folded in
+  as d * (scale * sum + offset * sum of x). The result differs from the float32 product on the
+  dequantized weight by the rows' 8-bit rounding; greedy output keeps the float32 model's tokens
+  except where its top two logits nearly tie (tests/models/test_quantized_greedy.py). Variants,
+  picked by the CPU's flags: ``vnni512`` (AVX-512 VNNI), ``avx2``.
+- ``exact`` (``csrc/quant_gemm.c``): each weight dequantized in registers and the float32
+  small-batch kernel's multiply-add chains run on it: bit for bit the float32 kernel's floats
+  on the dequantized weight, at about half the speed at one row (a convert, a multiply and an
+  add per weight).
+
+``SWITCHBOARD_QUANT_GEMM`` = ``off`` (no kernel: the weights stay float32), ``exact``, or a dot
+product variant's name overrides the pick; ``auto`` (the default) is the fastest dot product
+variant the CPU runs. Either way a row's result does not depend on the rows beside it
+(batch-invariant). Needs AVX2 and FMA.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,8 +38,18 @@ from switchboard.kernels.panel_call import call_panel_linear
 from switchboard.kernels.quant_formats import QuantRows
 
 PANEL = 16
-# Rows one call takes over each cached panel (8 with AVX-512, else 6); 0 while not loaded.
+_VARIABLE = "SWITCHBOARD_QUANT_GEMM"
+_NIBBLES_VARIABLE = "SWITCHBOARD_QUANT_4BIT"
+EXACT = "exact"
+# dot product variant -> (the C side's number, the CPU flags it needs), fastest first
+_AVX2 = frozenset({"avx2", "fma"})
+DOT_VARIANTS: dict[str, tuple[int, frozenset[str]]] = {
+    "vnni512": (2, _AVX2 | {"avx512f", "avx512bw", "avx512_vnni"}),
+    "avx2": (1, _AVX2),
+}
+# Rows one call takes over each cached panel; 0 while not loaded.
 max_rows = 0
+variant = ""  # EXACT or a DOT_VARIANTS name, once loaded
 
 _pack: Callable[..., Any] | None = None
 _linear: Callable[..., Any] | None = None
@@ -36,37 +58,87 @@ _status = "not loaded"
 
 @dataclass(frozen=True)
 class QuantPanels:
-    """A weight ``[out_features, in_features]`` laid out for the kernel: ``data`` is uint8,
-    per panel of 16 output columns ``in_features / block`` blocks of int8 q ``[block, 16]``,
-    16 float32 scales and 16 float32 offsets; zero past ``out_features``."""
+    """A weight ``[out_features, in_features]`` laid out for a kernel: ``data`` is uint8, per
+    panel of 16 output columns ``in_features / block`` blocks of the values ``[block, 16]``
+    (int8 q, input-major) or, for the dot product kernel (``dot``), ``[block / 4, 16, 4]``
+    (uint8 q + 128) or 4 bits (``bits``), then 16 float32 scales and 16 float32 offsets; zero
+    past ``out_features``."""
 
     data: torch.Tensor
     out_features: int
     in_features: int
     block: int
     format: str  # the GGUF type, "int8", or "mixed"
+    dot: bool = False
+    bits: int = 8  # 4: the dot product kernel's values as 4 bits ``[block / 8, 16, 4]`` bytes,
+    # input k in the low half and k + block / 2 in the high half (q - its least, in 0..15)
 
     @property
     def nbytes(self) -> int:
         return self.data.numel()
 
 
-def panel_bytes(out_features: int, in_features: int, block: int) -> int:
+def panel_bytes(out_features: int, in_features: int, block: int, bits: int = 8) -> int:
     panels = -(-out_features // PANEL)
-    return panels * (in_features // block) * (block * PANEL + 2 * PANEL * 4)
+    return panels * (in_features // block) * (block * PANEL * bits // 8 + 2 * PANEL * 4)
 
 
-def load() -> bool:
-    """Load the kernel (built once per machine); True when it is in use. Idempotent."""
-    global _pack, _linear, _status, max_rows
-    if _linear is not None:
-        return True
-    functions, rows, _status = library.load_panel_kernel(
-        "SWITCHBOARD_QUANT_GEMM", "quant_pack", "quant_linear", "quant_gemm_max_rows"
-    )
-    if functions is None:
+def nibbles_allowed() -> bool:
+    """Whether the dot product kernel packs weights whose q span at most 16 values as 4 bits
+    (``SWITCHBOARD_QUANT_4BIT=off``: 8 bits, for comparison)."""
+    return os.environ.get(_NIBBLES_VARIABLE, "auto") != "off"
+
+
+def dot_variants() -> list[str]:
+    """The dot product variants this machine runs: compiled into the library and in the CPU's
+    flags, fastest first (empty without the library or without AVX2 and FMA)."""
+    from switchboard.kernels.build import cpu_flags
+
+    loaded, _ = library.load_switched(_VARIABLE, "off")
+    if loaded is None:
+        return []
+    compiled, flags = int(loaded.quant_dot_variants()), cpu_flags()
+    return [
+        name
+        for name, (number, needs) in DOT_VARIANTS.items()
+        if compiled & (1 << number) and needs <= flags
+    ]
+
+
+def load(wanted: str | None = None) -> bool:
+    """Load a kernel: ``wanted`` (``exact`` or a dot product variant; None:
+    ``SWITCHBOARD_QUANT_GEMM``, else the fastest dot product variant); True when in use.
+    Idempotent for the same choice."""
+    global _pack, _linear, _status, max_rows, variant
+    choice = wanted or os.environ.get(_VARIABLE, "auto")
+    if choice not in ("auto", "off", EXACT, *DOT_VARIANTS):
+        raise ValueError(f"{_VARIABLE}={choice!r}: use auto, off, exact, {', '.join(DOT_VARIANTS)}")
+    if choice == "off":
+        unload()
+        _status = f"off ({_VARIABLE}=off)"
         return False
-    (_pack, _linear), max_rows = functions, rows
+    if choice == "auto":
+        runnable = dot_variants()
+        choice = runnable[0] if runnable else EXACT
+    if _linear is not None and variant == choice:
+        return True
+    unload()
+    if choice == EXACT:
+        functions, rows, _status = library.load_panel_kernel(
+            _VARIABLE, "quant_pack", "quant_linear", "quant_gemm_max_rows"
+        )
+        if functions is None:
+            return False
+        (_pack, _linear), max_rows, variant = functions, rows, EXACT
+        _status = f"in use (exact float32 sums, {rows} rows at a time)"
+        return True
+    if choice not in dot_variants():
+        _status = f"unavailable: variant {choice} (this CPU runs {', '.join(dot_variants())})"
+        return False
+    loaded = library.load()
+    rows = int(loaded.quant_dot_select(DOT_VARIANTS[choice][0]))
+    _pack, _linear, max_rows, variant = loaded.quant_dot_pack, loaded.quant_dot_linear, rows, choice
+    _status = f"in use (integer dot products, {choice}, {rows} rows at a time)"
     return True
 
 
@@ -75,14 +147,13 @@ def status() -> str:
 
 
 def unload() -> None:
-    global _pack, _linear, _status, max_rows
+    global _pack, _linear, _status, max_rows, variant
     _pack = _linear = None
-    max_rows = 0
-    _status = "not loaded"
+    max_rows, variant, _status = 0, "", "not loaded"
 
 
 def pack(rows: QuantRows) -> QuantPanels:
-    """``rows`` (a weight ``[out, in]``) as the kernel's panels."""
+    """``rows`` (a weight ``[out, in]``) as the loaded kernel's panels."""
     if _pack is None:
         raise ValueError("quantized pack needs the kernel loaded (quant_gemm.load())")
     out_features, in_features = rows.shape
@@ -91,8 +162,11 @@ def pack(rows: QuantRows) -> QuantPanels:
     q = torch.from_numpy(rows.q)
     scale = torch.from_numpy(rows.scale)
     offset = None if rows.offset is None else torch.from_numpy(rows.offset)
-    data = torch.empty(panel_bytes(out_features, in_features, rows.block), dtype=torch.uint8)
-    _pack(
+    dot = variant != EXACT
+    least = int(rows.q.min()) if rows.q.size else 0
+    bits = 4 if dot and nibbles_allowed() and int(rows.q.max(initial=0)) - least < 16 else 8
+    data = torch.empty(panel_bytes(out_features, in_features, rows.block, bits), dtype=torch.uint8)
+    pointers = (
         q.data_ptr(),
         scale.data_ptr(),
         None if offset is None else offset.data_ptr(),
@@ -101,16 +175,28 @@ def pack(rows: QuantRows) -> QuantPanels:
         in_features,
         rows.block,
     )
-    return QuantPanels(data, out_features, in_features, rows.block, rows.format)
+    if bits == 4:
+        library.load().quant_dot4_pack(*pointers, least)
+    else:
+        _pack(*pointers)
+    return QuantPanels(data, out_features, in_features, rows.block, rows.format, dot, bits)
 
 
 def unpack(panels: QuantPanels) -> torch.Tensor:
     """The float32 weight ``[out, in]`` the panels hold: ``scale * q + offset`` per block."""
     block, in_features = panels.block, panels.in_features
     count, blocks = -(-panels.out_features // PANEL), in_features // block
-    raw = panels.data.view(count, blocks, block * PANEL + 8 * PANEL)
-    q = raw[:, :, : block * PANEL].contiguous().view(torch.int8).view(count, blocks, block, PANEL)
-    factors = raw[:, :, block * PANEL :].contiguous().view(torch.float32)
+    value_bytes = block * PANEL * panels.bits // 8
+    raw = panels.data.view(count, blocks, value_bytes + 8 * PANEL)
+    values = raw[:, :, :value_bytes].contiguous()
+    if panels.bits == 4:  # [block / 8, 16, 4] of two halves' nibbles -> [block / 4, 16, 4]
+        values = torch.cat([values & 0x0F, values >> 4], dim=2)
+    if panels.dot:  # [block / 4, 16, 4] of q + 128 (or 4 bits) -> [block, 16] of q
+        if panels.bits == 8:
+            values = values ^ 0x80
+        values = values.view(count, blocks, block // 4, PANEL, 4).transpose(3, 4)
+    q = values.contiguous().view(torch.int8).view(count, blocks, block, PANEL)
+    factors = raw[:, :, value_bytes:].contiguous().view(torch.float32)
     scale = factors.view(count, blocks, 2, PANEL)[:, :, 0, None, :]
     offset = factors.view(count, blocks, 2, PANEL)[:, :, 1, None, :]
     w = scale * q.to(torch.float32) + offset  # [count, blocks, block, 16]
@@ -119,12 +205,21 @@ def unpack(panels: QuantPanels) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, panels: QuantPanels, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W^T + b`` for ``x`` ``[rows, in]`` float32 on CPU."""
+    """``x @ W^T + b`` for ``x`` ``[rows, in]`` float32 on CPU, by the kernel the panels were
+    packed for (the dot product kernel: the variant loaded last)."""
     assert _linear is not None, "quant_gemm.linear before load()"
     rows, in_features = x.shape
     if in_features != panels.in_features:
         raise ValueError(f"{in_features} inputs for a weight of {panels.in_features}")
-    y, code = call_panel_linear(_linear, x, panels.data, panels.out_features, bias, panels.block)
+    loaded = library.load()
+    kernel = (
+        loaded.quant_linear
+        if not panels.dot
+        else loaded.quant_dot4_linear
+        if panels.bits == 4
+        else loaded.quant_dot_linear
+    )
+    y, code = call_panel_linear(kernel, x, panels.data, panels.out_features, bias, panels.block)
     if code != 0:
-        raise MemoryError(f"quantized matmul of {rows} rows: out of memory")
+        raise MemoryError(f"quantized matmul of {rows} rows failed ({code})")
     return y

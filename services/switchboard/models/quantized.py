@@ -11,8 +11,11 @@ The modes (``--quantization``, ``ModelConfig.quantization``):
 
 - ``gguf``: the checkpoint's own GGUF blocks (a checkpoint converted from a GGUF file carries
   them: ``checkpoint/gguf_blocks.py``): Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K. They are
-  the very values of the float32 weights, so a decode step gives the float32 kernel's floats
-  exactly. A matrix of another block type is an error naming it and its type.
+  the very values of the float32 weights. The default kernel multiplies them with the rows
+  quantized to int8 (integer dot products, as llama.cpp does): greedy output is the float32
+  model's except where its top two logits nearly tie; ``SWITCHBOARD_QUANT_GEMM=exact`` gives
+  the float32 kernel's floats exactly, slower (``kernels/quant_gemm.py``). A matrix of another
+  block type is an error naming it and its type.
 - ``int8``: any checkpoint: every matrix quantized at load, per 32 inputs, symmetric
   (``quant_formats.quantize_int8``): weight-only, approximate.
 - ``auto`` (the default): ``gguf`` where the checkpoint carries GGUF blocks, a matrix of a type
@@ -127,17 +130,28 @@ def quantize_weights(
         nbytes += panels.nbytes
     done = Quantization(mode, tuple(sorted(formats)), len(rows), nbytes, kept_float32)
     logger.info(
-        "weights: %s kept quantized for decode (%d matrices, %.1f MiB, in %.1f s); prefill "
+        "weights: %s kept quantized for decode (%d matrices, %.1f MiB, in %.1f s; %s); prefill "
         "float32%s",
         f"{', '.join(done.formats)} blocks" if mode == "gguf" else "int8 (made at load)",
         done.matrices,
         nbytes / 2**20,
         time.monotonic() - started,
+        _kernel_text(),
         f"; float32 (types the kernel does not take): {', '.join(kept_float32)}"
         if kept_float32
         else "",
     )
     return done
+
+
+def _kernel_text() -> str:
+    """Which quantized matmul kernel the decode steps use, for the load's log line."""
+    if quant_gemm.variant == quant_gemm.EXACT:
+        return "matmuls: exact float32 sums (SWITCHBOARD_QUANT_GEMM=exact)"
+    return (
+        f"matmuls: integer dot products, {quant_gemm.variant}, rows quantized to int8 per "
+        "block (SWITCHBOARD_QUANT_GEMM=exact: float32 sums)"
+    )
 
 
 def _why_not_quantized(

@@ -12,9 +12,12 @@
 
 /* Per layer, the addresses (as integers, 0 = none) of the norms, matmul panels and biases and
    the KV cache, the sliding window, and per matmul its panels' kind: 0 float32
-   (small_batch_gemm.c), BF16_PANELS bfloat16 (bf16_gemm.c), else quantized in blocks of that
+   (small_batch_gemm.c), BF16_PANELS bfloat16 (bf16_gemm.c), DOT_PANELS + B (DOT4_PANELS + B:
+   4-bit values) quantized for integer dot products in blocks of B inputs (quant_dot.c), else quantized in blocks of that
    many inputs (quant_gemm.c). */
 #define BF16_PANELS (-1)
+#define DOT_PANELS 1024
+#define DOT4_PANELS 2048
 enum {
     LN1, QKV, QKV_BIAS, O, O_BIAS, LN2, GATE_UP, GATE_UP_BIAS, DOWN, DOWN_BIAS, KV, WINDOW,
     QKV_BLOCK, O_BLOCK, GATE_UP_BLOCK, DOWN_BLOCK, LAYER_FIELDS
@@ -26,6 +29,10 @@ enum { QKV_A, QKV_B, O_A, O_B, GATE_UP_A, GATE_UP_B, DOWN_A, DOWN_B, LORA_FIELDS
 static int stack_linear(int64_t block, const float *x, int64_t ldx, const void *p,
                         const float *bias, float *y, int64_t M, int64_t K, int64_t N) {
     if (block == BF16_PANELS) return bf16_linear(x, ldx, p, bias, y, M, K, N);
+    if (block > DOT4_PANELS)
+        return quant_dot4_linear(x, ldx, p, bias, y, M, K, N, block - DOT4_PANELS);
+    if (block > DOT_PANELS)
+        return quant_dot_linear(x, ldx, p, bias, y, M, K, N, block - DOT_PANELS);
     if (block) return quant_linear(x, ldx, p, bias, y, M, K, N, block);
     return small_batch_linear(x, ldx, p, bias, y, M, K, N);
 }

@@ -1,0 +1,463 @@
+/* Matmuls of a few rows (decode) on quantized weights with integer dot products, as llama.cpp
+   computes them: each row of x is quantized to int8 per block of B inputs (the weight's block:
+   x ~ d * xq, d = the block's largest magnitude / 127, xq rounded to nearest even), and per
+   block and output column the integer sum of q * xq is exact, so
+       y = sum over blocks of d * (scale * sum(q * xq) + offset * sum(xq))
+   for weights w = scale * q + offset (quant_gemm.c's int8 q with a float32 scale and offset per
+   block of 16 or 32 inputs: every GGUF block format it takes). The result differs from the
+   float32 product on the dequantized weight by the rounding of x to 8 bits (about 0.4 % of a
+   block's largest input), not bit for bit; what a model's greedy output keeps is tested.
+
+   Panels of 16 output columns; per block the values as uint8 u = q + 128, four consecutive
+   inputs of a column together ([B / 4][16][4]: one 64-byte line per 4 inputs of a panel),
+   then float scale[16] and offset[16] (quant_dot_pack): the same bytes as quant_gemm.c's.
+   Variants, compiled where the build's CPU flags (-march=native) have their instructions and
+   chosen at run time (quant_dot_select):
+     VNNI512  AVX-512 VNNI: _mm512_dpbusd_epi32 sums u * xq over 4 inputs a lane; the block's
+              sum starts at -128 * sum(xq), which makes it sum(q * xq);
+     AVX2     q = u ^ 0x80; _mm256_maddubs_epi16(|q|, sign(xq, q)) (pairs at most 2 * 128 * 127:
+              no saturation) and _mm256_madd_epi16 with ones sum 4 inputs a lane.
+   The variants give the same integer sums, hence the same floats (the same float operations
+   in the same order per lane). A row's result does not depend on the rows beside it.
+
+   Weights whose q span at most 16 values (Q4_0, Q4_1, Q4_K) pack as 4 bits instead
+   (quant_dot4_pack: u = q - qmin in 0..15, the offset made offset + qmin * scale, exact for
+   qmin 0 and -8): per block of a panel [B / 8][16][4] bytes, input k in the low half of a byte
+   and input k + B / 2 in the high half, then the scales and offsets: 0.75 bytes a weight
+   instead of 1.25, for the step at one row is bound by reading the weights. The sums then
+   start at 0, and |u| <= 15 needs no sign trick with AVX2. */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "kernels.h"
+#include "work_pool.h"
+
+#define PW 16 /* output columns per panel */
+
+enum variant { NONE = 0, AVX2 = 1, VNNI512 = 2 };
+
+/* the bytes of one block of a panel: the values (4 bits each when `nibbles`), the scales and the
+   offsets */
+static inline int64_t block_bytes(int64_t B, int nibbles) {
+    return (nibbles ? B * PW / 2 : B * PW) + 2 * PW * (int64_t)sizeof(float);
+}
+
+/* q [N, K] int8, scale and offset [N, K / B] (offset NULL: zeros) -> panels, zero past N (a
+   zero weight: u = 128, scale and offset 0) */
+void quant_dot_pack(const int8_t *q, const float *scale, const float *offset, uint8_t *p,
+                    int64_t N, int64_t K, int64_t B) {
+    const int64_t panels = (N + PW - 1) / PW, blocks = K / B, bb = block_bytes(B, 0);
+#pragma omp parallel for schedule(static)
+    for (int64_t pq = 0; pq < panels; pq++)
+        for (int64_t b = 0; b < blocks; b++) {
+            uint8_t *blk = p + (pq * blocks + b) * bb;
+            float so[2 * PW];
+            for (int64_t j = 0; j < PW; j++) {
+                const int64_t n = pq * PW + j;
+                for (int64_t k = 0; k < B; k++) {
+                    const int8_t v = n < N ? q[n * K + b * B + k] : 0;
+                    blk[(k / 4) * 4 * PW + j * 4 + k % 4] = (uint8_t)v ^ 0x80u;
+                }
+                so[j] = n < N ? scale[n * blocks + b] : 0.0f;
+                so[PW + j] = n < N && offset ? offset[n * blocks + b] : 0.0f;
+            }
+            __builtin_memcpy(blk + B * PW, so, sizeof so);
+        }
+}
+
+/* the same as 4 bits: q - qmin in 0..15 (the caller checks), offset + qmin * scale */
+void quant_dot4_pack(const int8_t *q, const float *scale, const float *offset, uint8_t *p,
+                     int64_t N, int64_t K, int64_t B, int64_t qmin) {
+    const int64_t panels = (N + PW - 1) / PW, blocks = K / B, bb = block_bytes(B, 1);
+#pragma omp parallel for schedule(static)
+    for (int64_t pq = 0; pq < panels; pq++)
+        for (int64_t b = 0; b < blocks; b++) {
+            uint8_t *blk = p + (pq * blocks + b) * bb;
+            float so[2 * PW];
+            for (int64_t j = 0; j < PW; j++) {
+                const int64_t n = pq * PW + j;
+                for (int64_t k = 0; k < B / 2; k++) {
+                    const int64_t at = n * K + b * B + k;
+                    const uint8_t lo = n < N ? (uint8_t)(q[at] - qmin) : 0;
+                    const uint8_t hi = n < N ? (uint8_t)(q[at + B / 2] - qmin) : 0;
+                    blk[(k / 4) * 4 * PW + j * 4 + k % 4] = (uint8_t)(lo | hi << 4);
+                }
+                const float s = n < N ? scale[n * blocks + b] : 0.0f;
+                so[j] = s;
+                so[PW + j] = (n < N && offset ? offset[n * blocks + b] : 0.0f) + (float)qmin * s;
+            }
+            __builtin_memcpy(blk + B * PW / 2, so, sizeof so);
+        }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define HAVE_VNNI512 1
+#else
+#define HAVE_VNNI512 0
+#endif
+
+static const int compiled = (1 << AVX2) | (HAVE_VNNI512 << VNNI512);
+static int selected = NONE;
+
+/* Rows per group over one panel: every (row, panel) pair holds an integer and a float sum in
+   registers (AVX-512: one register each; AVX2: two each, of its 16) */
+#define MAX_ROWS_512 8
+#define MAX_ROWS_256 2
+static inline int rows_of(int v) { return v == VNNI512 ? MAX_ROWS_512 : MAX_ROWS_256; }
+/* panels one group takes at once: independent chains for few rows */
+static inline int panels_for(int v, int64_t R) {
+    if (v == VNNI512) return R <= 2 ? 4 : R <= 4 ? 2 : 1;
+    return R == 1 ? 2 : 1;
+}
+
+int quant_dot_variants(void) { return compiled; }
+
+int quant_dot_select(int v) {
+    if (v <= NONE || v > VNNI512 || !(compiled & (1 << v))) return 0;
+    selected = v;
+    return rows_of(v);
+}
+
+int quant_dot_max_rows(void) { return selected == NONE ? 0 : rows_of(selected); }
+
+/* The rows quantized per block: int8 values, and per block d, d * sum(xq) and -128 * sum(xq) */
+struct qrows {
+    const int8_t *q;
+    const float *d, *ds;
+    const int32_t *corr;
+    int64_t K, blocks; /* a row's values and blocks */
+};
+
+/* 8 floats of x * id rounded to int32 (the current rounding mode: to nearest even) */
+static inline __m256i round8(const float *x, __m256 id) {
+    return _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x), id));
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+static inline int32_t hsum8_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* One row's block of B (16 or 32) values: q, d, and the sums; B a multiple of 8. */
+static void quantize_block(const float *x, int64_t B, int8_t *q, float *d, float *ds,
+                           int32_t *corr) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 amax = _mm256_setzero_ps();
+    for (int64_t k = 0; k < B; k += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
+    const float m = hmax8(amax), dv = m / 127.0f, iv = dv != 0.0f ? 1.0f / dv : 0.0f;
+    const __m256 id = _mm256_set1_ps(iv);
+    __m256i sum = _mm256_setzero_si256();
+    for (int64_t k = 0; k < B; k += 16) {
+        const __m256i i0 = round8(x + k, id), i1 = round8(x + k + 8, id);
+        sum = _mm256_add_epi32(sum, _mm256_add_epi32(i0, i1));
+        /* int32 -> int8 (|values| <= 127: no saturation); packs interleave the 128-bit lanes */
+        const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xd8);
+        const __m128i w8 = _mm_packs_epi16(_mm256_castsi256_si128(w16),
+                                           _mm256_extracti128_si256(w16, 1));
+        _mm_storeu_si128((__m128i *)(q + k), w8);
+    }
+    const int32_t s = hsum8_epi32(sum);
+    *d = dv;
+    *ds = dv * (float)s;
+    *corr = -128 * s;
+}
+
+/* Tile of R rows times P panels (constants where inlined), variant V; the last panel has
+   ncols_last columns. acc: float sums, one per (row, panel) pair. */
+#define PREFETCH_AHEAD 2048
+
+static inline __attribute__((always_inline)) void store_tile(const int R, const int P,
+                                                             const float *acc, float *y,
+                                                             int64_t ldy, int64_t ncols_last,
+                                                             const float *bias) {
+    for (int r = 0; r < R; r++)
+        for (int pp = 0; pp < P; pp++) {
+            const int64_t ncols = pp == P - 1 ? ncols_last : PW;
+            const float *a = acc + (r * P + pp) * PW, *bp = bias ? bias + pp * PW : 0;
+            float *yp = y + r * ldy + pp * PW;
+            for (int64_t j = 0; j < ncols; j++) yp[j] = bp ? a[j] + bp[j] : a[j];
+        }
+}
+
+#if HAVE_VNNI512
+/* 4 inputs of a panel's 16 columns (one 64-byte line of values), line k4 of a block */
+static inline __m512i line512(const int nibbles, const uint8_t *blk, int64_t k4, int64_t B) {
+    if (!nibbles) return _mm512_loadu_si512((const void *)(blk + k4 * 4 * PW));
+    const int64_t half = B / 8; /* lines in the low nibbles */
+    const __m512i v = _mm512_loadu_si512((const void *)(blk + (k4 % half) * 4 * PW));
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    return k4 < half ? _mm512_and_si512(v, low) : _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+}
+
+static inline __attribute__((always_inline)) void tile_vnni(
+    const int R, const int P, const int nibbles, const int64_t B, const struct qrows *x,
+    int64_t r0, const uint8_t *p, int64_t panel_bytes, int64_t ahead, float *y, int64_t ldy,
+    int64_t ncols_last, const float *bias) {
+    const int64_t bb = block_bytes(B, nibbles), values = nibbles ? B * PW / 2 : B * PW;
+    __m512 acc[8 * 4];
+    for (int i = 0; i < R * P; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < x->blocks; b++) {
+        __m512i sums[8 * 4];
+        for (int r = 0; r < R; r++) {
+            const __m512i c = _mm512_set1_epi32(nibbles ? 0 : x->corr[(r0 + r) * x->blocks + b]);
+            for (int pp = 0; pp < P; pp++) sums[r * P + pp] = c;
+        }
+        for (int64_t k4 = 0; k4 < B / 4; k4++) {
+            __m512i w[4];
+            for (int pp = 0; pp < P; pp++) {
+                const uint8_t *blk = p + pp * panel_bytes + b * bb;
+                if (!nibbles || k4 < B / 8)
+                    _mm_prefetch((const char *)blk + k4 * 4 * PW + ahead, _MM_HINT_T1);
+                w[pp] = line512(nibbles, blk, k4, B);
+            }
+            for (int r = 0; r < R; r++) {
+                int32_t four;
+                __builtin_memcpy(&four, x->q + (r0 + r) * x->K + b * B + 4 * k4, 4);
+                const __m512i xb = _mm512_set1_epi32(four);
+                for (int pp = 0; pp < P; pp++)
+                    sums[r * P + pp] = _mm512_dpbusd_epi32(sums[r * P + pp], w[pp], xb);
+            }
+        }
+        for (int pp = 0; pp < P; pp++) {
+            const float *so = (const float *)(p + pp * panel_bytes + b * bb + values);
+            _mm_prefetch((const char *)so + ahead, _MM_HINT_T1);
+            _mm_prefetch((const char *)so + ahead + 64, _MM_HINT_T1);
+            const __m512 s = _mm512_loadu_ps(so), o = _mm512_loadu_ps(so + PW);
+            for (int r = 0; r < R; r++) {
+                const int64_t i = (r0 + r) * x->blocks + b;
+                const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(x->d[i]));
+                __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r * P + pp]), sd,
+                                           acc[r * P + pp]);
+                acc[r * P + pp] = _mm512_fmadd_ps(o, _mm512_set1_ps(x->ds[i]), a);
+            }
+        }
+    }
+    float out[8 * 4 * PW];
+    for (int i = 0; i < R * P; i++) _mm512_storeu_ps(out + i * PW, acc[i]);
+    store_tile(R, P, out, y, ldy, ncols_last, bias);
+}
+#endif
+
+/* The AVX2 variant: a panel's 4 inputs are two vectors of 8 columns. */
+static inline __m256i line256(const int nibbles, const uint8_t *blk, int64_t k4, int64_t B,
+                              int h) {
+    if (!nibbles) return _mm256_loadu_si256((const __m256i *)(blk + k4 * 4 * PW + 32 * h));
+    const int64_t half = B / 8;
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + (k4 % half) * 4 * PW + 32 * h));
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    return k4 < half ? _mm256_and_si256(v, low) : _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+}
+
+static inline __attribute__((always_inline)) void tile_avx2(
+    const int R, const int P, const int nibbles, const int64_t B, const struct qrows *x,
+    int64_t r0, const uint8_t *p, int64_t panel_bytes, int64_t ahead, float *y, int64_t ldy,
+    int64_t ncols_last, const float *bias) {
+    const int64_t bb = block_bytes(B, nibbles), values = nibbles ? B * PW / 2 : B * PW;
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    __m256 acc[2 * 2 * 2];
+    for (int i = 0; i < 2 * R * P; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < x->blocks; b++) {
+        __m256i sums[2 * 2 * 2];
+        for (int i = 0; i < 2 * R * P; i++) sums[i] = _mm256_setzero_si256();
+        for (int64_t k4 = 0; k4 < B / 4; k4++) {
+            __m256i wq[2 * 2], wa[2 * 2];
+            for (int pp = 0; pp < P; pp++) {
+                const uint8_t *blk = p + pp * panel_bytes + b * bb;
+                if (!nibbles || k4 < B / 8)
+                    _mm_prefetch((const char *)blk + k4 * 4 * PW + ahead, _MM_HINT_T1);
+                for (int h = 0; h < 2; h++) {
+                    /* 4 bits: u itself (at most 15); else q = u ^ 0x80 and |q| */
+                    wq[2 * pp + h] = line256(nibbles, blk, k4, B, h);
+                    if (!nibbles) {
+                        wq[2 * pp + h] = _mm256_xor_si256(wq[2 * pp + h], flip);
+                        wa[2 * pp + h] = _mm256_abs_epi8(wq[2 * pp + h]);
+                    }
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                int32_t four;
+                __builtin_memcpy(&four, x->q + (r0 + r) * x->K + b * B + 4 * k4, 4);
+                const __m256i xb = _mm256_set1_epi32(four);
+                for (int i = 0; i < 2 * P; i++) {
+                    const __m256i pairs =
+                        nibbles ? _mm256_maddubs_epi16(wq[i], xb)
+                                : _mm256_maddubs_epi16(wa[i], _mm256_sign_epi8(xb, wq[i]));
+                    sums[2 * r * P + i] =
+                        _mm256_add_epi32(sums[2 * r * P + i], _mm256_madd_epi16(pairs, ones));
+                }
+            }
+        }
+        for (int pp = 0; pp < P; pp++) {
+            const float *so = (const float *)(p + pp * panel_bytes + b * bb + values);
+            _mm_prefetch((const char *)so + ahead, _MM_HINT_T1);
+            _mm_prefetch((const char *)so + ahead + 64, _MM_HINT_T1);
+            for (int r = 0; r < R; r++) {
+                const int64_t i = (r0 + r) * x->blocks + b;
+                const __m256 d = _mm256_set1_ps(x->d[i]), ds = _mm256_set1_ps(x->ds[i]);
+                for (int h = 0; h < 2; h++) {
+                    const int t = 2 * (r * P + pp) + h;
+                    const __m256 sd = _mm256_mul_ps(_mm256_loadu_ps(so + 8 * h), d);
+                    const __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), sd, acc[t]);
+                    acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(so + PW + 8 * h), ds, a);
+                }
+            }
+        }
+    }
+    float out[2 * 2 * 2 * 8];
+    for (int i = 0; i < 2 * R * P; i++) _mm256_storeu_ps(out + i * 8, acc[i]);
+    store_tile(R, P, out, y, ldy, ncols_last, bias);
+}
+
+#define TILE_ARGS NIBBLES, B, x, r0, p, panel_bytes, ahead, y, ldy, ncols_last, bias
+
+/* M rows (at most the variant's) times one panel, or panels_for(v, M) when `many`; values of
+   8 bits, or 4 when NIBBLES (a constant: one instance of each) */
+static inline __attribute__((always_inline)) void panel_group_of(
+    const int NIBBLES, int v, int64_t M, int many, int64_t B, const struct qrows *x, int64_t r0,
+    const uint8_t *p, int64_t panel_bytes, int64_t ahead, float *y, int64_t ldy,
+    int64_t ncols_last, const float *bias) {
+#if HAVE_VNNI512
+    if (v == VNNI512) {
+        switch (M) {
+            case 1: many ? tile_vnni(1, 4, TILE_ARGS) : tile_vnni(1, 1, TILE_ARGS); break;
+            case 2: many ? tile_vnni(2, 4, TILE_ARGS) : tile_vnni(2, 1, TILE_ARGS); break;
+            case 3: many ? tile_vnni(3, 2, TILE_ARGS) : tile_vnni(3, 1, TILE_ARGS); break;
+            case 4: many ? tile_vnni(4, 2, TILE_ARGS) : tile_vnni(4, 1, TILE_ARGS); break;
+            case 5: tile_vnni(5, 1, TILE_ARGS); break;
+            case 6: tile_vnni(6, 1, TILE_ARGS); break;
+            case 7: tile_vnni(7, 1, TILE_ARGS); break;
+            case 8: tile_vnni(8, 1, TILE_ARGS); break;
+        }
+        return;
+    }
+#endif
+    (void)v;
+    switch (M) {
+        case 1: many ? tile_avx2(1, 2, TILE_ARGS) : tile_avx2(1, 1, TILE_ARGS); break;
+        case 2: tile_avx2(2, 1, TILE_ARGS); break;
+    }
+}
+
+static void panel_group8(int v, int64_t M, int many, int64_t B, const struct qrows *x,
+                         int64_t r0, const uint8_t *p, int64_t panel_bytes, int64_t ahead,
+                         float *y, int64_t ldy, int64_t ncols_last, const float *bias) {
+    panel_group_of(0, v, M, many, B, x, r0, p, panel_bytes, ahead, y, ldy, ncols_last, bias);
+}
+
+static void panel_group4(int v, int64_t M, int many, int64_t B, const struct qrows *x,
+                         int64_t r0, const uint8_t *p, int64_t panel_bytes, int64_t ahead,
+                         float *y, int64_t ldy, int64_t ncols_last, const float *bias) {
+    panel_group_of(1, v, M, many, B, x, r0, p, panel_bytes, ahead, y, ldy, ncols_last, bias);
+}
+
+struct dot_task {
+    struct qrows x;
+    const float *bias;
+    const uint8_t *p;
+    float *y;
+    int64_t M, N, B, step; /* step: the panels of a work item */
+    int v, nibbles;
+};
+
+/* work items [i0, i1) of `step` panels each, every row, in groups of the variant's rows (the
+   later groups read the panel from cache) */
+static void dot_panels(void *arg, int64_t i0, int64_t i1) {
+    const struct dot_task *t = arg;
+    const int64_t most = rows_of(t->v), groups = (t->M + most - 1) / most;
+    const int64_t base = t->M / groups, wider = t->M % groups;
+    const int64_t panel_bytes = t->x.blocks * block_bytes(t->B, t->nibbles);
+    const int64_t panels = (t->N + PW - 1) / PW;
+    const int64_t q1 = i1 * t->step < panels ? i1 * t->step : panels;
+    for (int64_t q = i0 * t->step; q < q1;) {
+        const int many = t->step > 1 && q + t->step <= q1;
+        const int64_t last = many ? q + t->step - 1 : q;
+        const int64_t ncols_last = t->N - last * PW < PW ? t->N - last * PW : PW;
+        const float *bq = t->bias ? t->bias + q * PW : 0;
+        for (int64_t g = 0, r0 = 0; g < groups; g++) {
+            const int64_t rows = base + (g < wider);
+            (t->nibbles ? panel_group4 : panel_group8)(
+                t->v, rows, many, t->B, &t->x, r0, t->p + q * panel_bytes, panel_bytes,
+                g == 0 ? PREFETCH_AHEAD : panel_bytes, t->y + r0 * t->N + q * PW, t->N,
+                ncols_last, bq);
+            r0 += rows;
+        }
+        q = last + 1;
+    }
+}
+
+/* y [M, N] = x [M, K] (row stride ldx) @ w^T (+ bias), w in quant_dot_pack's panels (or
+   quant_dot4_pack's when `nibbles`) of blocks of B inputs (16 or 32; K a multiple of it), x
+   quantized per block, with the selected variant. Returns 0; -1 for bad sizes or no variant;
+   -2 out of memory. */
+#define PANEL_WORK 32768
+static int dot_linear(const float *x, int64_t ldx, const uint8_t *p, const float *bias, float *y,
+                      int64_t M, int64_t K, int64_t N, int64_t B, int nibbles) {
+    const int v = selected;
+    if (M < 1 || K < 1 || (B != 16 && B != 32) || K % B != 0 || v == NONE) return -1;
+    const int64_t blocks = K / B;
+    /* the quantized rows, kept from call to call (fresh pages each call would be faulted in
+       every time); one per calling thread */
+    static __thread void *scratch = NULL;
+    static __thread size_t capacity = 0;
+    const size_t floats = (size_t)(M * blocks), needed = 3 * floats * 4 + (size_t)(M * K);
+    if (needed > capacity) {
+        free(scratch);
+        scratch = malloc(needed);
+        capacity = scratch == NULL ? 0 : needed;
+        if (scratch == NULL) return -2;
+    }
+    float *d = scratch, *ds = d + floats;
+    int32_t *corr = (int32_t *)(ds + floats);
+    int8_t *q = (int8_t *)(corr + floats);
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t i = r * blocks + b;
+            quantize_block(x + r * ldx + b * B, B, q + r * K + b * B, d + i, ds + i, corr + i);
+        }
+    const int64_t step = M <= rows_of(v) ? panels_for(v, M) : 1;
+    const struct dot_task task = {{q, d, ds, corr, K, blocks}, bias, p, y, M, N, B, step, v,
+                                  nibbles};
+    const int64_t per_item = M * K * PW * step, min_items = PANEL_WORK / per_item;
+    const int64_t items = ((N + PW - 1) / PW + step - 1) / step;
+    switchboard_parallel_for(items, min_items, dot_panels, (void *)&task);
+    return 0;
+}
+
+int quant_dot_linear(const float *x, int64_t ldx, const uint8_t *p, const float *bias, float *y,
+                     int64_t M, int64_t K, int64_t N, int64_t B) {
+    return dot_linear(x, ldx, p, bias, y, M, K, N, B, 0);
+}
+
+int quant_dot4_linear(const float *x, int64_t ldx, const uint8_t *p, const float *bias,
+                      float *y, int64_t M, int64_t K, int64_t N, int64_t B) {
+    return dot_linear(x, ldx, p, bias, y, M, K, N, B, 1);
+}
+
+#else /* no AVX2 and FMA: nothing to run; quant_dot_variants() says so */
+int quant_dot_variants(void) { return 0; }
+int quant_dot_select(int v) { (void)v; return 0; }
+int quant_dot_max_rows(void) { return 0; }
+
+int quant_dot_linear(const float *x, int64_t ldx, const uint8_t *p, const float *bias, float *y,
+                     int64_t M, int64_t K, int64_t N, int64_t B) {
+    (void)x, (void)ldx, (void)p, (void)bias, (void)y, (void)M, (void)K, (void)N, (void)B;
+    return -1;
+}
+
+int quant_dot4_linear(const float *x, int64_t ldx, const uint8_t *p, const float *bias,
+                      float *y, int64_t M, int64_t K, int64_t N, int64_t B) {
+    return quant_dot_linear(x, ldx, p, bias, y, M, K, N, B);
+}
+#endif
