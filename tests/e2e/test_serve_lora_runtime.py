@@ -4,7 +4,9 @@ an adapter written by peft, no ``--lora-modules``):
 * loaded through gateway 1's HTTP route, the adapter is served through gateway 0 too (which
   asks the engine about a name it does not know before answering 404), with the same tokens;
 * after the engine core is killed (-9) and restarted by the supervisor, the adapter loaded at
-  run time is still served, with the same tokens (the engine reloads what it served).
+  run time is still served, with the same tokens (the engine reloads what it served);
+* unloaded through gateway 1, the adapter gateway 0 still names is refused by the engine:
+  404 naming it, and gateway 0 forgets it.
 """
 
 from __future__ import annotations
@@ -115,3 +117,16 @@ def test_an_adapter_loaded_while_serving_survives_an_engine_restart(server, adap
     for gateway in (0, 1):
         assert completion(server, gateway, "sql") == before, server.log()
     assert "LoRA adapters after a restart: sql" in server.log()
+
+
+def test_an_adapter_unloaded_through_one_gateway_is_not_found_on_the_other(server):
+    status, tokens = http(server, 0, "/tokenize", {"model": "sql", "prompt": "hello"})
+    assert status == 200 and tokens["tokens"], tokens  # an adapter tokenizes as its base model
+    status, reply = http(server, 1, "/v1/unload_lora_adapter", {"lora_name": "sql"})
+    assert status == 200, reply
+    status, reply = completion(server, 0, "sql")  # gateway 0 still names it: the engine refuses
+    assert status == 404 and reply["error"]["message"] == "LoRA adapter 'sql' is not loaded", reply
+    status, reply = http(server, 0, "/tokenize", {"model": "sql", "prompt": "hello"})
+    assert status == 404 and "'sql'" in reply["error"]["message"], reply  # forgotten
+    status, listed = http(server, 0, "/v1/models")
+    assert "sql" not in [m["id"] for m in listed["data"]]

@@ -32,6 +32,7 @@ from switchboard.wire.engine_msgs import (
     TokenLogprobs,
     UtilityOutput,
 )
+from switchboard.wire.lora import lora_name_of
 from switchboard.wire.request_rules import RequestRuleError, check_engine_request
 
 
@@ -79,6 +80,9 @@ class ScriptedEngine:
         self.aborted: list[str] = []
         self.rejected: dict[str, str] = {}  # request id -> the wire rule it broke
         self.utility_calls: list[tuple[str, list]] = []
+        # The LoRA adapters it holds (``list_loras``); a request for another is refused as the
+        # engine core refuses it.
+        self.lora_adapters: dict[str, str] = {}
         self._tasks: list[asyncio.Task] = []
         self._ctx = zmq.asyncio.Context()
         self._dealer: zmq.asyncio.Socket | None = None
@@ -155,12 +159,24 @@ class ScriptedEngine:
                     failed.stop_reason = str(error)
                     await self._push_outputs(EngineCoreOutputs(self.rank, outputs=[failed]))
                     continue
+                adapter = lora_name_of(body.lora_request)
+                if adapter and adapter not in self.lora_adapters:
+                    refused = EngineCoreOutput(
+                        body.request_id,
+                        finish_reason=FinishReason.ERROR,
+                        stop_reason=f"LoRA adapter {adapter!r} is not loaded",
+                        lora_not_loaded=adapter,
+                    )
+                    await self._push_outputs(EngineCoreOutputs(self.rank, outputs=[refused]))
+                    continue
                 self._tasks.append(asyncio.create_task(self._generate(body)))
             elif request_type is RequestType.ABORT:
                 self.aborted.extend(body)
             elif request_type is RequestType.UTILITY:
                 self.utility_calls.append((body.method_name, body.args))
                 reply = UtilityOutput(body.call_id, result={"method": body.method_name})
+                if body.method_name == "list_loras":
+                    reply = UtilityOutput(body.call_id, result=dict(self.lora_adapters))
                 if body.method_name == "is_sleeping":
                     reply = UtilityOutput(body.call_id, failure_message="not today")
                 await self._push_outputs(EngineCoreOutputs(self.rank, utility_output=reply))

@@ -285,11 +285,16 @@ class EngineCore:
             self._reject(request.request_id, request.client_index, exc)
             return None
 
-    def _reject(self, request_id: str, client_index: int, error: Exception) -> None:
+    def _reject(
+        self, request_id: str, client_index: int, error: Exception, lora_not_loaded: str = ""
+    ) -> None:
         """End one request with ERROR (called from the input thread or the busy loop)."""
         limited.warning("rejected request", "Rejected request %.300r: %s", request_id, error)
         failed = EngineCoreOutput(
-            request_id, finish_reason=FinishReason.ERROR, stop_reason=str(error)[:1000]
+            request_id,
+            finish_reason=FinishReason.ERROR,
+            stop_reason=str(error)[:1000],
+            lora_not_loaded=lora_not_loaded,
         )
         self.output_queue.put((client_index, self._outputs([failed])))
 
@@ -416,7 +421,12 @@ class EngineCore:
     def _add_request(self, request: Request) -> None:
         lora_refusal = self.loras.refusal(request)  # here, in order with remove_lora
         if lora_refusal is not None:
-            self._reject(request.request_id, request.client_index, LookupError(lora_refusal))
+            self._reject(
+                request.request_id,
+                request.client_index,
+                LookupError(lora_refusal),
+                lora_not_loaded=request.lora_name,
+            )
             return
         grammar = request.grammar
         if grammar is not None:

@@ -39,11 +39,15 @@ class AdapterLookup:
     async def learn(self, request: pb.GenerateRequest) -> None:
         """Learn the adapter ``request`` names from the engines where this gateway does not
         know it; never raises (an unknown name is refused afterwards, as before)."""
+        await self.learn_names(request.model, request.lora_adapter)
+
+    async def learn_names(self, *wanted_names: str) -> None:
+        """``learn`` for the names a call gives as its model (Tokenize, GetModelInfo)."""
         facts = self._state.facts
         names = facts.loras
         if not names.enabled:
             return
-        wanted = {n for n in (request.model, request.lora_adapter) if n and n != facts.name}
+        wanted = {n for n in wanted_names if n and n != facts.name}
         unknown = {n for n in wanted if n not in names.adapters}
         now = time.monotonic()
         if not unknown or all(now - self._missed.get(n, -MISS_TTL_S) < MISS_TTL_S for n in unknown):

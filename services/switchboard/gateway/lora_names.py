@@ -4,15 +4,32 @@ A request asks for an adapter by naming it as its ``model`` (OpenAI's way, and v
 ``GenerateRequest.lora_adapter``. A name that is neither the served model nor a loaded adapter
 is NOT_FOUND, naming it: a request never silently runs on the base model instead.
 
-Names come from ``--lora-modules`` at start and from the load/unload calls that went through
-this gateway (``gateway/lora_admin.py``); the engines hold the adapters themselves and refuse a
-request for one they do not hold, so a stale name here fails a request, never misroutes it.
+Names come from ``--lora-modules`` at start, from the load/unload calls that went through
+this gateway (``gateway/lora_admin.py``) and from the engines (``gateway/lora_lookup.py``). The
+engines hold the adapters themselves and refuse a request for one they do not hold (one
+unloaded through another gateway): the request is NOT_FOUND (``AdapterNotLoaded``) and this
+gateway forgets the name, so a stale name here fails one request, never misroutes it.
 """
 
 from __future__ import annotations
 
+import grpc
+
 from switchboard.config.lora import LoraConfig, parse_lora_modules
 from switchboard.gateway.api_errors import ApiError, invalid_argument, model_not_found
+
+
+class AdapterNotLoaded(ApiError):
+    """NOT_FOUND: the engine did not hold the adapter ``name`` a request ran with."""
+
+    def __init__(self, name: str, field: str) -> None:
+        super().__init__(
+            grpc.StatusCode.NOT_FOUND,
+            f"LoRA adapter {name!r} is not loaded",
+            reason="LORA_ADAPTER_NOT_FOUND",
+            field=field,
+        )
+        self.name = name
 
 
 class LoraNames:
@@ -45,6 +62,10 @@ class LoraNames:
                 f"lora_adapter {lora_adapter!r} and model {model!r} name different adapters",
             )
         return lora_adapter or by_model
+
+    def forget(self, name: str) -> None:
+        """The engines no longer hold ``name``: the next request naming it asks them again."""
+        self.adapters.pop(name, None)
 
     def served(self, base: str) -> str:
         """The names a request may use, for a NOT_FOUND message."""

@@ -173,6 +173,9 @@ class EngineCoreOutput(_Wire):
     # output, and how many of them were accepted (0 and 0 without speculation).
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Appended: with finish ERROR, the LoRA adapter the request named that this engine does
+    # not hold (e.g. unloaded through another gateway); the gateway answers NOT_FOUND.
+    lora_not_loaded: str = ""
 
 
 class UtilityOutput(_Wire):

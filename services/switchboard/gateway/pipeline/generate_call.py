@@ -32,6 +32,7 @@ from switchboard.gateway.admission import Ticket
 from switchboard.gateway.api_errors import ApiError
 from switchboard.gateway.auth import Credentials
 from switchboard.gateway.engines.types import RequestEvent
+from switchboard.gateway.lora_names import AdapterNotLoaded
 from switchboard.gateway.observability.observer import RequestObserver
 from switchboard.gateway.pipeline.coalesce import coalesce
 from switchboard.gateway.pipeline.generate_stream import GenerateStream
@@ -173,8 +174,10 @@ class GenerateCalls:
                 state.engines.abort(group.request_ids, "Abort RPC")
             call = GenerateCall(group, observer, ticket, self._pacing)
             yield call
-        except ApiError:
+        except ApiError as error:
             failed = True  # the engine client already forgot a failed request
+            if isinstance(error, AdapterNotLoaded):  # the next request asks the engines again
+                state.facts.loras.forget(error.name)
             if group is not None:  # ... but not its sibling sequences (n > 1)
                 state.engines.abort(group.request_ids, "a sibling sequence failed")
             raise

@@ -32,6 +32,7 @@ from switchboard.gateway.engines.types import (
     RequestFailed,
     StepOutput,
 )
+from switchboard.gateway.lora_names import AdapterNotLoaded
 from switchboard.gateway.pipeline.api_logprobs import to_api_logprobs
 from switchboard.gateway.pipeline.validation import GeneratePlan
 from switchboard.gateway.text import IncrementalDetokenizer, TextStream, Tokenizer
@@ -119,6 +120,8 @@ class GenerateStream:
         if output.prompt_logprobs:
             self._prompt_logprobs = to_api_logprobs(output.prompt_logprobs, self._token_texts)
         if output.finish_reason == FinishReason.ERROR:
+            if output.lora_not_loaded:  # unloaded through another gateway: NOT_FOUND
+                raise AdapterNotLoaded(output.lora_not_loaded, "model")
             why = f": {output.stop_reason}" if isinstance(output.stop_reason, str) else ""
             raise ApiError(
                 grpc.StatusCode.INTERNAL,

@@ -1,5 +1,6 @@
 """Tokenize and Detokenize, for both fronts: the gRPC RPCs and vLLM's ``/tokenize`` and
-``/detokenize``. Checks first (model, sizes, vocabulary), then one call in the tokenizer pool."""
+``/detokenize``. Checks first (model or adapter, sizes, vocabulary), then one call in the
+tokenizer pool."""
 
 from __future__ import annotations
 
@@ -11,13 +12,12 @@ from switchboard.gateway.pipeline.request_bounds import (
     check_text_bytes,
     prompt_bytes,
 )
-from switchboard.gateway.pipeline.validation import check_model
+from switchboard.gateway.pipeline.validation import check_model_or_adapter
 from switchboard.gateway.state import GatewayState
 
 
 async def tokenize(state: GatewayState, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
-    check_model_name(request.model)
-    check_model(request.model, state.facts)
+    await _check_model(state, request.model)
     if state.longest_token_bytes:
         check_text_bytes("text", len(request.text.encode()), state.max_prompt_bytes)
     add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
@@ -30,8 +30,7 @@ async def tokenize_chat(
 ) -> pb.TokenizeResponse:
     """``chat.messages`` rendered by the model's chat template (with ``chat``'s template
     options), then tokenized: the prompt a chat completion of them would have."""
-    check_model_name(chat.model)
-    check_model(chat.model, state.facts)
+    await _check_model(state, chat.model)
     if state.longest_token_bytes:
         check_text_bytes("messages", prompt_bytes(chat), state.max_prompt_bytes)
     plan = plan_chat(chat, state.chat_template, state.facts.name)
@@ -44,6 +43,13 @@ async def tokenize_chat(
     return _tokenized(state, await state.in_pool(render_and_encode), token_strs)
 
 
+async def _check_model(state: GatewayState, model: str) -> None:
+    """The served model, or an adapter (it shares the base model's tokenizer)."""
+    check_model_name(model)  # before the lookup: the name is echoed in its errors
+    await state.adapter_lookup.learn_names(model)  # an adapter loaded through another gateway
+    check_model_or_adapter(model, state.facts)
+
+
 def _tokenized(state: GatewayState, token_ids: list[int], token_strs: bool) -> pb.TokenizeResponse:
     response = pb.TokenizeResponse(token_ids=token_ids, max_model_len=state.facts.max_model_len)
     if token_strs:
@@ -52,8 +58,7 @@ def _tokenized(state: GatewayState, token_ids: list[int], token_strs: bool) -> p
 
 
 async def detokenize(state: GatewayState, request: pb.DetokenizeRequest) -> pb.DetokenizeResponse:
-    check_model_name(request.model)
-    check_model(request.model, state.facts)
+    await _check_model(state, request.model)
     vocab_size = state.tokenizer.vocab_size
     for i, token_id in enumerate(request.token_ids):
         if token_id >= vocab_size:

@@ -100,6 +100,17 @@ def check_model(model: str, facts: ModelFacts) -> None:
         raise model_not_found(model, facts.name)
 
 
+def check_model_or_adapter(model: str, facts: ModelFacts) -> str:
+    """``check_model`` for the calls an adapter answers as its base model does (it shares the
+    base model's tokenizer): the adapter ``model`` names, or "" for the base model."""
+    check_model_name(model)
+    if not model or model == facts.name:
+        return ""
+    if model not in facts.loras.adapters:
+        raise model_not_found(model, facts.loras.served(facts.name))
+    return model
+
+
 def _check_stopping(st: pb.StoppingCriteria) -> None:
     if st.HasField("max_tokens") and st.min_tokens > st.max_tokens:
         raise invalid_argument(

@@ -11,7 +11,8 @@ from switchboard.api.v1 import model_service_pb2 as pb
 from switchboard.api.v1 import model_service_pb2_grpc as pb_grpc
 from switchboard.gateway.api_errors import maps_api_errors
 from switchboard.gateway.engines.types import EngineHandle
-from switchboard.gateway.pipeline.validation import check_model
+from switchboard.gateway.pipeline.request_bounds import check_model_name
+from switchboard.gateway.pipeline.validation import check_model_or_adapter
 from switchboard.gateway.state import GatewayState
 
 API_VERSION = "switchboard.v1"
@@ -31,10 +32,7 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
         facts = self._state.facts
-        adapters = [
-            pb.ModelCard(name=name, parent=facts.name, tasks=[common_pb2.MODEL_TASK_GENERATE])
-            for name in sorted(facts.loras.adapters)
-        ]
+        adapters = [_adapter_card(name, facts.name) for name in sorted(facts.loras.adapters)]
         return pb.ListModelsResponse(models=[self._card(), *adapters])
 
     @maps_api_errors
@@ -42,9 +40,11 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetModelInfoResponse:
         facts = self._state.facts
-        check_model(request.model, facts)
+        check_model_name(request.model)
+        await self._state.adapter_lookup.learn_names(request.model)
+        adapter = check_model_or_adapter(request.model, facts)
         response = pb.GetModelInfoResponse(
-            card=self._card(),
+            card=_adapter_card(adapter, facts.name) if adapter else self._card(),
             model_path=facts.model_path,
             max_model_len=facts.max_model_len,
             vocab_size=facts.vocab_size,
@@ -91,3 +91,8 @@ class ModelServicer(pb_grpc.ModelServiceServicer):
             info.num_waiting = stats.num_waiting_reqs
             info.kv_cache_usage = stats.kv_cache_usage
         return info
+
+
+def _adapter_card(name: str, base: str) -> pb.ModelCard:
+    """A LoRA adapter: it generates, on ``base`` (its ``parent``)."""
+    return pb.ModelCard(name=name, parent=base, tasks=[common_pb2.MODEL_TASK_GENERATE])
