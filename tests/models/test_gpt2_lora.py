@@ -64,7 +64,8 @@ def test_every_module_maps_onto_its_projection(base_dir, adapter_dir):
 def test_an_adapter_of_another_family_is_refused(base_dir):
     manager = _manager(base_dir)
     llama_adapter = tiny_lora_dir(tiny_llama_dir(), rank=8, alpha=16.0, seed=5)
-    with pytest.raises(AdapterError, match=r"target module '\w+_proj': the model has no such layer"):
+    refused = r"target module '\w+_proj': the model has no such layer"
+    with pytest.raises(AdapterError, match=refused):
         manager.add("llama", llama_adapter)
     assert manager.names() == []
 

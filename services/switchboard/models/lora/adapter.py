@@ -4,8 +4,9 @@ A PEFT adapter directory holds ``adapter_config.json`` (``r``, ``lora_alpha``,
 ``target_modules``, ``use_rslora``, ...) and ``adapter_model.safetensors`` with, per adapted
 projection, ``...layers.{i}.self_attn.q_proj.lora_A.weight`` (``[r, in]``) and
 ``...lora_B.weight`` (``[out, r]``); which projections a family has and how its tensors are
-named is its :class:`AdapterLayout` (``models/lora/families.py``). The delta it adds to the projection's output is
-``x A^T B^T * scaling`` with ``scaling = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with rsLoRA).
+named is its :class:`AdapterLayout` (``models/lora/families.py``). The delta it adds to the
+projection's output is ``x A^T B^T * scaling`` with ``scaling = lora_alpha / r``
+(``lora_alpha / sqrt(r)`` with rsLoRA).
 
 Everything an adapter could get wrong is refused here, on the CPU, before any resident weight
 is touched: a rank above the server's maximum, DoRA or trained biases (not plain LoRA), a
@@ -23,7 +24,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
-
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
