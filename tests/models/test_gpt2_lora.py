@@ -5,6 +5,10 @@ rank's slice of the fused ``c_attn`` delta, put together, is the whole delta."""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+
 import pytest
 import torch
 
@@ -95,3 +99,25 @@ def test_tensor_parallel_slices_of_the_fused_c_attn_give_the_whole_delta(adapter
     ranks = [delta(ParallelState(tp_rank=rank, tp_size=2)) for rank in range(2)]
     for index in range(3):  # q, k, v: each rank's columns of each, in rank order
         torch.testing.assert_close(torch.cat([r[index] for r in ranks], -1), whole[index])
+
+
+def test_fan_in_fan_out_is_served_either_way_as_peft_does(base_dir, adapter_dir, tmp_path):
+    """peft writes ``fan_in_fan_out: true`` for GPT-2's Conv1D and, loading an adapter that says
+    false, sets it true itself (a warning): its matrices are ``[r, in]`` / ``[out, r]`` either
+    way, so both load to the same matrices."""
+    manager = _manager(base_dir)
+    manager.add("as-written", adapter_dir)
+    copy = str(tmp_path / "adapter")
+    shutil.copytree(adapter_dir, copy)
+    config_path = os.path.join(copy, "adapter_config.json")
+    with open(config_path) as file:
+        config = json.load(file)
+    assert config["fan_in_fan_out"] is True
+    with open(config_path, "w") as file:
+        json.dump({**config, "fan_in_fan_out": False}, file)
+    manager.add("flag-false", copy)
+    written, flipped = manager.cpu["as-written"].layers, manager.cpu["flag-false"].layers
+    for layer, pairs in written.items():
+        for module, (a, b) in pairs.items():
+            assert torch.equal(flipped[layer][module][0], a)
+            assert torch.equal(flipped[layer][module][1], b)
