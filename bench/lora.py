@@ -40,7 +40,7 @@ from switchboard.config import ModelConfig
 from switchboard.config.lora import LoraConfig
 from switchboard.kernels import lora_delta
 from switchboard.models.hf_config import load_transformer_config
-from switchboard.models.lora.adapter import llama_projections
+from switchboard.models.lora.families import llama_layout
 from switchboard.wire.engine_msgs import SamplingParams
 from switchboard.wire.step_msgs import CachedRequest, NewRequest, SchedulerOutput
 from switchboard.worker.model_runner import ModelRunner
@@ -65,7 +65,7 @@ def make_adapter(model_dir: str, root: str, index: int, rank: int) -> str:
     generator = torch.Generator().manual_seed(index)
     tensors = {}
     for layer in range(config.num_layers):
-        for module, shape in llama_projections(config).items():
+        for module, shape in llama_layout(config).projections.items():
             part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
             prefix = f"base_model.model.model.layers.{layer}.{part}.{module}"
             a = torch.randn(rank, shape.in_features, generator=generator) * 0.02
@@ -79,7 +79,7 @@ def make_adapter(model_dir: str, root: str, index: int, rank: int) -> str:
         "peft_type": "LORA",
         "r": rank,
         "lora_alpha": 2 * rank,
-        "target_modules": list(llama_projections(config)),
+        "target_modules": list(llama_layout(config).projections),
     }
     with open(os.path.join(path, "adapter_config.json"), "w") as file:
         json.dump(settings, file)

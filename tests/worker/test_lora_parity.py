@@ -2,10 +2,11 @@
 batch that mixes base-model requests and two adapters.
 
 The adapters are written by peft (``tests/tiny_lora.py``) with random non-zero ``lora_B``, on
-tiny random Llama and Qwen2 checkpoints; rank 8 on every projection and rank 16 (rsLoRA) on a
-subset that splits the fused q/k/v and gate/up projections. The runner is driven by the toy
-scheduler of the runner's parity tests: requests join at different steps, prefill whole or in
-chunks, and decode together with requests of the base model and of the other adapter.
+tiny random Llama, Qwen2 and GPT-2 checkpoints; rank 8 on every projection and rank 16 (rsLoRA)
+on a subset that splits the fused q/k/v and gate/up projections (GPT-2: ``c_attn``, one module
+over the fused q/k/v, and the MLP's ``c_proj`` but not the attention's). The runner is driven
+by the toy scheduler of the runner's parity tests: requests join at different steps, prefill
+whole or in chunks, and decode together with requests of the base model and of the other adapter.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ ADAPTERS = {
         seed=2,
     ),
 }
+# GPT-2's Conv1D projections; PEFT's "c_proj" is both attn.c_proj and mlp.c_proj
+GPT2_ADAPTERS = {
+    "all-r8": dict(rank=8, alpha=16.0, targets=["c_attn", "c_proj", "c_fc"], seed=1),
+    "some-r16": dict(rank=16, alpha=8.0, targets=["c_attn", "mlp.c_proj"], use_rslora=True, seed=2),
+}
 
 
 class AdapterScheduler(ToyScheduler):
@@ -64,10 +70,11 @@ def lora_runner(model_dir: str, max_loras: int, **adapters: str) -> ModelRunner:
     return runner
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "gpt2"])
 def family(request) -> tuple[str, dict[str, str], object]:
     base_dir = tiny_checkpoint_dir(request.param)
-    adapters = {name: tiny_lora_dir(base_dir, **kwargs) for name, kwargs in ADAPTERS.items()}
+    settings = GPT2_ADAPTERS if request.param == "gpt2" else ADAPTERS
+    adapters = {name: tiny_lora_dir(base_dir, **kwargs) for name, kwargs in settings.items()}
     return base_dir, adapters, load_peft_reference(base_dir, adapters)
 
 

@@ -3,8 +3,10 @@
 A PEFT adapter directory holds ``adapter_config.json`` (``r``, ``lora_alpha``,
 ``target_modules``, ``use_rslora``, ...) and ``adapter_model.safetensors`` with, per adapted
 projection, ``...layers.{i}.self_attn.q_proj.lora_A.weight`` (``[r, in]``) and
-``...lora_B.weight`` (``[out, r]``). The delta it adds to the projection's output is
-``x A^T B^T * scaling`` with ``scaling = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with rsLoRA).
+``...lora_B.weight`` (``[out, r]``); which projections a family has and how its tensors are
+named is its :class:`AdapterLayout` (``models/lora/families.py``). The delta it adds to the
+projection's output is ``x A^T B^T * scaling`` with ``scaling = lora_alpha / r``
+(``lora_alpha / sqrt(r)`` with rsLoRA).
 
 Everything an adapter could get wrong is refused here, on the CPU, before any resident weight
 is touched: a rank above the server's maximum, DoRA or trained biases (not plain LoRA), a
@@ -23,16 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from switchboard.models.hf_config import TransformerConfig
-
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-# The projections of the Llama-style families an adapter may target, by PEFT's module names.
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_TENSOR_NAME = re.compile(
-    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])"
-    r"(?:\.default)?\.weight$"
-)
 
 
 class AdapterError(ValueError):
@@ -47,12 +41,29 @@ class ProjectionShape:
     out_features: int
 
 
+@dataclass(frozen=True)
+class AdapterLayout:
+    """A model family's adapter tensors: the projections they may target, by the module name
+    the adapter's keys use (``q_proj``; ``attn.c_proj`` where a bare name is ambiguous), in
+    order, and the pattern of a tensor's name (groups: layer index, module, ``A`` or ``B``)."""
+
+    projections: dict[str, ProjectionShape]
+    tensor_name: re.Pattern[str]
+
+    def targets(self, target: str) -> bool:
+        """Whether PEFT's ``target_modules`` entry ``target`` names one of the projections
+        (PEFT matches a name's dotted suffix: ``c_proj`` is both ``attn.c_proj`` and
+        ``mlp.c_proj``)."""
+        return any(key == target or key.endswith("." + target) for key in self.projections)
+
+
 @dataclass
 class LoraAdapter:
     name: str
     path: str
     rank: int
     scaling: float
+    order: tuple[str, ...]  # the family's projections, in order
     # layer index -> PEFT module name -> (A [rank, in], B [out, rank]), float32 on the CPU
     layers: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
 
@@ -67,45 +78,30 @@ class LoraAdapter:
     @property
     def modules(self) -> list[str]:
         found = {module for pairs in self.layers.values() for module in pairs}
-        return [module for module in PROJECTIONS if module in found]
-
-
-def llama_projections(config: TransformerConfig) -> dict[str, ProjectionShape]:
-    """The projections of every layer of a Llama-style model, by PEFT module name."""
-    q_size = config.num_heads * config.head_dim
-    kv_size = config.num_kv_heads * config.head_dim
-    hidden, intermediate = config.hidden_size, config.intermediate_size
-    return {
-        "q_proj": ProjectionShape(hidden, q_size),
-        "k_proj": ProjectionShape(hidden, kv_size),
-        "v_proj": ProjectionShape(hidden, kv_size),
-        "o_proj": ProjectionShape(q_size, hidden),
-        "gate_proj": ProjectionShape(hidden, intermediate),
-        "up_proj": ProjectionShape(hidden, intermediate),
-        "down_proj": ProjectionShape(intermediate, hidden),
-    }
+        return [module for module in self.order if module in found]
 
 
 def read_adapter(
     name: str,
     path: str,
-    projections: Mapping[str, ProjectionShape],
+    layout: AdapterLayout,
     num_layers: int,
     max_rank: int,
 ) -> LoraAdapter:
     """Read and check the adapter in directory ``path``; raises :class:`AdapterError`."""
     where = f"LoRA adapter {name!r} ({path})"
+    projections = layout.projections
     settings = _read_config(where, path)
-    rank, scaling = _check_config(where, settings, projections, max_rank)
+    rank, scaling = _check_config(where, settings, layout, max_rank)
     tensors = _read_tensors(where, path)
-    adapter = LoraAdapter(name, path, rank, scaling)
+    adapter = LoraAdapter(name, path, rank, scaling, tuple(projections))
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
-        match = _TENSOR_NAME.match(key)
+        match = layout.tensor_name.match(key)
         if match is None:
             raise AdapterError(
                 f"{where}: tensor {key!r} is not the lora_A/lora_B matrix of a layer's "
-                f"projection ({', '.join(PROJECTIONS)})"
+                f"projection ({', '.join(projections)})"
             )
         layer, module, half = int(match.group(1)), match.group(2), match.group(3)
         if module not in projections:
@@ -140,7 +136,7 @@ def _read_config(where: str, path: str) -> dict[str, object]:
 def _check_config(
     where: str,
     settings: Mapping[str, object],
-    projections: Mapping[str, ProjectionShape],
+    layout: AdapterLayout,
     max_rank: int,
 ) -> tuple[int, float]:
     """(rank, scaling) of a plain LoRA adapter whose settings this server can serve."""
@@ -165,10 +161,10 @@ def _check_config(
     targets = settings.get("target_modules")
     if isinstance(targets, list):
         for target in targets:
-            if target not in projections:
+            if not layout.targets(target):
                 raise AdapterError(
                     f"{where}: target module {target!r}: the model has no such layer "
-                    f"(it has {', '.join(projections)})"
+                    f"(it has {', '.join(layout.projections)})"
                 )
     scaling = alpha / math.sqrt(rank) if settings.get("use_rslora") else alpha / rank
     return rank, float(scaling)

@@ -23,20 +23,9 @@ from torch import nn
 from switchboard.kernels import lora_delta
 from switchboard.kernels.lora_delta import StackLora
 from switchboard.models.hf_config import TransformerConfig
-from switchboard.models.lora.adapter import (
-    AdapterError,
-    LoraAdapter,
-    llama_projections,
-    read_adapter,
-)
-from switchboard.models.lora.stacks import (
-    ActiveBatch,
-    LoraBatch,
-    LoraStack,
-    attach,
-    column_stack,
-    row_stack,
-)
+from switchboard.models.lora.adapter import AdapterError, LoraAdapter, read_adapter
+from switchboard.models.lora.families import adapter_layout, attach_stacks
+from switchboard.models.lora.stacks import ActiveBatch, LoraBatch, LoraStack
 from switchboard.models.parallel import ParallelState
 
 logger = logging.getLogger(__name__)
@@ -60,11 +49,13 @@ class LoraManager:
         self.model = model
         self.config = config
         self.limits = limits
-        self.projections = llama_projections(config)
+        self.layout = adapter_layout(model, config)
         self.active = ActiveBatch()
         if _device(model).type == "cpu":
             lora_delta.load()
-        self.stacks = _attach_stacks(model, limits, parallel, self.active)
+        self.stacks = attach_stacks(
+            model, limits.max_loras, limits.max_lora_rank, parallel, self.active
+        )
         self.slot_ranks = torch.zeros(limits.max_loras, dtype=torch.int64)
         # what the one-call decode stack reads of the slots (None: it cannot add the deltas)
         self.stack_fields = _stack_fields(self.stacks, config, parallel)
@@ -181,7 +172,7 @@ class LoraManager:
 
     def _read(self, name: str, path: str) -> LoraAdapter:
         return read_adapter(
-            name, path, self.projections, self.config.num_layers, self.limits.max_lora_rank
+            name, path, self.layout, self.config.num_layers, self.limits.max_lora_rank
         )
 
     def _cpu_copy(self, name: str) -> LoraAdapter:
@@ -206,31 +197,6 @@ def describe(adapter: LoraAdapter) -> dict[str, object]:
         "scaling": adapter.scaling,
         "target_modules": adapter.modules,
     }
-
-
-def _attach_stacks(
-    model: nn.Module, limits: LoraLimits, parallel: ParallelState, active: ActiveBatch
-) -> dict[int, list[LoraStack]]:
-    """A stack on each projection of this stage's decoder layers, by layer index."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None:
-        raise AdapterError(f"LoRA adapters are not supported for {type(model).__name__}")
-    slots, rank = limits.max_loras, limits.max_lora_rank
-    stacks: dict[int, list[LoraStack]] = {}
-    for index, layer in enumerate(layers):
-        attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if attention is None or mlp is None:
-            continue  # another pipeline stage's layer
-        projections = [
-            (attention.qkv_proj, column_stack(attention.qkv_proj, slots, rank, parallel)),
-            (attention.o_proj, row_stack(attention.o_proj, "o_proj", slots, rank, parallel)),
-            (mlp.gate_up_proj, column_stack(mlp.gate_up_proj, slots, rank, parallel)),
-            (mlp.down_proj, row_stack(mlp.down_proj, "down_proj", slots, rank, parallel)),
-        ]
-        for projection, stack in projections:
-            attach(projection, stack, active)
-        stacks[index] = [stack for _, stack in projections]
-    return stacks
 
 
 def _device(model: nn.Module) -> torch.device:

@@ -1,6 +1,7 @@
 """The resident adapters of one projection, and the delta they add to a step's rows.
 
-A projection (``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj``) gets a
+A projection (``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj``; GPT-2's ``c_attn``,
+``c_proj``, ``c_fc``, ``c_proj``) gets a
 :class:`LoraStack`: for each of the ``max_loras`` resident slots, its adapter's ``A`` matrices
 (one per part of a fused projection: q/k/v, gate/up) stacked into one ``[parts * max_rank,
 in]`` matrix and its ``B`` matrices (scaling folded in) into one ``[parts * max_rank, out]``
@@ -177,12 +178,53 @@ class LoraStack:
 
 
 def column_stack(
-    layer: ColumnParallelLinear, num_slots: int, max_rank: int, parallel: ParallelState
+    layer: ColumnParallelLinear,
+    num_slots: int,
+    max_rank: int,
+    parallel: ParallelState,
+    modules: Mapping[str, str] = _PART_MODULES,
 ) -> LoraStack:
+    """A stack on a column-parallel projection whose shards PEFT adapts one by one: ``modules``
+    maps each shard to its PEFT module (q -> q_proj)."""
     parts = [
-        OutputPart(_PART_MODULES[name], layer.shard_offsets[name], shard)
+        OutputPart(modules[name], layer.shard_offsets[name], shard)
         for name, shard in layer.shard_slices.items()
     ]
+    return _column_parts_stack(layer, parts, num_slots, max_rank, parallel)
+
+
+def fused_stack(
+    layer: ColumnParallelLinear,
+    module: str,
+    num_slots: int,
+    max_rank: int,
+    parallel: ParallelState,
+) -> LoraStack:
+    """A stack on a column-parallel projection of several shards that PEFT adapts as one
+    module (GPT-2's ``c_attn``: one ``A``, one ``B`` over q, k and v). Unsplit, it is one part;
+    split over TP ranks, each shard is a part with this rank's rows of its piece of ``B`` (and
+    its own copy of ``A``)."""
+    shards = list(layer.shard_slices.values())
+    full = sum(shard.full for shard in shards)
+    if all(shard.size == shard.full for shard in shards):
+        return _column_parts_stack(
+            layer, [OutputPart(module, 0, Shard(0, full, full))], num_slots, max_rank, parallel
+        )
+    parts, before = [], 0
+    for name, shard in layer.shard_slices.items():
+        rows = Shard(before + shard.start, shard.size, full)
+        parts.append(OutputPart(module, layer.shard_offsets[name], rows))
+        before += shard.full
+    return _column_parts_stack(layer, parts, num_slots, max_rank, parallel)
+
+
+def _column_parts_stack(
+    layer: ColumnParallelLinear,
+    parts: list[OutputPart],
+    num_slots: int,
+    max_rank: int,
+    parallel: ParallelState,
+) -> LoraStack:
     return LoraStack(
         parts,
         layer.in_features,
