@@ -7,7 +7,8 @@ A module per kernel wraps its functions for tensors and says whether it is in us
 ``paged_decode`` (decode attention over the paged KV cache), ``fused_ops`` (RMSNorm, rotary
 embedding, SiLU-and-mul, the KV-cache write, the greedy pick; float32 and bfloat16),
 ``small_batch_gemm`` (matmuls of a few rows), ``quant_gemm`` and ``bf16_gemm`` (the same on
-quantized and on bfloat16 weights), ``decode_stack`` (a decode step's layers in one call);
+quantized and on bfloat16 weights; their load state is one ``panel_kernel.PanelKernel``
+each), ``decode_stack`` (a decode step's layers in one call);
 ``gemm`` picks the matmul kernel for every linear layer (MKL, oneDNN, the small-batch kernels).
 The C code picks its vector paths by the CPU's flags (the ones ``-march=native`` found;
 ``bf16_gemm`` also at run time, among the variants compiled); without a compiler, or with a

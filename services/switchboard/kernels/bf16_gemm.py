@@ -21,15 +21,14 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from switchboard.kernels import library
 from switchboard.kernels.build import cpu_flags
 from switchboard.kernels.panel_call import call_panel_linear
+from switchboard.kernels.panel_kernel import PanelKernel, runnable_variants
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +42,15 @@ VARIANTS: dict[str, tuple[int, frozenset[str]]] = {
     "avx512": (2, _AVX2 | {"avx512f"}),
     "avx2": (1, _AVX2),
 }
-# Rows one call takes over each cached panel (8 with AVX-512, 4 with AVX2); 0 while not loaded.
-max_rows = 0
-variant = ""
+_kernel = PanelKernel(__name__, torch.bfloat16)
+# Rows one call takes over each cached panel (8 with AVX-512, 4 with AVX2; 0 while not loaded)
+# and the variant loaded. Declared only: ``__getattr__`` reads them from ``_kernel``.
+max_rows: int
+variant: str
 
-_pack: Callable[..., Any] | None = None
-_linear: Callable[..., Any] | None = None
-_status = "not loaded"
+
+def __getattr__(name: str) -> int | str:
+    return _kernel.module_attribute(name)
 
 
 @dataclass(frozen=True)
@@ -69,42 +70,36 @@ def available() -> list[str]:
     loaded, _ = library.load_switched(_VARIABLE, "off")
     if loaded is None:
         return []
-    compiled, flags = int(loaded.bf16_gemm_variants()), cpu_flags()
-    return [
-        name
-        for name, (number, needs) in VARIANTS.items()
-        if compiled & (1 << number) and needs <= flags
-    ]
+    return runnable_variants(VARIANTS, int(loaded.bf16_gemm_variants()), cpu_flags())
 
 
 def load(wanted: str | None = None) -> bool:
     """Load the kernel with ``wanted`` (a variant's name; None: ``SWITCHBOARD_BF16_GEMM``, else
     the fastest this CPU runs); True when it is in use. Idempotent for the same choice."""
-    global _pack, _linear, _status, max_rows, variant
     choice = wanted or os.environ.get(_VARIABLE, "auto")
     if choice == "off":
-        unload()
-        _status = f"off ({_VARIABLE}=off)"
+        _kernel.unload(f"off ({_VARIABLE}=off)")
         return False
     runnable = available()
     if choice != "auto" and choice not in VARIANTS:
         raise ValueError(f"{_VARIABLE}={choice!r}: use auto, off, {', '.join(VARIANTS)}")
     if not runnable:
-        _status = "unavailable: no library, or the CPU has no AVX2 and FMA"
+        _kernel.status = "unavailable: no library, or the CPU has no AVX2 and FMA"
         return False
     name = runnable[0] if choice == "auto" else choice
     if name not in runnable:
-        _status = f"unavailable: variant {name} (this CPU runs {', '.join(runnable)})"
+        _kernel.status = f"unavailable: variant {name} (this CPU runs {', '.join(runnable)})"
         return False
-    if _linear is not None and variant == name:
+    if _kernel.loaded and _kernel.variant == name:
         return True
     loaded = library.load()
-    rows = int(loaded.bf16_gemm_select(VARIANTS[name][0]))
-    if rows == 0:  # compiled, as available() said: not reached
-        _status = f"unavailable: variant {name} not compiled"
+    number, status = VARIANTS[name][0], f"in use ({name}, {{rows}} rows at a time)"
+    if not _kernel.select(
+        loaded.bf16_gemm_select, loaded.bf16_pack, loaded.bf16_linear, number, name, status
+    ):
+        # compiled, as available() said: not reached
+        _kernel.status = f"unavailable: variant {name} not compiled"
         return False
-    _pack, _linear, max_rows, variant = loaded.bf16_pack, loaded.bf16_linear, rows, name
-    _status = f"in use ({name}, {rows} rows at a time)"
     return True
 
 
@@ -125,46 +120,40 @@ def faster_than_float32() -> str | None:
 
 
 def status() -> str:
-    return _status
+    return _kernel.status
 
 
 def unload() -> None:
-    global _pack, _linear, _status, max_rows, variant
-    _pack = _linear = None
-    max_rows, variant, _status = 0, "", "not loaded"
+    _kernel.unload()
 
 
 def packable(weight: torch.Tensor) -> bool:
-    return (
-        _pack is not None
-        and weight.dim() == 2
-        and weight.layout == torch.strided
-        and weight.dtype == torch.bfloat16
-        and weight.device.type == "cpu"
-    )
+    return _kernel.packable(weight)
 
 
 def pack(weight: torch.Tensor) -> Bf16Panels:
     """``weight`` ``[out, in]`` (bfloat16) as the kernel's panels."""
-    if not packable(weight) or _pack is None:
-        raise ValueError("bf16 pack needs the kernel loaded and a dense bfloat16 CPU matrix")
+    why = "bf16 pack needs the kernel loaded and a dense bfloat16 CPU matrix"
+    if not packable(weight):
+        raise ValueError(why)
+    pack_function = _kernel.pack_function(why)
     out_features, in_features = weight.shape
     dense = weight.detach().contiguous()
     data = torch.empty(-(-out_features // PANEL) * PANEL * -(-in_features // 2), dtype=torch.int32)
-    _pack(dense.data_ptr(), data.data_ptr(), out_features, in_features)
+    pack_function(dense.data_ptr(), data.data_ptr(), out_features, in_features)
     return Bf16Panels(data, out_features, in_features)
 
 
 def linear(x: torch.Tensor, panels: Bf16Panels, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W^T + b`` for ``x`` ``[rows, in]`` float32 on CPU (rounded to bfloat16 first),
     float32 out; ``bias`` float32."""
-    assert _linear is not None, "bf16_gemm.linear before load()"
+    kernel = _kernel.linear_function()
     rows, in_features = x.shape
     if in_features != panels.in_features:
         raise ValueError(f"{in_features} inputs for a weight of {panels.in_features}")
     if bias is not None:
         bias = bias.to(torch.float32)
-    y, code = call_panel_linear(_linear, x, panels.data, panels.out_features, bias)
+    y, code = call_panel_linear(kernel, x, panels.data, panels.out_features, bias)
     if code != 0:
         raise MemoryError(f"bf16 matmul of {rows} rows failed ({code})")
     return y

@@ -27,14 +27,14 @@ variant the CPU runs. Either way a row's result does not depend on the rows besi
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from switchboard.kernels import library
+from switchboard.kernels.build import cpu_flags
 from switchboard.kernels.panel_call import call_panel_linear
+from switchboard.kernels.panel_kernel import PanelKernel, runnable_variants
 from switchboard.kernels.quant_formats import QuantRows
 
 PANEL = 16
@@ -47,13 +47,15 @@ DOT_VARIANTS: dict[str, tuple[int, frozenset[str]]] = {
     "vnni512": (2, _AVX2 | {"avx512f", "avx512bw", "avx512_vnni"}),
     "avx2": (1, _AVX2),
 }
-# Rows one call takes over each cached panel; 0 while not loaded.
-max_rows = 0
-variant = ""  # EXACT or a DOT_VARIANTS name, once loaded
+_kernel = PanelKernel(__name__)
+# Rows one call takes over each cached panel (0 while not loaded) and the variant loaded (EXACT
+# or a DOT_VARIANTS name). Declared only: ``__getattr__`` reads them from ``_kernel``.
+max_rows: int
+variant: str
 
-_pack: Callable[..., Any] | None = None
-_linear: Callable[..., Any] | None = None
-_status = "not loaded"
+
+def __getattr__(name: str) -> int | str:
+    return _kernel.module_attribute(name)
 
 
 @dataclass(frozen=True)
@@ -92,77 +94,72 @@ def nibbles_allowed() -> bool:
 def dot_variants() -> list[str]:
     """The dot product variants this machine runs: compiled into the library and in the CPU's
     flags, fastest first (empty without the library or without AVX2 and FMA)."""
-    from switchboard.kernels.build import cpu_flags
-
     loaded, _ = library.load_switched(_VARIABLE, "off")
     if loaded is None:
         return []
-    compiled, flags = int(loaded.quant_dot_variants()), cpu_flags()
-    return [
-        name
-        for name, (number, needs) in DOT_VARIANTS.items()
-        if compiled & (1 << number) and needs <= flags
-    ]
+    return runnable_variants(DOT_VARIANTS, int(loaded.quant_dot_variants()), cpu_flags())
 
 
 def load(wanted: str | None = None) -> bool:
     """Load a kernel: ``wanted`` (``exact`` or a dot product variant; None:
     ``SWITCHBOARD_QUANT_GEMM``, else the fastest dot product variant); True when in use.
     Idempotent for the same choice."""
-    global _pack, _linear, _status, max_rows, variant
     choice = wanted or os.environ.get(_VARIABLE, "auto")
     if choice not in ("auto", "off", EXACT, *DOT_VARIANTS):
         raise ValueError(f"{_VARIABLE}={choice!r}: use auto, off, exact, {', '.join(DOT_VARIANTS)}")
     if choice == "off":
-        unload()
-        _status = f"off ({_VARIABLE}=off)"
+        _kernel.unload(f"off ({_VARIABLE}=off)")
         return False
     if choice == "auto":
         runnable = dot_variants()
         choice = runnable[0] if runnable else EXACT
-    if _linear is not None and variant == choice:
+    if _kernel.loaded and _kernel.variant == choice:
         return True
-    unload()
+    _kernel.unload()
     if choice == EXACT:
-        functions, rows, _status = library.load_panel_kernel(
-            _VARIABLE, "quant_pack", "quant_linear", "quant_gemm_max_rows"
-        )
-        if functions is None:
+        if not _kernel.load_fixed(
+            _VARIABLE, "quant_pack", "quant_linear", "quant_gemm_max_rows", EXACT
+        ):
             return False
-        (_pack, _linear), max_rows, variant = functions, rows, EXACT
-        _status = f"in use (exact float32 sums, {rows} rows at a time)"
+        _kernel.status = f"in use (exact float32 sums, {_kernel.max_rows} rows at a time)"
         return True
     if choice not in dot_variants():
-        _status = f"unavailable: variant {choice} (this CPU runs {', '.join(dot_variants())})"
+        _kernel.status = (
+            f"unavailable: variant {choice} (this CPU runs {', '.join(dot_variants())})"
+        )
         return False
     loaded = library.load()
-    rows = int(loaded.quant_dot_select(DOT_VARIANTS[choice][0]))
-    _pack, _linear, max_rows, variant = loaded.quant_dot_pack, loaded.quant_dot_linear, rows, choice
-    _status = f"in use (integer dot products, {choice}, {rows} rows at a time)"
-    return True
+    rows = _kernel.select(
+        loaded.quant_dot_select,
+        loaded.quant_dot_pack,
+        loaded.quant_dot_linear,
+        DOT_VARIANTS[choice][0],
+        choice,
+        f"in use (integer dot products, {choice}, {{rows}} rows at a time)",
+    )
+    return rows > 0  # compiled, as dot_variants() said
 
 
 def status() -> str:
-    return _status
+    return _kernel.status
 
 
 def unload() -> None:
-    global _pack, _linear, _status, max_rows, variant
-    _pack = _linear = None
-    max_rows, variant, _status = 0, "", "not loaded"
+    _kernel.unload()
 
 
 def pack(rows: QuantRows) -> QuantPanels:
     """``rows`` (a weight ``[out, in]``) as the loaded kernel's panels."""
-    if _pack is None:
-        raise ValueError("quantized pack needs the kernel loaded (quant_gemm.load())")
+    pack_function = _kernel.pack_function(
+        "quantized pack needs the kernel loaded (quant_gemm.load())"
+    )
     out_features, in_features = rows.shape
     if rows.block not in (16, 32) or in_features % rows.block:
         raise ValueError(f"blocks of {rows.block} do not tile {in_features} inputs")
     q = torch.from_numpy(rows.q)
     scale = torch.from_numpy(rows.scale)
     offset = None if rows.offset is None else torch.from_numpy(rows.offset)
-    dot = variant != EXACT
+    dot = _kernel.variant != EXACT
     least = int(rows.q.min()) if rows.q.size else 0
     bits = 4 if dot and nibbles_allowed() and int(rows.q.max(initial=0)) - least < 16 else 8
     data = torch.empty(panel_bytes(out_features, in_features, rows.block, bits), dtype=torch.uint8)
@@ -178,7 +175,7 @@ def pack(rows: QuantRows) -> QuantPanels:
     if bits == 4:
         library.load().quant_dot4_pack(*pointers, least)
     else:
-        _pack(*pointers)
+        pack_function(*pointers)
     return QuantPanels(data, out_features, in_features, rows.block, rows.format, dot, bits)
 
 
@@ -207,7 +204,7 @@ def unpack(panels: QuantPanels) -> torch.Tensor:
 def linear(x: torch.Tensor, panels: QuantPanels, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W^T + b`` for ``x`` ``[rows, in]`` float32 on CPU, by the kernel the panels were
     packed for (the dot product kernel: the variant loaded last)."""
-    assert _linear is not None, "quant_gemm.linear before load()"
+    _kernel.linear_function()  # asserts it is loaded
     rows, in_features = x.shape
     if in_features != panels.in_features:
         raise ValueError(f"{in_features} inputs for a weight of {panels.in_features}")

@@ -32,23 +32,22 @@ each weight beside oneDNN's (the memory the weights take doubles); ``SWITCHBOARD
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from switchboard.kernels import library
 from switchboard.kernels.panel_call import call_panel_linear
+from switchboard.kernels.panel_kernel import PanelKernel
 
 PANEL = 16
+_kernel = PanelKernel(__name__, torch.float32)
 # Rows one call takes, read from the library at load (8 with AVX-512's registers, else 6);
-# 0 while the kernel is not loaded.
-max_rows = 0
+# 0 while the kernel is not loaded. Declared only: ``__getattr__`` reads it from ``_kernel``.
+max_rows: int
 
-_pack: Callable[..., Any] | None = None
-_linear: Callable[..., Any] | None = None
-_status = "not loaded"
+
+def __getattr__(name: str) -> int | str:
+    return _kernel.module_attribute(name)
 
 
 @dataclass(frozen=True)
@@ -62,58 +61,47 @@ class Panels:
 
 def load() -> bool:
     """Load the kernel (built once per machine); True when it is in use. Idempotent."""
-    global _pack, _linear, _status, max_rows
-    if _linear is not None:
+    if _kernel.loaded:
         return True
-    functions, rows, _status = library.load_panel_kernel(
+    return _kernel.load_fixed(
         "SWITCHBOARD_SMALL_BATCH_GEMM",
         "small_batch_pack",
         "small_batch_linear",
         "small_batch_max_rows",
     )
-    if functions is None:
-        return False
-    (_pack, _linear), max_rows = functions, rows
-    return True
 
 
 def status() -> str:
-    return _status
+    return _kernel.status
 
 
 def unload() -> None:
     """Back to oneDNN alone (tests compare the two)."""
-    global _pack, _linear, _status, max_rows
-    _pack = _linear = None
-    max_rows = 0
-    _status = "not loaded"
+    _kernel.unload()
 
 
 def packable(weight: torch.Tensor) -> bool:
-    return (
-        _pack is not None
-        and weight.dim() == 2
-        and weight.layout == torch.strided
-        and weight.dtype == torch.float32
-        and weight.device.type == "cpu"
-    )
+    return _kernel.packable(weight)
 
 
 def pack(weight: torch.Tensor) -> Panels:
     """``weight`` ``[out, in]`` as the kernel's panels."""
-    if not packable(weight) or _pack is None:
-        raise ValueError("small-batch pack needs the kernel loaded and a dense float32 CPU matrix")
+    why = "small-batch pack needs the kernel loaded and a dense float32 CPU matrix"
+    if not packable(weight):
+        raise ValueError(why)
+    pack_function = _kernel.pack_function(why)
     out_features, in_features = weight.shape
     dense = weight.detach().contiguous()
     data = torch.empty(-(-out_features // PANEL) * PANEL * in_features, dtype=torch.float32)
-    _pack(dense.data_ptr(), data.data_ptr(), out_features, in_features)
+    pack_function(dense.data_ptr(), data.data_ptr(), out_features, in_features)
     return Panels(data, out_features)
 
 
 def linear(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W^T + b`` for ``x`` ``[rows, in]`` float32 on CPU (``max_rows`` at a time)."""
-    assert _linear is not None, "small_batch_gemm.linear before load()"
-    y, code = call_panel_linear(_linear, x, panels.data, panels.out_features, bias)
+    y, code = call_panel_linear(
+        _kernel.linear_function(), x, panels.data, panels.out_features, bias
+    )
     if code != 0:
         raise ValueError(f"small-batch matmul: {x.shape[0]} rows")
     return y

@@ -5,7 +5,7 @@ directory for the ipc:// sockets, starts the gateways (which bind) and the engin
 connect and start their own workers), and then waits. The fate rule (docs/architecture.md) for
 one machine: no single death but the supervisor's stops the server. A child that exits on its
 own is started again after a backoff, at the same addresses (``RestartPolicy`` "always", the
-default; each process has its own budget):
+default; each process has its own budget, kept by ``restarts.py``):
 
 * an engine core: the supervisor first tells the gateways (ENGINE_CORE_DEAD on its behalf, so
   they route around it and resume its streams elsewhere) and removes its ring; the gateways
@@ -36,7 +36,6 @@ can start now" line of a first start.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
@@ -45,7 +44,6 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from types import FrameType
 from typing import Any, TypeVar
 
@@ -54,7 +52,6 @@ import msgspec
 import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from switchboard.common.exit_codes import START_FAILED
 from switchboard.common.tls import tls_enabled, tls_handshake_failed
 from switchboard.config import (
     CoordinatorConfig,
@@ -64,12 +61,12 @@ from switchboard.config import (
     ipc_address,
     new_run_dir,
 )
-from switchboard.supervisor.processes import descendants
 from switchboard.supervisor.ready_report import (
     probe_channel,
     ready_line,
     served_as,
 )
+from switchboard.supervisor.restarts import Child, RestartPolicy, Restarts
 from switchboard.supervisor.routing_events import with_routing_events
 from switchboard.supervisor.start_method import require_main_process
 from switchboard.wire import zmq_channel
@@ -77,39 +74,13 @@ from switchboard.wire.shm_ring import unlink_orphaned_segments
 
 logger = logging.getLogger("switchboard.supervisor.launcher")
 
+__all__ = ["Child", "RestartPolicy", "Supervisor", "plan_coordinator", "plan_server", "serve"]
+
 STOP_GRACE_S = 15.0  # engines and the coordinator, after the gateways stopped
 GATEWAY_STOP_MARGIN_S = 10.0  # on top of the gateways' own --shutdown-grace
-RESTART_BACKOFF_S = 1.0  # first restart; doubles with each restart in the window
-RESTART_BACKOFF_MAX_S = 30.0
-WORKERS_GONE_WAIT_S = 10.0  # a dead engine's workers get this long to exit (then SIGKILL)
-_DESCENDANTS_EVERY_S = 2.0  # how often the engines' worker pids are noted
-# Every role the supervisor restarts under RestartPolicy "always" (each process its own budget).
-RESTARTED_ROLES = ("EngineCore", "Gateway", "Coordinator")
 READINESS_SERVICE = "switchboard.v1.GenerationService"  # the gateway's readiness health name
 READY_POLL_S = 0.25
 PROBE_TLS_FAILURES = 8  # failed TLS handshakes in a row before the ready probe gives up
-
-
-@dataclass
-class Child:
-    role: str  # e.g. "Gateway_0", "EngineCore_DP0"
-    process: subprocess.Popen[bytes]
-    module: str = ""
-    config_json: str = ""
-
-
-@dataclass(frozen=True)
-class RestartPolicy:
-    """What the supervisor does when a child (engine core, gateway, coordinator) exits on its
-    own."""
-
-    mode: str = "never"  # always | never
-    max_restarts: int = 5  # per process within window_s; one more stops the server
-    window_s: float = 300.0
-
-    @property
-    def restarts(self) -> bool:
-        return self.mode == "always"
 
 
 def plan_coordinator(engine: EngineConfig, run_dir: str) -> CoordinatorConfig | None:
@@ -169,16 +140,6 @@ def _replace(config: S, **changes: Any) -> S:
     return msgspec.structs.replace(config, **changes)
 
 
-def _start_time(pid: int) -> str:
-    """The process's start time (/proc/<pid>/stat field 22), "" if it is gone: tells a pid
-    from a later process that reused it."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return ""
-
-
 def _start(role: str, module: str, config_json: str) -> Child:
     cmd = [sys.executable, "-m", module, "--config-json", config_json]
     process = subprocess.Popen(cmd, start_new_session=True)
@@ -195,15 +156,8 @@ class Supervisor:
         coordinator: CoordinatorConfig | None = None,
         restart: RestartPolicy | None = None,
     ):
-        self._restart = restart or RestartPolicy()
-        self._restart_times: dict[str, list[float]] = {}  # role -> restarts in the window
-        self._due: dict[str, tuple[float, Child]] = {}  # role -> (restart at, the dead child)
+        self._restarts = Restarts(restart or RestartPolicy())
         self._dead_pids: list[tuple[str, int]] = []  # engines that died (their rings)
-        # Each engine's workers as last seen (pid -> start time): a killed engine's workers
-        # outlive it for a moment, holding its device memory; its restart waits for them.
-        self._engine_workers: dict[str, dict[int, str]] = {}
-        self._orphans: dict[str, tuple[float, dict[int, str]]] = {}  # role -> (deadline, pids)
-        self._noted_at = 0.0
         self._gateways = gateways
         self._engines = engines
         self._coordinator = coordinator
@@ -307,96 +261,25 @@ class Supervisor:
                         return None
                     if not self._schedule_restart(child):
                         return child
-            self._note_engine_workers()
-            self._restart_due()
+            self._restarts.note_engine_workers(self._children, time.monotonic())
+            for dead in self._restarts.take_due(time.monotonic()):
+                self._children.append(_start(dead.role, dead.module, dead.config_json))
             self._stop_requested.wait(0.1)
         return None
-
-    def _note_engine_workers(self) -> None:
-        now = time.monotonic()
-        if not self._restart.restarts or now - self._noted_at < _DESCENDANTS_EVERY_S:
-            return
-        self._noted_at = now
-        for child in self._children:
-            if child.role.startswith("EngineCore") and child.process.poll() is None:
-                pids = descendants(child.process.pid)
-                self._engine_workers[child.role] = {
-                    pid: start for pid in pids if (start := _start_time(pid))
-                }
 
     def _schedule_restart(self, child: Child) -> bool:
         """A child exited on its own: restart it after a backoff if the policy and its restart
         budget allow (True); False: the server stops. A dead engine core is first reported to
         the gateways, its ring removed and its workers awaited; a gateway or the coordinator
         needs nothing but the restart (their peers reconnect to the same addresses)."""
-        if not (self._restart.restarts and child.role.startswith(RESTARTED_ROLES)):
-            return False
-        if child.process.returncode == START_FAILED and child.role not in self._restart_times:
-            logger.error(
-                "%s (pid %d) failed to start (its error is logged above): a restart would fail "
-                "the same way; stopping the server",
-                child.role,
-                child.process.pid,
-            )
-            return False
-        now = time.monotonic()
-        window = [
-            t for t in self._restart_times.get(child.role, []) if now - t < self._restart.window_s
-        ]
-        if len(window) >= self._restart.max_restarts:
-            logger.error(
-                "%s exited again: %d restarts within %.0f s already; stopping the server",
-                child.role,
-                len(window),
-                self._restart.window_s,
-            )
+        if not self._restarts.schedule(child, time.monotonic()):
             return False
         self._children.remove(child)
-        backoff = min(RESTART_BACKOFF_MAX_S, RESTART_BACKOFF_S * 2 ** len(window))
-        window.append(now)
-        self._restart_times[child.role] = window
-        self._due[child.role] = (now + backoff, child)
         if child.role.startswith("EngineCore"):
             self._dead_pids.append((child.role, child.process.pid))
             self._tell_gateways_engine_dead(child)
             self._remove_orphaned_rings()
-            workers = self._engine_workers.pop(child.role, {})
-            self._orphans[child.role] = (now + backoff + WORKERS_GONE_WAIT_S, workers)
-        logger.error(
-            "%s (pid %d) exited with code %s: restarting it in %.1f s (restart %d of %d "
-            "within %.0f s)",
-            child.role,
-            child.process.pid,
-            child.process.returncode,
-            backoff,
-            len(window),
-            self._restart.max_restarts,
-            self._restart.window_s,
-        )
         return True
-
-    def _restart_due(self) -> None:
-        now = time.monotonic()
-        for role, (at, dead) in list(self._due.items()):
-            if now >= at and self._workers_gone(role, now):
-                del self._due[role]
-                self._children.append(_start(role, dead.module, dead.config_json))
-
-    def _workers_gone(self, role: str, now: float) -> bool:
-        """The dead engine's workers have exited (they notice their parent is gone within a
-        second or a step); past the deadline they are killed, by pid."""
-        deadline, workers = self._orphans.get(role, (0.0, {}))
-        alive = {pid for pid, start in workers.items() if _start_time(pid) == start}
-        if not alive:
-            self._orphans.pop(role, None)
-            return True
-        if now < deadline:
-            return False
-        for pid in alive:
-            logger.warning("worker pid %d of the dead %s did not exit: killing it", pid, role)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        return False
 
     def _tell_gateways_engine_dead(self, child: Child) -> None:
         """ENGINE_CORE_DEAD on the dead engine's behalf (one killed with -9 says nothing): the
