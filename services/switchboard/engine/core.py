@@ -37,9 +37,10 @@ from switchboard.engine import clock, intake
 from switchboard.engine.constrained_decoding import StructuredOutputManager, attach_bitmask
 from switchboard.engine.executor import MultiprocExecutor, Stall, SubmittedStep
 from switchboard.engine.intake import GATEWAY_LOST, GRAMMAR_READY
-from switchboard.engine.io_threads import InputQueue, InputThread, OutputThread
+from switchboard.engine.io_threads import InputQueue, InputThread
 from switchboard.engine.kv_event_publisher import KvEventPublisher
 from switchboard.engine.lora_registry import EngineLoras
+from switchboard.engine.output_thread import OutputThread
 from switchboard.engine.peers import EnginePeers, engine_curve_keys
 from switchboard.engine.request import Request
 from switchboard.engine.scheduler import Scheduler

@@ -22,10 +22,11 @@ from switchboard.engine import clock, intake
 from switchboard.engine.block_pool import BlockPool
 from switchboard.engine.executor import MultiprocExecutor
 from switchboard.engine.intake import GATEWAY_LOST
-from switchboard.engine.io_threads import InputThread, OutputThread
+from switchboard.engine.io_threads import InputThread
 from switchboard.engine.kv_event_publisher import KvEventPublisher
 from switchboard.engine.kv_sizing import check_num_blocks, fit_max_model_len
 from switchboard.engine.lora_registry import EngineLoras
+from switchboard.engine.output_thread import OutputThread
 from switchboard.engine.peers import EnginePeers
 from switchboard.wire import zmq_channel
 from switchboard.wire.engine_msgs import EngineReady

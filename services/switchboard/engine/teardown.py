@@ -13,7 +13,7 @@ import shutil
 from typing import TYPE_CHECKING
 
 from switchboard.common.log_limits import report_suppressed
-from switchboard.engine.io_threads import send_engine_dead_directly
+from switchboard.engine.output_thread import send_engine_dead_directly
 from switchboard.wire.engine_msgs import ENGINE_CORE_DEAD
 
 if TYPE_CHECKING:
