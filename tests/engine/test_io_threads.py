@@ -12,12 +12,8 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from switchboard.engine.io_threads import (
-    GatewayChange,
-    InputThread,
-    OutputThread,
-    send_engine_dead_directly,
-)
+from switchboard.engine.io_threads import GatewayChange, InputThread
+from switchboard.engine.output_thread import OutputThread, send_engine_dead_directly
 from switchboard.wire import zmq_channel
 from switchboard.wire.engine_msgs import (
     ENGINE_CORE_DEAD,

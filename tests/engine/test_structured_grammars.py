@@ -15,8 +15,10 @@ from test_scheduler import BS, expected_tokens, make_request, make_scheduler, pr
 from tokenizers import Tokenizer
 
 from switchboard.config import EngineConfig, ModelConfig
+from switchboard.engine import intake
 from switchboard.engine.constrained_decoding import StructuredOutputManager, attach_bitmask
-from switchboard.engine.core import GRAMMAR_READY, EngineCore
+from switchboard.engine.core import EngineCore
+from switchboard.engine.intake import GRAMMAR_READY
 from switchboard.engine.request import Request
 from switchboard.engine.shutdown import ShutdownRequest
 from switchboard.wire.engine_msgs import (
@@ -232,10 +234,10 @@ def core(checkpoint: str, tmp_path):
     engine.structured_output = StructuredOutputManager(checkpoint, VOCAB, max_workers=1)
     engine.max_model_len = 64
     engine.embed_only = False
-    engine._ready = EngineReady("e", 0, 64, 16, 16, 256, 0, 0, vocab_size=VOCAB)
+    engine.ready = EngineReady("e", 0, 64, 16, 16, 256, 0, 0, vocab_size=VOCAB)
     yield engine
     engine.structured_output.shutdown()
-    engine._ctx.term()
+    engine.ctx.term()
 
 
 def _wire(rid: str, kind: str, spec: str) -> EngineCoreRequest:
@@ -258,15 +260,15 @@ def _drain(core: EngineCore) -> list:
 
 
 def test_busy_loop_admits_after_compile_and_fails_a_bad_spec_alone(core) -> None:
-    good = core._prepare_add(_wire("good", "json_schema", '{"type": "integer"}'))
-    bad = core._prepare_add(_wire("bad", "grammar", "start: nothing_defined"))
+    good = intake.prepare_add(core, _wire("good", "json_schema", '{"type": "integer"}'))
+    bad = intake.prepare_add(core, _wire("bad", "grammar", "start: nothing_defined"))
     core._handle_input(RequestType.ADD, good)
     core._handle_input(RequestType.ADD, bad)
     for kind, payload in _drain(core):
         assert kind == GRAMMAR_READY
         core._handle_input(kind, payload)
     assert core.scheduler.added == ["good"]
-    assert not core._compiling
+    assert not core.compiling
     client, outputs = core.output_queue.get_nowait()
     (failed,) = outputs.outputs
     assert failed.request_id == "bad" and failed.finish_reason == FinishReason.ERROR
@@ -274,12 +276,12 @@ def test_busy_loop_admits_after_compile_and_fails_a_bad_spec_alone(core) -> None
 
 
 def test_an_aborted_compiling_request_is_never_scheduled(core) -> None:
-    request = core._prepare_add(_wire("gone", "regex", "[0-9]+"))
-    core._compiling["gone"] = request  # as if still compiling when ADD was handled
+    request = intake.prepare_add(core, _wire("gone", "regex", "[0-9]+"))
+    core.compiling["gone"] = request  # as if still compiling when ADD was handled
     core._handle_input(RequestType.ABORT, ["gone"])
     for kind, payload in _drain(core):
         core._handle_input(kind, payload)
-    core._admit_compiled()
+    intake.admit_compiled(core)
     assert core.scheduler.added == []
 
 
@@ -338,11 +340,11 @@ def test_resumed_tokens_the_grammar_rejects_fail_the_request(manager, tokenizer)
 def test_the_busy_loop_replays_a_resumed_add(core, tokenizer) -> None:
     wire = _wire("cut", "json_schema", ARRAY)
     wire.output_token_ids = tokenizer.encode("[2,", add_special_tokens=False).ids
-    good = core._prepare_add(wire)
+    good = intake.prepare_add(core, wire)
     wrong = _wire("wrong", "json_schema", ARRAY)
     wrong.output_token_ids = tokenizer.encode("{", add_special_tokens=False).ids
     core._handle_input(RequestType.ADD, good)
-    core._handle_input(RequestType.ADD, core._prepare_add(wrong))
+    core._handle_input(RequestType.ADD, intake.prepare_add(core, wrong))
     for kind, payload in _drain(core):
         core._handle_input(kind, payload)
     assert core.scheduler.added == ["cut"]

@@ -3,7 +3,7 @@ policy unless the caller set one."""
 
 from __future__ import annotations
 
-from switchboard.engine.executor import WORKER_OMP_WAIT_POLICY, worker_environment
+from switchboard.engine.worker_processes import WORKER_OMP_WAIT_POLICY, worker_environment
 
 
 def test_adds_the_passive_wait_policy_and_keeps_the_rest() -> None:

@@ -17,6 +17,7 @@ import setproctitle
 
 from switchboard.common.exit_codes import START_FAILED
 from switchboard.config import EngineConfig, decode_config
+from switchboard.engine import teardown
 from switchboard.engine.core import EngineCore
 from switchboard.engine.io_threads import InputQueue
 from switchboard.engine.shutdown import ShutdownRequest
@@ -44,10 +45,10 @@ def run_engine_core(config: EngineConfig) -> int:
             logger.exception("EngineCore encountered a fatal error")
         else:
             logger.exception("EngineCore failed to start")
-        core.send_engine_dead()
+        teardown.send_engine_dead(core)
         return 1 if started else START_FAILED
     finally:
-        core.shutdown()
+        teardown.shutdown(core)
 
 
 def main(argv: list[str] | None = None) -> int:

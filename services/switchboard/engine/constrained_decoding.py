@@ -3,7 +3,7 @@ advance each request's matcher with its accepted tokens (llguidance, no torch).
 
 Where the work happens (docs/architecture.md, "Structured output")::
 
-    input thread   _prepare_add -> StructuredOutputManager.start(request): compile in the pool
+    input thread   prepare_add -> StructuredOutputManager.start(request): compile in the pool
     pool thread    the tokenizer table (once), the grammar (cached by (kind, spec, eos)),
                    a fresh matcher per request (a copy of the cached one); done -> wakes the loop
     busy loop      a request waits outside the scheduler until its grammar is ready (others are

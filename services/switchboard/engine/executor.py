@@ -21,6 +21,7 @@ A monitor thread watches the worker processes. When one dies unexpectedly it mar
 executor failed (a call waiting for a reply then raises) and calls ``on_failure``; the engine
 core turns that into EXECUTOR_FAILED on its input queue and dies. Shutdown asks the workers to
 exit, then escalates: wait, SIGTERM, wait, SIGKILL; it then unlinks the ring and the socket.
+Starting and stopping the processes themselves is ``worker_processes``.
 
 With ``-tp``/``-pp`` the workers form a grid, ``rank = pp_rank * TP + tp_rank``, and meet for
 ``torch.distributed`` at a ``file://`` rendezvous in the run directory (no port to race for);
@@ -32,8 +33,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -44,8 +43,15 @@ import msgspec
 import zmq
 
 from switchboard.config import EngineConfig, encode_config, ipc_address
+from switchboard.engine.worker_processes import (
+    WorkerProcess,
+    process_stopped,
+    start_worker,
+    terminate_workers,
+    worker_environment,
+)
 from switchboard.wire import zmq_channel
-from switchboard.wire.codec import RPC_CALL, RPC_REPLY, WORKER_STARTUP
+from switchboard.wire.codec import RPC_CALL, RPC_REPLY
 from switchboard.wire.shm_ring import ShmRingWriter
 from switchboard.wire.step_msgs import (
     ModelRunnerOutput,
@@ -58,27 +64,9 @@ from switchboard.wire.step_msgs import (
 
 logger = logging.getLogger(__name__)
 
-# libgomp reads its wait policy once, when torch loads it: it is the worker's environment, set
-# here. A decode step's loops run on the kernels' own pool (``kernels/csrc/work_pool.c``), so the
-# OpenMP team only runs torch's operators (a prefill's matmuls, a few large copies); spinning
-# after each of those, it took the core the pool's thread and the other processes needed
-# (tiny-llama at 32 streams on 2 cores: 27 % of the worker's cycles in libgomp's spin loop).
-# Passive, it sleeps at once. An OMP_WAIT_POLICY of the operator's own is kept.
-WORKER_OMP_WAIT_POLICY = "PASSIVE"
-
-
-def worker_environment(environ: dict[str, str]) -> dict[str, str]:
-    """The environment a worker process starts with: ``environ`` plus the OpenMP wait policy,
-    unless ``environ`` sets one."""
-    return {"OMP_WAIT_POLICY": WORKER_OMP_WAIT_POLICY, **environ}
-
-
-WORKER_MODULE = "switchboard.worker"
 STARTUP_TIMEOUT_S = 600.0  # workers import torch and attach to the ring
 LOAD_MODEL_TIMEOUT_S = 3600.0  # a large checkpoint on a slow disk
 RPC_TIMEOUT_S = 300.0  # calls other than execute_model (those have the step timeouts)
-WORKER_EXIT_GRACE_S = 5.0  # after the shutdown call, before SIGTERM
-WORKER_TERM_GRACE_S = 4.0  # after SIGTERM, before SIGKILL
 _MONITOR_INTERVAL_S = 0.2
 _REPLY_POLL_MS = 100  # a waiting call checks this often whether a worker died
 
@@ -101,31 +89,6 @@ class Stall(msgspec.Struct, frozen=True):
     rank: int
     pid: int
     waited_s: float
-
-
-def _process_stopped(pid: int) -> bool:
-    """The kernel says the process is stopped (SIGSTOP, a debugger): state T or t."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False
-
-
-class WorkerProcess:
-    """The executor's handle on one worker process."""
-
-    def __init__(
-        self, rank: int, tp_rank: int, pp_rank: int, process: subprocess.Popen[bytes]
-    ) -> None:
-        self.rank = rank
-        self.tp_rank = tp_rank
-        self.pp_rank = pp_rank
-        self.process = process
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
 
 
 class MultiprocExecutor:
@@ -199,17 +162,7 @@ class MultiprocExecutor:
                     parent_pid=os.getpid(),
                     distributed_init_method=init_method,
                 )
-                argv = [sys.executable, "-m", WORKER_MODULE, "--startup-json"]
-                argv.append(WORKER_STARTUP.encode(startup))
-                process = subprocess.Popen(argv, close_fds=True, env=env)
-                self.workers.append(WorkerProcess(rank, tp_rank, pp_rank, process))
-                logger.info(
-                    "Started worker rank %d (TP %d, PP %d) pid %d",
-                    rank,
-                    tp_rank,
-                    pp_rank,
-                    process.pid,
-                )
+                self.workers.append(start_worker(startup, env))
 
     def _wait_for_workers(self) -> None:
         """Until every worker has attached to the ring; fail fast if one exits meanwhile."""
@@ -307,7 +260,7 @@ class MultiprocExecutor:
     def _waited_worker(self, call: RpcCall) -> WorkerProcess:
         """The worker a late reply is blamed on: a stopped one, else the one that answers."""
         for worker in self.workers:
-            if _process_stopped(worker.pid):
+            if process_stopped(worker.pid):
                 return worker
         rank = call.output_rank if 0 <= call.output_rank < len(self.workers) else 0
         return self.workers[rank]
@@ -408,7 +361,7 @@ class MultiprocExecutor:
         self._stop_monitor.set()
         if self._failure is None and all(w.process.poll() is None for w in self.workers):
             self._ask_workers_to_exit()
-        self._terminate_workers()
+        terminate_workers(self.workers)
         if self._ring is not None:
             self._ring.close()
         if self._reply_socket is not None:
@@ -427,28 +380,3 @@ class MultiprocExecutor:
             self._ring.enqueue(RPC_CALL.encode(call), timeout=1.0)
         except Exception as exc:  # a worker may already be gone; the ladder below follows
             logger.warning("Could not send shutdown to the workers: %s", exc)
-
-    def _terminate_workers(self) -> None:
-        alive = self._wait_exit(self.workers, WORKER_EXIT_GRACE_S)
-        for worker in alive:
-            logger.warning(
-                "Worker rank %d (pid %d) still running: SIGTERM", worker.rank, worker.pid
-            )
-            worker.process.terminate()
-        alive = self._wait_exit(alive, WORKER_TERM_GRACE_S)
-        for worker in alive:
-            logger.warning(
-                "Worker rank %d (pid %d) ignored SIGTERM: SIGKILL", worker.rank, worker.pid
-            )
-            worker.process.kill()
-        self._wait_exit(alive, WORKER_TERM_GRACE_S)
-
-    @staticmethod
-    def _wait_exit(workers: list[WorkerProcess], timeout_s: float) -> list[WorkerProcess]:
-        deadline = time.monotonic() + timeout_s
-        for worker in workers:
-            try:
-                worker.process.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        return [w for w in workers if w.process.poll() is None]

@@ -25,6 +25,9 @@ Preemption is by recompute: blocks freed, ``num_computed_tokens`` reset, outputs
 back at the front of the waiting queue; its id goes out in ``finished_request_ids`` so workers
 drop their state, and on resume it is a NewRequest again whose tokens are prompt + outputs.
 
+Preemption is in ``preemption``, the prefix-cache lookup and admission of a waiting request in
+``prefix_admission``, applying a step's output in ``output_update``.
+
 The step's :class:`SchedulerOutput` is a delta (see ``wire/step_msgs.py``). A request id never
 appears both in ``finished_request_ids`` and among the scheduled requests of one output.
 
@@ -45,15 +48,16 @@ from typing import Any
 
 from switchboard.config import CacheConfig, SchedulerConfig
 from switchboard.engine import clock
-from switchboard.engine.block_pool import KVCacheBlock
 from switchboard.engine.kv_cache import KVCacheManager
 from switchboard.engine.lora_registry import adapter_may_join, adapters_of
+from switchboard.engine.output_update import apply_step_output
+from switchboard.engine.preemption import pick_victim, preempt, preempt_for
+from switchboard.engine.prefix_admission import admit, prefix_cache_hits, waits_for_shared_prefill
 from switchboard.engine.request import Request, RequestStatus
 from switchboard.engine.request_queue import make_request_queue
 from switchboard.engine.scheduler_stats import SchedulerCounters
-from switchboard.engine.speculation.speculator import Speculator, make_speculator
-from switchboard.engine.speculation.steps import schedule_proposals, settle_proposals
-from switchboard.engine.step_outputs import pooled_output, sampled_output
+from switchboard.engine.speculation.speculator import make_speculator
+from switchboard.engine.speculation.steps import schedule_proposals
 from switchboard.engine.step_plan import StepPlan
 from switchboard.wire.engine_msgs import (
     EngineCoreOutput,
@@ -95,7 +99,7 @@ class Scheduler:
         self.waiting = make_request_queue(self.policy)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
-        self._finished_ids: dict[str, None] = {}  # for the next output (ordered set)
+        self.finished_ids: dict[str, None] = {}  # for the next output (ordered set)
         # Steps scheduled and not yet applied, in order: step id -> (tokens per request, the
         # requests it samples). More than one while a step is scheduled ahead.
         self._in_flight: dict[int, tuple[dict[str, int], set[str]]] = {}
@@ -153,7 +157,7 @@ class Scheduler:
                 continue
             if request.status == _RUNNING:
                 running.add(request)
-                self._finished_ids[rid] = None  # workers hold its state
+                self.finished_ids[rid] = None  # workers hold its state
             else:
                 waiting.add(request)
             self.kv.free(request)
@@ -171,7 +175,7 @@ class Scheduler:
 
     def has_finished_requests(self) -> bool:
         """Ids the workers must still be told to drop (send a step even with nothing to run)."""
-        return bool(self._finished_ids)
+        return bool(self.finished_ids)
 
     @property
     def num_running(self) -> int:
@@ -195,8 +199,8 @@ class Scheduler:
             self._schedule_waiting(plan)
         self._step_id += 1
         self.counters.record_step(plan.num_scheduled_tokens)
-        finished_ids = list(self._finished_ids)
-        self._finished_ids.clear()
+        finished_ids = list(self.finished_ids)
+        self.finished_ids.clear()
         output = plan.commit(self._step_id, self.requests, self.kv, finished_ids)
         if self._proposals:
             output.scheduled_spec_decode_tokens = self._take_proposals(plan)
@@ -287,8 +291,8 @@ class Scheduler:
         if num_tokens <= 0:
             return
         while self.kv.allocate_slots(request, num_tokens) is None:
-            victim = self._pick_victim()
-            self._preempt(victim, plan)
+            victim = pick_victim(self)
+            preempt(self, victim, plan)
             if victim is request:
                 return
         plan.add(request, num_tokens)
@@ -302,118 +306,27 @@ class Scheduler:
             if request in plan.preempted:  # not back in the step that preempted it
                 break
             if len(self.running) >= max_num_seqs:
-                if self._preempt_for(request, plan):
+                if preempt_for(self, request, plan):
                     continue
                 break
             if request.lora_name and not adapter_may_join(request, self.running, self.max_loras):
                 skipped.append(self.waiting.pop())  # its adapter waits for a free slot
                 continue
-            hits, num_hit_tokens = self._prefix_cache_hits(request)
-            if self._waits_for_shared_prefill(request, len(hits), plan):
+            hits, num_hit_tokens = prefix_cache_hits(self.kv, request)
+            if waits_for_shared_prefill(request, len(hits), plan, self.block_size):
                 break  # FCFS: the queue behind it waits that one step too
             num_tokens = request.num_tokens - num_hit_tokens
             if cap and num_tokens > cap:
                 num_tokens = cap
             num_tokens = min(num_tokens, plan.budget, self.max_model_len - num_hit_tokens)
             if self.kv.allocate_slots(request, num_tokens, hits) is None:
-                if self._preempt_for(request, plan):
+                if preempt_for(self, request, plan):
                     continue
                 break
             self.waiting.pop()
-            self._admit(plan, request, num_hit_tokens, num_tokens)
+            admit(self, plan, request, num_hit_tokens, num_tokens)
         for request in reversed(skipped):  # back in their places
             self.waiting.add_preempted(request)
-
-    def _prefix_cache_hits(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """The prefix-cache lookup, skipped for a request that still owes prompt logprobs:
-        those need the logits of every prompt position, which a cache hit would not compute.
-        Skipped for pooling requests too: mean/max pooling needs every position's hidden state."""
-        if not self._takes_prefix_hits(request):
-            return [], 0
-        return self.kv.get_computed_blocks(request)
-
-    @staticmethod
-    def _takes_prefix_hits(request: Request) -> bool:
-        if request.pooling_params is not None:
-            return False
-        return request.sampling_params.prompt_logprobs is None or bool(request.output_token_ids)
-
-    def _waits_for_shared_prefill(
-        self, request: Request, num_hit_blocks: int, plan: StepPlan
-    ) -> bool:
-        """Whether the next block this request would compute is being computed in this step by
-        another request (same prefix: typically a sibling sequence of ``n`` > 1 sent together).
-        Waiting one step turns it into a prefix-cache hit instead of a second computation."""
-        if not plan.filling or not self._takes_prefix_hits(request):
-            return False
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size  # last token: recomputed
-        hashes = request.block_hashes
-        if num_hit_blocks >= min(len(hashes), max_hit_blocks):
-            return False
-        if not plan.fills(hashes[num_hit_blocks]):
-            return False
-        logger.debug(
-            "request %s waits a step: its block %d is being computed for another request",
-            request.request_id,
-            num_hit_blocks,
-        )
-        return True
-
-    def _admit(
-        self, plan: StepPlan, request: Request, num_hit_tokens: int, num_tokens: int
-    ) -> None:
-        request.status = _RUNNING
-        request.num_computed_tokens = num_hit_tokens
-        if request.num_cached_tokens < 0:
-            request.num_cached_tokens = num_hit_tokens
-        if self.enable_prefix_caching:
-            self.kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
-        request.record_event(EventType.SCHEDULED, plan.timestamp_ns)
-        self.running.append(request)
-        plan.new_requests.append(request)
-        plan.add(request, num_tokens)
-
-    def _pick_victim(self) -> Request:
-        if self.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.arrival_ns))
-        return self.running[-1]
-
-    def _preempt_for(self, request: Request, plan: StepPlan) -> bool:
-        """Priority policy: make room for a waiting request by preempting the lowest-priority
-        running request, if its priority is strictly lower (a larger value). False if none."""
-        if self.policy != "priority" or not self.running:
-            return False
-        victim = self._pick_victim()
-        if victim.priority <= request.priority:
-            return False
-        self._preempt(victim, plan)
-        return True
-
-    def _preempt(self, request: Request, plan: StepPlan) -> None:
-        if self.running[-1] is request:
-            self.running.pop()
-        else:
-            self.running.remove(request)
-        self.kv.free(request)
-        plan.withdraw(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.num_pending_samples = 0  # a step in flight still samples it: dropped
-        Speculator.drop_in_flight(request)
-        request.num_block_ids_sent = 0
-        request.num_preemptions += 1
-        request.record_event(EventType.PREEMPTED, clock.monotonic_ns())
-        self.waiting.add_preempted(request)
-        self._finished_ids[request.request_id] = None  # workers drop its state
-        log = logger.warning if self.counters.record_preemption() == 1 else logger.debug
-        log(
-            "preempted request %s (%s policy, %d tokens, %d free blocks); preemptions "
-            "recompute work: more KV cache memory or fewer max_num_seqs avoids them",
-            request.request_id,
-            self.policy,
-            request.num_tokens,
-            self.kv.num_free_blocks,
-        )
 
     # ------------------------------------------------------------------ after the step
 
@@ -430,67 +343,15 @@ class Scheduler:
             raise ValueError(f"step {scheduler_output.step_id} is not in flight: applied twice?")
         num_scheduled_tokens, sampling = record
         later = self._in_flight.values()  # steps scheduled after this one, still computing
-        sampled = dict(zip(runner_output.request_ids, runner_output.sampled_token_ids, strict=True))
-        logprobs = (
-            dict(zip(runner_output.request_ids, runner_output.logprobs, strict=True))
-            if runner_output.logprobs
-            else {}
+        return apply_step_output(
+            self, scheduler_output, runner_output, num_scheduled_tokens, sampling, later
         )
-        prompt_logprobs = runner_output.prompt_logprobs
-        outputs: dict[int, list[EngineCoreOutput]] = {}
-        requests = self.requests
-        kv = self.kv
-        block_size = self.block_size
-        any_finished = False
-        proposals = scheduler_output.scheduled_spec_decode_tokens
-        for rid, num_scheduled in num_scheduled_tokens.items():
-            request = requests.get(rid)
-            if request is None or request.status != _RUNNING:
-                continue  # ended while the step ran (aborted, stopped, preempted): dropped
-            drafts = proposals.get(rid) if proposals else None
-            if drafts and self.speculator is not None:
-                num_scheduled -= settle_proposals(
-                    self.speculator, request, drafts, sampled.get(rid) or []
-                )
-            samples = rid in sampling
-            if samples:
-                request.num_pending_samples -= 1
-            computed = request.num_computed_tokens  # as this step left it:
-            for tokens_ahead, _ in later:
-                computed -= tokens_ahead.get(rid, 0)
-            if computed // block_size != (computed - num_scheduled) // block_size:
-                kv.cache_blocks(request, computed)  # this step filled a block: shareable now
-            if request.pooling_params is not None:
-                if computed < request.num_tokens:
-                    continue  # a pooling request ends with its prompt, not before
-                output = pooled_output(request, runner_output.pooled_outputs.get(rid))
-            else:
-                new_token_ids = sampled.get(rid)
-                if not new_token_ids or not samples:
-                    continue  # a prefill chunk that stops short samples nothing
-                output = sampled_output(
-                    request,
-                    new_token_ids,
-                    self.max_model_len,
-                    logprobs.get(rid),
-                    prompt_logprobs.get(rid),
-                )
-                if drafts:
-                    output.num_draft_tokens = len(drafts)
-                    output.num_accepted_tokens = len(new_token_ids) - 1
-            outputs.setdefault(request.client_index, []).append(output)
-            if request.status == RequestStatus.FINISHED:
-                self._release(request)
-                any_finished = True
-        if any_finished:
-            self.running = [r for r in self.running if r.status == _RUNNING]
-        return outputs
 
-    def _release(self, request: Request) -> None:
+    def release(self, request: Request) -> None:
         """A request the step finished: free its blocks, forget it, tell the workers."""
         self.kv.free(request)
         del self.requests[request.request_id]
-        self._finished_ids[request.request_id] = None
+        self.finished_ids[request.request_id] = None
 
     # ------------------------------------------------------------------ stats and utilities
 
@@ -516,8 +377,8 @@ class Scheduler:
         victims = list(self.running)
         plan = StepPlan(0)
         for request in reversed(victims):  # newest first: the oldest ends at the queue's front
-            self._preempt(request, plan)
-            del self._finished_ids[request.request_id]
+            preempt(self, request, plan)
+            del self.finished_ids[request.request_id]
         return len(victims)
 
     def get_stats(self) -> dict[str, Any]:
