@@ -34,7 +34,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import vllm_side  # bench/vllm_side.py and the modules below: beside this file
+import vllm_http  # bench/vllm_http.py and the modules below: beside this file
+import vllm_side
 from lora import make_adapter
 from server_procs import free_port, start, stop_all, switchboard_command, vllm_ready, wait_ready
 from serving_clients import (
@@ -72,36 +73,53 @@ class SpreadClient(OpenAIClient):
         return spread, close
 
 
+async def served_base(port: int, adapters: dict[str, str]) -> str:
+    """The base model's name as the server lists it in GET /v1/models (switchboard: the
+    checkpoint directory's name, vLLM: the path it was given)."""
+    conn = vllm_http.HttpConnection(HOST, port)
+    try:
+        body = b"".join([piece async for piece in conn.request("GET", "/v1/models")])
+    finally:
+        await conn.close()
+    names = [entry["id"] for entry in json.loads(body)["data"]]
+    bases = [name for name in names if name not in adapters]
+    if len(bases) != 1:
+        raise RuntimeError(f"cannot tell the base model among {names}")
+    return bases[0]
+
+
 def server_command(
-    kind: str, args: argparse.Namespace, adapters: dict[str, str], port: int
-) -> tuple[list[str], dict[str, str], str]:
-    """The command line, environment and base model name (as the server calls it) of ``kind``."""
+    kind: str, args: argparse.Namespace, adapters: dict[str, str], port: int, grpc_port: int
+) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of ``kind``, its OpenAI API on ``port`` (switchboard's
+    gRPC on ``grpc_port``)."""
     lora = ["--enable-lora", "--lora-modules", *(f"{n}={d}" for n, d in adapters.items())]
     lora += ["--max-loras", str(MAX_LORAS), "--max-lora-rank", str(args.rank)]
     if kind == "switchboard":
         cmd = [
             *switchboard_command(), "serve", "--model", args.model, "--host", HOST,
-            "--port", str(free_port()), "--http-port", str(port), "--dtype", "float32",
+            "--port", str(grpc_port), "--http-port", str(port), "--dtype", "float32",
             "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-memory-bytes", str(2 * 2**30),
             "--seed", "0", *lora,
         ]  # fmt: skip
-        return cmd, dict(os.environ), args.model
+        return cmd, dict(os.environ)
     model = vllm_side.checkpoint_view(args.model, args.vllm_cache)
     cmd = vllm_side.command(args.vllm_venv, model, port, MAX_MODEL_LEN, "float32") + lora
-    return cmd, vllm_side.environment(args.vllm_cache), model
+    return cmd, vllm_side.environment(args.vllm_cache)
 
 
 async def run_server(
     kind: str, args: argparse.Namespace, adapters: dict[str, str], log_dir: Path
 ) -> dict[str, Any]:
     """Start ``kind``, warm it up, run the phases, stop it; a failure is recorded, not raised."""
-    port = free_port()
-    cmd, env, base = server_command(kind, args, adapters, port)
+    port, grpc_port = free_port(), free_port()
+    cmd, env = server_command(kind, args, adapters, port, grpc_port)
     log = log_dir / f"{kind}.log"
     out: dict[str, Any] = {"command": cmd, "log": str(log), "error": None, "phases": {}}
     shown = shlex.join(c if len(c) < 80 else "LAUNCHER" for c in cmd)
     print(f"{kind}: {shown}  (log {log})", file=sys.stderr, flush=True)
-    server = start(kind, cmd, env, log, port)
+    # ready: switchboard's gRPC health, vLLM's OpenAI API
+    server = start(kind, cmd, env, log, grpc_port if kind == "switchboard" else port)
     try:
         out["ready_s"] = await wait_ready(server)
         while not await vllm_ready(port):  # switchboard: gRPC is up, wait for its HTTP API
@@ -109,7 +127,7 @@ async def run_server(
                 raise RuntimeError(f"{kind} exited; {log}:\n{server.tail()}")
             await asyncio.sleep(0.5)
         print(f"{kind} ready after {out['ready_s']:.1f} s", file=sys.stderr, flush=True)
-        names = list(adapters)
+        names, base = list(adapters), await served_base(port, adapters)
         warm = SpreadClient(port, [base, *names], 8)
         prompts = make_prompts(1 + len(names), args.input_len, args.vocab, "warm-up")
         results, _ = await closed_loop(warm, prompts, 1 + len(names), args.request_timeout)
@@ -229,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         report = {"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs}
         report["load_average"] = os.getloadavg()
         args.json.write_text(json.dumps(report, indent=2))
-    return 1 if runs["switchboard"]["error"] else 0
+    sb = runs["switchboard"]
+    return 1 if sb["error"] or any(phase["errors"] for phase in sb["phases"].values()) else 0
 
 
 if __name__ == "__main__":
