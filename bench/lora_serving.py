@@ -85,7 +85,7 @@ async def served_base(port: int, adapters: dict[str, str]) -> str:
     bases = [name for name in names if name not in adapters]
     if len(bases) != 1:
         raise RuntimeError(f"cannot tell the base model among {names}")
-    return bases[0]
+    return str(bases[0])
 
 
 def server_command(
@@ -162,7 +162,7 @@ def rate(run: dict[str, Any] | None, phase: str) -> float | None:
     summary = (run or {}).get("phases", {}).get(phase)
     if not summary or summary["errors"]:
         return None
-    return summary["output_tok_s"]
+    return float(summary["output_tok_s"])
 
 
 def ratio(a: float | None, b: float | None) -> str:
