@@ -265,7 +265,7 @@ async def start_server(
         ]  # fmt: skip
         env = dict(os.environ)
     else:
-        cmd = vllm_side.command(args.vllm_venv, args.model_dir, port, 2048)
+        cmd = vllm_side.command(args.vllm_venv, args.model_dir, port, 2048, "float32")
         env = vllm_side.environment(args.vllm_cache)
     if spec:
         cmd += ["--speculative-config", spec]
