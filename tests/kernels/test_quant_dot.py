@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from switchboard.kernels import quant_gemm
+from switchboard.kernels import gemm, quant_gemm
 from switchboard.kernels.build import cpu_flags
 from switchboard.kernels.quant_formats import QuantRows, decode_gguf, stack_rows
 from tests.gguf_blocks import KERNEL_TYPES, gguf_blocks
@@ -149,6 +149,20 @@ def test_a_row_does_not_depend_on_its_neighbours(variant):
     together = quant_gemm.linear(x, panels)
     for row in range(rows):
         assert torch.equal(quant_gemm.linear(x[row : row + 1], panels)[0], together[row])
+
+
+def test_a_large_step_takes_the_kernel_too(variant):
+    """gemm.linear sends products of every size on dot product panels to the kernel: a row's
+    result is the same in a step of one row and in one longer than a decode step (a prompt
+    chunk beside it), so greedy output does not depend on the load."""
+    torch.manual_seed(0)
+    panels = quant_gemm.pack(_random_rows(48, 64, 32, 2))
+    weight = quant_gemm.unpack(panels)
+    x = torch.randn(gemm.SMALL_BATCH_MAX_ROWS + 5, 64)
+    together = gemm.linear(x, weight, panels=panels)
+    assert torch.equal(together, quant_gemm.linear(x, panels))
+    for row in (0, x.shape[0] - 1):
+        assert torch.equal(gemm.linear(x[row : row + 1], weight, panels=panels)[0], together[row])
 
 
 def test_strided_rows_no_rows_zero_rows_and_wrong_inputs(variant):

@@ -3,8 +3,11 @@
 At one request a decode step reads every weight once and does little else with it: the step
 takes the time the weights take to read. With quantized panels (``kernels/quant_gemm.py``) a
 matrix's products of at most ``gemm.SMALL_BATCH_MAX_ROWS`` rows (decode steps, the one-call
-decode stack included) read 1.25-1.5 bytes a weight instead of 4; larger products (prefill)
-keep the float32 matrix and oneDNN, so they stay exact and fast. The panels go where the float32
+decode stack included) read 0.75-1.5 bytes a weight instead of 4. The default kernel (integer
+dot products) takes every product, prefill too: it is faster there than oneDNN's float32 one, and
+a row's logits then never depend on how many rows its step holds, so greedy output does not
+change with the load. Under ``exact`` larger products (prefill) keep the float32 matrix and
+oneDNN, equal to rounding. The panels go where the float32
 small-batch panels would (a layer's ``small_batch``; ``prepack.py`` then leaves them alone).
 
 The modes (``--quantization``, ``ModelConfig.quantization``):
@@ -27,7 +30,7 @@ is about a fifth of the weights a step reads (``bench/quant_decode.py`` measures
 Quantized panels need the float32 CPU path and one tensor-parallel rank (a rank's slice of a
 block-quantized matrix is not a matrix of whole blocks in general): elsewhere ``auto`` and the
 explicit modes fall back to float32 with one log line. The panels are a second copy beside the
-float32 weights, which prefill and the embedding lookup still read.
+float32 weights, which the embedding lookup (and prefill under ``exact``) still read.
 """
 
 from __future__ import annotations
