@@ -350,14 +350,15 @@ def _layer_fields(
 
 def _block(matmul: StackMatmul) -> int:
     """The C side's kind of panels: 0 float32, -1 bfloat16, else the quantized panels' block
-    size (plus ``_DOT_PANELS`` or ``_DOT4_PANELS`` for the dot product kernel's)."""
+    size (plus ``_DOT_PANELS`` or ``_DOT4_PANELS`` for the dot product kernel's, with its
+    float16-factors flag)."""
     panels = matmul.panels
     if isinstance(panels, bf16_gemm.Bf16Panels):
         return _BF16_PANELS
     if isinstance(panels, quant_gemm.QuantPanels):
         if not panels.dot:
             return panels.block
-        return panels.block + (_DOT4_PANELS if panels.bits == 4 else _DOT_PANELS)
+        return panels.kernel_block + (_DOT4_PANELS if panels.bits == 4 else _DOT_PANELS)
     return 0
 
 

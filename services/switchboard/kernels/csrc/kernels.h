@@ -52,17 +52,20 @@ int quant_linear(const float *x, int64_t ldx, const uint8_t *p, const float *bia
                  int64_t M, int64_t K, int64_t N, int64_t B);
 
 /* quant_dot.c: the same with integer dot products, the rows quantized to int8 per block
-   (variants: bit 1 AVX2, 2 AVX-512 VNNI; 0 rows at a time: none selected) */
+   (variants: bit 1 AVX2, 2 AVX-512 VNNI; 0 rows at a time: none selected). A block size B with
+   QUANT_HALF_SCALES set: the panels' scales and offsets are float16 (the packs return how many
+   of them float16 does not hold exactly: such panels must not be used). */
+#define QUANT_HALF_SCALES 256
 int quant_dot_variants(void);
 int quant_dot_select(int variant);
 int quant_dot_max_rows(void);
-void quant_dot_pack(const int8_t *q, const float *scale, const float *offset, uint8_t *p,
-                    int64_t N, int64_t K, int64_t B);
+int64_t quant_dot_pack(const int8_t *q, const float *scale, const float *offset, uint8_t *p,
+                       int64_t N, int64_t K, int64_t B);
 int quant_dot_linear(const float *x, int64_t ldx, const uint8_t *p, const float *bias, float *y,
                      int64_t M, int64_t K, int64_t N, int64_t B);
 /* the same with the values as 4 bits (weights whose q span at most 16 values) */
-void quant_dot4_pack(const int8_t *q, const float *scale, const float *offset, uint8_t *p,
-                     int64_t N, int64_t K, int64_t B, int64_t qmin);
+int64_t quant_dot4_pack(const int8_t *q, const float *scale, const float *offset, uint8_t *p,
+                        int64_t N, int64_t K, int64_t B, int64_t qmin);
 int quant_dot4_linear(const float *x, int64_t ldx, const uint8_t *p, const float *bias,
                       float *y, int64_t M, int64_t K, int64_t N, int64_t B);
 
