@@ -9,7 +9,8 @@ a Q8_0 embedding) once per ``--kernels`` entry: ``float32`` throughout (``none``
 (``--mode``: ``gguf`` for a checkpoint converted from a GGUF file, else ``int8``) with the
 quantized matmul kernel of that name (``exact``: float32 sums, bit for bit the float32 path;
 ``vnni512``, ``avx2``: integer dot products; ``SWITCHBOARD_QUANT_GEMM``), NAME-8bit: 4-bit
-formats kept as 8 bits (``SWITCHBOARD_QUANT_4BIT=off``), and NAME-fp32head: with a float32
+formats kept as 8 bits (``SWITCHBOARD_QUANT_4BIT=off``), NAME-f32scales: float32 scales and
+offsets in every panel (``SWITCHBOARD_QUANT_HALF_SCALES=off``), and NAME-fp32head: with a float32
 logits matrix (the question whether to quantize it). Then, per batch
 size, runs ``--rounds`` rounds of ``--steps`` greedy decode steps on each in turn (alternating,
 so that other load on the machine falls on all alike) and prints the median step time of each
@@ -55,6 +56,7 @@ def load_with_kernel(model_dir: str, kernel: str, mode: str, blocks: int) -> Mod
     name, _, suffix = kernel.partition("-")
     os.environ["SWITCHBOARD_QUANT_GEMM"] = name
     os.environ["SWITCHBOARD_QUANT_4BIT"] = "off" if suffix == "8bit" else "auto"
+    os.environ["SWITCHBOARD_QUANT_HALF_SCALES"] = "off" if suffix == "f32scales" else "auto"
     runner = load(model_dir, mode, blocks)
     return with_float32_head(runner) if suffix == "fp32head" else runner
 
@@ -81,7 +83,7 @@ def matmul_pass(runner: ModelRunner, rows: int, clock: Callable[[], float]) -> f
             kernel = lib.quant_linear
             if panels.dot:
                 kernel = lib.quant_dot4_linear if panels.bits == 4 else lib.quant_dot_linear
-            extra: tuple[int, ...] = (panels.block,)
+            extra: tuple[int, ...] = (panels.kernel_block,)
         else:
             kernel, extra = lib.small_batch_linear, ()
         args = (x.data_ptr(), in_features, panels.data.data_ptr(), None, y.data_ptr(), rows,
@@ -113,7 +115,8 @@ def main() -> None:
         nargs="+",
         default=["float32", "exact", "vnni512-8bit", "vnni512", "avx2"],
         help="float32, exact, vnni512, avx2; NAME-8bit: 4-bit formats as 8 bits; "
-        "NAME-fp32head: with a float32 logits matrix",
+        "NAME-fp32head: with a float32 logits matrix; NAME-f32scales: float32 scales and "
+        "offsets in the panels where float16 ones would do",
     )
     parser.add_argument(
         "--matmuls",
