@@ -3,7 +3,7 @@ forced in turn (``SWITCHBOARD_QUANT_GEMM``): the panels give back the weight exa
 is the exact integer sums of the rows rounded to int8 per block (as computed here in float64)
 to float32 rounding, and within the rounding of the rows of the float32 product; every variant
 gives the same floats; 4-bit formats packed as 4 bits compute what 8 do, float16 scales what
-float32 ones do; each row independent
+float32 ones do, and so do panels without offsets; each row independent
 of its neighbours; 16- and 32-input blocks, a bias,
 strided and empty inputs; the pick by the CPU's flags and the override."""
 
@@ -68,6 +68,7 @@ def _rounded_rows_product(x: torch.Tensor, rows: QuantRows, bias: torch.Tensor |
 
 FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")  # q spans 16 values: packed as 4 bits
 HALF_SCALE_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # float16 scales (and offsets)
+NO_OFFSET_TYPES = ("Q8_0", "Q5_0", "Q6_K")  # w = scale * q, 8 bits: the panels hold none
 
 
 @pytest.mark.parametrize("type_name", KERNEL_TYPES)
@@ -79,20 +80,22 @@ def test_packing_keeps_every_gguf_types_values(variant, type_name):
     assert panels.dot and panels.bits == bits
     # GGUF stores these types' scale (and Q4_1's offset) as float16: the panels do too
     assert panels.half_scales or type_name not in HALF_SCALE_TYPES
-    size = quant_gemm.panel_bytes(37, 512, rows.block, bits, panels.half_scales)
+    assert panels.offsets == (type_name not in NO_OFFSET_TYPES)
+    size = quant_gemm.panel_bytes(37, 512, rows.block, bits, panels.half_scales, panels.offsets)
     assert panels.nbytes == size
     assert torch.equal(quant_gemm.unpack(panels), torch.from_numpy(rows.dequantize()))
 
 
 @pytest.mark.parametrize("type_name", KERNEL_TYPES)
-def test_half_scales_compute_what_float32_scales_do(variant, type_name, monkeypatch):
-    """Float16 factors are taken only where they are exact, so every float is the same."""
+def test_compact_factors_compute_what_float32_ones_do(variant, type_name, monkeypatch):
+    """Float16 factors, or no offsets, are taken only where they are exact, so every float is
+    the same."""
     rng = np.random.default_rng(11)
     rows = decode_gguf(gguf_blocks(type_name, 41, 256, rng), type_name)
     chosen = quant_gemm.pack(rows)
     monkeypatch.setenv("SWITCHBOARD_QUANT_HALF_SCALES", "off")
     full = quant_gemm.pack(rows)
-    assert not full.half_scales and full.bits == chosen.bits
+    assert not full.half_scales and full.offsets and full.bits == chosen.bits
     if type_name in HALF_SCALE_TYPES:
         assert chosen.half_scales and chosen.nbytes < full.nbytes
     for count in (1, 2, 5, 9):
@@ -105,8 +108,15 @@ def test_scales_float16_does_not_hold_stay_float32(variant):
     rows = _random_rows(33, 64, 32, 3)  # uniform random float32 scales: not float16
     rows.scale[5, 1] = 1e-30  # below float16's smallest subnormal
     panels = quant_gemm.pack(rows)
-    assert not panels.half_scales
+    assert not panels.half_scales and panels.offsets
     assert panels.nbytes == quant_gemm.panel_bytes(33, 64, 32, 8)
+    scaled_only = QuantRows(rows.q, rows.scale, None, 32, "test")
+    without_offsets = quant_gemm.pack(scaled_only)
+    assert not without_offsets.half_scales and not without_offsets.offsets
+    x = torch.randn(3, 64)
+    expected = _rounded_rows_product(x, scaled_only, None)
+    got = quant_gemm.linear(x, without_offsets)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     half = rows.scale.astype(np.float16).astype(np.float32)  # now every one is exact,
     half[5, 1] = 2.0**-24  # a subnormal float16 among them
     offset = rows.offset.astype(np.float16).astype(np.float32)

@@ -19,8 +19,9 @@ instead of 4. Two kernels read them in panels of 16 output columns, a few rows a
   add per weight).
 
 The dot product kernel's panels hold a matrix's scales and offsets as float16 where every one
-of them is a float16 exactly (GGUF's Q8_0, Q4_0 and Q4_1 store them so): bit for bit the same
-products on a sixth fewer bytes at 4 bits (``SWITCHBOARD_QUANT_HALF_SCALES=off``: float32, for
+of them is a float16 exactly (GGUF's Q8_0, Q4_0 and Q4_1 store them so), and no offsets where
+all are zero (Q8_0): bit for bit the same products on a sixth fewer bytes at 4 bits and 15 %
+fewer for Q8_0 (``SWITCHBOARD_QUANT_HALF_SCALES=off``: float32 scales and offsets always, for
 comparison).
 
 ``SWITCHBOARD_QUANT_GEMM`` = ``off`` (no kernel: the weights stay float32), ``exact``, or a dot
@@ -46,7 +47,9 @@ PANEL = 16
 _VARIABLE = "SWITCHBOARD_QUANT_GEMM"
 _NIBBLES_VARIABLE = "SWITCHBOARD_QUANT_4BIT"
 _HALF_SCALES_VARIABLE = "SWITCHBOARD_QUANT_HALF_SCALES"
-HALF_SCALES = 256  # csrc/kernels.h's QUANT_HALF_SCALES: a block size with it: float16 factors
+# csrc/kernels.h's flags of a block size: the panels' factors as float16, the offsets left out
+HALF_SCALES = 256
+NO_OFFSETS = 512
 EXACT = "exact"
 # dot product variant -> (the C side's number, the CPU flags it needs), fastest first
 _AVX2 = frozenset({"avx2", "fma"})
@@ -70,8 +73,9 @@ class QuantPanels:
     """A weight ``[out_features, in_features]`` laid out for a kernel: ``data`` is uint8, per
     panel of 16 output columns ``in_features / block`` blocks of the values ``[block, 16]``
     (int8 q, input-major) or, for the dot product kernel (``dot``), ``[block / 4, 16, 4]``
-    (uint8 q + 128) or 4 bits (``bits``), then 16 scales and 16 offsets, float32 or float16
-    (``half_scales``, dot product panels only); zero past ``out_features``."""
+    (uint8 q + 128) or 4 bits (``bits``), then 16 scales and 16 offsets (none: ``offsets``
+    False), float32 or float16 (``half_scales``; both dot product panels only); zero past
+    ``out_features``."""
 
     data: torch.Tensor
     out_features: int
@@ -82,6 +86,7 @@ class QuantPanels:
     bits: int = 8  # 4: the dot product kernel's values as 4 bits ``[block / 8, 16, 4]`` bytes,
     # input k in the low half and k + block / 2 in the high half (q - its least, in 0..15)
     half_scales: bool = False
+    offsets: bool = True
 
     @property
     def nbytes(self) -> int:
@@ -89,15 +94,24 @@ class QuantPanels:
 
     @property
     def kernel_block(self) -> int:
-        """The block size as the C kernels take it (with HALF_SCALES for float16 factors)."""
-        return self.block | (HALF_SCALES if self.half_scales else 0)
+        """The block size as the C kernels take it, with the factors' layout flags."""
+        return _layout_block(self.block, self.half_scales, self.offsets)
+
+
+def _layout_block(block: int, half_scales: bool, offsets: bool) -> int:
+    return block | (HALF_SCALES if half_scales else 0) | (0 if offsets else NO_OFFSETS)
 
 
 def panel_bytes(
-    out_features: int, in_features: int, block: int, bits: int = 8, half_scales: bool = False
+    out_features: int,
+    in_features: int,
+    block: int,
+    bits: int = 8,
+    half_scales: bool = False,
+    offsets: bool = True,
 ) -> int:
     panels = -(-out_features // PANEL)
-    factor_bytes = 2 * PANEL * (2 if half_scales else 4)
+    factor_bytes = (2 if offsets else 1) * PANEL * (2 if half_scales else 4)
     return panels * (in_features // block) * (block * PANEL * bits // 8 + factor_bytes)
 
 
@@ -185,9 +199,9 @@ def pack(rows: QuantRows) -> QuantPanels:
     least = int(rows.q.min()) if rows.q.size else 0
     bits = 4 if dot and nibbles_allowed() and int(rows.q.max(initial=0)) - least < 16 else 8
 
-    def packed(half_scales: bool) -> QuantPanels | None:
-        """The panels, or None where float16 does not hold every scale and offset."""
-        size = panel_bytes(out_features, in_features, rows.block, bits, half_scales)
+    def packed(half_scales: bool, offsets: bool) -> QuantPanels | None:
+        """The panels, or None where that layout does not hold every scale and offset."""
+        size = panel_bytes(out_features, in_features, rows.block, bits, half_scales, offsets)
         data = torch.empty(size, dtype=torch.uint8)
         pointers = (
             q.data_ptr(),
@@ -196,25 +210,31 @@ def pack(rows: QuantRows) -> QuantPanels:
             data.data_ptr(),
             out_features,
             in_features,
-            rows.block | (HALF_SCALES if half_scales else 0),
+            _layout_block(rows.block, half_scales, offsets),
         )
         if bits == 4:
             inexact = library.load().quant_dot4_pack(*pointers, least)
         else:
             inexact = pack_function(*pointers)
-        if half_scales and inexact:
+        if inexact:
             return None
         return QuantPanels(
-            data, out_features, in_features, rows.block, rows.format, dot, bits, half_scales
-        )
+            data, out_features, in_features, rows.block, rows.format, dot, bits, half_scales,
+            offsets,
+        )  # fmt: skip
 
-    panels = packed(True) if dot and half_scales_allowed() else None
-    return panels or _required(packed(False))
+    # the most compact layout that holds the factors exactly: 4 bits move q's least into the
+    # offsets, so none are left only where it is 0
+    layouts = [(False, True)]
+    if dot and half_scales_allowed():
+        offsets = rows.offset is not None or (bits == 4 and least != 0)
+        layouts = list(dict.fromkeys([(True, offsets), (False, offsets), (False, True)]))
+    for half_scales, offsets in layouts:
+        panels = packed(half_scales, offsets)
+        if panels is not None:
+            return panels
+    raise AssertionError("float32 scales and offsets hold every factor")
 
-
-def _required(panels: QuantPanels | None) -> QuantPanels:
-    assert panels is not None  # float32 factors always hold them
-    return panels
 
 
 def unpack(panels: QuantPanels) -> torch.Tensor:
@@ -223,8 +243,8 @@ def unpack(panels: QuantPanels) -> torch.Tensor:
     count, blocks = -(-panels.out_features // PANEL), in_features // block
     value_bytes = block * PANEL * panels.bits // 8
     factor_dtype = torch.float16 if panels.half_scales else torch.float32
-    factor_bytes = 2 * PANEL * factor_dtype.itemsize
-    raw = panels.data.view(count, blocks, value_bytes + factor_bytes)
+    parts = 2 if panels.offsets else 1  # scales, then offsets
+    raw = panels.data.view(count, blocks, value_bytes + parts * PANEL * factor_dtype.itemsize)
     values = raw[:, :, :value_bytes].contiguous()
     if panels.bits == 4:  # [block / 8, 16, 4] of two halves' nibbles -> [block / 4, 16, 4]
         values = torch.cat([values & 0x0F, values >> 4], dim=2)
@@ -234,9 +254,10 @@ def unpack(panels: QuantPanels) -> torch.Tensor:
         values = values.view(count, blocks, block // 4, PANEL, 4).transpose(3, 4)
     q = values.contiguous().view(torch.int8).view(count, blocks, block, PANEL)
     factors = raw[:, :, value_bytes:].contiguous().view(factor_dtype).to(torch.float32)
-    scale = factors.view(count, blocks, 2, PANEL)[:, :, 0, None, :]
-    offset = factors.view(count, blocks, 2, PANEL)[:, :, 1, None, :]
-    w = scale * q.to(torch.float32) + offset  # [count, blocks, block, 16]
+    scale = factors.view(count, blocks, parts, PANEL)[:, :, 0, None, :]
+    w = scale * q.to(torch.float32)  # [count, blocks, block, 16]
+    if panels.offsets:
+        w = w + factors.view(count, blocks, parts, PANEL)[:, :, 1, None, :]
     w = w.permute(0, 3, 1, 2).reshape(count * PANEL, in_features)
     return w[: panels.out_features].contiguous()
 

@@ -53,9 +53,11 @@ int quant_linear(const float *x, int64_t ldx, const uint8_t *p, const float *bia
 
 /* quant_dot.c: the same with integer dot products, the rows quantized to int8 per block
    (variants: bit 1 AVX2, 2 AVX-512 VNNI; 0 rows at a time: none selected). A block size B with
-   QUANT_HALF_SCALES set: the panels' scales and offsets are float16 (the packs return how many
-   of them float16 does not hold exactly: such panels must not be used). */
+   QUANT_HALF_SCALES set: the panels' scales and offsets are float16; with QUANT_NO_OFFSETS:
+   they hold no offsets (all zero). The packs return how many factors that layout does not hold
+   exactly: such panels must not be used. */
 #define QUANT_HALF_SCALES 256
+#define QUANT_NO_OFFSETS 512
 int quant_dot_variants(void);
 int quant_dot_select(int variant);
 int quant_dot_max_rows(void);

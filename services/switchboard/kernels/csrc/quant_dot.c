@@ -27,11 +27,13 @@
    instead of 1.25, for the step at one row is bound by reading the weights. The sums then
    start at 0, and |u| <= 15 needs no sign trick with AVX2.
 
-   Scales and offsets as float16 (B | QUANT_HALF_SCALES, kernels.h) where every one of a matrix
-   is a float16 exactly, as GGUF's Q8_0, Q4_0 and Q4_1 hold them: the pack says whether they
-   were (it counts those that are not), and the kernel widens them back to the same float32
-   values, so the products are bit for bit those of float32 scales on 0.625 bytes a weight
-   (4 bits) or 1.125 (8 bits) instead of 0.75 or 1.25. */
+   The factors' layout (kernels.h): scales and offsets as float16 (B | QUANT_HALF_SCALES) where
+   every one of a matrix is a float16 exactly, as GGUF's Q8_0, Q4_0 and Q4_1 hold them, and no
+   offsets (B | QUANT_NO_OFFSETS) where all are zero (Q8_0): the pack says whether the layout
+   held them (it counts the factors it did not hold exactly), and the kernel widens them back to
+   the same float32 values (an offset of zero adds nothing), so the products are bit for bit
+   those of float32 factors on 0.625 bytes a weight (4 bits) or 1.0625 (Q8_0) instead of 0.75
+   or 1.25. */
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -42,10 +44,23 @@
 
 enum variant { NONE = 0, AVX2 = 1, VNNI512 = 2 };
 
-/* the bytes of one block of a panel: the values (4 bits each when `nibbles`), the scales and the
-   offsets (float16 when `half`) */
-static inline int64_t block_bytes(int64_t B, int nibbles, int half) {
-    return (nibbles ? B * PW / 2 : B * PW) + 2 * PW * (half ? 2 : (int64_t)sizeof(float));
+/* the factors' layout: bits of B above the block size */
+#define HALF 1       /* float16 */
+#define NO_OFFSETS 2 /* scales only */
+static inline int layout_of(int64_t B) {
+    return (B & QUANT_HALF_SCALES ? HALF : 0) | (B & QUANT_NO_OFFSETS ? NO_OFFSETS : 0);
+}
+static inline int64_t block_of(int64_t B) {
+    return B & ~(int64_t)(QUANT_HALF_SCALES | QUANT_NO_OFFSETS);
+}
+
+/* the bytes of a block's factors, and of the whole block: the values (4 bits each when
+   `nibbles`), the scales and the offsets, as `layout` says */
+static inline int64_t factor_bytes(int layout) {
+    return (layout & NO_OFFSETS ? 1 : 2) * PW * (layout & HALF ? 2 : (int64_t)sizeof(float));
+}
+static inline int64_t block_bytes(int64_t B, int nibbles, int layout) {
+    return (nibbles ? B * PW / 2 : B * PW) + factor_bytes(layout);
 }
 
 /* float16 bits of f, and whether they hold f exactly (finite, normal or subnormal) */
@@ -82,28 +97,33 @@ static inline float from_half(uint16_t h) {
     return f;
 }
 
-/* the scales and offsets of one block of a panel, so[0..2 PW), at `at` as float32 or float16;
-   how many were not float16 exactly */
-static int64_t store_factors(uint8_t *at, const float *so, int half) {
-    if (!half) {
-        __builtin_memcpy(at, so, 2 * PW * sizeof(float));
-        return 0;
+/* the scales and offsets of one block of a panel, so[0..2 PW), at `at` as `layout` says; how
+   many it does not hold exactly (offsets other than zero without offsets, values float16 does
+   not hold) */
+static int64_t store_factors(uint8_t *at, const float *so, int layout) {
+    const int count = layout & NO_OFFSETS ? PW : 2 * PW;
+    int64_t inexact = 0;
+    if (layout & NO_OFFSETS)
+        for (int i = PW; i < 2 * PW; i++) inexact += so[i] != 0.0f;
+    if (!(layout & HALF)) {
+        __builtin_memcpy(at, so, count * sizeof(float));
+        return inexact;
     }
     uint16_t h[2 * PW];
-    int64_t inexact = 0;
-    for (int i = 0; i < 2 * PW; i++) inexact += !to_half(so[i], h + i);
-    __builtin_memcpy(at, h, sizeof h);
+    for (int i = 0; i < count; i++) inexact += !to_half(so[i], h + i);
+    __builtin_memcpy(at, h, count * sizeof(uint16_t));
     return inexact;
 }
 
 /* q [N, K] int8, scale and offset [N, K / B] (offset NULL: zeros) -> panels, zero past N (a
-   zero weight: u = 128, scale and offset 0); B | QUANT_HALF_SCALES: the factors as float16.
-   Returns how many factors float16 does not hold exactly (0: the panels are good). */
+   zero weight: u = 128, scale and offset 0); B with QUANT_HALF_SCALES / QUANT_NO_OFFSETS: the
+   factors in that layout. Returns how many factors the layout does not hold exactly (0: the
+   panels are good). */
 int64_t quant_dot_pack(const int8_t *q, const float *scale, const float *offset, uint8_t *p,
                        int64_t N, int64_t K, int64_t B) {
-    const int half = (B & QUANT_HALF_SCALES) != 0;
-    B &= ~(int64_t)QUANT_HALF_SCALES;
-    const int64_t panels = (N + PW - 1) / PW, blocks = K / B, bb = block_bytes(B, 0, half);
+    const int layout = layout_of(B);
+    B = block_of(B);
+    const int64_t panels = (N + PW - 1) / PW, blocks = K / B, bb = block_bytes(B, 0, layout);
     int64_t inexact = 0;
 #pragma omp parallel for schedule(static) reduction(+ : inexact)
     for (int64_t pq = 0; pq < panels; pq++)
@@ -119,7 +139,7 @@ int64_t quant_dot_pack(const int8_t *q, const float *scale, const float *offset,
                 so[j] = n < N ? scale[n * blocks + b] : 0.0f;
                 so[PW + j] = n < N && offset ? offset[n * blocks + b] : 0.0f;
             }
-            inexact += store_factors(blk + B * PW, so, half);
+            inexact += store_factors(blk + B * PW, so, layout);
         }
     return inexact;
 }
@@ -127,9 +147,9 @@ int64_t quant_dot_pack(const int8_t *q, const float *scale, const float *offset,
 /* the same as 4 bits: q - qmin in 0..15 (the caller checks), offset + qmin * scale */
 int64_t quant_dot4_pack(const int8_t *q, const float *scale, const float *offset, uint8_t *p,
                         int64_t N, int64_t K, int64_t B, int64_t qmin) {
-    const int half = (B & QUANT_HALF_SCALES) != 0;
-    B &= ~(int64_t)QUANT_HALF_SCALES;
-    const int64_t panels = (N + PW - 1) / PW, blocks = K / B, bb = block_bytes(B, 1, half);
+    const int layout = layout_of(B);
+    B = block_of(B);
+    const int64_t panels = (N + PW - 1) / PW, blocks = K / B, bb = block_bytes(B, 1, layout);
     int64_t inexact = 0;
 #pragma omp parallel for schedule(static) reduction(+ : inexact)
     for (int64_t pq = 0; pq < panels; pq++)
@@ -148,7 +168,7 @@ int64_t quant_dot4_pack(const int8_t *q, const float *scale, const float *offset
                 so[j] = s;
                 so[PW + j] = (n < N && offset ? offset[n * blocks + b] : 0.0f) + (float)qmin * s;
             }
-            inexact += store_factors(blk + B * PW / 2, so, half);
+            inexact += store_factors(blk + B * PW / 2, so, layout);
         }
     return inexact;
 }
@@ -265,11 +285,12 @@ static inline __m512i line512(const int nibbles, const uint8_t *blk, int64_t k4,
 }
 
 static inline __attribute__((always_inline)) void tile_vnni(
-    const int R, const int P, const int nibbles, const int half, const int64_t B,
+    const int R, const int P, const int nibbles, const int layout, const int64_t B,
     const struct qrows *x,
     int64_t r0, const uint8_t *p, int64_t panel_bytes, int64_t ahead, float *y, int64_t ldy,
     int64_t ncols_last, const float *bias) {
-    const int64_t bb = block_bytes(B, nibbles, half), values = nibbles ? B * PW / 2 : B * PW;
+    const int64_t bb = block_bytes(B, nibbles, layout), values = nibbles ? B * PW / 2 : B * PW;
+    const int half = layout & HALF, offsets = !(layout & NO_OFFSETS);
     __m512 acc[8 * 4];
     for (int i = 0; i < R * P; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < x->blocks; b++) {
@@ -297,17 +318,19 @@ static inline __attribute__((always_inline)) void tile_vnni(
         for (int pp = 0; pp < P; pp++) {
             const uint8_t *so = p + pp * panel_bytes + b * bb + values;
             _mm_prefetch((const char *)so + ahead, _MM_HINT_T1);
-            if (!half) _mm_prefetch((const char *)so + ahead + 64, _MM_HINT_T1);
+            if (factor_bytes(layout) > 64) _mm_prefetch((const char *)so + ahead + 64, _MM_HINT_T1);
             const __m512 s = half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)so))
                                   : _mm512_loadu_ps((const float *)so);
-            const __m512 o = half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(so + 32)))
-                                  : _mm512_loadu_ps((const float *)so + PW);
+            const __m256i *o16 = (const __m256i *)(so + 32);
+            const __m512 o = !offsets ? _mm512_setzero_ps()
+                             : half   ? _mm512_cvtph_ps(_mm256_loadu_si256(o16))
+                                      : _mm512_loadu_ps((const float *)so + PW);
             for (int r = 0; r < R; r++) {
                 const int64_t i = (r0 + r) * x->blocks + b;
                 const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(x->d[i]));
                 __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r * P + pp]), sd,
                                            acc[r * P + pp]);
-                acc[r * P + pp] = _mm512_fmadd_ps(o, _mm512_set1_ps(x->ds[i]), a);
+                acc[r * P + pp] = offsets ? _mm512_fmadd_ps(o, _mm512_set1_ps(x->ds[i]), a) : a;
             }
         }
     }
@@ -317,13 +340,13 @@ static inline __attribute__((always_inline)) void tile_vnni(
 }
 #endif
 
-/* A block's float16 scales and offsets as float32 */
-static inline void widen_factors(const uint8_t *at, float *so) {
+/* A block's `count` float16 factors as float32 */
+static inline void widen_factors(const uint8_t *at, float *so, int count) {
 #if defined(__F16C__)
-    for (int i = 0; i < 2 * PW; i += 8)
+    for (int i = 0; i < count; i += 8)
         _mm256_storeu_ps(so + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(at + 2 * i))));
 #else
-    for (int i = 0; i < 2 * PW; i++) {
+    for (int i = 0; i < count; i++) {
         uint16_t h;
         __builtin_memcpy(&h, at + 2 * i, 2);
         so[i] = from_half(h);
@@ -342,11 +365,12 @@ static inline __m256i line256(const int nibbles, const uint8_t *blk, int64_t k4,
 }
 
 static inline __attribute__((always_inline)) void tile_avx2(
-    const int R, const int P, const int nibbles, const int half, const int64_t B,
+    const int R, const int P, const int nibbles, const int layout, const int64_t B,
     const struct qrows *x,
     int64_t r0, const uint8_t *p, int64_t panel_bytes, int64_t ahead, float *y, int64_t ldy,
     int64_t ncols_last, const float *bias) {
-    const int64_t bb = block_bytes(B, nibbles, half), values = nibbles ? B * PW / 2 : B * PW;
+    const int64_t bb = block_bytes(B, nibbles, layout), values = nibbles ? B * PW / 2 : B * PW;
+    const int half = layout & HALF, offsets = !(layout & NO_OFFSETS);
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
     __m256 acc[2 * 2 * 2];
     for (int i = 0; i < 2 * R * P; i++) acc[i] = _mm256_setzero_ps();
@@ -384,10 +408,10 @@ static inline __attribute__((always_inline)) void tile_avx2(
         for (int pp = 0; pp < P; pp++) {
             const uint8_t *at = p + pp * panel_bytes + b * bb + values;
             _mm_prefetch((const char *)at + ahead, _MM_HINT_T1);
-            if (!half) _mm_prefetch((const char *)at + ahead + 64, _MM_HINT_T1);
+            if (factor_bytes(layout) > 64) _mm_prefetch((const char *)at + ahead + 64, _MM_HINT_T1);
             float widened[2 * PW];
             const float *so = half ? widened : (const float *)at;
-            if (half) widen_factors(at, widened);
+            if (half) widen_factors(at, widened, offsets ? 2 * PW : PW);
             for (int r = 0; r < R; r++) {
                 const int64_t i = (r0 + r) * x->blocks + b;
                 const __m256 d = _mm256_set1_ps(x->d[i]), ds = _mm256_set1_ps(x->ds[i]);
@@ -395,7 +419,7 @@ static inline __attribute__((always_inline)) void tile_avx2(
                     const int t = 2 * (r * P + pp) + h;
                     const __m256 sd = _mm256_mul_ps(_mm256_loadu_ps(so + 8 * h), d);
                     const __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), sd, acc[t]);
-                    acc[t] = _mm256_fmadd_ps(_mm256_loadu_ps(so + PW + 8 * h), ds, a);
+                    acc[t] = offsets ? _mm256_fmadd_ps(_mm256_loadu_ps(so + PW + 8 * h), ds, a) : a;
                 }
             }
         }
@@ -405,12 +429,12 @@ static inline __attribute__((always_inline)) void tile_avx2(
     store_tile(R, P, out, y, ldy, ncols_last, bias);
 }
 
-#define TILE_ARGS NIBBLES, half, B, x, r0, p, panel_bytes, ahead, y, ldy, ncols_last, bias
+#define TILE_ARGS NIBBLES, layout, B, x, r0, p, panel_bytes, ahead, y, ldy, ncols_last, bias
 
 /* M rows (at most the variant's) times one panel, or panels_for(v, M) when `many`; values of
    8 bits, or 4 when NIBBLES (a constant: one instance of each) */
 static inline __attribute__((always_inline)) void panel_group_of(
-    const int NIBBLES, int half, int v, int64_t M, int many, int64_t B, const struct qrows *x,
+    const int NIBBLES, int layout, int v, int64_t M, int many, int64_t B, const struct qrows *x,
     int64_t r0,
     const uint8_t *p, int64_t panel_bytes, int64_t ahead, float *y, int64_t ldy,
     int64_t ncols_last, const float *bias) {
@@ -436,17 +460,17 @@ static inline __attribute__((always_inline)) void panel_group_of(
     }
 }
 
-static void panel_group8(int half, int v, int64_t M, int many, int64_t B, const struct qrows *x,
+static void panel_group8(int layout, int v, int64_t M, int many, int64_t B, const struct qrows *x,
                          int64_t r0, const uint8_t *p, int64_t panel_bytes, int64_t ahead,
                          float *y, int64_t ldy, int64_t ncols_last, const float *bias) {
-    panel_group_of(0, half, v, M, many, B, x, r0, p, panel_bytes, ahead, y, ldy, ncols_last,
+    panel_group_of(0, layout, v, M, many, B, x, r0, p, panel_bytes, ahead, y, ldy, ncols_last,
                    bias);
 }
 
-static void panel_group4(int half, int v, int64_t M, int many, int64_t B, const struct qrows *x,
+static void panel_group4(int layout, int v, int64_t M, int many, int64_t B, const struct qrows *x,
                          int64_t r0, const uint8_t *p, int64_t panel_bytes, int64_t ahead,
                          float *y, int64_t ldy, int64_t ncols_last, const float *bias) {
-    panel_group_of(1, half, v, M, many, B, x, r0, p, panel_bytes, ahead, y, ldy, ncols_last,
+    panel_group_of(1, layout, v, M, many, B, x, r0, p, panel_bytes, ahead, y, ldy, ncols_last,
                    bias);
 }
 
@@ -456,7 +480,7 @@ struct dot_task {
     const uint8_t *p;
     float *y;
     int64_t M, N, B, step; /* step: the panels of a work item */
-    int v, nibbles, half;
+    int v, nibbles, layout;
 };
 
 /* work items [i0, i1) of `step` panels each, every row, in groups of the variant's rows (the
@@ -465,7 +489,7 @@ static void dot_panels(void *arg, int64_t i0, int64_t i1) {
     const struct dot_task *t = arg;
     const int64_t most = rows_of(t->v), groups = (t->M + most - 1) / most;
     const int64_t base = t->M / groups, wider = t->M % groups;
-    const int64_t panel_bytes = t->x.blocks * block_bytes(t->B, t->nibbles, t->half);
+    const int64_t panel_bytes = t->x.blocks * block_bytes(t->B, t->nibbles, t->layout);
     const int64_t panels = (t->N + PW - 1) / PW;
     const int64_t q1 = i1 * t->step < panels ? i1 * t->step : panels;
     for (int64_t q = i0 * t->step; q < q1;) {
@@ -476,7 +500,7 @@ static void dot_panels(void *arg, int64_t i0, int64_t i1) {
         for (int64_t g = 0, r0 = 0; g < groups; g++) {
             const int64_t rows = base + (g < wider);
             (t->nibbles ? panel_group4 : panel_group8)(
-                t->half, t->v, rows, many, t->B, &t->x, r0, t->p + q * panel_bytes, panel_bytes,
+                t->layout, t->v, rows, many, t->B, &t->x, r0, t->p + q * panel_bytes, panel_bytes,
                 g == 0 ? PREFETCH_AHEAD : panel_bytes, t->y + r0 * t->N + q * PW, t->N,
                 ncols_last, bq);
             r0 += rows;
@@ -492,8 +516,8 @@ static void dot_panels(void *arg, int64_t i0, int64_t i1) {
 #define PANEL_WORK 32768
 static int dot_linear(const float *x, int64_t ldx, const uint8_t *p, const float *bias, float *y,
                       int64_t M, int64_t K, int64_t N, int64_t B, int nibbles) {
-    const int v = selected, half = (B & QUANT_HALF_SCALES) != 0;
-    B &= ~(int64_t)QUANT_HALF_SCALES;
+    const int v = selected, layout = layout_of(B);
+    B = block_of(B);
     if (M < 1 || K < 1 || (B != 16 && B != 32) || K % B != 0 || v == NONE) return -1;
     const int64_t blocks = K / B;
     /* the quantized rows, kept from call to call (fresh pages each call would be faulted in
@@ -517,7 +541,7 @@ static int dot_linear(const float *x, int64_t ldx, const uint8_t *p, const float
         }
     const int64_t step = M <= rows_of(v) ? panels_for(v, M) : 1;
     const struct dot_task task = {{q, d, ds, corr, K, blocks}, bias, p, y, M, N, B, step, v,
-                                  nibbles, half};
+                                  nibbles, layout};
     const int64_t per_item = M * K * PW * step, min_items = PANEL_WORK / per_item;
     const int64_t items = ((N + PW - 1) / PW + step - 1) / step;
     switchboard_parallel_for(items, min_items, dot_panels, (void *)&task);
