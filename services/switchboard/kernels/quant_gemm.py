@@ -236,7 +236,6 @@ def pack(rows: QuantRows) -> QuantPanels:
     raise AssertionError("float32 scales and offsets hold every factor")
 
 
-
 def unpack(panels: QuantPanels) -> torch.Tensor:
     """The float32 weight ``[out, in]`` the panels hold: ``scale * q + offset`` per block."""
     block, in_features = panels.block, panels.in_features
