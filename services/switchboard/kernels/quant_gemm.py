@@ -122,8 +122,9 @@ def nibbles_allowed() -> bool:
 
 
 def half_scales_allowed() -> bool:
-    """Whether dot product panels take float16 scales and offsets where those are exact
-    (``SWITCHBOARD_QUANT_HALF_SCALES=off``: always float32, for comparison)."""
+    """Whether dot product panels take the compact layouts of their factors where those hold
+    them exactly: float16 scales and offsets, no offsets (``SWITCHBOARD_QUANT_HALF_SCALES=off``:
+    always float32 scales and offsets, for comparison)."""
     return os.environ.get(_HALF_SCALES_VARIABLE, "auto") != "off"
 
 
