@@ -14,7 +14,7 @@
    the KV cache, the sliding window, and per matmul its panels' kind: 0 float32
    (small_batch_gemm.c), BF16_PANELS bfloat16 (bf16_gemm.c), DOT_PANELS + B (DOT4_PANELS + B:
    4-bit values) quantized for integer dot products in blocks of B inputs (quant_dot.c), else quantized in blocks of that
-   many inputs (quant_gemm.c). */
+   many inputs (quant_gemm.c). B carries the dot product panels' layout flags (kernels.h). */
 #define BF16_PANELS (-1)
 #define DOT_PANELS 1024
 #define DOT4_PANELS 2048
