@@ -75,7 +75,7 @@ def load() -> bool:
     if _stack is not None:
         return True
     if not (
-        (small_batch_gemm.max_rows or bf16_gemm.max_rows) and paged_decode.status() == "in use"
+        (small_batch_gemm.max_rows() or bf16_gemm.max_rows()) and paged_decode.status() == "in use"
     ):
         _status = "unavailable: needs the small-batch matmul and decode-attention kernels"
         return False
