@@ -74,7 +74,7 @@ def _run(runner, steps: list[SchedulerOutput], stack_on: bool, monkeypatch) -> l
     """Each step's logits, with the stack in use or not."""
     with monkeypatch.context() as patch:
         if not stack_on:
-            patch.setattr(decode_stack, "_stack", None)
+            patch.setattr(decode_stack._stack, "function", None)
         logits = []
         for step in steps:
             out = runner.forward_step(step)
