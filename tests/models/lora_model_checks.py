@@ -1,6 +1,6 @@
 """For the LoRA tests at the model (a Llama and a GPT-2 checkpoint): a manager over a checkpoint,
-a copy of an adapter with its config edited, and the check that a projection adds exactly an
-adapter's delta to the rows that run it."""
+a copy of an adapter with its config edited, the check that a projection adds exactly an
+adapter's delta to the rows that run it, and what the tensor-parallel checks start from."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 
 from switchboard.config import ModelConfig
 from switchboard.models.lora.manager import LoraLimits, LoraManager
+from switchboard.models.lora.stacks import LoraBatch
 from switchboard.models.parallel import ParallelState
 from switchboard.worker.model_loading import load_runner_model
 
@@ -64,3 +65,15 @@ def assert_adapter_delta(
     )
     torch.testing.assert_close(adapted[1] - base[1], expected, atol=1e-4, rtol=1e-4)
     assert torch.equal(adapted[0], base[0]) and torch.equal(adapted[2], base[2])
+
+
+def layer_zero_of(
+    base_dir: str, adapter_dir: str
+) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], float, LoraBatch]:
+    """Seeded: the adapter's layer-0 matrices (PEFT module -> (A, B)) as a manager loads them,
+    its scaling, and a batch of three rows whose middle one runs slot 1."""
+    torch.manual_seed(0)
+    manager = lora_manager(base_dir)
+    manager.add("a", adapter_dir)
+    adapter = manager.cpu["a"]
+    return adapter.layers[0], adapter.scaling, LoraBatch(torch.tensor([-1, 1, -1]), CPU)

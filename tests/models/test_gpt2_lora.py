@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from switchboard.models.lora.adapter import AdapterError
-from switchboard.models.lora.stacks import LoraBatch, fused_stack
+from switchboard.models.lora.stacks import fused_stack
 from switchboard.models.parallel import ParallelState
 from switchboard.models.parallel_layers import ColumnParallelLinear
 from tests.models.lora_model_checks import (
-    CPU,
     adapter_config,
     assert_adapter_delta,
     edited_copy,
+    layer_zero_of,
     lora_manager,
 )
 from tests.tiny_checkpoint import tiny_checkpoint_dir, tiny_llama_dir
@@ -61,12 +61,7 @@ def test_an_adapter_of_another_family_is_refused(base_dir):
 
 
 def test_tensor_parallel_slices_of_the_fused_c_attn_give_the_whole_delta(adapter_dir, base_dir):
-    torch.manual_seed(0)
-    manager = lora_manager(base_dir)
-    manager.add("a", adapter_dir)
-    adapter = manager.cpu["a"]
-    pairs, scaling = adapter.layers[0], adapter.scaling
-    batch = LoraBatch(torch.tensor([-1, 1, -1]), CPU)  # the middle row runs slot 1
+    pairs, scaling, batch = layer_zero_of(base_dir, adapter_dir)
 
     def delta(parallel: ParallelState) -> list[torch.Tensor]:
         rows = parallel.split(4, "heads").scaled(HIDDEN // 4)

@@ -18,13 +18,13 @@ import torch
 
 from switchboard.kernels.quant_gemm import QuantPanels
 from switchboard.models.lora.adapter import AdapterError
-from switchboard.models.lora.stacks import LoraBatch, column_stack, row_stack
+from switchboard.models.lora.stacks import column_stack, row_stack
 from switchboard.models.parallel import ParallelState
 from switchboard.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
 from tests.models.lora_model_checks import (
-    CPU,
     assert_adapter_delta,
     edited_copy,
+    layer_zero_of,
     lora_manager,
 )
 from tests.tiny_checkpoint import tiny_llama_dir
@@ -89,12 +89,7 @@ def test_the_quantized_base_path_runs_and_the_delta_is_added(base_dir, adapter_d
 
 
 def test_tensor_parallel_shards_put_together_give_the_whole_delta(base_dir, adapter_dir):
-    torch.manual_seed(0)
-    manager = lora_manager(base_dir)
-    manager.add("a", adapter_dir)
-    adapter = manager.cpu["a"]
-    pairs, scaling = adapter.layers[0], adapter.scaling
-    batch = LoraBatch(torch.tensor([-1, 1, -1]), CPU)  # the middle row runs slot 1
+    pairs, scaling, batch = layer_zero_of(base_dir, adapter_dir)
 
     def delta(stack, x: torch.Tensor) -> torch.Tensor:
         output = torch.zeros(x.shape[0], stack.b.shape[-1])
