@@ -28,7 +28,7 @@ from gateway_scripted_engine import ScriptedEngine
 
 from switchboard.config import GatewayConfig
 from switchboard.gateway.grpc_server import GatewayServer
-from tests.gateway.conftest import build_byte_level_tokenizer, write_checkpoint_dir
+from tests.gateway.conftest import write_chat_checkpoint_dir
 
 SCRIPT_TEXT = " one two three four five six seven eight nine ten"
 BAD_SCHEMA = {"type": "object", "properties": {"a": {"type": "no-such-type"}}}
@@ -41,9 +41,7 @@ CHAT_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def chat_checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = write_checkpoint_dir(tmp_path_factory.mktemp("chat-model"), build_byte_level_tokenizer())
-    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
-    return path
+    return write_chat_checkpoint_dir(tmp_path_factory.mktemp("chat-model"), CHAT_TEMPLATE)
 
 
 @dataclasses.dataclass
