@@ -97,6 +97,14 @@ def write_checkpoint_dir(path: Path, tokenizer: HfTokenizer) -> Path:
     return path
 
 
+def write_chat_checkpoint_dir(path: Path, chat_template: str) -> Path:
+    """The byte-level checkpoint directory, its ``tokenizer_config.json`` holding
+    ``chat_template``."""
+    path = write_checkpoint_dir(path, build_byte_level_tokenizer())
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": chat_template}))
+    return path
+
+
 @pytest.fixture
 def run_dir() -> Iterator[str]:
     """A gateway's run directory for its ipc:// sockets, removed after the test."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from switchboard.cli.chat_client import run_chat
 from switchboard.config import ModelConfig
 from switchboard.gateway.api_errors import status_details
 from switchboard.gateway.grpc_server import GatewayServer
-from tests.gateway.conftest import build_byte_level_tokenizer, write_checkpoint_dir
+from tests.gateway.conftest import write_chat_checkpoint_dir
 
 SCRIPT_TEXT = " one two three four five six"
 TEMPLATE = (
@@ -40,9 +39,7 @@ TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def chat_checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = write_checkpoint_dir(tmp_path_factory.mktemp("chat-model"), build_byte_level_tokenizer())
-    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
-    return path
+    return write_chat_checkpoint_dir(tmp_path_factory.mktemp("chat-model"), TEMPLATE)
 
 
 class Gateway:

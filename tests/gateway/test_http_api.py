@@ -16,12 +16,19 @@ from pathlib import Path
 import aiohttp
 import openai
 import pytest
-from gateway_harness import WAIT_S, gateway_config, until
+from gateway_harness import (
+    WAIT_S,
+    connect_scripted,
+    gateway_config,
+    start_scripted,
+    stop_scripted,
+    until,
+)
 from gateway_scripted_engine import ScriptedEngine
 
 from switchboard.config import GatewayConfig
 from switchboard.gateway.grpc_server import GatewayServer
-from tests.gateway.conftest import build_byte_level_tokenizer, write_checkpoint_dir
+from tests.gateway.conftest import write_chat_checkpoint_dir
 
 SCRIPT_TEXT = " one two three four five six seven eight nine ten"
 BAD_SCHEMA = {"type": "object", "properties": {"a": {"type": "no-such-type"}}}
@@ -34,9 +41,7 @@ CHAT_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def chat_checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = write_checkpoint_dir(tmp_path_factory.mktemp("chat-model"), build_byte_level_tokenizer())
-    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
-    return path
+    return write_chat_checkpoint_dir(tmp_path_factory.mktemp("chat-model"), CHAT_TEMPLATE)
 
 
 @dataclasses.dataclass
@@ -65,28 +70,22 @@ async def start_http(
     async def start(connect_engine: bool = True, chat: bool = False) -> HttpHarness:
         gateway = GatewayConfig(host="127.0.0.1", port=0, http_port=0)
         model_dir = chat_checkpoint_dir if chat else checkpoint_dir
-        config = gateway_config(model_dir, run_dir, gateway=gateway)
-        server = GatewayServer(config)
-        await server.start()
-        script = server.state.tokenizer.encode(SCRIPT_TEXT, add_special_tokens=False)
-        engine = ScriptedEngine(config.input_address, config.output_address, script)
+        server, engine = await start_scripted(
+            gateway_config(model_dir, run_dir, gateway=gateway), SCRIPT_TEXT
+        )
         client = openai.AsyncOpenAI(
             base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="none", max_retries=0
         )
         harness = HttpHarness(server, engine, client)
         started.append(harness)
         if connect_engine:
-            await engine.start()
-            assert await server.engines.wait_until_ready(WAIT_S)
-            await until(lambda: server.ready, "the gateway is ready")
+            await connect_scripted(server, engine)
         return harness
 
     yield start
     for harness in started:
         await harness.client.close()
-        with contextlib.suppress(Exception):
-            await harness.engine.close()
-        await harness.server.stop()
+        await stop_scripted(harness.server, harness.engine)
 
 
 async def _get(url: str) -> tuple[int, dict]:

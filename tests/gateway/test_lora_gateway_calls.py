@@ -5,7 +5,6 @@ naming it, and this gateway forgets it and asks the engines again next time."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing import Any
 import aiohttp
 import grpc
 import pytest
-from gateway_harness import WAIT_S, gateway_config, until
+from gateway_harness import WAIT_S, connect_scripted, gateway_config, start_scripted, stop_scripted
 from gateway_scripted_engine import ScriptedEngine
 
 from switchboard.api.v1 import generation_service_pb2 as pb
@@ -60,25 +59,18 @@ async def start_lora(checkpoint_dir: Path, run_dir: str) -> AsyncIterator[StartL
         model = ModelConfig(model=str(checkpoint_dir), served_model_name="tiny", lora=lora)
         gateway = GatewayConfig(host="127.0.0.1", port=0, http_port=0)
         config = gateway_config(checkpoint_dir, run_dir, model=model, gateway=gateway)
-        server = GatewayServer(config)
-        await server.start()
-        script = server.state.tokenizer.encode(" one two three", add_special_tokens=False)
-        engine = ScriptedEngine(config.input_address, config.output_address, script)
+        server, engine = await start_scripted(config, " one two three")
         engine.lora_adapters.update(held)
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
         harness = LoraHarness(server, engine, channel)
         started.append(harness)
-        await engine.start()
-        assert await server.engines.wait_until_ready(WAIT_S)
-        await until(lambda: server.ready, "the gateway is ready")
+        await connect_scripted(server, engine)
         return harness
 
     yield start
     for harness in started:
         await harness.channel.close()
-        with contextlib.suppress(Exception):
-            await harness.engine.close()
-        await harness.server.stop()
+        await stop_scripted(harness.server, harness.engine)
 
 
 async def _not_found(call: Awaitable[object]) -> grpc.aio.AioRpcError:

@@ -90,22 +90,22 @@ def test_a_cpu_without_avx512_bf16_gets_the_widening_variants(monkeypatch, resto
     runnable = bf16_gemm.available()
     expected = "dpbf16" if "avx512_bf16" in bf16_gemm.cpu_flags() else runnable[0]
     bf16_gemm.unload()
-    assert bf16_gemm.load() and bf16_gemm.variant == expected
+    assert bf16_gemm.load() and bf16_gemm.variant() == expected
     _cpu_without(monkeypatch, "avx512_bf16")
     bf16_gemm.unload()
-    assert bf16_gemm.load() and bf16_gemm.variant != "dpbf16"
+    assert bf16_gemm.load() and bf16_gemm.variant() != "dpbf16"
     assert not bf16_gemm.load("dpbf16")  # asked for, but the CPU lacks it
     assert "this CPU runs" in bf16_gemm.status()
     _cpu_without(monkeypatch, "avx512_bf16", "avx512f")
     bf16_gemm.unload()
-    assert bf16_gemm.load() and bf16_gemm.variant == "avx2"
-    assert bf16_gemm.max_rows == 4
+    assert bf16_gemm.load() and bf16_gemm.variant() == "avx2"
+    assert bf16_gemm.max_rows() == 4
 
 
 def test_without_avx2_or_switched_off_bfloat16_layers_use_torch(monkeypatch, restore_kernel):
     x, weight, bias = _problem(4, 64, 32)
     bf16_gemm.load()
-    panels = bf16_gemm.pack(weight) if bf16_gemm.max_rows else None
+    panels = bf16_gemm.pack(weight) if bf16_gemm.max_rows() else None
     _cpu_without(monkeypatch, "avx2", "fma")
     bf16_gemm.unload()
     assert not bf16_gemm.load()

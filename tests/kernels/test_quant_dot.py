@@ -190,7 +190,7 @@ def test_the_variants_give_the_same_floats():
 
 def test_a_row_does_not_depend_on_its_neighbours(variant):
     torch.manual_seed(0)
-    rows = 2 * quant_gemm.max_rows + 3  # groups of max_rows, and a part group
+    rows = 2 * quant_gemm.max_rows() + 3  # groups of max_rows, and a part group
     panels = quant_gemm.pack(_random_rows(200, 320, 32, 0))
     x = torch.randn(rows, 320)
     together = quant_gemm.linear(x, panels)
@@ -247,13 +247,13 @@ def test_the_pick_and_the_override(monkeypatch):
     quant_gemm.unload()
     monkeypatch.delenv("SWITCHBOARD_QUANT_GEMM", raising=False)
     assert quant_gemm.load()
-    assert quant_gemm.variant == quant_gemm.dot_variants()[0]  # the fastest this CPU runs
+    assert quant_gemm.variant() == quant_gemm.dot_variants()[0]  # the fastest this CPU runs
     assert "integer dot products" in quant_gemm.status()
     monkeypatch.setenv("SWITCHBOARD_QUANT_GEMM", "exact")
-    assert quant_gemm.load() and quant_gemm.variant == quant_gemm.EXACT
+    assert quant_gemm.load() and quant_gemm.variant() == quant_gemm.EXACT
     assert not quant_gemm.pack(_random_rows(4, 32, 32, 0)).dot
     monkeypatch.setenv("SWITCHBOARD_QUANT_GEMM", "avx2")
-    assert quant_gemm.load() and quant_gemm.variant == "avx2"
+    assert quant_gemm.load() and quant_gemm.variant() == "avx2"
     monkeypatch.setenv("SWITCHBOARD_QUANT_GEMM", "fastest")
     with pytest.raises(ValueError, match="SWITCHBOARD_QUANT_GEMM='fastest': use auto, off"):
         quant_gemm.load()

@@ -89,7 +89,7 @@ def test_the_float32_kernels_floats_on_the_dequantized_weight(
 
 def test_a_row_does_not_depend_on_its_neighbours(kernels):
     torch.manual_seed(0)
-    rows = 2 * quant_gemm.max_rows + 3  # groups of max_rows, and a part group
+    rows = 2 * quant_gemm.max_rows() + 3  # groups of max_rows, and a part group
     panels = quant_gemm.pack(_random_rows(200, 320, 32, 0))
     x = torch.randn(rows, 320)
     together = quant_gemm.linear(x, panels)

@@ -74,7 +74,7 @@ def _run(runner, steps: list[SchedulerOutput], stack_on: bool, monkeypatch) -> l
     """Each step's logits, with the stack in use or not."""
     with monkeypatch.context() as patch:
         if not stack_on:
-            patch.setattr(decode_stack, "_stack", None)
+            patch.setattr(decode_stack._stack, "function", None)
         logits = []
         for step in steps:
             out = runner.forward_step(step)
@@ -98,7 +98,7 @@ def test_decode_steps_are_bit_identical_to_the_layers(family, kwargs, monkeypatc
     assert stacked.attention_backend.name == "cpu-kernel"
     vocab = stacked.summary().vocab_size
     calls = _stack_calls(monkeypatch)
-    for rows in sorted({1, 3, small_batch_gemm.max_rows}):
+    for rows in sorted({1, 3, small_batch_gemm.max_rows()}):
         steps = _steps(rows, vocab, decode_steps=4, seed=rows)
         calls.clear()
         got = _run(stacked, steps, True, monkeypatch)
@@ -120,10 +120,10 @@ def test_beyond_a_register_group_of_rows(layer_matmuls, monkeypatch):
     the same greedy tokens) where they are oneDNN's."""
     model_dir = tiny_checkpoint_dir("llama")
     if layer_matmuls == "oneDNN":
-        monkeypatch.setattr(gemm, "SMALL_BATCH_MAX_ROWS", small_batch_gemm.max_rows)
+        monkeypatch.setattr(gemm, "SMALL_BATCH_MAX_ROWS", small_batch_gemm.max_rows())
     assert gemm.SMALL_BATCH_MAX_ROWS >= decode_stack.MAX_ROWS or layer_matmuls == "oneDNN"
     calls = _stack_calls(monkeypatch)
-    for rows in (small_batch_gemm.max_rows + 1, decode_stack.MAX_ROWS):
+    for rows in (small_batch_gemm.max_rows() + 1, decode_stack.MAX_ROWS):
         stacked = make_runner(model_dir, num_blocks=rows * BLOCK_RANGE)
         layered = make_runner(model_dir, num_blocks=rows * BLOCK_RANGE)
         steps = _steps(rows, stacked.summary().vocab_size, decode_steps=3, seed=5)

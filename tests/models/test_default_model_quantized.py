@@ -53,7 +53,7 @@ def test_with_integer_dot_products_greedy_agrees_except_near_ties(monkeypatch, f
     monkeypatch.setenv("SWITCHBOARD_QUANT_GEMM", "auto")
     quantization, quantized = _greedy(resolve_model(None), "auto", monkeypatch)
     assert quantization == "gguf Q4_1, Q8_0"
-    assert quant_gemm.variant in quant_gemm.DOT_VARIANTS
+    assert quant_gemm.variant() in quant_gemm.DOT_VARIANTS
     assert agreed_tokens(quantized, float32_tokens, TIE, TIE) >= MAX_TOKENS
 
 

@@ -5,24 +5,23 @@ rank's slice of the fused ``c_attn`` delta, put together, is the whole delta."""
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-
 import pytest
 import torch
 
-from switchboard.config import ModelConfig
 from switchboard.models.lora.adapter import AdapterError
-from switchboard.models.lora.manager import LoraLimits, LoraManager
-from switchboard.models.lora.stacks import LoraBatch, fused_stack
+from switchboard.models.lora.stacks import fused_stack
 from switchboard.models.parallel import ParallelState
 from switchboard.models.parallel_layers import ColumnParallelLinear
-from switchboard.worker.model_loading import load_runner_model
+from tests.models.lora_model_checks import (
+    adapter_config,
+    assert_adapter_delta,
+    edited_copy,
+    layer_zero_of,
+    lora_manager,
+)
 from tests.tiny_checkpoint import tiny_checkpoint_dir, tiny_llama_dir
 from tests.tiny_lora import tiny_lora_dir
 
-CPU = torch.device("cpu")
 HIDDEN = 64  # the tiny GPT-2's
 
 
@@ -36,16 +35,11 @@ def adapter_dir(base_dir) -> str:
     return tiny_lora_dir(base_dir, rank=8, alpha=16.0, targets=["c_attn", "c_proj", "c_fc"], seed=7)
 
 
-def _manager(model_dir: str) -> LoraManager:
-    model, config, _, _ = load_runner_model(ModelConfig(model=model_dir), CPU)
-    return LoraManager(model, config, LoraLimits(2, 16, 2), ParallelState())
-
-
 def test_every_module_maps_onto_its_projection(base_dir, adapter_dir):
-    manager = _manager(base_dir)
+    manager = lora_manager(base_dir)
     described = manager.add("a", adapter_dir)
     assert described["target_modules"] == ["attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"]
-    adapter, block = manager.cpu["a"], manager.model.transformer.h[1]
+    block = manager.model.transformer.h[1]
     cases = [  # (projection, its input size, the PEFT module of its whole output)
         (block.attn.c_attn, HIDDEN, "attn.c_attn"),
         (block.attn.c_proj, HIDDEN, "attn.c_proj"),
@@ -53,20 +47,12 @@ def test_every_module_maps_onto_its_projection(base_dir, adapter_dir):
         (block.mlp.c_proj, 4 * HIDDEN, "mlp.c_proj"),
     ]
     for projection, in_features, module in cases:
-        x = torch.randn(3, in_features)
-        manager.prepare([], CPU)
-        base = projection(x)
-        manager.prepare([("", 1), ("a", 1), ("", 1)], CPU)  # row 1 runs the adapter
-        adapted = projection(x)
-        a, b = adapter.layers[1][module]
-        expected = x[1] @ a.T @ b.T * adapter.scaling
-        torch.testing.assert_close(adapted[1] - base[1], expected, atol=1e-4, rtol=1e-4)
-        assert torch.equal(adapted[0], base[0]) and torch.equal(adapted[2], base[2])
+        assert_adapter_delta(manager, projection, in_features, [module])
     manager.finish()
 
 
 def test_an_adapter_of_another_family_is_refused(base_dir):
-    manager = _manager(base_dir)
+    manager = lora_manager(base_dir)
     llama_adapter = tiny_lora_dir(tiny_llama_dir(), rank=8, alpha=16.0, seed=5)
     refused = r"target module '\w+_proj': the model has no such layer"
     with pytest.raises(AdapterError, match=refused):
@@ -75,12 +61,7 @@ def test_an_adapter_of_another_family_is_refused(base_dir):
 
 
 def test_tensor_parallel_slices_of_the_fused_c_attn_give_the_whole_delta(adapter_dir, base_dir):
-    torch.manual_seed(0)
-    manager = _manager(base_dir)
-    manager.add("a", adapter_dir)
-    adapter = manager.cpu["a"]
-    pairs, scaling = adapter.layers[0], adapter.scaling
-    batch = LoraBatch(torch.tensor([-1, 1, -1]), CPU)  # the middle row runs slot 1
+    pairs, scaling, batch = layer_zero_of(base_dir, adapter_dir)
 
     def delta(parallel: ParallelState) -> list[torch.Tensor]:
         rows = parallel.split(4, "heads").scaled(HIDDEN // 4)
@@ -105,17 +86,10 @@ def test_fan_in_fan_out_is_served_either_way_as_peft_does(base_dir, adapter_dir,
     """peft writes ``fan_in_fan_out: true`` for GPT-2's Conv1D and, loading an adapter that says
     false, sets it true itself (a warning): its matrices are ``[r, in]`` / ``[out, r]`` either
     way, so both load to the same matrices."""
-    manager = _manager(base_dir)
+    manager = lora_manager(base_dir)
     manager.add("as-written", adapter_dir)
-    copy = str(tmp_path / "adapter")
-    shutil.copytree(adapter_dir, copy)
-    config_path = os.path.join(copy, "adapter_config.json")
-    with open(config_path) as file:
-        config = json.load(file)
-    assert config["fan_in_fan_out"] is True
-    with open(config_path, "w") as file:
-        json.dump({**config, "fan_in_fan_out": False}, file)
-    manager.add("flag-false", copy)
+    assert adapter_config(adapter_dir)["fan_in_fan_out"] is True
+    manager.add("flag-false", edited_copy(adapter_dir, tmp_path, fan_in_fan_out=False))
     written, flipped = manager.cpu["as-written"].layers, manager.cpu["flag-false"].layers
     for layer, pairs in written.items():
         for module, (a, b) in pairs.items():

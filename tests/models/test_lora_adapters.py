@@ -11,25 +11,24 @@
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 
 import pytest
 import torch
 
-from switchboard.config import ModelConfig
 from switchboard.kernels.quant_gemm import QuantPanels
 from switchboard.models.lora.adapter import AdapterError
-from switchboard.models.lora.manager import LoraLimits, LoraManager
-from switchboard.models.lora.stacks import LoraBatch, column_stack, row_stack
+from switchboard.models.lora.stacks import column_stack, row_stack
 from switchboard.models.parallel import ParallelState
 from switchboard.models.parallel_layers import ColumnParallelLinear, RowParallelLinear
-from switchboard.worker.model_loading import load_runner_model
+from tests.models.lora_model_checks import (
+    assert_adapter_delta,
+    edited_copy,
+    layer_zero_of,
+    lora_manager,
+)
 from tests.tiny_checkpoint import tiny_llama_dir
 from tests.tiny_lora import tiny_lora_dir
-
-CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
@@ -42,30 +41,11 @@ def adapter_dir(base_dir) -> str:
     return tiny_lora_dir(base_dir, rank=8, alpha=16.0, seed=5)
 
 
-def _manager(model_dir: str, quantization: str = "none", max_rank: int = 16) -> LoraManager:
-    model, config, _, _ = load_runner_model(
-        ModelConfig(model=model_dir, quantization=quantization), CPU
-    )
-    return LoraManager(model, config, LoraLimits(2, max_rank, 2), ParallelState())
-
-
-def _edited_copy(adapter_dir: str, tmp_path, **config_changes: object) -> str:
-    copy = str(tmp_path / "adapter")
-    shutil.copytree(adapter_dir, copy)
-    config_path = os.path.join(copy, "adapter_config.json")
-    with open(config_path) as file:
-        config = json.load(file)
-    config.update(config_changes)
-    with open(config_path, "w") as file:
-        json.dump(config, file)
-    return copy
-
-
 def test_refusals_name_the_problem(base_dir, adapter_dir, tmp_path):
-    manager = _manager(base_dir, max_rank=4)
+    manager = lora_manager(base_dir, max_rank=4)
     with pytest.raises(AdapterError, match="rank 8 is above --max-lora-rank 4"):
         manager.add("a", adapter_dir)
-    manager = _manager(base_dir)
+    manager = lora_manager(base_dir)
     cases = {
         "use_dora is true": dict(use_dora=True),
         "target module 'lm_head': the model has no such layer": dict(
@@ -75,11 +55,11 @@ def test_refusals_name_the_problem(base_dir, adapter_dir, tmp_path):
     }
     for i, (message, changes) in enumerate(cases.items()):
         with pytest.raises(AdapterError, match=message):
-            manager.add(f"bad{i}", _edited_copy(adapter_dir, tmp_path / str(i), **changes))
+            manager.add(f"bad{i}", edited_copy(adapter_dir, tmp_path / str(i), **changes))
     # an adapter of rank 8 whose config says 4: every matrix has the wrong shape
     with pytest.raises(AdapterError, match=r"layer 0 \w+_proj: shape mismatch with the base model"):
-        manager.add("wrong-rank", _edited_copy(adapter_dir, tmp_path / "r", r=4))
-    corrupt = _edited_copy(adapter_dir, tmp_path / "c")
+        manager.add("wrong-rank", edited_copy(adapter_dir, tmp_path / "r", r=4))
+    corrupt = edited_copy(adapter_dir, tmp_path / "c")
     with open(os.path.join(corrupt, "adapter_model.safetensors"), "r+b") as file:
         file.truncate(100)
     with pytest.raises(AdapterError, match="adapter_model.safetensors is corrupt or unreadable"):
@@ -90,13 +70,13 @@ def test_refusals_name_the_problem(base_dir, adapter_dir, tmp_path):
 
 
 def test_an_adapter_for_another_base_model_is_refused(adapter_dir):
-    other = _manager(tiny_llama_dir(hidden_size=32, intermediate_size=64))
+    other = lora_manager(tiny_llama_dir(hidden_size=32, intermediate_size=64))
     with pytest.raises(AdapterError, match="shape mismatch with the base model"):
         other.add("a", adapter_dir)
 
 
 def test_the_quantized_base_path_runs_and_the_delta_is_added(base_dir, adapter_dir):
-    manager = _manager(base_dir, quantization="int8")
+    manager = lora_manager(base_dir, quantization="int8")
     manager.add("a", adapter_dir)
     layer = manager.model.model.layers[1]
     cases = [  # (projection, its input size, the PEFT modules of its output parts)
@@ -104,27 +84,12 @@ def test_the_quantized_base_path_runs_and_the_delta_is_added(base_dir, adapter_d
         (layer.mlp.down_proj, 128, ["down_proj"]),
     ]
     assert all(isinstance(p.small_batch, QuantPanels) for p, _, _ in cases)
-    adapter = manager.cpu["a"]
     for projection, in_features, modules in cases:
-        x = torch.randn(3, in_features)
-        manager.prepare([], CPU)
-        base = projection(x)
-        manager.prepare([("", 1), ("a", 1), ("", 1)], CPU)  # row 1 runs the adapter
-        adapted = projection(x)
-        expected = torch.cat(
-            [x[1] @ a.T @ b.T * adapter.scaling for a, b in (adapter.layers[1][m] for m in modules)]
-        )
-        torch.testing.assert_close(adapted[1] - base[1], expected, atol=1e-4, rtol=1e-4)
-        assert torch.equal(adapted[0], base[0]) and torch.equal(adapted[2], base[2])
+        assert_adapter_delta(manager, projection, in_features, modules)
 
 
 def test_tensor_parallel_shards_put_together_give_the_whole_delta(base_dir, adapter_dir):
-    torch.manual_seed(0)
-    manager = _manager(base_dir)
-    manager.add("a", adapter_dir)
-    adapter = manager.cpu["a"]
-    pairs, scaling = adapter.layers[0], adapter.scaling
-    batch = LoraBatch(torch.tensor([-1, 1, -1]), CPU)  # the middle row runs slot 1
+    pairs, scaling, batch = layer_zero_of(base_dir, adapter_dir)
 
     def delta(stack, x: torch.Tensor) -> torch.Tensor:
         output = torch.zeros(x.shape[0], stack.b.shape[-1])

@@ -210,12 +210,12 @@ def test_the_decode_stack_takes_quantized_panels(monkeypatch, kernel):
     assert quant_gemm.load(), quant_gemm.status()
     model_dir = tiny_checkpoint_dir("llama")
     calls = _stack_calls(monkeypatch)
-    for rows in (1, 3, 2 * quant_gemm.max_rows + 1):
+    for rows in (1, 3, 2 * quant_gemm.max_rows() + 1):
         stacked = make_runner(model_dir, num_blocks=rows * BLOCK_RANGE, quantization="int8")
         layered = make_runner(model_dir, num_blocks=rows * BLOCK_RANGE, quantization="int8")
         layers = stacked.model.model.layers
         assert all(isinstance(layer.mlp.down_proj.small_batch, QuantPanels) for layer in layers)
-        assert quant_gemm.variant == kernel
+        assert quant_gemm.variant() == kernel
         steps = _steps(rows, stacked.summary().vocab_size, decode_steps=3, seed=rows)
         calls.clear()
         got = _run(stacked, steps, True, monkeypatch)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from typing import Any
 
 import msgspec
@@ -154,12 +154,30 @@ def where() -> Iterator[str]:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def test_a_subscriber_follows_a_publisher_through_a_restart(where: str) -> None:
-    config = KVEventsConfig(
+def events_config(where: str, **fields: Any) -> KVEventsConfig:
+    """Events on, published and replayed on sockets under ``where``; ``fields``: more."""
+    return KVEventsConfig(
         enable_kv_cache_events=True,
         endpoint=f"ipc://{where}/pub",
         replay_endpoint=f"ipc://{where}/replay",
+        **fields,
     )
+
+
+def run_then_close(
+    scenario: Coroutine[Any, Any, None], ctx: zmq.Context, publisher: KvEventPublisher | None = None
+) -> None:
+    """Run ``scenario``; then, passed or failed, stop ``publisher`` and close ``ctx``."""
+    try:
+        asyncio.run(scenario)
+    finally:
+        if publisher is not None:
+            publisher.stop()
+        ctx.destroy(linger=0)
+
+
+def test_a_subscriber_follows_a_publisher_through_a_restart(where: str) -> None:
+    config = events_config(where)
     ctx = zmq.Context()
     actx = zmq.asyncio.Context.shadow(ctx)
 
@@ -203,19 +221,11 @@ def test_a_subscriber_follows_a_publisher_through_a_restart(where: str) -> None:
         subscriber.close()
         second.stop()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        ctx.destroy(linger=0)
+    run_then_close(scenario(), ctx)
 
 
 def test_batches_past_the_replay_buffer_are_counted_lost(where: str) -> None:
-    config = KVEventsConfig(
-        enable_kv_cache_events=True,
-        endpoint=f"ipc://{where}/pub",
-        replay_endpoint=f"ipc://{where}/replay",
-        buffer_steps=2,
-    )
+    config = events_config(where, buffer_steps=2)
     ctx = zmq.Context()
     publisher = KvEventPublisher(ctx, config, rank=0)
 
@@ -236,19 +246,11 @@ def test_batches_past_the_replay_buffer_are_counted_lost(where: str) -> None:
         finally:
             subscriber.close()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        publisher.stop()
-        ctx.destroy(linger=0)
+    run_then_close(scenario(), ctx, publisher)
 
 
 def test_follow_probes_for_missed_batches_and_a_snapshot_drops_older_ones(where: str) -> None:
-    config = KVEventsConfig(
-        enable_kv_cache_events=True,
-        endpoint=f"ipc://{where}/pub",
-        replay_endpoint=f"ipc://{where}/replay",
-    )
+    config = events_config(where)
     ctx = zmq.Context()
     actx = zmq.asyncio.Context.shadow(ctx)
     publisher = KvEventPublisher(ctx, config, rank=0)
@@ -294,8 +296,4 @@ def test_follow_probes_for_missed_batches_and_a_snapshot_drops_older_ones(where:
             if late is not None:
                 late.close()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        publisher.stop()
-        ctx.destroy(linger=0)
+    run_then_close(scenario(), ctx, publisher)

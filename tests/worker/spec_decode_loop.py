@@ -7,15 +7,40 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from switchboard.config import CacheConfig, SchedulerConfig
+import torch
+
+from switchboard.config import CacheConfig, ModelConfig, SchedulerConfig
+from switchboard.config.lora import LoraConfig
 from switchboard.engine.request import Request
 from switchboard.engine.scheduler import Scheduler
+from switchboard.models.parallel import SINGLE_PROCESS, ParallelState
 from switchboard.wire.engine_msgs import EngineCoreOutput, EngineCoreRequest, SamplingParams
 from switchboard.wire.lora import lora_request
+from switchboard.worker.draft_model import DraftModel
 from switchboard.worker.model_runner import ModelRunner
 
 BLOCK_SIZE = 4
 _arrival = itertools.count(1)
+
+
+def spec_runner(
+    model_dir: str,
+    num_blocks: int,
+    *,
+    draft_dir: str | None = None,
+    lora: LoraConfig | None = None,
+    parallel: ParallelState = SINGLE_PROCESS,
+) -> ModelRunner:
+    """A CPU runner of ``model_dir`` with a KV cache of ``num_blocks`` blocks of ``BLOCK_SIZE``;
+    ``draft_dir``: the checkpoint of its draft model (speculative decoding), ``lora``: its
+    adapters' configuration, ``parallel``: its share of a tensor/pipeline-parallel group."""
+    config = ModelConfig(model=model_dir, lora=lora or LoraConfig())
+    device = torch.device("cpu")
+    draft = DraftModel(draft_dir, config, device) if draft_dir else None
+    runner = ModelRunner(config, device, parallel, draft=draft)
+    runner.load_model()
+    runner.initialize_kv_cache(num_blocks, BLOCK_SIZE)
+    return runner
 
 
 @dataclass
@@ -86,18 +111,12 @@ def run_loop(
 
 
 def loop_on_rank(
-    parallel: Any, model_dir: str, speculative_config: str, params: SamplingParams
+    parallel: ParallelState, model_dir: str, speculative_config: str, params: SamplingParams
 ) -> dict[str, Any]:
     """``run_loop`` on one rank of a tensor/pipeline-parallel group (``parallel_ranks``): every
     rank schedules the same steps from the tokens its runner returns (the output rank's, shared
     with every rank)."""
-    import torch
-
-    from switchboard.config import ModelConfig
-
-    runner = ModelRunner(ModelConfig(model=model_dir), torch.device("cpu"), parallel)
-    runner.load_model()
-    runner.initialize_kv_cache(PARALLEL_NUM_BLOCKS, BLOCK_SIZE)
+    runner = spec_runner(model_dir, PARALLEL_NUM_BLOCKS, parallel=parallel)
     result = run_loop(
         runner, PARALLEL_PROMPTS, params, speculative_config, num_blocks=PARALLEL_NUM_BLOCKS
     )

@@ -18,7 +18,7 @@ from switchboard.wire.engine_msgs import SamplingParams
 from switchboard.worker.draft_model import DraftModel
 from switchboard.worker.model_runner import ModelRunner
 from tests.tiny_checkpoint import tiny_checkpoint_dir, tiny_llama_dir
-from tests.worker.spec_decode_loop import BLOCK_SIZE, run_loop
+from tests.worker.spec_decode_loop import run_loop, spec_runner
 from tests.worker.test_model_runner_parity import make_runner
 
 NUM_BLOCKS = 160
@@ -34,12 +34,7 @@ def draft_config(draft_dir: str, k: int = 4) -> str:
 
 
 def draft_runner(model_dir: str, draft_dir: str) -> ModelRunner:
-    config = ModelConfig(model=model_dir)
-    device = torch.device("cpu")
-    runner = ModelRunner(config, device, draft=DraftModel(draft_dir, config, device))
-    runner.load_model()
-    runner.initialize_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
-    return runner
+    return spec_runner(model_dir, NUM_BLOCKS, draft_dir=draft_dir)
 
 
 @pytest.fixture(scope="module")

@@ -10,32 +10,18 @@ import json
 
 import msgspec
 import pytest
-import torch
 
-from switchboard.config import ModelConfig
 from switchboard.config.lora import LoraConfig
 from switchboard.wire.engine_msgs import SamplingParams
-from switchboard.worker.draft_model import DraftModel
 from switchboard.worker.model_runner import ModelRunner
 from tests.tiny_checkpoint import tiny_checkpoint_dir
 from tests.tiny_lora import tiny_lora_dir
-from tests.worker.spec_decode_loop import BLOCK_SIZE, run_loop
+from tests.worker.spec_decode_loop import run_loop, spec_runner
 
 NUM_BLOCKS = 160
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
 ALLOWED = [5, 9, 33, 40, 41]  # few tokens: text that repeats, so n-gram proposals get accepted
 PROMPT = [0, 5, 9, 33, 5, 9, 33, 5, 9, 33, 5, 9, 40, 41]
-
-
-def make_runner(model_dir: str, draft: bool, lora: LoraConfig | None = None) -> ModelRunner:
-    config = ModelConfig(model=model_dir, lora=lora or LoraConfig())
-    device = torch.device("cpu")
-    runner = ModelRunner(
-        config, device, draft=DraftModel(model_dir, config, device) if draft else None
-    )
-    runner.load_model()
-    runner.initialize_kv_cache(NUM_BLOCKS, BLOCK_SIZE)
-    return runner
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +34,9 @@ def runners(model_dir) -> dict[str, tuple[ModelRunner, str]]:
     """speculation off / n-gram / the model as its own draft: (runner, --speculative-config)."""
     self_draft = json.dumps({"model": model_dir, "num_speculative_tokens": 3})
     return {
-        "off": (make_runner(model_dir, draft=False), ""),
-        "ngram": (make_runner(model_dir, draft=False), NGRAM),
-        "draft": (make_runner(model_dir, draft=True), self_draft),
+        "off": (spec_runner(model_dir, NUM_BLOCKS), ""),
+        "ngram": (spec_runner(model_dir, NUM_BLOCKS), NGRAM),
+        "draft": (spec_runner(model_dir, NUM_BLOCKS, draft_dir=model_dir), self_draft),
     }
 
 
@@ -115,7 +101,9 @@ def test_a_lora_adapter_s_tokens_are_the_same_with_speculation(model_dir, propos
     params = SamplingParams(temperature=0.0, max_tokens=24, allowed_token_ids=ALLOWED)
     results = []
     for draft, config in [(False, ""), (proposer == "draft", _config(proposer, model_dir))]:
-        runner = make_runner(model_dir, draft, lora)
+        runner = spec_runner(
+            model_dir, NUM_BLOCKS, draft_dir=model_dir if draft else None, lora=lora
+        )
         assert runner.lora is not None
         runner.lora.manager.add("a", adapter)
         results.append(

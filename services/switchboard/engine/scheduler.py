@@ -25,8 +25,9 @@ Preemption is by recompute: blocks freed, ``num_computed_tokens`` reset, outputs
 back at the front of the waiting queue; its id goes out in ``finished_request_ids`` so workers
 drop their state, and on resume it is a NewRequest again whose tokens are prompt + outputs.
 
-Preemption is in ``preemption``, the prefix-cache lookup and admission of a waiting request in
-``prefix_admission``, applying a step's output in ``output_update``.
+Step 1 is in ``running_schedule``, preemption in ``preemption``, the prefix-cache lookup and
+admission of a waiting request in ``prefix_admission``, applying a step's output in
+``output_update``.
 
 The step's :class:`SchedulerOutput` is a delta (see ``wire/step_msgs.py``). A request id never
 appears both in ``finished_request_ids`` and among the scheduled requests of one output.
@@ -51,13 +52,13 @@ from switchboard.engine import clock
 from switchboard.engine.kv_cache import KVCacheManager
 from switchboard.engine.lora_registry import adapter_may_join, adapters_of
 from switchboard.engine.output_update import apply_step_output
-from switchboard.engine.preemption import pick_victim, preempt, preempt_for
+from switchboard.engine.preemption import preempt, preempt_for
 from switchboard.engine.prefix_admission import admit, prefix_cache_hits, waits_for_shared_prefill
 from switchboard.engine.request import Request, RequestStatus
 from switchboard.engine.request_queue import make_request_queue
+from switchboard.engine.running_schedule import schedule_running
 from switchboard.engine.scheduler_stats import SchedulerCounters
 from switchboard.engine.speculation.speculator import make_speculator
-from switchboard.engine.speculation.steps import schedule_proposals
 from switchboard.engine.step_plan import StepPlan
 from switchboard.wire.engine_msgs import (
     EngineCoreOutput,
@@ -107,7 +108,7 @@ class Scheduler:
         self.counters = SchedulerCounters()
         # Speculative decoding (engine/speculation/), None when off; the step's proposals.
         self.speculator = make_speculator(scheduler_config.speculative_config)
-        self._proposals: dict[str, list[int]] = {}
+        self.proposals: dict[str, list[int]] = {}
         self.max_loras = max_loras
         logger.info(
             "scheduler: policy=%s max_num_seqs=%d max_num_batched_tokens=%d "
@@ -194,7 +195,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         plan = StepPlan(self._step_budget())
-        self._schedule_running(plan)
+        schedule_running(self, plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
         self._step_id += 1
@@ -202,7 +203,7 @@ class Scheduler:
         finished_ids = list(self.finished_ids)
         self.finished_ids.clear()
         output = plan.commit(self._step_id, self.requests, self.kv, finished_ids)
-        if self._proposals:
+        if self.proposals:
             output.scheduled_spec_decode_tokens = self._take_proposals(plan)
         self._in_flight[self._step_id] = (output.num_scheduled_tokens, plan.sampling)
         return output
@@ -210,7 +211,7 @@ class Scheduler:
     def _take_proposals(self, plan: StepPlan) -> dict[str, list[int]]:
         """The step's proposals, of the requests still in it (one preempted later in the
         step is not)."""
-        proposals, self._proposals = self._proposals, {}
+        proposals, self.proposals = self.proposals, {}
         for rid in [rid for rid in proposals if rid not in plan.scheduled]:
             del proposals[rid]
         return proposals
@@ -236,69 +237,16 @@ class Scheduler:
             return min(budget, max(shared, len(self.running)))
         return budget
 
-    def _chunk_cap(self) -> int:
+    def chunk_cap(self) -> int:
+        """The most prompt tokens a request computes in one step (0: no cap): the
+        ``long_prefill_token_threshold`` while another request is in."""
         threshold = self.config.long_prefill_token_threshold
         if threshold > 0 and len(self.running) + len(self.waiting) > 1:
             return threshold
         return 0
 
-    def _schedule_running(self, plan: StepPlan) -> None:
-        cap = self._chunk_cap()
-        prefilling: list[Request] = []
-        speculator = self.speculator
-        if speculator is not None and not speculator.active(len(self.running)):
-            speculator = None
-        for request in list(self.running):  # decoding requests first
-            if plan.budget <= 0:
-                break
-            if request.status != _RUNNING:  # preempted earlier in this step
-                continue
-            pending = request.num_pending_samples
-            if pending and self._waits_for_pending(request, pending):
-                continue
-            if request.num_tokens_to_compute == 1:
-                self._schedule_one_running(plan, request, 1)
-                if speculator is not None and not pending and request.status == _RUNNING:
-                    drafts = schedule_proposals(
-                        speculator, plan, request, self.kv, self.max_model_len
-                    )
-                    if drafts:
-                        self._proposals[request.request_id] = drafts
-            else:
-                prefilling.append(request)
-        for request in prefilling:
-            if plan.budget <= 0:
-                break
-            if request.status != _RUNNING:
-                continue
-            num_tokens = request.num_tokens_to_compute
-            if cap and num_tokens > cap:
-                num_tokens = cap
-            self._schedule_one_running(plan, request, num_tokens)
-
-    def _waits_for_pending(self, request: Request, pending: int) -> bool:
-        """Whether a request with tokens still to come from a step in flight must have them
-        first: they may end it by length, or its grammar masks the next token by them."""
-        return (
-            request.grammar is not None
-            or (request.speculation is not None and request.speculation.in_flight > 0)
-            or request.num_output_tokens + pending >= request.sampling_params.max_tokens
-            or request.num_tokens + pending >= self.max_model_len
-        )
-
-    def _schedule_one_running(self, plan: StepPlan, request: Request, num_tokens: int) -> None:
-        num_tokens = min(num_tokens, plan.budget, self.max_model_len - request.num_computed_tokens)
-        if num_tokens <= 0:
-            return
-        while self.kv.allocate_slots(request, num_tokens) is None:
-            victim = pick_victim(self)
-            preempt(self, victim, plan)
-            if victim is request:
-                return
-        plan.add(request, num_tokens)
-
     def _schedule_waiting(self, plan: StepPlan) -> None:
-        cap = self._chunk_cap()
+        cap = self.chunk_cap()
         max_num_seqs = self.config.max_num_seqs
         skipped: list[Request] = []
         while self.waiting and plan.budget > 0:

@@ -43,14 +43,6 @@ VARIANTS: dict[str, tuple[int, frozenset[str]]] = {
     "avx2": (1, _AVX2),
 }
 _kernel = PanelKernel(__name__, torch.bfloat16)
-# Rows one call takes over each cached panel (8 with AVX-512, 4 with AVX2; 0 while not loaded)
-# and the variant loaded. Declared only: ``__getattr__`` reads them from ``_kernel``.
-max_rows: int
-variant: str
-
-
-def __getattr__(name: str) -> int | str:
-    return _kernel.module_attribute(name)
 
 
 @dataclass(frozen=True)
@@ -121,6 +113,17 @@ def faster_than_float32() -> str | None:
 
 def status() -> str:
     return _kernel.status
+
+
+def max_rows() -> int:
+    """Rows one call takes over each cached panel (8 with AVX-512, 4 with AVX2); 0 while not
+    loaded."""
+    return _kernel.max_rows
+
+
+def variant() -> str:
+    """The variant loaded (a ``VARIANTS`` name); empty while not loaded."""
+    return _kernel.variant
 
 
 def unload() -> None:

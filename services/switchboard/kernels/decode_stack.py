@@ -37,7 +37,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -64,39 +63,32 @@ from switchboard.kernels.lora_delta import StackLora
 # for, and the two paths agree bit for bit.
 MAX_ROWS = gemm.SMALL_BATCH_MAX_ROWS
 
-_stack: Callable[..., Any] | None = None  # the library's decode_stack_f32
-_status = "not loaded"
+_stack = library.SwitchedFunction("decode_stack_f32", "SWITCHBOARD_DECODE_STACK")
 
 
 def load() -> bool:
     """Load the stack; True when in use. Needs the three kernels it calls loaded first (their
     off switches turn this off too). Idempotent."""
-    global _stack, _status
-    if _stack is not None:
+    if _stack.function is not None:
         return True
     if not (
-        (small_batch_gemm.max_rows or bf16_gemm.max_rows) and paged_decode.status() == "in use"
+        (small_batch_gemm.max_rows() or bf16_gemm.max_rows()) and paged_decode.status() == "in use"
     ):
-        _status = "unavailable: needs the small-batch matmul and decode-attention kernels"
+        _stack.status = "unavailable: needs the small-batch matmul and decode-attention kernels"
         return False
     if fused_ops.status() != "in use":
-        _status = "unavailable: needs the fused CPU layer operations"
+        _stack.status = "unavailable: needs the fused CPU layer operations"
         return False
-    loaded, _status = library.load_switched("SWITCHBOARD_DECODE_STACK", "off")
-    if loaded is None:
-        return False
-    _stack = loaded.decode_stack_f32
-    return True
+    return _stack.load()
 
 
 def status() -> str:
-    return _status
+    return _stack.status
 
 
 def unload() -> None:
     """Back to the layer-by-layer path (tests compare the two)."""
-    global _stack, _status
-    _stack, _status = None, "not loaded"
+    _stack.unload()
 
 
 @dataclass(frozen=True)
@@ -173,7 +165,7 @@ class DecodeStack:
         token per row; False (nothing done) where the stack does not apply and the caller loops
         over the layers. ``layers`` is asked for the model's layers when a plan is made.
         ``lora``: the step's adapter rows (None: every row on the base model)."""
-        if _stack is None or self._unusable:
+        if _stack.function is None or self._unusable:
             return False
         rows = hidden.shape[0]
         if (
@@ -220,13 +212,14 @@ def _call(
     context_lens: torch.Tensor,
     lora: StackLora | None,
 ) -> None:
-    assert _stack is not None
+    stack = _stack.function
+    assert stack is not None
     cos, sin = cos.contiguous(), sin.contiguous()
     block_table = block_table.contiguous()
     context_lens = context_lens.contiguous()
     hidden_size, heads, kv_heads, head_dim, intermediate = plan.dims
     _, num_blocks, block_size, _, _ = kv_cache.shape
-    code = _stack(
+    code = stack(
         hidden.data_ptr(),
         hidden.shape[0],
         plan.fields.shape[0],
@@ -262,13 +255,8 @@ def _lora_arguments(lora: StackLora | None) -> tuple[int, int, int, int, int]:
     largest rank (the fields' address 0: no adapter row)."""
     if lora is None:
         return 0, 0, 0, 0, 0
-    return (
-        lora.fields.data_ptr(),
-        lora.row_slots.data_ptr(),
-        lora.slots,
-        lora.slot_ranks.data_ptr(),
-        lora.max_rank,
-    )
+    slots = lora_delta.slot_arguments(lora.row_slots, lora.slots, lora.slot_ranks, lora.max_rank)
+    return lora.fields.data_ptr(), *slots
 
 
 def _make_plan(layers: Sequence[StackLayer], kv_caches: Sequence[torch.Tensor]) -> _Plan | None:

@@ -49,7 +49,7 @@ ONEDNN_MIN_MACS = 300_000
 # The batch oneDNN lays a packed weight out for; 8, 32 and 128 measured alike from 8 rows up.
 PACK_BATCH_HINT = 32
 # Products of at most this many rows on a weight with small-batch panels go to that kernel
-# (``small_batch_gemm.max_rows`` rows at a time over each panel). It runs on the kernels' work
+# (``small_batch_gemm.max_rows()`` rows at a time over each panel). It runs on the kernels' work
 # pool, so such a step, LM head included, never waits at an OpenMP barrier (``csrc/work_pool.c``).
 # With AVX-512, oneDNN's wider kernels are as fast from 16 rows (0.95-1.0x): 128. With AVX2
 # alone the kernel measured 5-17 % faster than oneDNN at 128 to 1,024 rows (tiny-llama's and
@@ -173,7 +173,7 @@ def _bf16_linear(
     """A bfloat16 weight's product: the kernel for few rows (float32 sums, rounded to ``x``'s
     dtype as torch's matmul rounds them, unless ``float32_sums``), torch's matmul otherwise."""
     rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] > BF16_MAX_ROWS or bf16_gemm.max_rows == 0:
+    if rows.shape[0] > BF16_MAX_ROWS or bf16_gemm.max_rows() == 0:
         return F.linear(x, weight, bias)
     y = bf16_gemm.linear(rows.float(), panels, bias)
     if not float32_sums:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,9 @@ SOURCES = (
 )
 
 _I64, _F32, _INT, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
+# The LoRA kernels' adapter of each row: each row's slot, the slots, their ranks, the largest
+# rank (``lora_delta.slot_arguments``)
+_SLOT_ARGUMENTS = [_PTR, _I64, _PTR, _I64]
 # name -> (result type, argument types); None = void
 SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "switchboard_work_pool_use_openmp": (None, [_INT]),
@@ -77,11 +81,11 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "decode_stack_f32": (
         _INT,
         [_PTR, _I64, _I64, _PTR, *[_I64] * 5, _F32, _F32, *[_PTR] * 5, *[_I64] * 4]
-        + [_PTR, _PTR, _I64, _PTR, _I64],
+        + [_PTR, *_SLOT_ARGUMENTS],
     ),
     "lora_delta_f32": (
         _INT,
-        [_PTR, _I64, _PTR, *[_I64] * 4, *[_PTR] * 3, _I64, _PTR, *[_I64] * 2, _PTR],
+        [_PTR, _I64, _PTR, *[_I64] * 4, _PTR, _PTR, *_SLOT_ARGUMENTS, _I64, _PTR],
     ),
 }
 
@@ -142,6 +146,30 @@ def load_switched(variable: str, off: str) -> tuple[ctypes.CDLL | None, str]:
         return load(), "in use"
     except NativeBuildError as exc:
         return None, f"unavailable: {exc}"
+
+
+class SwitchedFunction:
+    """One library function a kernel module calls, behind the module's off switch
+    (``variable=off`` in the environment, as :func:`load_switched`): ``function`` while loaded,
+    ``status`` always."""
+
+    def __init__(self, name: str, variable: str) -> None:
+        self.name, self.variable = name, variable
+        self.function: Callable[..., Any] | None = None
+        self.status = "not loaded"
+
+    def load(self) -> bool:
+        """Take the function from the library; True when it is in use. Idempotent."""
+        if self.function is not None:
+            return True
+        loaded, self.status = load_switched(self.variable, "off")
+        if loaded is None:
+            return False
+        self.function = getattr(loaded, self.name)
+        return True
+
+    def unload(self) -> None:
+        self.function, self.status = None, "not loaded"
 
 
 def load_panel_kernel(variable: str, pack: str, linear: str, max_rows: str) -> tuple[Any, int, str]:

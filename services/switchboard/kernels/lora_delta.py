@@ -16,9 +16,7 @@ decode steps with adapter rows to the layer-by-layer path).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -26,8 +24,7 @@ from switchboard.kernels import library
 
 MAX_RANK = 512  # the C side's LORA_MAX_RANK: rank rows per part
 
-_delta: Callable[..., Any] | None = None
-_status = "not loaded"
+_delta = library.SwitchedFunction("lora_delta_f32", "SWITCHBOARD_LORA_DELTA")
 
 # lora_delta_f32's codes
 _ERRORS = {
@@ -39,28 +36,20 @@ _ERRORS = {
 
 def load() -> bool:
     """Load the kernel; True when in use. Idempotent."""
-    global _delta, _status
-    if _delta is not None:
-        return True
-    loaded, _status = library.load_switched("SWITCHBOARD_LORA_DELTA", "off")
-    if loaded is None:
-        return False
-    _delta = loaded.lora_delta_f32
-    return True
+    return _delta.load()
 
 
 def status() -> str:
-    return _status
+    return _delta.status
 
 
 def unload() -> None:
     """Back to torch (tests compare the two)."""
-    global _delta, _status
-    _delta, _status = None, "not loaded"
+    _delta.unload()
 
 
 def in_use() -> bool:
-    return _delta is not None
+    return _delta.function is not None
 
 
 @dataclass(frozen=True)
@@ -78,7 +67,7 @@ class SlotMatrices:
 def usable(a: torch.Tensor, b: torch.Tensor, max_rank: int) -> bool:
     """Whether the kernel can take matrices like these (and is loaded)."""
     return (
-        _delta is not None
+        _delta.function is not None
         and max_rank <= MAX_RANK
         and all(
             t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
@@ -96,12 +85,13 @@ def add_delta(
 ) -> None:
     """``y`` ``[rows, out]`` += each adapter row's delta, in place; ``x`` ``[rows, in]``;
     ``row_slots`` int64 ``[rows]`` (-1: the base model), ``slot_ranks`` int64 ``[slots]``."""
-    assert _delta is not None
+    delta = _delta.function
+    assert delta is not None
     rows, in_features = x.shape
     out_features = y.shape[1]
     if x.stride(1) != 1 or y.stride(1) != 1:
         raise ValueError("lora_delta: rows must be contiguous")
-    code = _delta(
+    code = delta(
         x.data_ptr(),
         x.stride(0),
         y.data_ptr(),
@@ -111,15 +101,21 @@ def add_delta(
         out_features,
         matrices.a.data_ptr(),
         matrices.b.data_ptr(),
-        row_slots.data_ptr(),
-        matrices.a.shape[0],
-        slot_ranks.data_ptr(),
-        matrices.max_rank,
+        *slot_arguments(row_slots, matrices.a.shape[0], slot_ranks, matrices.max_rank),
         matrices.columns.shape[0] - 1,
         matrices.columns.data_ptr(),
     )
     if code != 0:
         raise RuntimeError(f"lora_delta failed ({code}): {_ERRORS.get(code, 'unknown')}")
+
+
+def slot_arguments(
+    row_slots: torch.Tensor, slots: int, slot_ranks: torch.Tensor, max_rank: int
+) -> tuple[int, int, int, int]:
+    """The adapter of each row as both C kernels (this one and the decode stack) take it, in
+    their order: each row's slot (int64, -1: the base model), the slots, each slot's rank
+    (int64) and the largest rank."""
+    return row_slots.data_ptr(), slots, slot_ranks.data_ptr(), max_rank
 
 
 @dataclass(frozen=True)

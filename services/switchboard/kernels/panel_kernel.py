@@ -1,7 +1,7 @@
 """What a panel matmul module (the float32, bfloat16 and quantized small-batch kernels) knows
 once it has loaded its kernel: the pack and linear functions in use, the rows one call takes,
 the variant and a status line. Each module holds one :class:`PanelKernel` and answers its
-``status()``, ``unload()``, ``packable()``, ``max_rows`` and ``variant`` from it."""
+``status()``, ``unload()``, ``packable()``, ``max_rows()`` and ``variant()`` from it."""
 
 from __future__ import annotations
 
@@ -108,10 +108,3 @@ class PanelKernel:
         short = self.module.rpartition(".")[2]
         assert self._linear is not None, f"{short}.linear before load()"
         return self._linear
-
-    def module_attribute(self, name: str) -> int | str:
-        """Its module's ``__getattr__``: the module's ``max_rows`` and ``variant`` are these."""
-        if name in ("max_rows", "variant"):
-            value: int | str = getattr(self, name)
-            return value
-        raise AttributeError(f"module {self.module!r} has no attribute {name!r}")

@@ -58,14 +58,6 @@ DOT_VARIANTS: dict[str, tuple[int, frozenset[str]]] = {
     "avx2": (1, _AVX2),
 }
 _kernel = PanelKernel(__name__)
-# Rows one call takes over each cached panel (0 while not loaded) and the variant loaded (EXACT
-# or a DOT_VARIANTS name). Declared only: ``__getattr__`` reads them from ``_kernel``.
-max_rows: int
-variant: str
-
-
-def __getattr__(name: str) -> int | str:
-    return _kernel.module_attribute(name)
 
 
 @dataclass(frozen=True)
@@ -179,6 +171,16 @@ def load(wanted: str | None = None) -> bool:
 
 def status() -> str:
     return _kernel.status
+
+
+def max_rows() -> int:
+    """Rows one call takes over each cached panel; 0 while not loaded."""
+    return _kernel.max_rows
+
+
+def variant() -> str:
+    """The kernel loaded: ``EXACT`` or a ``DOT_VARIANTS`` name; empty while not loaded."""
+    return _kernel.variant
 
 
 def unload() -> None:

@@ -4,7 +4,7 @@ A decode step of one request multiplies one row by every weight matrix: the work
 the weights, and oneDNN's kernels (``gemm.py``) read them at about half the memory's speed on a
 2-core EPYC. This kernel streams each weight once, in panels of 16 output columns laid out for
 it (:class:`Panels`, made once at load by ``pack``), and keeps the rows' sums in registers: two
-AVX2 vectors per row, ``max_rows`` rows at a time (8 where AVX-512's 32 vector registers hold
+AVX2 vectors per row, ``max_rows()`` rows at a time (8 where AVX-512's 32 vector registers hold
 them, else 6; more rows go in groups over each panel while it is in the core's cache, so the
 weight is still read once). Measured on that machine (it has AVX-512),
 two threads, a SmolLM2-135M-shaped stack (30 layers and the LM head, cold weights), ms:
@@ -41,13 +41,6 @@ from switchboard.kernels.panel_kernel import PanelKernel
 
 PANEL = 16
 _kernel = PanelKernel(__name__, torch.float32)
-# Rows one call takes, read from the library at load (8 with AVX-512's registers, else 6);
-# 0 while the kernel is not loaded. Declared only: ``__getattr__`` reads it from ``_kernel``.
-max_rows: int
-
-
-def __getattr__(name: str) -> int | str:
-    return _kernel.module_attribute(name)
 
 
 @dataclass(frozen=True)
@@ -75,6 +68,12 @@ def status() -> str:
     return _kernel.status
 
 
+def max_rows() -> int:
+    """Rows one call takes, read from the library at load (8 with AVX-512's registers, else
+    6); 0 while the kernel is not loaded."""
+    return _kernel.max_rows
+
+
 def unload() -> None:
     """Back to oneDNN alone (tests compare the two)."""
     _kernel.unload()
@@ -98,7 +97,7 @@ def pack(weight: torch.Tensor) -> Panels:
 
 
 def linear(x: torch.Tensor, panels: Panels, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W^T + b`` for ``x`` ``[rows, in]`` float32 on CPU (``max_rows`` at a time)."""
+    """``x @ W^T + b`` for ``x`` ``[rows, in]`` float32 on CPU (``max_rows()`` at a time)."""
     y, code = call_panel_linear(
         _kernel.linear_function(), x, panels.data, panels.out_features, bias
     )

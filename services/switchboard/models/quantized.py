@@ -149,10 +149,10 @@ def quantize_weights(
 
 def _kernel_text() -> str:
     """Which quantized matmul kernel the decode steps use, for the load's log line."""
-    if quant_gemm.variant == quant_gemm.EXACT:
+    if quant_gemm.variant() == quant_gemm.EXACT:
         return "matmuls: exact float32 sums (SWITCHBOARD_QUANT_GEMM=exact)"
     return (
-        f"matmuls: integer dot products, {quant_gemm.variant}, rows quantized to int8 per "
+        f"matmuls: integer dot products, {quant_gemm.variant()}, rows quantized to int8 per "
         "block (SWITCHBOARD_QUANT_GEMM=exact: float32 sums)"
     )
 

@@ -257,6 +257,23 @@ static void quantize_block(const float *x, int64_t B, int8_t *q, float *d, float
     *corr = -128 * s;
 }
 
+/* What both variants do over a block of a panel: fetch value line k4 `ahead` bytes early (4
+   bits: the lines of the low nibbles hold the high ones too), */
+static inline __attribute__((always_inline)) void prefetch_line(const int nibbles,
+                                                                const uint8_t *blk, int64_t k4,
+                                                                int64_t B, int64_t ahead) {
+    if (!nibbles || k4 < B / 8) _mm_prefetch((const char *)blk + k4 * 4 * PW + ahead, _MM_HINT_T1);
+}
+
+/* and row r's 4 quantized inputs of line k4 of block b, as one int32. */
+static inline __attribute__((always_inline)) int32_t four_inputs(const struct qrows *x,
+                                                                 int64_t r, int64_t b, int64_t B,
+                                                                 int64_t k4) {
+    int32_t four;
+    __builtin_memcpy(&four, x->q + r * x->K + b * B + 4 * k4, 4);
+    return four;
+}
+
 /* Tile of R rows times P panels (constants where inlined), variant V; the last panel has
    ncols_last columns. acc: float sums, one per (row, panel) pair. */
 #define PREFETCH_AHEAD 2048
@@ -303,13 +320,11 @@ static inline __attribute__((always_inline)) void tile_vnni(
             __m512i w[4];
             for (int pp = 0; pp < P; pp++) {
                 const uint8_t *blk = p + pp * panel_bytes + b * bb;
-                if (!nibbles || k4 < B / 8)
-                    _mm_prefetch((const char *)blk + k4 * 4 * PW + ahead, _MM_HINT_T1);
+                prefetch_line(nibbles, blk, k4, B, ahead);
                 w[pp] = line512(nibbles, blk, k4, B);
             }
             for (int r = 0; r < R; r++) {
-                int32_t four;
-                __builtin_memcpy(&four, x->q + (r0 + r) * x->K + b * B + 4 * k4, 4);
+                const int32_t four = four_inputs(x, r0 + r, b, B, k4);
                 const __m512i xb = _mm512_set1_epi32(four);
                 for (int pp = 0; pp < P; pp++)
                     sums[r * P + pp] = _mm512_dpbusd_epi32(sums[r * P + pp], w[pp], xb);
@@ -381,8 +396,7 @@ static inline __attribute__((always_inline)) void tile_avx2(
             __m256i wq[2 * 2], wa[2 * 2];
             for (int pp = 0; pp < P; pp++) {
                 const uint8_t *blk = p + pp * panel_bytes + b * bb;
-                if (!nibbles || k4 < B / 8)
-                    _mm_prefetch((const char *)blk + k4 * 4 * PW + ahead, _MM_HINT_T1);
+                prefetch_line(nibbles, blk, k4, B, ahead);
                 for (int h = 0; h < 2; h++) {
                     /* 4 bits: u itself (at most 15); else q = u ^ 0x80 and |q| */
                     wq[2 * pp + h] = line256(nibbles, blk, k4, B, h);
@@ -393,8 +407,7 @@ static inline __attribute__((always_inline)) void tile_avx2(
                 }
             }
             for (int r = 0; r < R; r++) {
-                int32_t four;
-                __builtin_memcpy(&four, x->q + (r0 + r) * x->K + b * B + 4 * k4, 4);
+                const int32_t four = four_inputs(x, r0 + r, b, B, k4);
                 const __m256i xb = _mm256_set1_epi32(four);
                 for (int i = 0; i < 2 * P; i++) {
                     const __m256i pairs =
