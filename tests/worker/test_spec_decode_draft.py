@@ -117,9 +117,7 @@ class DraftCacheWatch:
         return output
 
 
-def test_the_draft_skips_steps_without_proposals_and_catches_up_before_proposing(
-    model_dir, plain
-):
+def test_the_draft_skips_steps_without_proposals_and_catches_up_before_proposing(model_dir, plain):
     """Above ``disable_by_batch_size`` nobody proposes and the draft computes nothing (prefills
     included); once one request is left it proposes, the draft having caught up on its prompt and
     outputs first: its own draft's proposals are all accepted, the tokens those of off."""
