@@ -12,8 +12,9 @@ draft costs as much as the model, so it measures the mechanism's cost, never a s
 default model has no smaller sibling with its tokenizer here).
 
 Servers side by side, the same flags but ``--speculative-config``: off and on (default
-``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-"prompt_lookup_min": 1}``; several ``--spec`` values, and ``--draft``, are each a server of their
+``{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4,
+"prompt_lookup_min": 1}``: a request's proposals start at 4 tokens and grow to 8 while all are
+accepted; several ``--spec`` values, and ``--draft``, are each a server of their
 own, so variants compare in one run: ``--spec A B --draft DIR``). Each level (a workload at a
 concurrency c: a closed loop of c clients, each sending its next request when its last one ends,
 greedy) runs on one server, then the next, ``--rounds`` times in alternation, and each side's
@@ -62,7 +63,7 @@ from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_SPEC = json.dumps(
-    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 )
 VOCAB = 49152  # SmolLM2's
 RANDOM_PROMPT_LEN = 128
