@@ -8,12 +8,15 @@ at the token's own position (the causal mask; SDPA's per-call cost was most of t
 time of a step of short prompts). A step with a longer chunk sends its decodes to the kernel and
 its prompt chunks to the torch reference; any other dtype or device runs the reference whole.
 On this backend a decode-only step of a Llama-family model may skip the layers' Python and run
-in one C call (``LlamaForCausalLM``, ``kernels/decode_stack.py``).
+in one C call (``LlamaForCausalLM``, ``kernels/decode_stack.py``). A chunk of at most
+``KERNEL_ANY_CONTEXT_MAX_TOKENS`` tokens (a decode with its proposed tokens) always goes to the
+kernel, also in a step whose longer chunks take the reference: its rows then have the floats they
+have in any other step, so a request's tokens do not depend on what shares its step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +25,7 @@ from switchboard.models.attention import (
     REFERENCE,
     AttentionBackend,
     AttentionMetadata,
+    PrefillSpan,
     reference_prefill_attention,
 )
 
@@ -49,6 +53,10 @@ class KernelRows:
     # [num_tokens, max_blocks] block table and [num_tokens] context lengths; None = the kernel
     # does not take the whole step
     rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    # otherwise: the kernel's rows (decodes and short chunks: their row indices, block table and
+    # context lengths; None when there are none) and the spans left to the reference
+    kernel_part: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    reference_spans: list[PrefillSpan] = field(default_factory=list)
 
 
 class CpuKernelBackend(AttentionBackend):
@@ -79,24 +87,29 @@ class CpuKernelBackend(AttentionBackend):
             prepared = self.prepare(metadata).prepared
         if not prepared.built:
             prepared.rows, prepared.built = token_rows(metadata, query.shape[0]), True
+            if prepared.rows is None:
+                prepared.kernel_part, prepared.reference_spans = split_rows(metadata)
         if prepared.rows is not None:
             block_table, context_lens = prepared.rows
             return paged_decode.paged_decode(
                 query, kv_cache, block_table, context_lens, scale, sliding_window
             )
         output = torch.empty_like(query)
-        decode = metadata.decode
-        if decode is not None:
-            output[: decode.size] = paged_decode.paged_decode(
-                query[: decode.size],
-                kv_cache,
-                decode.block_table,
-                decode.context_lens,
-                scale,
-                sliding_window,
+        if prepared.kernel_part is not None:
+            rows, block_table, context_lens = prepared.kernel_part
+            output[rows] = paged_decode.paged_decode(
+                query[rows], kv_cache, block_table, context_lens, scale, sliding_window
             )
         reference_prefill_attention(
-            output, query, key, value, kv_cache, metadata, scale, sliding_window
+            output,
+            query,
+            key,
+            value,
+            kv_cache,
+            metadata,
+            scale,
+            sliding_window,
+            spans=prepared.reference_spans,
         )
         return output
 
@@ -155,3 +168,41 @@ def token_rows(
         first = span.context_len - span.num_tokens + 1
         torch.arange(first, span.context_len + 1, out=lens[rows])
     return table, lens
+
+
+def split_rows(
+    metadata: AttentionMetadata,
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, list[PrefillSpan]]:
+    """For a step the kernel does not take whole: its decodes and chunks of at most
+    ``KERNEL_ANY_CONTEXT_MAX_TOKENS`` tokens as kernel rows (row indices, block table, context
+    lengths; None when there are none), and the longer chunks, left to the reference."""
+    short = [s for s in metadata.prefills if s.num_tokens <= KERNEL_ANY_CONTEXT_MAX_TOKENS]
+    longer = [s for s in metadata.prefills if s.num_tokens > KERNEL_ANY_CONTEXT_MAX_TOKENS]
+    decode = metadata.decode
+    decoded = 0 if decode is None else decode.size
+    if not short:
+        if decode is None:
+            return None, longer
+        rows = torch.arange(decoded, device=decode.block_table.device)
+        return (rows, decode.block_table, decode.context_lens), longer
+    num_rows = decoded + sum(span.num_tokens for span in short)
+    device = metadata.slot_mapping.device
+    width = max([span.block_ids.shape[0] for span in short] + [0])
+    if decode is not None:
+        width = max(width, decode.block_table.shape[1])
+    table = torch.zeros(num_rows, width, dtype=torch.long, device=device)
+    lens = torch.empty(num_rows, dtype=torch.long, device=device)
+    index = torch.empty(num_rows, dtype=torch.long, device=device)
+    if decode is not None:
+        table[:decoded, : decode.block_table.shape[1]] = decode.block_table
+        lens[:decoded] = decode.context_lens
+        torch.arange(decoded, out=index[:decoded])
+    row = decoded
+    for span in short:
+        part = slice(row, row + span.num_tokens)
+        table[part, : span.block_ids.shape[0]] = span.block_ids
+        first = span.context_len - span.num_tokens + 1
+        torch.arange(first, span.context_len + 1, out=lens[part])
+        torch.arange(span.token_start, span.token_start + span.num_tokens, out=index[part])
+        row += span.num_tokens
+    return (index, table, lens), longer
