@@ -147,7 +147,8 @@ def test_prompt_tokens_are_kernel_rows_of_their_own_context(kernel_calls, window
 def test_a_prompt_chunk_with_a_long_context_takes_sdpa(kernel_calls, monkeypatch):
     """A chunk whose context (cached tokens and its own) passes ``KERNEL_MAX_CONTEXT`` is
     attended by SDPA (it reuses each key across queries), here a short chunk after a cached
-    prefix; the decodes of that step still go to the kernel."""
+    prefix; the decodes of that step still go to the kernel, and so does a chunk the kernel would
+    take in a step of its own."""
     monkeypatch.setattr(cpu_kernel_attention, "KERNEL_MAX_CONTEXT", 6)
     monkeypatch.setattr(cpu_kernel_attention, "KERNEL_ANY_CONTEXT_MAX_TOKENS", 2)
     shapes = [(5, 1), (0, 6), (4, 3)]
@@ -164,7 +165,8 @@ def test_a_prompt_chunk_with_a_long_context_takes_sdpa(kernel_calls, monkeypatch
         [dense_attention(q, k, v) for q, (k, v) in zip(queries, full, strict=True)]
     )
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    assert kernel_calls == [1]  # the decode row only
+    # the decode and the new prompt of a short context; SDPA the chunk after the cached prefix
+    assert kernel_calls == [1 + 6]
     assert metadata.prepared.built and metadata.prepared.rows is None
 
 

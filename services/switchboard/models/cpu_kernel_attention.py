@@ -2,16 +2,16 @@
 paged cache (float32 or bfloat16) in place, for every query row it can take (float32 or
 bfloat16, computed in float32).
 
-Decodes go to the kernel. So do prompt tokens while every chunk's context is short
-(``KERNEL_MAX_CONTEXT``): each is one more row of the same kernel call, a row whose context ends
-at the token's own position (the causal mask; SDPA's per-call cost was most of the attention
-time of a step of short prompts). A step with a longer chunk sends its decodes to the kernel and
-its prompt chunks to the torch reference; any other dtype or device runs the reference whole.
+Decodes go to the kernel. So do prompt tokens while a chunk's context is short
+(``KERNEL_MAX_CONTEXT``), and every chunk of a few tokens: each is one more row of the same kernel
+call, a row whose context ends at the token's own position (the causal mask; SDPA's per-call cost
+was most of the attention time of a step of short prompts). A chunk of many tokens over a long
+context goes to the torch reference, and the rest of its step to the kernel; any other dtype or
+device runs the reference whole. Where a chunk goes is its own matter, whatever shares its
+step, so its rows have the same floats in every step, and a request's tokens do not depend on
+the batch it runs in (a decode with its proposed tokens, speculative decoding, included).
 On this backend a decode-only step of a Llama-family model may skip the layers' Python and run
-in one C call (``LlamaForCausalLM``, ``kernels/decode_stack.py``). A chunk of at most
-``KERNEL_ANY_CONTEXT_MAX_TOKENS`` tokens (a decode with its proposed tokens) always goes to the
-kernel, also in a step whose longer chunks take the reference: its rows then have the floats they
-have in any other step, so a request's tokens do not depend on what shares its step.
+in one C call (``LlamaForCausalLM``, ``kernels/decode_stack.py``).
 """
 
 from __future__ import annotations
@@ -142,10 +142,7 @@ def token_rows(
     ``p + 1`` keys, its own included: the causal mask). None when a chunk's context is too
     long for the kernel to be the faster, or the spans do not cover the rows."""
     spans = metadata.prefills
-    if any(
-        span.context_len > KERNEL_MAX_CONTEXT and span.num_tokens > KERNEL_ANY_CONTEXT_MAX_TOKENS
-        for span in spans
-    ):
+    if any(_reference_span(span) for span in spans):
         return None
     decode = metadata.decode
     decoded = 0 if decode is None else decode.size
@@ -173,11 +170,12 @@ def token_rows(
 def split_rows(
     metadata: AttentionMetadata,
 ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, list[PrefillSpan]]:
-    """For a step the kernel does not take whole: its decodes and chunks of at most
-    ``KERNEL_ANY_CONTEXT_MAX_TOKENS`` tokens as kernel rows (row indices, block table, context
-    lengths; None when there are none), and the longer chunks, left to the reference."""
-    short = [s for s in metadata.prefills if s.num_tokens <= KERNEL_ANY_CONTEXT_MAX_TOKENS]
-    longer = [s for s in metadata.prefills if s.num_tokens > KERNEL_ANY_CONTEXT_MAX_TOKENS]
+    """For a step the kernel does not take whole: its decodes and the chunks it would take in a
+    step of their own (at most ``KERNEL_ANY_CONTEXT_MAX_TOKENS`` tokens, or a context of at most
+    ``KERNEL_MAX_CONTEXT``) as kernel rows (row indices, block table, context lengths; None when
+    there are none), and the other chunks, left to the reference."""
+    short = [s for s in metadata.prefills if not _reference_span(s)]
+    longer = [s for s in metadata.prefills if _reference_span(s)]
     decode = metadata.decode
     decoded = 0 if decode is None else decode.size
     if not short:
@@ -206,3 +204,8 @@ def split_rows(
         torch.arange(span.token_start, span.token_start + span.num_tokens, out=index[part])
         row += span.num_tokens
     return (index, table, lens), longer
+
+
+def _reference_span(span: PrefillSpan) -> bool:
+    """A chunk SDPA attends faster than the kernel: many tokens over a long context."""
+    return span.context_len > KERNEL_MAX_CONTEXT and span.num_tokens > KERNEL_ANY_CONTEXT_MAX_TOKENS
