@@ -12,8 +12,9 @@ draft costs as much as the model, so it measures the mechanism's cost, never a s
 default model has no smaller sibling with its tokenizer here).
 
 Servers side by side, the same flags but ``--speculative-config``: off and on (default
-``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-"prompt_lookup_min": 1}``; several ``--spec`` values, and ``--draft``, are each a server of their
+``{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4,
+"prompt_lookup_min": 1}``: a request's proposals start at 4 tokens and grow to 8 while all are
+accepted; several ``--spec`` values, and ``--draft``, are each a server of their
 own, so variants compare in one run: ``--spec A B --draft DIR``). Each level (a workload at a
 concurrency c: a closed loop of c clients, each sending its next request when its last one ends,
 greedy) runs on one server, then the next, ``--rounds`` times in alternation, and each side's
@@ -30,7 +31,9 @@ workloads:
 
 Printed per workload and c: output tok/s off and on, their ratio, the acceptance rate (accepted /
 proposed tokens, from the responses' usage) and whether every greedy output was token-identical
-on and off. Output tok/s: all output tokens of the level over its wall time. With
+on and off. Output tok/s: all output tokens of the level over its wall time (prompts'
+prefill included); decode-only: each request's tokens after its first over its time after its
+first (switchboard's side, streamed), the speed-up of decoding itself at c = 1. With
 ``--vllm-venv`` (vLLM's CPU build, as bench/vs_vllm.py installs it) the same levels run on two
 vLLM servers after (``vllm serve`` with and without the same ``--speculative-config``; its
 acceptance from its /metrics).
@@ -60,7 +63,7 @@ from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_SPEC = json.dumps(
-    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
 )
 VOCAB = 49152  # SmolLM2's
 RANDOM_PROMPT_LEN = 128
@@ -146,6 +149,7 @@ class Result:
     token_ids: list[int] = field(default_factory=list)
     draft_tokens: float = 0
     accepted_tokens: float = 0
+    decode_s: float | None = None  # first token to last (None: not streamed)
 
 
 class SbGenerate:
@@ -167,12 +171,16 @@ class SbGenerate:
         else:
             request.token_ids.ids.extend(prompt)
         result = Result()
+        first = 0.0
         async for response in self.stub.Generate(request):
             for output in response.outputs:
+                if output.token_ids and not result.token_ids:
+                    first = time.perf_counter()
                 result.token_ids += output.token_ids
             if response.HasField("usage"):
                 result.draft_tokens = response.usage.spec_draft_tokens
                 result.accepted_tokens = response.usage.spec_accepted_tokens
+        result.decode_s = time.perf_counter() - first if result.token_ids else None
         return result
 
     async def spec_counters(self) -> tuple[float, float]:
@@ -264,8 +272,11 @@ async def start_server(
             "--http-port", "-1", "--seed", "0", "--max-model-len", "2048",
         ]  # fmt: skip
         env = dict(os.environ)
+        model = args.model_dir
     else:
-        cmd = vllm_side.command(args.vllm_venv, args.model_dir, port, 2048, "float32")
+        # vLLM gets the converted checkpoint without the GGUF file's raw blocks (vs_vllm.py)
+        model = vllm_side.checkpoint_view(args.model_dir, args.vllm_cache)
+        cmd = vllm_side.command(args.vllm_venv, model, port, 2048, "float32")
         env = vllm_side.environment(args.vllm_cache)
     if spec:
         cmd += ["--speculative-config", spec]
@@ -276,7 +287,7 @@ async def start_server(
     await wait_ready(server)
     if kind == "switchboard":
         return server, SbGenerate(port)
-    return server, VllmGenerate(port, args.model_dir)
+    return server, VllmGenerate(port, model)
 
 
 async def run_level(
@@ -287,8 +298,13 @@ async def run_level(
     results, wall = await closed_loop(generate, level, c, args.output_len, ignore_eos)
     after = await generate.spec_counters()
     tokens = sum(len(r.token_ids) for r in results)
+    timed = [r for r in results if r.decode_s]
+    decode_s = sum(r.decode_s or 0.0 for r in timed)
     return {
         "tok_s": tokens / wall,
+        # each request's tokens after its first over the time after its first (c = 1: the
+        # decode speed without the prompt's prefill); None where the client cannot see it
+        "decode_tok_s": sum(len(r.token_ids) - 1 for r in timed) / decode_s if timed else None,
         "tokens": tokens,
         "wall_s": wall,
         "draft_tokens": sum(r.draft_tokens for r in results) + after[0] - before[0],
@@ -345,16 +361,20 @@ def spec_variants(specs: list[str]) -> dict[str, str]:
 def print_table(off: dict[str, Any], on: dict[str, Any]) -> None:
     print(
         f"{'workload':<11} {'c':>3} {'off tok/s':>10} {'on tok/s':>10} {'on/off':>7} "
-        f"{'accepted':>9} {'identical':>9}"
+        f"{'accepted':>9} {'identical':>9} {'decode-only on/off':>19}"
     )
     for key, base in off.items():
         name, c = key.split("/")
         spec = on[key]
         rate = spec["accepted_tokens"] / spec["draft_tokens"] if spec["draft_tokens"] else 0.0
         same = "yes" if base["outputs"] == spec["outputs"] else "NO"
+        decode = "-"
+        if base.get("decode_tok_s") and spec.get("decode_tok_s"):
+            off_s, on_s = base["decode_tok_s"], spec["decode_tok_s"]
+            decode = f"{off_s:.1f} -> {on_s:.1f} {on_s / off_s:.2f}x"
         print(
             f"{name:<11} {c:>3} {base['tok_s']:>10.1f} {spec['tok_s']:>10.1f} "
-            f"{spec['tok_s'] / base['tok_s']:>6.2f}x {rate:>8.0%} {same:>9}"
+            f"{spec['tok_s'] / base['tok_s']:>6.2f}x {rate:>8.0%} {same:>9} {decode:>19}"
         )
 
 

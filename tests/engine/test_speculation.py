@@ -229,12 +229,13 @@ def test_the_proposal_length_follows_what_was_accepted():
     assert speculator is not None
     request = make_request("a", [11, 12, 13] * 4 + [11, 12], 40)
     state = speculator.state(request)
-    assert min(state.proposal_len(), 4) == 4  # a request starts at the full length
+    assert state.proposal_len() == 4  # a request starts at FIRST_LEN (4, the full length here)
     lengths = []
-    for accepted in (0, 1, 0, 4, 4, 4):
-        state.record(4, accepted, 0)
+    # all accepted: twice as many next, up to num_speculative_tokens; else one past the accepted
+    for proposed, accepted in ((4, 0), (1, 1), (2, 2), (4, 4), (4, 2), (3, 0), (1, 1), (2, 2)):
+        state.record(proposed, accepted, 0)
         lengths.append(state.proposal_len())
-    assert lengths == [3, 2, 1, 3, 4, 4]
+    assert lengths == [1, 2, 4, 4, 3, 1, 2, 4]
     request.append_output_token(13)
     assert len(speculator.propose(request, 10)) == 4
 

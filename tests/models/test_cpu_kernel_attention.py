@@ -147,7 +147,8 @@ def test_prompt_tokens_are_kernel_rows_of_their_own_context(kernel_calls, window
 def test_a_prompt_chunk_with_a_long_context_takes_sdpa(kernel_calls, monkeypatch):
     """A chunk whose context (cached tokens and its own) passes ``KERNEL_MAX_CONTEXT`` is
     attended by SDPA (it reuses each key across queries), here a short chunk after a cached
-    prefix; the decodes of that step still go to the kernel."""
+    prefix; the decodes of that step still go to the kernel, and so does a chunk the kernel would
+    take in a step of its own."""
     monkeypatch.setattr(cpu_kernel_attention, "KERNEL_MAX_CONTEXT", 6)
     monkeypatch.setattr(cpu_kernel_attention, "KERNEL_ANY_CONTEXT_MAX_TOKENS", 2)
     shapes = [(5, 1), (0, 6), (4, 3)]
@@ -164,7 +165,8 @@ def test_a_prompt_chunk_with_a_long_context_takes_sdpa(kernel_calls, monkeypatch
         [dense_attention(q, k, v) for q, (k, v) in zip(queries, full, strict=True)]
     )
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
-    assert kernel_calls == [1]  # the decode row only
+    # the decode and the new prompt of a short context; SDPA the chunk after the cached prefix
+    assert kernel_calls == [1 + 6]
     assert metadata.prepared.built and metadata.prepared.rows is None
 
 
@@ -187,3 +189,32 @@ def test_a_few_tokens_after_a_long_context_take_the_kernel(kernel_calls, monkeyp
     )
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     assert kernel_calls == [6]
+
+
+def test_a_few_tokens_beside_a_chunk_that_takes_sdpa_stay_kernel_rows(kernel_calls, monkeypatch):
+    """In a step whose longer chunk goes to SDPA, a chunk of a few tokens (a decode with its
+    proposals) is still kernel rows with the decodes, its floats those of a step without the
+    longer chunk: what shares a step does not change a request's tokens."""
+    monkeypatch.setattr(cpu_kernel_attention, "KERNEL_MAX_CONTEXT", 6)
+    monkeypatch.setattr(cpu_kernel_attention, "KERNEL_ANY_CONTEXT_MAX_TOKENS", 3)
+    shapes = [(5, 1), (40, 3), (4, 5)]
+    cache, metadata, (queries, keys, values), full = _mixed_step(shapes, seed=6)
+    query = torch.cat(queries)
+    out = paged_attention(
+        query, torch.cat(keys), torch.cat(values), cache, CPU_KERNEL.prepare(metadata), 8**-0.5
+    )
+    expected = torch.cat(
+        [dense_attention(q, k, v) for q, (k, v) in zip(queries, full, strict=True)]
+    )
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert kernel_calls == [1 + 3]  # the decode and the short chunk; SDPA the longer one
+    chunk = metadata.prefills[0]
+    alone = paged_decode.paged_decode(
+        query[1:4],
+        cache,
+        chunk.block_ids.expand(3, -1).contiguous(),
+        torch.tensor([41, 42, 43]),
+        8**-0.5,
+        None,
+    )
+    assert torch.equal(out[1:4], alone.reshape(3, -1))

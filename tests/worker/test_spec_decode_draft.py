@@ -92,6 +92,46 @@ def test_seeded_sampling_with_the_model_as_draft_keeps_its_tokens(model_dir, pla
     assert 0 < on.num_accepted_tokens < on.num_draft_tokens
 
 
+class DraftCacheWatch:
+    """The runner, checking that a step without proposals leaves the draft's cache as it was."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.steps_without_proposals = 0
+
+    def execute_model(self, step):
+        draft = self.runner.draft
+        assert draft is not None
+        proposes = any(step.scheduled_spec_decode_tokens.values())
+        before = [cache.clone() for cache in draft.kv_caches] if not proposes else []
+        output = self.runner.execute_model(step)
+        if not proposes and any(n > 0 for n in step.num_scheduled_tokens.values()):
+            self.steps_without_proposals += 1
+            for cache, was in zip(draft.kv_caches, before, strict=True):
+                assert torch.equal(cache, was), step.step_id
+        return output
+
+
+def test_the_draft_skips_steps_without_proposals_and_catches_up_before_proposing(model_dir, plain):
+    """Above ``disable_by_batch_size`` nobody proposes and the draft computes nothing (prefills
+    included); once one request is left it proposes, the draft having caught up on its prompt and
+    outputs first: its own draft's proposals are all accepted, the tokens those of off."""
+    lengths = {"loop": 30, "counting": 6, "odd": 12}
+    params_of = {rid: SamplingParams(temperature=0.0, max_tokens=n) for rid, n in lengths.items()}
+    greedy = SamplingParams(temperature=0.0)
+    off = run_loop(plain, PROMPTS, greedy, "", num_blocks=NUM_BLOCKS, params_of=params_of)
+    config = json.dumps(
+        {"model": model_dir, "num_speculative_tokens": 3, "disable_by_batch_size": 1}
+    )
+    watch = DraftCacheWatch(draft_runner(model_dir, model_dir))
+    on = run_loop(watch, PROMPTS, greedy, config, num_blocks=NUM_BLOCKS, params_of=params_of)
+    for rid in PROMPTS:
+        assert on.tokens(rid) == off.tokens(rid), rid
+    assert watch.steps_without_proposals >= 12  # the shorter two ran their course unproposed
+    assert on.num_draft_tokens > 0
+    assert on.num_accepted_tokens >= 0.9 * on.num_draft_tokens
+
+
 def test_the_config_takes_vllm_s_draft_form_and_refuses_a_draft_that_cannot_propose(
     model_dir, other_draft, tmp_path
 ):

@@ -245,11 +245,13 @@ def reference_prefill_attention(
     metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None,
+    spans: list[PrefillSpan] | None = None,
 ) -> None:
-    """The prefill spans' rows of ``output`` in torch: plain causal attention in one call for
-    each run of adjacent new prompts of one length (nothing cached, no window cut; a run may be
-    one prompt), masked attention over its context for any other span."""
-    spans = metadata.prefills
+    """The prefill spans' rows of ``output`` in torch (``spans``: these of the step's only):
+    plain causal attention in one call for each run of adjacent new prompts of one length
+    (nothing cached, no window cut; a run may be one prompt), masked attention over its context
+    for any other span."""
+    spans = metadata.prefills if spans is None else spans
     i = 0
     while i < len(spans):
         span = spans[i]

@@ -2,18 +2,21 @@
 paged cache (float32 or bfloat16) in place, for every query row it can take (float32 or
 bfloat16, computed in float32).
 
-Decodes go to the kernel. So do prompt tokens while every chunk's context is short
-(``KERNEL_MAX_CONTEXT``): each is one more row of the same kernel call, a row whose context ends
-at the token's own position (the causal mask; SDPA's per-call cost was most of the attention
-time of a step of short prompts). A step with a longer chunk sends its decodes to the kernel and
-its prompt chunks to the torch reference; any other dtype or device runs the reference whole.
+Decodes go to the kernel. So do prompt tokens while a chunk's context is short
+(``KERNEL_MAX_CONTEXT``), and every chunk of a few tokens: each is one more row of the same kernel
+call, a row whose context ends at the token's own position (the causal mask; SDPA's per-call cost
+was most of the attention time of a step of short prompts). A chunk of many tokens over a long
+context goes to the torch reference, and the rest of its step to the kernel; any other dtype or
+device runs the reference whole. Where a chunk goes is its own matter, whatever shares its
+step, so its rows have the same floats in every step, and a request's tokens do not depend on
+the batch it runs in (a decode with its proposed tokens, speculative decoding, included).
 On this backend a decode-only step of a Llama-family model may skip the layers' Python and run
 in one C call (``LlamaForCausalLM``, ``kernels/decode_stack.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +25,7 @@ from switchboard.models.attention import (
     REFERENCE,
     AttentionBackend,
     AttentionMetadata,
+    PrefillSpan,
     reference_prefill_attention,
 )
 
@@ -49,6 +53,10 @@ class KernelRows:
     # [num_tokens, max_blocks] block table and [num_tokens] context lengths; None = the kernel
     # does not take the whole step
     rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    # otherwise: the kernel's rows (decodes and short chunks: their row indices, block table and
+    # context lengths; None when there are none) and the spans left to the reference
+    kernel_part: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    reference_spans: list[PrefillSpan] = field(default_factory=list)
 
 
 class CpuKernelBackend(AttentionBackend):
@@ -79,24 +87,29 @@ class CpuKernelBackend(AttentionBackend):
             prepared = self.prepare(metadata).prepared
         if not prepared.built:
             prepared.rows, prepared.built = token_rows(metadata, query.shape[0]), True
+            if prepared.rows is None:
+                prepared.kernel_part, prepared.reference_spans = split_rows(metadata)
         if prepared.rows is not None:
             block_table, context_lens = prepared.rows
             return paged_decode.paged_decode(
                 query, kv_cache, block_table, context_lens, scale, sliding_window
             )
         output = torch.empty_like(query)
-        decode = metadata.decode
-        if decode is not None:
-            output[: decode.size] = paged_decode.paged_decode(
-                query[: decode.size],
-                kv_cache,
-                decode.block_table,
-                decode.context_lens,
-                scale,
-                sliding_window,
+        if prepared.kernel_part is not None:
+            rows, block_table, context_lens = prepared.kernel_part
+            output[rows] = paged_decode.paged_decode(
+                query[rows], kv_cache, block_table, context_lens, scale, sliding_window
             )
         reference_prefill_attention(
-            output, query, key, value, kv_cache, metadata, scale, sliding_window
+            output,
+            query,
+            key,
+            value,
+            kv_cache,
+            metadata,
+            scale,
+            sliding_window,
+            spans=prepared.reference_spans,
         )
         return output
 
@@ -129,10 +142,7 @@ def token_rows(
     ``p + 1`` keys, its own included: the causal mask). None when a chunk's context is too
     long for the kernel to be the faster, or the spans do not cover the rows."""
     spans = metadata.prefills
-    if any(
-        span.context_len > KERNEL_MAX_CONTEXT and span.num_tokens > KERNEL_ANY_CONTEXT_MAX_TOKENS
-        for span in spans
-    ):
+    if any(_reference_span(span) for span in spans):
         return None
     decode = metadata.decode
     decoded = 0 if decode is None else decode.size
@@ -155,3 +165,47 @@ def token_rows(
         first = span.context_len - span.num_tokens + 1
         torch.arange(first, span.context_len + 1, out=lens[rows])
     return table, lens
+
+
+def split_rows(
+    metadata: AttentionMetadata,
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, list[PrefillSpan]]:
+    """For a step the kernel does not take whole: its decodes and the chunks it would take in a
+    step of their own (at most ``KERNEL_ANY_CONTEXT_MAX_TOKENS`` tokens, or a context of at most
+    ``KERNEL_MAX_CONTEXT``) as kernel rows (row indices, block table, context lengths; None when
+    there are none), and the other chunks, left to the reference."""
+    short = [s for s in metadata.prefills if not _reference_span(s)]
+    longer = [s for s in metadata.prefills if _reference_span(s)]
+    decode = metadata.decode
+    decoded = 0 if decode is None else decode.size
+    if not short:
+        if decode is None:
+            return None, longer
+        rows = torch.arange(decoded, device=decode.block_table.device)
+        return (rows, decode.block_table, decode.context_lens), longer
+    num_rows = decoded + sum(span.num_tokens for span in short)
+    device = metadata.slot_mapping.device
+    width = max([span.block_ids.shape[0] for span in short] + [0])
+    if decode is not None:
+        width = max(width, decode.block_table.shape[1])
+    table = torch.zeros(num_rows, width, dtype=torch.long, device=device)
+    lens = torch.empty(num_rows, dtype=torch.long, device=device)
+    index = torch.empty(num_rows, dtype=torch.long, device=device)
+    if decode is not None:
+        table[:decoded, : decode.block_table.shape[1]] = decode.block_table
+        lens[:decoded] = decode.context_lens
+        torch.arange(decoded, out=index[:decoded])
+    row = decoded
+    for span in short:
+        part = slice(row, row + span.num_tokens)
+        table[part, : span.block_ids.shape[0]] = span.block_ids
+        first = span.context_len - span.num_tokens + 1
+        torch.arange(first, span.context_len + 1, out=lens[part])
+        torch.arange(span.token_start, span.token_start + span.num_tokens, out=index[part])
+        row += span.num_tokens
+    return (index, table, lens), longer
+
+
+def _reference_span(span: PrefillSpan) -> bool:
+    """A chunk SDPA attends faster than the kernel: many tokens over a long context."""
+    return span.context_len > KERNEL_MAX_CONTEXT and span.num_tokens > KERNEL_ANY_CONTEXT_MAX_TOKENS

@@ -1,23 +1,28 @@
 """The draft model of speculative decoding: a smaller checkpoint with the served model's
 tokenizer, in the same worker, proposing the tokens the served model verifies in the same step.
 
-Its KV cache mirrors the served model's: the same block ids (the engine's block table means the
-same positions in both caches), blocks of the draft's own size, and every position the served
-model computes in a step the draft computes too, from the same tokens (:meth:`DraftModel.mirror`).
-So wherever the served model's cache holds accepted tokens the draft's does (prefix-cache hits,
-preempted and resumed requests included), and rejected positions need no rollback: there, as in
-the served model's cache, entries are written again before anything reads them.
+Its KV cache shadows the served model's: the same block ids (the engine's block table means the
+same positions in both caches), blocks of the draft's own size, and the draft computes a request's
+positions from the same tokens as the served model, but only when the request proposes: a step
+without proposals (a prompt's prefill, a request whose proposals paused, a batch above
+``disable_by_batch_size``) does not run the draft at all. :class:`DraftModel` keeps, per request,
+how many positions from the first its cache holds; before a request proposes, the draft catches
+up on the positions it missed (one forward pass over those tokens for every such request of the
+step). A request the worker creates again (new, or resumed after a preemption: its blocks may have
+changed) starts from position 0, so prefix-cache hits are computed again by the draft rather than
+trusted; what a shared block then holds is the same tokens' KV either way.
 
 A request with ``k`` ``DRAFT_PLACEHOLDER`` proposals (``SchedulerOutput.
-scheduled_spec_decode_tokens``) has ``N`` tokens, ``N - 1`` of them in both caches.
-:meth:`DraftModel.propose` runs the draft ``k`` times, one row per such request each time: its
-last token at position ``N - 1``, then each proposal at the next position, every time taking the
-draft's argmax as the next proposal. One more run writes the KV of the last proposal at
-``N + k - 1``: the draft's cache then holds all of the step's positions of the request (the
-engine reserved them), from the tokens the served model computes there; :meth:`DraftModel.mirror`
-computes those of the step's other requests. A greedy draft is a deterministic proposer, so
-verification keeps the served model's output exact (``worker/spec_verify.py``), greedy and
-seeded alike.
+scheduled_spec_decode_tokens``) has ``N`` tokens, ``N - 1`` of them in the served model's cache.
+:meth:`DraftModel.propose` catches the draft up to ``N - 1`` positions, then runs it ``k`` times,
+one row per such request each time: its last token at position ``N - 1``, then each proposal at
+the next position, every time taking the draft's argmax as the next proposal. One more run writes
+the KV of the last proposal at ``N + k - 1``. Of those, the positions up to the request's computed
+tokens after the step (``N + a`` with ``a`` accepted) hold the tokens the served model accepted;
+the rejected ones are computed again at the next catch-up, as the served model overwrites its
+own. A greedy draft is a deterministic proposer, so verification keeps the served model's output
+exact (``worker/spec_verify.py``), greedy and seeded alike; the draft's cache only decides what it
+proposes.
 """
 
 from __future__ import annotations
@@ -38,7 +43,6 @@ from switchboard.worker.model_loading import load_runner_model, resolve_kv_cache
 from switchboard.worker.step_inputs import (
     RequestState,
     RequestStates,
-    StepInputs,
     build_step_inputs,
     decode_batch,
     upload,
@@ -72,7 +76,9 @@ class DraftModel:
         self.kv_cache_dtype = torch.float32
         self.kv_caches: list[torch.Tensor] = []
         self.block_size = 0
-        self._drafted: set[str] = set()  # the step's requests whose proposals the draft made
+        # request id -> (its state, positions from the first the draft's cache holds for it);
+        # a state the worker made again (resumed) holds none
+        self._computed: dict[str, tuple[RequestState, int]] = {}
 
     def load(self, served: TransformerConfig) -> None:
         """Load the draft (once: it stays across a sleep of the served model) and check that it
@@ -127,22 +133,21 @@ class DraftModel:
 
     def free_kv_cache(self) -> None:
         self.kv_caches = []
+        self._computed.clear()
 
     @torch.inference_mode()
     def propose(
         self, step: SchedulerOutput, states: RequestStates, backend: AttentionBackend
     ) -> None:
         """Fill in the step's placeholder proposals with the draft's greedy tokens. For a
-        request with ``k`` of them the draft runs ``k + 1`` times: the last run writes the KV
-        of its last proposal, so the draft's cache has the step's positions of every drafting
-        request already (:meth:`mirror` computes the other requests')."""
+        request with ``k`` of them the draft catches up on the positions it has not computed,
+        then runs ``k + 1`` times: the last run writes the KV of its last proposal."""
         proposals = step.scheduled_spec_decode_tokens
         wanted = {
             rid: len(drafts)
             for rid, drafts in proposals.items()
             if drafts and drafts[0] == DRAFT_PLACEHOLDER
         }
-        self._drafted = set(wanted)
         if not wanted:
             return
         assert self.model is not None
@@ -153,6 +158,7 @@ class DraftModel:
                     f"step {step.step_id}: {rid!r} asks for draft proposals with "
                     f"{len(state.token_ids) - state.num_computed_tokens} tokens to compute"
                 )
+        self._catch_up(step.step_id, [states[rid] for rid in wanted], backend)
         drafted: dict[str, list[int]] = {rid: [] for rid in wanted}
         for j in range(max(wanted.values()) + 1):
             rows = [states[rid] for rid, k in wanted.items() if k >= j]
@@ -174,6 +180,50 @@ class DraftModel:
             for state, token_id in zip(rows, logits.argmax(dim=-1).tolist(), strict=True):
                 drafted[state.request_id].append(token_id)
         proposals.update(drafted)
+        for rid, k in wanted.items():
+            state = states[rid]
+            # positions up to N + k - 1; those past the step's accepted tokens are caught up again
+            self._computed[rid] = (state, state.num_computed_tokens + k + 1)
+
+    def forget(self, request_ids: list[str]) -> None:
+        """Requests the worker dropped (finished, aborted or preempted)."""
+        for rid in request_ids:
+            self._computed.pop(rid, None)
+
+    def _catch_up(
+        self, step_id: int, states: list[RequestState], backend: AttentionBackend
+    ) -> None:
+        """Compute the draft's KV of every position before each request's last token that its
+        cache does not hold (see the module), in one forward pass."""
+        lagging: dict[str, int] = {}
+        starts: dict[str, int] = {}
+        for state in states:
+            known, computed = self._computed.get(state.request_id, (None, 0))
+            start = min(computed, state.num_computed_tokens) if known is state else 0
+            if start < state.num_computed_tokens:
+                lagging[state.request_id] = state.num_computed_tokens - start
+                starts[state.request_id] = start
+        if not lagging:
+            return
+        assert self.model is not None
+        shadows = RequestStates(
+            {
+                state.request_id: RequestState(
+                    state.request_id,
+                    state.token_ids,
+                    state.block_ids,
+                    starts[state.request_id],
+                    state.sampling_params,
+                    num_prompt_tokens=state.num_prompt_tokens,
+                )
+                for state in states
+                if state.request_id in lagging
+            }
+        )
+        step = SchedulerOutput(step_id=step_id, num_scheduled_tokens=lagging)
+        inputs = build_step_inputs(step, shadows, self.block_size, self.device)
+        backend.prepare(inputs.metadata)
+        self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
 
     def _decode_rows(
         self,
@@ -201,33 +251,6 @@ class DraftModel:
             self.kv_caches,
             metadata,
         )
-
-    @torch.inference_mode()
-    def mirror(
-        self,
-        step: SchedulerOutput,
-        inputs: StepInputs,
-        states: RequestStates,
-        backend: AttentionBackend,
-    ) -> None:
-        """Compute the draft's KV for every position the served model computes in the step
-        (before the step advances the requests' computed tokens): the served model's inputs,
-        but for requests the draft proposed for (:meth:`propose` wrote theirs)."""
-        assert self.model is not None
-        if self._drafted:
-            others = {
-                rid: n
-                for rid, n in step.num_scheduled_tokens.items()
-                if n > 0 and rid not in self._drafted
-            }
-            if not others:
-                return
-            rest = msgspec.structs.replace(
-                step, num_scheduled_tokens=others, scheduled_spec_decode_tokens={}
-            )
-            inputs = build_step_inputs(rest, states, self.block_size, self.device)
-            backend.prepare(inputs.metadata)
-        self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata)
 
     def _config(self) -> TransformerConfig:
         if self.config is None:

@@ -223,6 +223,8 @@ class ModelRunner:
         self.pooling.apply(step)
         if self.lora is not None:
             self.lora.apply(step)
+        if self.draft is not None:
+            self.draft.forget(step.finished_request_ids)
         if not any(n > 0 for n in step.num_scheduled_tokens.values()):
             return ModelRunnerOutput(step_id=step.step_id)
         if self.draft is not None:  # its proposals first: they are the step's input tokens
@@ -233,8 +235,6 @@ class ModelRunner:
             self.lora.prepare(step, inputs, self.device)
         self.attention_backend.prepare(inputs.metadata)
         hidden = self._forward_stage(inputs)
-        if self.draft is not None:
-            self.draft.mirror(step, inputs, self.requests, self.attention_backend)
         if self.lora is not None:
             self.lora.finish()  # no stale batch for what runs next (a graph capture, say)
         logits, pooled = None, None
