@@ -34,7 +34,7 @@ def test_default_model_answers(tmp_path: Path) -> None:
         text = "".join(o.text for r in responses for o in r.outputs)
         assert "Paris" in text
         assert [m.name for m in models.models] == ["SmolLM2-135M-Instruct"]
-        # its GGUF's blocks kept quantized for decode, where the kernel runs on this CPU
+        # its GGUF's blocks kept quantized, where the kernel runs on this CPU
         quantization = "gguf Q4_1, Q8_0" if quant_gemm.load() else "none"
         assert (info.dtype, info.quantization) == ("float32", quantization)
     finally:

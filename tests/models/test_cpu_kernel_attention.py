@@ -21,7 +21,7 @@ from switchboard.models.attention import (
     paged_attention,
 )
 from switchboard.models.attention_backends import backend_choice, select_backend
-from switchboard.models.cpu_kernel_attention import CPU_KERNEL
+from switchboard.models.cpu_kernel_attention import CPU_KERNEL, CPU_KERNEL_EVERY_CHUNK
 from tests.models.paged_reference import dense_attention, lay_out_step
 from tests.paged_decode_kernel import needs_compiler
 
@@ -168,6 +168,41 @@ def test_a_prompt_chunk_with_a_long_context_takes_sdpa(kernel_calls, monkeypatch
     # the decode and the new prompt of a short context; SDPA the chunk after the cached prefix
     assert kernel_calls == [1 + 6]
     assert metadata.prepared.built and metadata.prepared.rows is None
+
+
+def test_the_every_chunk_backend_sends_no_chunk_to_sdpa(kernel_calls, monkeypatch):
+    """For a model that rounds rows to 8 bits, every chunk is kernel rows whatever its context
+    (the step above, where a chunk took SDPA): one kernel call for the whole step, and each
+    prompt token's floats those of a step where it is prefilled in a chunk of its own."""
+    monkeypatch.setattr(cpu_kernel_attention, "KERNEL_MAX_CONTEXT", 6)
+    monkeypatch.setattr(cpu_kernel_attention, "KERNEL_ANY_CONTEXT_MAX_TOKENS", 2)
+    shapes = [(5, 1), (0, 6), (4, 3)]
+    cache, metadata, (queries, keys, values), full = _mixed_step(shapes, seed=4)
+    query = torch.cat(queries)
+    out = paged_attention(
+        query,
+        torch.cat(keys),
+        torch.cat(values),
+        cache,
+        CPU_KERNEL_EVERY_CHUNK.prepare(metadata),
+        8**-0.5,
+    )
+    expected = torch.cat(
+        [dense_attention(q, k, v) for q, (k, v) in zip(queries, full, strict=True)]
+    )
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert kernel_calls == [1 + 6 + 3]
+    chunk = metadata.prefills[1]  # 3 tokens after 4 cached: each alone, a row of its own
+    for i in range(3):
+        alone = paged_decode.paged_decode(
+            query[7 + i : 8 + i],
+            cache,
+            chunk.block_ids[None].contiguous(),
+            torch.tensor([5 + i]),
+            8**-0.5,
+            None,
+        )
+        assert torch.equal(out[7 + i], alone.reshape(-1))
 
 
 def test_a_few_tokens_after_a_long_context_take_the_kernel(kernel_calls, monkeypatch):

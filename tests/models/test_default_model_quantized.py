@@ -17,6 +17,7 @@ from tokenizers import Tokenizer
 
 from switchboard.checkpoint import resolve_model
 from switchboard.kernels import quant_gemm
+from switchboard.wire.step_msgs import SchedulerOutput
 from tests.models.near_ties import agreed_tokens
 from tests.models.test_default_model_parity import PROMPTS
 from tests.worker.test_model_runner_parity import DrivenRequest, ToyScheduler, make_runner
@@ -64,3 +65,28 @@ def test_exact_kernel_decodes_its_float32_tokens_and_logits(monkeypatch, float32
     for ours, theirs in zip(quantized, float32_tokens, strict=True):
         assert ours.output == theirs.output, ours.request_id
         assert all(map(torch.equal, ours.logprobs, theirs.logprobs)), ours.request_id
+
+
+def test_a_long_prompt_gives_the_same_floats_however_it_is_chunked(monkeypatch):
+    """With the default kernel the rows' 8-bit rounding turns any difference of float rounding
+    into other tokens, so nothing a request computes may depend on how its prompt is chunked
+    (hence on the requests beside it): a 300-token prompt (past the context where a chunk of
+    a float32 model takes SDPA) prefilled whole, in chunks of 9 and of 256, then decoded, gives
+    the same logits bit for bit."""
+    monkeypatch.setenv("SWITCHBOARD_QUANT_GEMM", "auto")
+    model_dir = resolve_model(None)
+    tokenizer = Tokenizer.from_file(f"{model_dir}/tokenizer.json")
+    text = "".join(f"Item {i}: the value is {i * 7 % 13}, noted by the clerk.\n" for i in range(40))
+    prompt = tokenizer.encode(text).ids[:300]
+    assert len(prompt) == 300
+    runner = make_runner(model_dir, quantization="auto")
+    results = []
+    for chunk_size in (None, 9, 256):
+        request = DrivenRequest(f"chunks-{chunk_size}", prompt, 4)
+        ToyScheduler(runner, chunk_size=chunk_size).run([request])
+        runner.execute_model(SchedulerOutput(step_id=0, finished_request_ids=[request.request_id]))
+        results.append(request)
+    whole = results[0]
+    for chunked in results[1:]:
+        assert chunked.output == whole.output, chunked.request_id
+        assert all(map(torch.equal, chunked.logprobs, whole.logprobs)), chunked.request_id

@@ -48,7 +48,8 @@ class ModelConfig(Config, frozen=True):
     quantization: Annotated[
         str,
         Flag(
-            "weights kept quantized for decode-sized matmuls on CPU (prefill stays float32); "
+            "weights kept quantized for the matmuls on CPU (prefill too with the default "
+            "integer dot products; float32 under SWITCHBOARD_QUANT_GEMM=exact); "
             "auto: a checkpoint converted from a .gguf file keeps its blocks (Q8_0, Q4_0, Q4_1, "
             "Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; other types stay float32), any other none; gguf: "
             "those blocks, other types refused; int8: int8 per 32 inputs made at load, any "

@@ -23,7 +23,7 @@ import torch
 
 from switchboard.kernels import paged_decode, triton_support
 from switchboard.models.attention import REFERENCE, AttentionBackend
-from switchboard.models.cpu_kernel_attention import CPU_KERNEL
+from switchboard.models.cpu_kernel_attention import CPU_KERNEL, CPU_KERNEL_EVERY_CHUNK
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +71,13 @@ def backend_choice(device: torch.device, requested: str | None = None) -> tuple[
     return "triton", f"{device} with triton installed"
 
 
-def select_backend(device: torch.device, requested: str | None = None) -> AttentionBackend:
+def select_backend(
+    device: torch.device, requested: str | None = None, rounded_rows: bool = False
+) -> AttentionBackend:
     """The backend, imported only when chosen (triton is optional), and one log line saying
-    which and why."""
+    which and why. ``rounded_rows``: the model's matmuls round each row to 8 bits (integer dot
+    products): on CPU every prompt chunk then takes the kernel (``CPU_KERNEL_EVERY_CHUNK``), so a
+    request's tokens never depend on how its prompt was chunked."""
     name, why = backend_choice(device, requested)
     if name == "triton":
         from switchboard.models.triton_backend import TritonBackend
@@ -82,5 +86,9 @@ def select_backend(device: torch.device, requested: str | None = None) -> Attent
         logger.info("attention backend: triton (%s); CUDA graphs for decode steps", why)
         return backend
     graphs = "; CUDA graphs off (they need the Triton kernels)" if device.type == "cuda" else ""
+    if name == "cpu-kernel" and rounded_rows:
+        graphs = "; every prompt chunk on the kernel: the matmuls round rows to 8 bits"
     logger.info("attention backend: %s (%s)%s", name, why, graphs)
-    return CPU_KERNEL if name == "cpu-kernel" else REFERENCE
+    if name != "cpu-kernel":
+        return REFERENCE
+    return CPU_KERNEL_EVERY_CHUNK if rounded_rows else CPU_KERNEL

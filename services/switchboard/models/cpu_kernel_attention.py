@@ -43,12 +43,20 @@ KERNEL_MAX_CONTEXT = 256
 # once, as decodes do; SDPA gathered the whole context out of the cache per layer for them
 # (SmolLM2-135M, 5 tokens after 400: a step of ~0.8 s against ~30 ms for one token).
 KERNEL_ANY_CONTEXT_MAX_TOKENS = 16
+# A model whose matmuls round each row to 8 bits (integer dot products) sends every chunk to the
+# kernel: SDPA's sums differ from the kernel's by float rounding, which 8-bit rounding of the
+# next matmul's input turns into different tokens (SmolLM2 from its GGUF, a 300-token prompt
+# prefilled whole against in chunks of 9: log-probabilities apart by up to 17), so a request's
+# tokens would depend on how its prompt was chunked, hence on the requests beside it. Measured,
+# the same model, one 2,048-token prompt in chunks of 512: 4.6 s against 3.5 s through SDPA
+# (512 tokens: 0.62 against 0.56 s). ``CPU_KERNEL_EVERY_CHUNK`` is that backend.
 
 
 @dataclass
 class KernelRows:
     """The step's query tokens as kernel rows (``token_rows``), built by the first layer."""
 
+    every_chunk: bool = False  # the backend's: no chunk takes SDPA
     built: bool = False
     # [num_tokens, max_blocks] block table and [num_tokens] context lengths; None = the kernel
     # does not take the whole step
@@ -65,8 +73,11 @@ class CpuKernelBackend(AttentionBackend):
 
     name = "cpu-kernel"
 
+    def __init__(self, every_chunk: bool = False) -> None:
+        self.every_chunk = every_chunk  # else long chunks over a long context take SDPA
+
     def prepare(self, metadata: AttentionMetadata) -> AttentionMetadata:
-        metadata.prepared = KernelRows()
+        metadata.prepared = KernelRows(self.every_chunk)
         metadata.backend = self
         return metadata
 
@@ -86,9 +97,12 @@ class CpuKernelBackend(AttentionBackend):
         if not isinstance(prepared, KernelRows):  # not prepared by us: do it now
             prepared = self.prepare(metadata).prepared
         if not prepared.built:
-            prepared.rows, prepared.built = token_rows(metadata, query.shape[0]), True
+            prepared.rows = token_rows(metadata, query.shape[0], prepared.every_chunk)
+            prepared.built = True
             if prepared.rows is None:
-                prepared.kernel_part, prepared.reference_spans = split_rows(metadata)
+                prepared.kernel_part, prepared.reference_spans = split_rows(
+                    metadata, prepared.every_chunk
+                )
         if prepared.rows is not None:
             block_table, context_lens = prepared.rows
             return paged_decode.paged_decode(
@@ -115,6 +129,7 @@ class CpuKernelBackend(AttentionBackend):
 
 
 CPU_KERNEL = CpuKernelBackend()
+CPU_KERNEL_EVERY_CHUNK = CpuKernelBackend(every_chunk=True)  # for models that round rows to 8 bits
 
 
 def stack_rows(
@@ -130,19 +145,20 @@ def stack_rows(
     if not isinstance(prepared, KernelRows):
         return token_rows(metadata, num_tokens)
     if not prepared.built:
-        prepared.rows, prepared.built = token_rows(metadata, num_tokens), True
+        prepared.rows = token_rows(metadata, num_tokens, prepared.every_chunk)
+        prepared.built = True
     return prepared.rows
 
 
 def token_rows(
-    metadata: AttentionMetadata, num_tokens: int
+    metadata: AttentionMetadata, num_tokens: int, every_chunk: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Every query token of the step as a decode-kernel row: ``[num_tokens, max_blocks]``
     block table and ``[num_tokens]`` context lengths (a prompt token at position ``p`` sees
     ``p + 1`` keys, its own included: the causal mask). None when a chunk's context is too
     long for the kernel to be the faster, or the spans do not cover the rows."""
     spans = metadata.prefills
-    if any(_reference_span(span) for span in spans):
+    if any(_reference_span(span, every_chunk) for span in spans):
         return None
     decode = metadata.decode
     decoded = 0 if decode is None else decode.size
@@ -168,14 +184,15 @@ def token_rows(
 
 
 def split_rows(
-    metadata: AttentionMetadata,
+    metadata: AttentionMetadata, every_chunk: bool = False
 ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, list[PrefillSpan]]:
     """For a step the kernel does not take whole: its decodes and the chunks it would take in a
     step of their own (at most ``KERNEL_ANY_CONTEXT_MAX_TOKENS`` tokens, or a context of at most
-    ``KERNEL_MAX_CONTEXT``) as kernel rows (row indices, block table, context lengths; None when
-    there are none), and the other chunks, left to the reference."""
-    short = [s for s in metadata.prefills if not _reference_span(s)]
-    longer = [s for s in metadata.prefills if _reference_span(s)]
+    ``KERNEL_MAX_CONTEXT``; any under ``every_chunk``) as kernel rows (row indices, block
+    table, context lengths; None when there are none), and the other chunks, left to the
+    reference."""
+    short = [s for s in metadata.prefills if not _reference_span(s, every_chunk)]
+    longer = [s for s in metadata.prefills if _reference_span(s, every_chunk)]
     decode = metadata.decode
     decoded = 0 if decode is None else decode.size
     if not short:
@@ -206,6 +223,11 @@ def split_rows(
     return (index, table, lens), longer
 
 
-def _reference_span(span: PrefillSpan) -> bool:
-    """A chunk SDPA attends faster than the kernel: many tokens over a long context."""
-    return span.context_len > KERNEL_MAX_CONTEXT and span.num_tokens > KERNEL_ANY_CONTEXT_MAX_TOKENS
+def _reference_span(span: PrefillSpan, every_chunk: bool) -> bool:
+    """A chunk SDPA attends faster than the kernel: many tokens over a long context (none
+    under ``every_chunk``)."""
+    return (
+        not every_chunk
+        and span.context_len > KERNEL_MAX_CONTEXT
+        and span.num_tokens > KERNEL_ANY_CONTEXT_MAX_TOKENS
+    )

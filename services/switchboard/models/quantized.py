@@ -73,6 +73,7 @@ class Quantization:
     matrices: int = 0
     nbytes: int = 0
     float32_matrices: tuple[str, ...] = ()  # checkpoint names left float32 (types not taken)
+    rounded_rows: bool = False  # the panels' kernel rounds each row to 8 bits (dot products)
 
     def describe(self) -> str:
         """For the model summary: ``none``, ``int8``, ``gguf Q4_1, Q8_0``."""
@@ -126,20 +127,23 @@ def quantize_weights(
         rows, kept_float32 = _int8_rows(model), ()
     formats: set[str] = set()
     nbytes = 0
+    rounded_rows = False
     for module, quant_rows in rows:
         panels = quant_gemm.pack(quant_rows)
         module.small_batch = panels
         formats.update(_formats(quant_rows))
         nbytes += panels.nbytes
-    done = Quantization(mode, tuple(sorted(formats)), len(rows), nbytes, kept_float32)
+        rounded_rows = rounded_rows or panels.dot
+    done = Quantization(mode, tuple(sorted(formats)), len(rows), nbytes, kept_float32, rounded_rows)
     logger.info(
-        "weights: %s kept quantized for decode (%d matrices, %.1f MiB, in %.1f s; %s); prefill "
-        "float32%s",
+        "weights: %s kept quantized for %s (%d matrices, %.1f MiB, in %.1f s; %s)%s%s",
         f"{', '.join(done.formats)} blocks" if mode == "gguf" else "int8 (made at load)",
+        "decode and prefill" if rounded_rows else "decode",
         done.matrices,
         nbytes / 2**20,
         time.monotonic() - started,
         _kernel_text(),
+        "" if rounded_rows else "; prefill float32",
         f"; float32 (types the kernel does not take): {', '.join(kept_float32)}"
         if kept_float32
         else "",

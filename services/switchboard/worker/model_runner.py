@@ -110,7 +110,9 @@ class ModelRunner:
                 model, self.config, self.model_config.lora, self.parallel, self.lora
             )
         # on CPU this loads the C decode kernel (the backend when it loads)
-        self.attention_backend = select_backend(self.device)
+        self.attention_backend = select_backend(
+            self.device, rounded_rows=self.quantization.rounded_rows
+        )
         if self.device.type == "cpu":
             fused_ops.load()
             logger.info("norms, rotary and SiLU: fused CPU kernels %s", fused_ops.status())
