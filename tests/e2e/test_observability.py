@@ -20,7 +20,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -388,9 +388,18 @@ def test_metrics_deltas_of_a_known_workload(observed: Observed) -> None:
 class Streamed:
     """A Generate stream on a thread: its tokens as they come, and whether it ended well."""
 
-    def __init__(self, observed: Observed, request_id: str) -> None:
+    def __init__(
+        self,
+        observed: Observed,
+        request_id: str,
+        at_third_token: Callable[[], None] | None = None,
+    ) -> None:
         self.tokens: list[int] = []
         self.code: grpc.StatusCode | None = None
+        # called by the reading thread as the third token arrives, before it reads on: a
+        # poll from another thread could come after the whole stream (a fast model)
+        self._at_third_token = at_third_token
+        self.third_token = threading.Event()
         request = greedy_request(PROMPTS[0], 100, return_token_ids=True, request_id=request_id)
         stub = pb_grpc.GenerationServiceStub(observed.channel)
         self._call = stub.Generate(request, timeout=RPC_TIMEOUT_S)
@@ -401,6 +410,10 @@ class Streamed:
         try:
             for response in self._call:
                 self.tokens += [t for o in response.outputs for t in o.token_ids]
+                if len(self.tokens) >= 3 and not self.third_token.is_set():
+                    if self._at_third_token is not None:
+                        self._at_third_token()
+                    self.third_token.set()
             self.code = grpc.StatusCode.OK
         except grpc.RpcError as error:
             self.code = error.code()
@@ -460,10 +473,9 @@ def test_a_stream_held_up_by_a_frozen_engine_is_counted_and_logged_once(
     engine = observed.server.titled_processes()["switchboard::EngineCore_DP0"]
     for attempt in range(5):  # on a loaded machine the stream may end before the stop
         request_id = f"frozen-{attempt}"
-        stream = Streamed(observed, request_id)
-        wait_until(lambda s=stream: len(s.tokens) >= 3, "the stream is going")
-        os.kill(engine, signal.SIGSTOP)
+        stream = Streamed(observed, request_id, lambda: os.kill(engine, signal.SIGSTOP))
         try:
+            wait_until(stream.third_token.is_set, "the stream is going")
             time.sleep(STALL_WARN_S * 3)
         finally:
             os.kill(engine, signal.SIGCONT)
