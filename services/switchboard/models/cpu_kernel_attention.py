@@ -16,6 +16,7 @@ in one C call (``LlamaForCausalLM``, ``kernels/decode_stack.py``).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -166,17 +167,27 @@ def token_rows(
         return None
     if not spans and decode is not None:  # decodes only: their own table, not a copy
         return decode.block_table, decode.context_lens
+    return _lay_out_rows(metadata, spans, [span.token_start for span in spans], num_tokens)
+
+
+def _lay_out_rows(
+    metadata: AttentionMetadata, spans: list[PrefillSpan], starts: list[int], num_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[num_rows, max_blocks]`` block table and ``[num_rows]`` context lengths: the decodes
+    in the first rows, each span's tokens from its row in ``starts`` (a prompt token at
+    position ``p`` sees ``p + 1`` keys)."""
+    decode = metadata.decode
     device = metadata.slot_mapping.device
     width = max([span.block_ids.shape[0] for span in spans] + [0])
     if decode is not None:
         width = max(width, decode.block_table.shape[1])
-    table = torch.zeros(num_tokens, width, dtype=torch.long, device=device)
-    lens = torch.empty(num_tokens, dtype=torch.long, device=device)
+    table = torch.zeros(num_rows, width, dtype=torch.long, device=device)
+    lens = torch.empty(num_rows, dtype=torch.long, device=device)
     if decode is not None:
-        table[:decoded, : decode.block_table.shape[1]] = decode.block_table
-        lens[:decoded] = decode.context_lens
-    for span in spans:
-        rows = slice(span.token_start, span.token_start + span.num_tokens)
+        table[: decode.size, : decode.block_table.shape[1]] = decode.block_table
+        lens[: decode.size] = decode.context_lens
+    for span, start in zip(spans, starts, strict=True):
+        rows = slice(start, start + span.num_tokens)
         table[rows, : span.block_ids.shape[0]] = span.block_ids
         first = span.context_len - span.num_tokens + 1
         torch.arange(first, span.context_len + 1, out=lens[rows])
@@ -200,26 +211,14 @@ def split_rows(
             return None, longer
         rows = torch.arange(decoded, device=decode.block_table.device)
         return (rows, decode.block_table, decode.context_lens), longer
-    num_rows = decoded + sum(span.num_tokens for span in short)
-    device = metadata.slot_mapping.device
-    width = max([span.block_ids.shape[0] for span in short] + [0])
-    if decode is not None:
-        width = max(width, decode.block_table.shape[1])
-    table = torch.zeros(num_rows, width, dtype=torch.long, device=device)
-    lens = torch.empty(num_rows, dtype=torch.long, device=device)
-    index = torch.empty(num_rows, dtype=torch.long, device=device)
-    if decode is not None:
-        table[:decoded, : decode.block_table.shape[1]] = decode.block_table
-        lens[:decoded] = decode.context_lens
-        torch.arange(decoded, out=index[:decoded])
-    row = decoded
-    for span in short:
-        part = slice(row, row + span.num_tokens)
-        table[part, : span.block_ids.shape[0]] = span.block_ids
-        first = span.context_len - span.num_tokens + 1
-        torch.arange(first, span.context_len + 1, out=lens[part])
-        torch.arange(span.token_start, span.token_start + span.num_tokens, out=index[part])
-        row += span.num_tokens
+    starts = list(itertools.accumulate((span.num_tokens for span in short), initial=decoded))
+    num_rows = starts.pop()
+    table, lens = _lay_out_rows(metadata, short, starts, num_rows)
+    index = torch.empty(num_rows, dtype=torch.long, device=table.device)
+    torch.arange(decoded, out=index[:decoded])
+    for span, start in zip(short, starts, strict=True):
+        end = span.token_start + span.num_tokens
+        torch.arange(span.token_start, end, out=index[start : start + span.num_tokens])
     return (index, table, lens), longer
 
 
