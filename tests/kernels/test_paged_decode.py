@@ -64,3 +64,51 @@ def test_without_a_compiler_it_does_not_load(without_compiler):
     assert not paged_decode.load()
     assert paged_decode.status().startswith("unavailable")
     paged_decode.unload()
+
+
+@pytest.mark.parametrize(("kv_heads", "heads", "head_dim"), [(3, 9, 64), (2, 4, 128), (1, 2, 20)])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 24])
+def test_rows_that_share_their_keys_get_the_floats_of_each_row_alone(
+    paged_decode_loaded, kv_heads, heads, head_dim, cache_dtype, window
+):
+    """A decode with its proposed tokens (rows of one block table, one position after another)
+    is attended as a group that reads each key once for all its rows: every row's output is
+    bit for bit what the row gets alone, beside other requests' rows or not."""
+    torch.manual_seed(head_dim + kv_heads)
+    cache = torch.randn(2, 64, 16, kv_heads, head_dim).to(cache_dtype)
+    chunk = torch.randperm(64)[:30]  # one request's blocks, 9 rows ending at 455 .. 463
+    other = torch.randperm(64)[:3]
+    table = torch.stack([chunk] * 9 + [torch.cat([other, torch.zeros(27, dtype=torch.long)])])
+    context_lens = torch.tensor([455 + i for i in range(9)] + [40])
+    query = torch.randn(10, heads, head_dim)
+    scale = head_dim**-0.5
+    together = paged_decode.paged_decode(query, cache, table, context_lens, scale, window)
+    for row in range(10):
+        alone = paged_decode.paged_decode(
+            query[row : row + 1],
+            cache,
+            table[row : row + 1],
+            context_lens[row : row + 1],
+            scale,
+            window,
+        )
+        assert torch.equal(together[row], alone[0]), row
+    # and the group's rows in a step of their own, split among the tasks differently
+    chunk_only = paged_decode.paged_decode(
+        query[:5], cache, table[:5], context_lens[:5], scale, window
+    )
+    assert torch.equal(chunk_only, together[:5])
+    expected = gathered_decode_attention(
+        query, cache.float(), decode_batch_of(table, context_lens), scale, window
+    )
+    torch.testing.assert_close(together, expected, atol=1e-5, rtol=1e-5)
+
+
+def decode_batch_of(table: torch.Tensor, context_lens: torch.Tensor) -> DecodeBatch:
+    return DecodeBatch(
+        block_table=table,
+        context_lens=context_lens,
+        max_context_len=int(context_lens.max()),
+        all_full_length=False,
+    )

@@ -10,6 +10,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -39,10 +40,11 @@ static inline float load1(const void *cache, int64_t i, const int bf16) {
     return f;
 }
 
-/* Each of the nq rows of scores [nq, L] in place: a float32 softmax, its max subtracted. */
-static inline void softmax_rows(float *scores, int64_t nq, int64_t L) {
+/* Each of the nq rows of L scores (stride apart) in place: a float32 softmax, its max
+   subtracted. */
+static inline void softmax_rows(float *scores, int64_t nq, int64_t stride, int64_t L) {
     for (int64_t j = 0; j < nq; j++) {
-        float *s = scores + j * L;
+        float *s = scores + j * stride;
         float max = -INFINITY, sum = 0.0f;
 #pragma omp simd reduction(max : max)
         for (int64_t i = 0; i < L; i++) max = s[i] > max ? s[i] : max;
@@ -85,7 +87,7 @@ static inline __attribute__((always_inline)) void attend(
             }
         }
     }
-    softmax_rows(scores, nq, L);
+    softmax_rows(scores, nq, L, L);
     for (int64_t i = 0; i < nq * D; i++) acc[i] = 0.0f;
     for (int64_t t = start; t < len;) {
         const int64_t stop = block_stop(t, BS, len);
@@ -182,7 +184,7 @@ static inline __attribute__((always_inline)) void attend_vec(
             t = stop;
         }
     }
-    softmax_rows(scores, nq, L);
+    softmax_rows(scores, nq, L, L);
     for (int64_t h = 0; h < nkv; h++)
         for (int64_t g = 0; g < G; g++) {
             const int64_t j = h * G + g;
@@ -201,6 +203,116 @@ static inline __attribute__((always_inline)) void attend_vec(
             for (int64_t c = 0; c < D / 8; c++) _mm256_storeu_ps(o + j * D + 8 * c, acc[c]);
         }
 }
+
+/* attend_vec for R rows that read the same keys (one block table, one window start: a decode
+   and its proposed tokens, or a prompt chunk) and one KV head h, each row to its own len: a
+   block's keys and values are read for every row while they are in cache, where a task per row
+   read the whole context again. Each row's floats are attend_vec's alone: the same dot products
+   over the same keys in the same eights, the same softmax, and each head's weighted sum of the
+   values in the order of the keys (held in acc [R, G, D] between blocks: a store and a load
+   change no float). scores [R, G, Lmax]. */
+static inline __attribute__((always_inline)) void attend_rows_vec(
+    const float *query, int64_t ldq, const void *keys, const void *values, const int bf16,
+    const int64_t *table, const int64_t *lens, int64_t R, float *out, int64_t H, float *scores,
+    float *acc, int64_t start, int64_t Lmax, int64_t G, int64_t KVH, int64_t BS, int64_t h,
+    const int64_t D, float scale) {
+    const int64_t slot_stride = KVH * D, end = start + Lmax;
+    const __m256 scale8 = _mm256_set1_ps(scale);
+    for (int64_t t = start; t < end;) {
+        const int64_t block_end = t - t % BS + BS;
+        const int64_t slot = slot_at(table, t, BS, KVH, h, D);
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t len = lens[r];
+            if (t >= len) continue;
+            const int64_t stop = block_end < len ? block_end : len;
+            for (int64_t g = 0; g < G; g++) {
+                const float *qj = query + r * ldq + (h * G + g) * D;
+                __m256 qv[16];
+                for (int64_t c = 0; c < D / 8; c++) qv[c] = _mm256_loadu_ps(qj + 8 * c);
+                float *sj = scores + (r * G + g) * Lmax;
+                int64_t k = slot;
+                int64_t u = t;
+                for (; u + 8 <= stop; u += 8, k += 8 * slot_stride) {
+                    __m256 a0, a1, a2, a3, a4, a5, a6, a7;
+                    DOT_LANES(qv, k, D, a0);
+                    DOT_LANES(qv, k + slot_stride, D, a1);
+                    DOT_LANES(qv, k + 2 * slot_stride, D, a2);
+                    DOT_LANES(qv, k + 3 * slot_stride, D, a3);
+                    DOT_LANES(qv, k + 4 * slot_stride, D, a4);
+                    DOT_LANES(qv, k + 5 * slot_stride, D, a5);
+                    DOT_LANES(qv, k + 6 * slot_stride, D, a6);
+                    DOT_LANES(qv, k + 7 * slot_stride, D, a7);
+                    _mm256_storeu_ps(sj + (u - start),
+                                     _mm256_mul_ps(sum8_lanes(a0, a1, a2, a3, a4, a5, a6, a7),
+                                                   scale8));
+                }
+                for (; u < stop; u++, k += slot_stride) {
+                    __m256 a;
+                    DOT_LANES(qv, k, D, a);
+                    sj[u - start] = sum_lanes(a) * scale;
+                }
+            }
+        }
+        t = block_end;
+    }
+    for (int64_t r = 0; r < R; r++) softmax_rows(scores + r * G * Lmax, G, Lmax, lens[r] - start);
+    for (int64_t i = 0; i < R * G * D; i++) acc[i] = 0.0f;
+    for (int64_t t = start; t < end;) {
+        const int64_t block_end = t - t % BS + BS;
+        const int64_t slot = slot_at(table, t, BS, KVH, h, D);
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t len = lens[r];
+            if (t >= len) continue;
+            const int64_t stop = block_end < len ? block_end : len;
+            for (int64_t g = 0; g < G; g++) {
+                const float *sj = scores + (r * G + g) * Lmax;
+                float *aj = acc + (r * G + g) * D;
+                __m256 a[16];
+                for (int64_t c = 0; c < D / 8; c++) a[c] = _mm256_loadu_ps(aj + 8 * c);
+                int64_t v = slot;
+                for (int64_t u = t; u < stop; u++, v += slot_stride) {
+                    const __m256 p = _mm256_set1_ps(sj[u - start]);
+                    for (int64_t c = 0; c < D / 8; c++)
+                        a[c] = _mm256_fmadd_ps(p, load8(values, v + 8 * c, bf16), a[c]);
+                }
+                for (int64_t c = 0; c < D / 8; c++) _mm256_storeu_ps(aj + 8 * c, a[c]);
+            }
+        }
+        t = block_end;
+    }
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t d = 0; d < D; d++)
+                out[(r * H + h * G + g) * D + d] = acc[(r * G + g) * D + d];
+}
+
+/* attend_rows_vec with D a constant for the common head sizes; 0 where it does not take D
+   (the rows are then attended one by one). */
+static inline __attribute__((always_inline)) int attend_rows_any(
+    const float *query, int64_t ldq, const void *keys, const void *values, const int bf16,
+    const int64_t *table, const int64_t *lens, int64_t R, float *out, int64_t H, float *scores,
+    float *acc, int64_t start, int64_t Lmax, int64_t G, int64_t KVH, int64_t BS, int64_t h,
+    int64_t D, float scale) {
+#define ROWS_CALL(DD)                                                                         \
+    attend_rows_vec(query, ldq, keys, values, bf16, table, lens, R, out, H, scores, acc, start, \
+                    Lmax, G, KVH, BS, h, DD, scale)
+    if (D == 32)
+        ROWS_CALL(32);
+    else if (D == 64)
+        ROWS_CALL(64);
+    else if (D == 128)
+        ROWS_CALL(128);
+    else if (D % 8 == 0 && D <= 128)
+        ROWS_CALL(D);
+    else
+        return 0;
+#undef ROWS_CALL
+    return 1;
+}
+static inline int rows_grouped(int64_t D) { return D % 8 == 0 && D <= 128; }
+#else
+static inline int rows_grouped(int64_t D) { (void)D; return 0; }
+#define attend_rows_any(...) ((void)0) /* never called: rows_grouped is 0 */
 #endif
 
 /* One task's attention (bf16 a constant where inlined): the vector version for the head
@@ -234,7 +346,14 @@ static inline __attribute__((always_inline)) void attend_any(
    not be allocated.
    A task is one request and a run of its KV heads: all of them when there are requests enough
    to keep every thread busy (each key/value slot is then read as one contiguous run, which the
-   prefetcher streams), one head each otherwise. */
+   prefetcher streams), one head each otherwise. Consecutive rows with the same block table and
+   window start (a decode with its proposed tokens, a prompt chunk) are a group instead: a task
+   is up to GROUP_SPLIT of its rows and one KV head, which reads each key once for its rows
+   (attend_rows_vec) where a task per row read the context once per row. A row's floats are the
+   same either way. */
+#define GROUP_SPLIT 4 /* rows of a group per task: a group of 8 rows on 2 threads is 2 x KVH tasks */
+#define UNIT_FIELDS 4 /* a task of a grouped step: first row, rows, first KV head, KV heads */
+
 struct decode_task {
     const float *query;
     const void *kv, *values; /* float32 or bfloat16 (bf16) */
@@ -243,8 +362,13 @@ struct decode_task {
     float *out;
     int64_t ldq, H, KVH, D, G, BS, MB, window, heads_per_task, tasks_per_row;
     float scale;
+    const int64_t *units; /* NULL: task i is row i / tasks_per_row, heads_per_task of its heads */
     _Atomic int failed;
 };
+
+static inline int64_t window_start(int64_t len, int64_t window) {
+    return (window > 0 && len > window) ? len - window : 0;
+}
 
 static void decode_tasks(void *arg, int64_t first, int64_t stop) {
     struct decode_task *t = arg;
@@ -254,33 +378,100 @@ static void decode_tasks(void *arg, int64_t first, int64_t stop) {
     const int64_t *block_table = t->block_table, *context_lens = t->context_lens;
     float *out = t->out;
     const int64_t ldq = t->ldq, H = t->H, KVH = t->KVH, D = t->D, G = t->G, BS = t->BS;
-    const int64_t MB = t->MB, window = t->window, heads_per_task = t->heads_per_task;
+    const int64_t MB = t->MB, window = t->window;
     const int64_t tasks_per_row = t->tasks_per_row;
     const float scale = t->scale;
     for (int64_t task = first; task < stop; task++) {
-        const int64_t b = task / tasks_per_row;
-        const int64_t h0 = (task % tasks_per_row) * heads_per_task;
-        const int64_t nq = heads_per_task * G;
-        const int64_t len = context_lens[b];
-        const int64_t start = (window > 0 && len > window) ? len - window : 0;
-        const int64_t L = len - start;
+        int64_t b, rows, h0, heads;
+        if (t->units != NULL) {
+            const int64_t *unit = t->units + task * UNIT_FIELDS;
+            b = unit[0], rows = unit[1], h0 = unit[2], heads = unit[3];
+        } else {
+            b = task / tasks_per_row, rows = 1;
+            h0 = (task % tasks_per_row) * t->heads_per_task, heads = t->heads_per_task;
+        }
+        const int64_t *table = block_table + b * MB;
+        const int64_t start = window_start(context_lens[b], window);
+        int64_t L = 0;
+        for (int64_t r = 0; r < rows; r++)
+            L = context_lens[b + r] - start > L ? context_lens[b + r] - start : L;
+        const int64_t nq = rows == 1 ? heads * G : rows * G;
         float *scores = malloc(sizeof(float) * (size_t)(nq * (L > 0 ? L : 1) + nq * D));
         if (scores == NULL) {
             atomic_store(&t->failed, 1);
             continue;
         }
         float *acc = scores + nq * L;
+        if (rows > 1) {
+            for (int64_t h = h0; h < h0 + heads; h++) {
+                if (bf16)
+                    attend_rows_any(query + b * ldq, ldq, kv, values, 1, table, context_lens + b, rows, out + b * H * D, H,
+                                    scores, acc, start, L, G, KVH, BS, h, D, scale);
+                else
+                    attend_rows_any(query + b * ldq, ldq, kv, values, 0, table, context_lens + b, rows, out + b * H * D, H,
+                                    scores, acc, start, L, G, KVH, BS, h, D, scale);
+            }
+            free(scores);
+            continue;
+        }
+        const int64_t len = context_lens[b];
         const float *q = query + b * ldq + h0 * G * D; /* this task's nq query heads */
         float *o = out + (b * H + h0 * G) * D;
-        const int64_t *table = block_table + b * MB;
         if (bf16)
-            attend_any(q, kv, values, 1, table, o, scores, acc, start, len, heads_per_task, G,
-                       KVH, BS, h0, D, scale);
+            attend_any(q, kv, values, 1, table, o, scores, acc, start, len, heads, G, KVH, BS, h0,
+                       D, scale);
         else
-            attend_any(q, kv, values, 0, table, o, scores, acc, start, len, heads_per_task, G,
-                       KVH, BS, h0, D, scale);
+            attend_any(q, kv, values, 0, table, o, scores, acc, start, len, heads, G, KVH, BS, h0,
+                       D, scale);
         free(scores);
     }
+}
+
+/* Whether rows a and b read the same keys: the same block table and window start. */
+static inline int same_keys(const int64_t *block_table, const int64_t *context_lens, int64_t MB,
+                            int64_t window, int64_t a, int64_t b) {
+    return window_start(context_lens[a], window) == window_start(context_lens[b], window) &&
+           memcmp(block_table + a * MB, block_table + b * MB, sizeof(int64_t) * (size_t)MB) == 0;
+}
+
+/* The tasks of a step with a group of rows (see above) in units [n, UNIT_FIELDS]; returns n,
+   0 when no two consecutive rows read the same keys (the tasks are then one row each), -1 out
+   of memory. */
+static int64_t group_units(const int64_t *block_table, const int64_t *context_lens, int64_t B,
+                           int64_t KVH, int64_t D, int64_t MB, int64_t window,
+                           int64_t heads_per_task, int64_t **units_out) {
+    *units_out = NULL;
+    if (!rows_grouped(D)) return 0;
+    int64_t b = 1;
+    while (b < B && !same_keys(block_table, context_lens, MB, window, b - 1, b)) b++;
+    if (b >= B) return 0;
+    int64_t *units = malloc(sizeof(int64_t) * UNIT_FIELDS * (size_t)(B * KVH));
+    if (units == NULL) return -1;
+    int64_t n = 0;
+    for (b = 0; b < B;) {
+        int64_t e = b + 1;
+        while (e < B && same_keys(block_table, context_lens, MB, window, b, e)) e++;
+        const int64_t R = e - b;
+        if (R == 1) {
+            for (int64_t h = 0; h < KVH; h += heads_per_task, n++) {
+                int64_t *u = units + n * UNIT_FIELDS;
+                u[0] = b, u[1] = 1, u[2] = h, u[3] = heads_per_task;
+            }
+        } else {
+            const int64_t parts = (R + GROUP_SPLIT - 1) / GROUP_SPLIT;
+            for (int64_t s = 0, r0 = b; s < parts; s++) {
+                const int64_t rows = R / parts + (s < R % parts);
+                for (int64_t h = 0; h < KVH; h++, n++) {
+                    int64_t *u = units + n * UNIT_FIELDS;
+                    u[0] = r0, u[1] = rows, u[2] = h, u[3] = 1;
+                }
+                r0 += rows;
+            }
+        }
+        b = e;
+    }
+    *units_out = units;
+    return n;
 }
 
 static int paged_decode(const float *query, int64_t ldq, const void *kv, int bf16,
@@ -289,11 +480,17 @@ static int paged_decode(const float *query, int64_t ldq, const void *kv, int bf1
                         int64_t MB, float scale, int64_t window) {
     const int64_t heads_per_task = B >= omp_get_max_threads() ? KVH : 1;
     const int64_t element = bf16 ? 2 : 4;
+    int64_t *units;
+    const int64_t n_units =
+        group_units(block_table, context_lens, B, KVH, D, MB, window, heads_per_task, &units);
+    if (n_units < 0) return -1;
     struct decode_task task = {
         query, kv, (const char *)kv + NB * BS * KVH * D * element, bf16, block_table,
         context_lens, out, ldq, H, KVH, D, H / KVH, BS, MB, window, heads_per_task,
-        KVH / heads_per_task, scale, 0};
-    switchboard_parallel_for(B * task.tasks_per_row, 1, decode_tasks, &task);
+        KVH / heads_per_task, scale, units, 0};
+    switchboard_parallel_for(units != NULL ? n_units : B * task.tasks_per_row, 1, decode_tasks,
+                             &task);
+    free(units);
     return atomic_load(&task.failed) ? -1 : 0;
 }
 

@@ -1,0 +1,119 @@
+"""A speculative verify step's cost against its rows, in process (no wires): one request after
+``--context`` tokens, a decode step of 1 row against verify steps of ``1 + k`` rows (its token
+and ``k`` proposed ones), the variants alternated step by step.
+
+    .venv/bin/python bench/verify_step.py                       # the default model
+    .venv/bin/python bench/verify_step.py --context 20 400 --rows 1 5 9 --steps 30 --profile
+
+Prints the median step time per row count and its ratio to one row (``execute_model``: forward,
+LM head, sampling). Each step computes the same positions again (the request's computed tokens
+stay at the context), so every step sees the same context. ``--profile`` adds torch's operator
+table of the largest row count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from switchboard.checkpoint import resolve_model
+from switchboard.config import ModelConfig
+from switchboard.wire.engine_msgs import SamplingParams
+from switchboard.wire.step_msgs import CachedRequest, NewRequest, SchedulerOutput
+from switchboard.worker.model_runner import ModelRunner
+
+BLOCK_SIZE = 16
+REQUEST = "r0"
+
+
+class VerifySteps:
+    """One request prefilled with ``context`` random tokens; steps of any row count after it."""
+
+    def __init__(self, runner: ModelRunner, context: int, max_rows: int) -> None:
+        self.runner, self.context, self.step_id = runner, context, 0
+        rng = random.Random(0)
+        self.vocab = runner.summary().vocab_size
+        blocks = -(-(context + max_rows + 1) // BLOCK_SIZE)
+        self.rng = rng
+        runner.execute_model(
+            SchedulerOutput(
+                step_id=self._next_id(),
+                new_requests=[
+                    NewRequest(
+                        request_id=REQUEST,
+                        prompt_token_ids=[rng.randrange(self.vocab) for _ in range(context)],
+                        sampling_params=SamplingParams(temperature=0.0, max_tokens=1 << 20),
+                        block_ids=list(range(blocks)),
+                        num_computed_tokens=0,
+                    )
+                ],
+                num_scheduled_tokens={REQUEST: context},
+                total_num_scheduled_tokens=context,
+            )
+        )
+
+    def _next_id(self) -> int:
+        self.step_id += 1
+        return self.step_id
+
+    def step(self, rows: int) -> float:
+        """Seconds of one step of ``rows`` rows (the request's token and ``rows - 1``
+        proposals, random: rejected, as a rejected step costs what an accepted one does)."""
+        proposals = [self.rng.randrange(self.vocab) for _ in range(rows - 1)]
+        step = SchedulerOutput(
+            step_id=self._next_id(),
+            cached_requests=[CachedRequest(REQUEST, [], self.context)],
+            num_scheduled_tokens={REQUEST: rows},
+            total_num_scheduled_tokens=rows,
+            scheduled_spec_decode_tokens={REQUEST: proposals} if proposals else {},
+        )
+        started = time.perf_counter()
+        self.runner.execute_model(step)
+        return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="default: the built-in default model")
+    parser.add_argument("--context", type=int, nargs="+", default=[20, 400])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 5, 9])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    runner = ModelRunner(ModelConfig(model=resolve_model(args.model)), torch.device("cpu"))
+    runner.load_model()
+    max_rows = max(args.rows)
+    blocks = -(-(max(args.context) + max_rows + 1) // BLOCK_SIZE) * len(args.context)
+    runner.initialize_kv_cache(blocks + 1, BLOCK_SIZE)
+    print(f"attention backend {runner.attention_backend.name}, {torch.get_num_threads()} threads")
+    for context in args.context:
+        steps = VerifySteps(runner, context, max_rows)
+        times: dict[int, list[float]] = {rows: [] for rows in args.rows}
+        for _ in range(3):  # warm-up
+            for rows in args.rows:
+                steps.step(rows)
+        for _ in range(args.steps):
+            for rows in args.rows:
+                times[rows].append(steps.step(rows))
+        one = statistics.median(times[args.rows[0]])
+        cells = []
+        for rows in args.rows:
+            ms = statistics.median(times[rows]) * 1e3
+            cells.append(f"{rows} rows {ms:.2f} ms ({ms / one / 1e3:.2f}x)")
+        print(f"context {context}: " + ", ".join(cells))
+        if args.profile:
+            with torch.profiler.profile() as prof:
+                for _ in range(10):
+                    steps.step(max_rows)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+        runner.execute_model(
+            SchedulerOutput(step_id=steps._next_id(), finished_request_ids=[REQUEST])
+        )
+
+
+if __name__ == "__main__":
+    main()
