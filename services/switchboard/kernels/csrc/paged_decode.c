@@ -286,9 +286,12 @@ static inline __attribute__((always_inline)) void attend_rows_vec(
                 out[(r * H + h * G + g) * D + d] = acc[(r * G + g) * D + d];
 }
 
-/* attend_rows_vec with D a constant for the common head sizes; 0 where it does not take D
-   (the rows are then attended one by one). */
-static inline __attribute__((always_inline)) int attend_rows_any(
+/* Whether attend_rows_vec takes rows of head size D (else a group's rows are tasks of their
+   own). */
+static inline int rows_grouped(int64_t D) { return D % 8 == 0 && D <= 128; }
+
+/* attend_rows_vec with D a constant for the common head sizes (D: one rows_grouped takes). */
+static inline __attribute__((always_inline)) void attend_rows_any(
     const float *query, int64_t ldq, const void *keys, const void *values, const int bf16,
     const int64_t *table, const int64_t *lens, int64_t R, float *out, int64_t H, float *scores,
     float *acc, int64_t start, int64_t Lmax, int64_t G, int64_t KVH, int64_t BS, int64_t h,
@@ -302,17 +305,12 @@ static inline __attribute__((always_inline)) int attend_rows_any(
         ROWS_CALL(64);
     else if (D == 128)
         ROWS_CALL(128);
-    else if (D % 8 == 0 && D <= 128)
-        ROWS_CALL(D);
     else
-        return 0;
+        ROWS_CALL(D);
 #undef ROWS_CALL
-    return 1;
 }
-static inline int rows_grouped(int64_t D) { return D % 8 == 0 && D <= 128; }
 #else
 static inline int rows_grouped(int64_t D) { (void)D; return 0; }
-#define attend_rows_any(...) ((void)0) /* never called: rows_grouped is 0 */
 #endif
 
 /* One task's attention (bf16 a constant where inlined): the vector version for the head
@@ -351,7 +349,8 @@ static inline __attribute__((always_inline)) void attend_any(
    is up to GROUP_SPLIT of its rows and one KV head, which reads each key once for its rows
    (attend_rows_vec) where a task per row read the context once per row. A row's floats are the
    same either way. */
-#define GROUP_SPLIT 4 /* rows of a group per task: a group of 8 rows on 2 threads is 2 x KVH tasks */
+/* rows of a group per task: a group of 8 rows on 2 threads is 2 x KVH tasks */
+#define GROUP_SPLIT 4
 #define UNIT_FIELDS 4 /* a task of a grouped step: first row, rows, first KV head, KV heads */
 
 struct decode_task {
@@ -402,15 +401,20 @@ static void decode_tasks(void *arg, int64_t first, int64_t stop) {
             continue;
         }
         float *acc = scores + nq * L;
-        if (rows > 1) {
+        if (rows > 1) { /* a group's rows, each of its KV heads (only where rows_grouped) */
+#ifdef HAVE_ATTEND_VEC
+            const float *q = query + b * ldq;
+            float *o = out + b * H * D;
+            const int64_t *lens = context_lens + b;
             for (int64_t h = h0; h < h0 + heads; h++) {
                 if (bf16)
-                    attend_rows_any(query + b * ldq, ldq, kv, values, 1, table, context_lens + b, rows, out + b * H * D, H,
-                                    scores, acc, start, L, G, KVH, BS, h, D, scale);
+                    attend_rows_any(q, ldq, kv, values, 1, table, lens, rows, o, H, scores, acc,
+                                    start, L, G, KVH, BS, h, D, scale);
                 else
-                    attend_rows_any(query + b * ldq, ldq, kv, values, 0, table, context_lens + b, rows, out + b * H * D, H,
-                                    scores, acc, start, L, G, KVH, BS, h, D, scale);
+                    attend_rows_any(q, ldq, kv, values, 0, table, lens, rows, o, H, scores, acc,
+                                    start, L, G, KVH, BS, h, D, scale);
             }
+#endif
             free(scores);
             continue;
         }
