@@ -6,9 +6,9 @@ and ``k`` proposed ones), the variants alternated step by step.
     .venv/bin/python bench/verify_step.py --context 20 400 --rows 1 5 9 --steps 30 --profile
 
 Prints the median step time per row count and its ratio to one row (``execute_model``: forward,
-LM head, sampling). Each step computes the same positions again (the request's computed tokens
-stay at the context), so every step sees the same context. ``--profile`` adds torch's operator
-table of the largest row count.
+LM head, sampling). The proposals are random tokens (rejected: a rejected row costs what an
+accepted one does), so each step adds one token to the context: ``--steps`` times the row counts
+tokens over the run. ``--profile`` adds torch's operator table of the largest row count.
 """
 
 from __future__ import annotations
@@ -33,13 +33,14 @@ REQUEST = "r0"
 class VerifySteps:
     """One request prefilled with ``context`` random tokens; steps of any row count after it."""
 
-    def __init__(self, runner: ModelRunner, context: int, max_rows: int) -> None:
-        self.runner, self.context, self.step_id = runner, context, 0
+    def __init__(self, runner: ModelRunner, context: int, max_tokens: int) -> None:
+        self.runner, self.step_id = runner, 0
         rng = random.Random(0)
         self.vocab = runner.summary().vocab_size
-        blocks = -(-(context + max_rows + 1) // BLOCK_SIZE)
+        self.blocks = -(-(context + max_tokens) // BLOCK_SIZE)
+        blocks = self.blocks
         self.rng = rng
-        runner.execute_model(
+        prefill = runner.execute_model(
             SchedulerOutput(
                 step_id=self._next_id(),
                 new_requests=[
@@ -55,6 +56,7 @@ class VerifySteps:
                 total_num_scheduled_tokens=context,
             )
         )
+        self.num_tokens = context + len(prefill.sampled_token_ids[0])
 
     def _next_id(self) -> int:
         self.step_id += 1
@@ -64,16 +66,20 @@ class VerifySteps:
         """Seconds of one step of ``rows`` rows (the request's token and ``rows - 1``
         proposals, random: rejected, as a rejected step costs what an accepted one does)."""
         proposals = [self.rng.randrange(self.vocab) for _ in range(rows - 1)]
+        if self.num_tokens + rows > self.blocks * BLOCK_SIZE:
+            raise ValueError("more steps than the request's blocks hold")
         step = SchedulerOutput(
             step_id=self._next_id(),
-            cached_requests=[CachedRequest(REQUEST, [], self.context)],
+            cached_requests=[CachedRequest(REQUEST, [], self.num_tokens - 1)],
             num_scheduled_tokens={REQUEST: rows},
             total_num_scheduled_tokens=rows,
             scheduled_spec_decode_tokens={REQUEST: proposals} if proposals else {},
         )
         started = time.perf_counter()
-        self.runner.execute_model(step)
-        return time.perf_counter() - started
+        output = self.runner.execute_model(step)
+        seconds = time.perf_counter() - started
+        self.num_tokens += len(output.sampled_token_ids[0])
+        return seconds
 
 
 def main() -> None:
@@ -86,12 +92,13 @@ def main() -> None:
     args = parser.parse_args()
     runner = ModelRunner(ModelConfig(model=resolve_model(args.model)), torch.device("cpu"))
     runner.load_model()
-    max_rows = max(args.rows)
-    blocks = -(-(max(args.context) + max_rows + 1) // BLOCK_SIZE) * len(args.context)
+    # a step adds one token, or more where random proposals happen to be accepted
+    max_tokens = ((args.steps + 3) * len(args.rows) + 10) * max(args.rows)
+    blocks = -(-(max(args.context) + max_tokens) // BLOCK_SIZE)
     runner.initialize_kv_cache(blocks + 1, BLOCK_SIZE)
     print(f"attention backend {runner.attention_backend.name}, {torch.get_num_threads()} threads")
     for context in args.context:
-        steps = VerifySteps(runner, context, max_rows)
+        steps = VerifySteps(runner, context, max_tokens)
         times: dict[int, list[float]] = {rows: [] for rows in args.rows}
         for _ in range(3):  # warm-up
             for rows in args.rows:
