@@ -69,22 +69,25 @@ def test_without_a_compiler_it_does_not_load(without_compiler):
 @pytest.mark.parametrize(("kv_heads", "heads", "head_dim"), [(3, 9, 64), (2, 4, 128), (1, 2, 20)])
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("group", [9, 21])
 def test_rows_that_share_their_keys_get_the_floats_of_each_row_alone(
-    paged_decode_loaded, kv_heads, heads, head_dim, cache_dtype, window
+    paged_decode_loaded, kv_heads, heads, head_dim, cache_dtype, window, group
 ):
-    """A decode with its proposed tokens (rows of one block table, one position after another)
-    is attended as a group that reads each key once for all its rows: every row's output is
-    bit for bit what the row gets alone, beside other requests' rows or not."""
+    """A decode with its proposed tokens, or a prompt chunk (rows of one block table, one
+    position after another), is attended as a group that reads each key once for several of its
+    rows: every row's output is bit for bit what the row gets alone, beside other requests'
+    rows or not."""
     torch.manual_seed(head_dim + kv_heads)
     cache = torch.randn(2, 64, 16, kv_heads, head_dim).to(cache_dtype)
-    chunk = torch.randperm(64)[:30]  # one request's blocks, 9 rows ending at 455 .. 463
+    chunk = torch.randperm(64)[:30]  # one request's blocks, rows ending at 455, 456, ...
     other = torch.randperm(64)[:3]
-    table = torch.stack([chunk] * 9 + [torch.cat([other, torch.zeros(27, dtype=torch.long)])])
-    context_lens = torch.tensor([455 + i for i in range(9)] + [40])
-    query = torch.randn(10, heads, head_dim)
+    rows = group + 1
+    table = torch.stack([chunk] * group + [torch.cat([other, torch.zeros(27, dtype=torch.long)])])
+    context_lens = torch.tensor([455 + i for i in range(group)] + [40])
+    query = torch.randn(rows, heads, head_dim)
     scale = head_dim**-0.5
     together = paged_decode.paged_decode(query, cache, table, context_lens, scale, window)
-    for row in range(10):
+    for row in range(rows):
         alone = paged_decode.paged_decode(
             query[row : row + 1],
             cache,

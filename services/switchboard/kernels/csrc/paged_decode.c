@@ -346,11 +346,11 @@ static inline __attribute__((always_inline)) void attend_any(
    to keep every thread busy (each key/value slot is then read as one contiguous run, which the
    prefetcher streams), one head each otherwise. Consecutive rows with the same block table and
    window start (a decode with its proposed tokens, a prompt chunk) are a group instead: a task
-   is up to GROUP_SPLIT of its rows and one KV head, which reads each key once for its rows
+   is up to GROUP_ROWS of its rows and one KV head, which reads each key once for its rows
    (attend_rows_vec) where a task per row read the context once per row. A row's floats are the
    same either way. */
-/* rows of a group per task: a group of 8 rows on 2 threads is 2 x KVH tasks */
-#define GROUP_SPLIT 4
+/* The most rows of a group a task takes (its scores are GROUP_ROWS x G x context floats) */
+#define GROUP_ROWS 16
 #define UNIT_FIELDS 4 /* a task of a grouped step: first row, rows, first KV head, KV heads */
 
 struct decode_task {
@@ -443,7 +443,7 @@ static inline int same_keys(const int64_t *block_table, const int64_t *context_l
    of memory. */
 static int64_t group_units(const int64_t *block_table, const int64_t *context_lens, int64_t B,
                            int64_t KVH, int64_t D, int64_t MB, int64_t window,
-                           int64_t heads_per_task, int64_t **units_out) {
+                           int64_t heads_per_task, int64_t threads, int64_t **units_out) {
     *units_out = NULL;
     if (!rows_grouped(D)) return 0;
     int64_t b = 1;
@@ -462,7 +462,10 @@ static int64_t group_units(const int64_t *block_table, const int64_t *context_le
                 u[0] = b, u[1] = 1, u[2] = h, u[3] = heads_per_task;
             }
         } else {
-            const int64_t parts = (R + GROUP_SPLIT - 1) / GROUP_SPLIT;
+            /* GROUP_ROWS rows a task, in parts enough for every thread to have one */
+            int64_t parts = (R + GROUP_ROWS - 1) / GROUP_ROWS;
+            const int64_t balanced = (2 * threads + KVH - 1) / KVH;
+            parts = parts > balanced ? parts : balanced < R ? balanced : R;
             for (int64_t s = 0, r0 = b; s < parts; s++) {
                 const int64_t rows = R / parts + (s < R % parts);
                 for (int64_t h = 0; h < KVH; h++, n++) {
@@ -482,11 +485,12 @@ static int paged_decode(const float *query, int64_t ldq, const void *kv, int bf1
                         const int64_t *block_table, const int64_t *context_lens, float *out,
                         int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t NB, int64_t BS,
                         int64_t MB, float scale, int64_t window) {
-    const int64_t heads_per_task = B >= omp_get_max_threads() ? KVH : 1;
+    const int64_t threads = omp_get_max_threads();
+    const int64_t heads_per_task = B >= threads ? KVH : 1;
     const int64_t element = bf16 ? 2 : 4;
     int64_t *units;
-    const int64_t n_units =
-        group_units(block_table, context_lens, B, KVH, D, MB, window, heads_per_task, &units);
+    const int64_t n_units = group_units(block_table, context_lens, B, KVH, D, MB, window,
+                                        heads_per_task, threads, &units);
     if (n_units < 0) return -1;
     struct decode_task task = {
         query, kv, (const char *)kv + NB * BS * KVH * D * element, bf16, block_table,
