@@ -144,9 +144,10 @@ def main() -> None:
             speedups = []
             for cost in args.row_cost:
                 step_cost = sum(1 + cost * (r - 1) for r in rows) + len(answers)  # + prefills
-                speedups.append(f"{(total) / step_cost:.2f}x at {cost}")
+                speedups.append(f"{total / step_cost:.2f}x at {cost}")
+            per_step = total / (steps + len(answers))
             print(
-                f"lookup max {max_n}, k {max_len}: {total / (steps + len(answers)):.2f} tokens/step, "
+                f"lookup max {max_n}, k {max_len}: {per_step:.2f} tokens/step, "
                 f"{accepted}/{proposed} accepted ({accepted / max(proposed, 1):.0%}); "
                 + ", ".join(speedups)
             )

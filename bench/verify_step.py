@@ -4,11 +4,14 @@ and ``k`` proposed ones), the variants alternated step by step.
 
     .venv/bin/python bench/verify_step.py                       # the default model
     .venv/bin/python bench/verify_step.py --context 20 400 --rows 1 5 9 --steps 30 --profile
+    .venv/bin/python bench/verify_step.py --threads 1 --cpu-time    # on a machine others share
 
 Prints the median step time per row count and its ratio to one row (``execute_model``: forward,
 LM head, sampling). The proposals are random tokens (rejected: a rejected row costs what an
 accepted one does), so each step adds one token to the context: ``--steps`` times the row counts
-tokens over the run. ``--profile`` adds torch's operator table of the largest row count.
+tokens over the run. ``--cpu-time`` times the process's CPU time instead of the wall clock: with
+``--threads 1`` a measure of the work that others' load on a shared machine hardly moves.
+``--profile`` adds torch's operator table of the largest row count.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import argparse
 import random
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -62,7 +66,7 @@ class VerifySteps:
         self.step_id += 1
         return self.step_id
 
-    def step(self, rows: int) -> float:
+    def step(self, rows: int, clock: Callable[[], float] = time.perf_counter) -> float:
         """Seconds of one step of ``rows`` rows (the request's token and ``rows - 1``
         proposals, random: rejected, as a rejected step costs what an accepted one does)."""
         proposals = [self.rng.randrange(self.vocab) for _ in range(rows - 1)]
@@ -75,9 +79,9 @@ class VerifySteps:
             total_num_scheduled_tokens=rows,
             scheduled_spec_decode_tokens={REQUEST: proposals} if proposals else {},
         )
-        started = time.perf_counter()
+        started = clock()
         output = self.runner.execute_model(step)
-        seconds = time.perf_counter() - started
+        seconds = clock() - started
         self.num_tokens += len(output.sampled_token_ids[0])
         return seconds
 
@@ -88,8 +92,12 @@ def main() -> None:
     parser.add_argument("--context", type=int, nargs="+", default=[20, 400])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 5, 9])
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--cpu-time", action="store_true", help="time CPU, not the wall clock")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    clock = time.process_time if args.cpu_time else time.perf_counter
     runner = ModelRunner(ModelConfig(model=resolve_model(args.model)), torch.device("cpu"))
     runner.load_model()
     # a step adds one token, or more where random proposals happen to be accepted
@@ -105,7 +113,7 @@ def main() -> None:
                 steps.step(rows)
         for _ in range(args.steps):
             for rows in args.rows:
-                times[rows].append(steps.step(rows))
+                times[rows].append(steps.step(rows, clock))
         one = statistics.median(times[args.rows[0]])
         cells = []
         for rows in args.rows:
@@ -115,7 +123,7 @@ def main() -> None:
         if args.profile:
             with torch.profiler.profile() as prof:
                 for _ in range(10):
-                    steps.step(max_rows)
+                    steps.step(max(args.rows))
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
         runner.execute_model(
             SchedulerOutput(step_id=steps._next_id(), finished_request_ids=[REQUEST])

@@ -4,7 +4,10 @@
    layer per step, before attending; this walks each request's block table instead and reads
    every key and value once, where it lies: one task per request (per request and KV head when
    requests are fewer than threads) computes the scores of its query heads, a float32 softmax
-   (max subtracted) and the weighted sum of the values. The tasks run on the work pool. */
+   (max subtracted) and the weighted sum of the values. Rows that read the same keys (a decode
+   with its speculative proposals, a prompt chunk: one block table, each row's context ending
+   at its own position) go in groups, which read each block once for up to 16 rows while it is
+   in cache; each row's floats are what it gets alone. The tasks run on the work pool. */
 #include <math.h>
 #include <omp.h>
 #include <stdatomic.h>
