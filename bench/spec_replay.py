@@ -137,10 +137,12 @@ def main() -> None:
     total = sum(len(a) for a in answers)
     for max_n in args.prompt_lookup_max:
         for max_len in args.max_len:
-            steps, proposed, accepted, rows = 0, 0, 0, []
+            steps, proposed, accepted = 0, 0, 0
+            rows: list[int] = []
             for prompt, answer in zip(prompts, answers, strict=True):
                 s, r, p, a = replay(prompt, answer, max_len, args.prompt_lookup_min, max_n)
-                steps, proposed, accepted, rows = steps + s, proposed + p, accepted + a, rows + r
+                steps, proposed, accepted = steps + s, proposed + p, accepted + a
+                rows += r
             speedups = []
             for cost in args.row_cost:
                 step_cost = sum(1 + cost * (r - 1) for r in rows) + len(answers)  # + prefills
