@@ -115,3 +115,28 @@ def decode_batch_of(table: torch.Tensor, context_lens: torch.Tensor) -> DecodeBa
         max_context_len=int(context_lens.max()),
         all_full_length=False,
     )
+
+
+def test_a_group_over_a_long_context_takes_fewer_rows_a_task_with_the_same_floats(
+    paged_decode_loaded,
+):
+    """Past ~30,000 tokens a task takes fewer rows of a group (its scores are rows x heads x
+    context floats); the rows still get their floats alone."""
+    torch.manual_seed(0)
+    num_blocks = 4400
+    cache = torch.randn(2, num_blocks, 16, 1, 8)
+    rows = 10
+    table = torch.randperm(num_blocks).repeat(rows, 1)
+    context_lens = torch.tensor([70_000 + i for i in range(rows)])
+    query = torch.randn(rows, 2, 8)
+    together = paged_decode.paged_decode(query, cache, table, context_lens, 8**-0.5, None)
+    for row in range(rows):
+        alone = paged_decode.paged_decode(
+            query[row : row + 1],
+            cache,
+            table[row : row + 1],
+            context_lens[row : row + 1],
+            8**-0.5,
+            None,
+        )
+        assert torch.equal(together[row], alone[0]), row

@@ -352,8 +352,10 @@ static inline __attribute__((always_inline)) void attend_any(
    is up to GROUP_ROWS of its rows and one KV head, which reads each key once for its rows
    (attend_rows_vec) where a task per row read the context once per row. A row's floats are the
    same either way. */
-/* The most rows of a group a task takes (its scores are GROUP_ROWS x G x context floats) */
+/* The most rows of a group a task takes, and the most scores (rows x G x context floats): a
+   task of a long context takes fewer rows */
 #define GROUP_ROWS 16
+#define GROUP_SCORES (1 << 20)
 #define UNIT_FIELDS 4 /* a task of a grouped step: first row, rows, first KV head, KV heads */
 
 struct decode_task {
@@ -445,7 +447,7 @@ static inline int same_keys(const int64_t *block_table, const int64_t *context_l
    0 when no two consecutive rows read the same keys (the tasks are then one row each), -1 out
    of memory. */
 static int64_t group_units(const int64_t *block_table, const int64_t *context_lens, int64_t B,
-                           int64_t KVH, int64_t D, int64_t MB, int64_t window,
+                           int64_t KVH, int64_t G, int64_t D, int64_t MB, int64_t window,
                            int64_t heads_per_task, int64_t threads, int64_t **units_out) {
     *units_out = NULL;
     if (!rows_grouped(D)) return 0;
@@ -465,8 +467,16 @@ static int64_t group_units(const int64_t *block_table, const int64_t *context_le
                 u[0] = b, u[1] = 1, u[2] = h, u[3] = heads_per_task;
             }
         } else {
-            /* GROUP_ROWS rows a task, in parts enough for every thread to have one */
-            int64_t parts = (R + GROUP_ROWS - 1) / GROUP_ROWS;
+            /* at most GROUP_ROWS rows a task, and GROUP_SCORES scores, in parts enough for
+               every thread to have one */
+            int64_t L = 1;
+            for (int64_t r = b; r < e; r++) {
+                const int64_t len = context_lens[r] - window_start(context_lens[r], window);
+                L = len > L ? len : L;
+            }
+            int64_t most = GROUP_SCORES / (G * L);
+            most = most < 1 ? 1 : most > GROUP_ROWS ? GROUP_ROWS : most;
+            int64_t parts = (R + most - 1) / most;
             const int64_t balanced = (2 * threads + KVH - 1) / KVH;
             parts = parts > balanced ? parts : balanced < R ? balanced : R;
             for (int64_t s = 0, r0 = b; s < parts; s++) {
@@ -492,7 +502,7 @@ static int paged_decode(const float *query, int64_t ldq, const void *kv, int bf1
     const int64_t heads_per_task = B >= threads ? KVH : 1;
     const int64_t element = bf16 ? 2 : 4;
     int64_t *units;
-    const int64_t n_units = group_units(block_table, context_lens, B, KVH, D, MB, window,
+    const int64_t n_units = group_units(block_table, context_lens, B, KVH, H / KVH, D, MB, window,
                                         heads_per_task, threads, &units);
     if (n_units < 0) return -1;
     struct decode_task task = {
