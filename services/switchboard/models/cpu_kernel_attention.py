@@ -41,8 +41,9 @@ from switchboard.models.attention import (
 KERNEL_MAX_CONTEXT = 256
 # A chunk of at most this many tokens goes to the kernel whatever its context: a decode step's
 # token with its proposed ones (speculative decoding) is a few rows of one block table, which the
-# kernel attends as a group reading the context once for all of them; SDPA gathered the whole context out of the cache per layer for them
-# (SmolLM2-135M, 5 tokens after 400: a step of ~0.8 s against ~30 ms for one token).
+# kernel attends as a group reading the context once for all of them; SDPA gathered the whole
+# context out of the cache per layer for them (SmolLM2-135M, 5 tokens after 400: a step of
+# ~0.8 s against ~30 ms for one token).
 KERNEL_ANY_CONTEXT_MAX_TOKENS = 16
 # A model whose matmuls round each row to 8 bits (integer dot products) sends every chunk to the
 # kernel: SDPA's sums differ from the kernel's by float rounding, which 8-bit rounding of the
