@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import os
 import shlex
 import statistics
@@ -44,11 +45,18 @@ from serving_clients import HOST, make_prompts, pct
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
 
-PHASES = ("send->arrival", "arrival->queued", "queued->scheduled", "scheduled->token", "token->client")
+PHASES = (
+    "send->arrival",
+    "arrival->queued",
+    "queued->scheduled",
+    "scheduled->token",
+    "token->client",
+)
 
 
 @dataclasses.dataclass
 class Timeline:
+    sent: float  # the client's wall clock
     ttft_s: float
     phases: tuple[float, ...]  # as PHASES, seconds
     tokens: int
@@ -80,7 +88,7 @@ async def one_request(
     queue = m.queue_time.ToNanoseconds() / 1e9
     prefill = m.prefill_time.ToNanoseconds() / 1e9
     phases = (arrival - sent, ttft - queue - prefill, queue, prefill, first - (arrival + ttft))
-    return Timeline(first - sent, phases, tokens)
+    return Timeline(sent, first - sent, phases, tokens)
 
 
 async def closed_loop(
@@ -118,7 +126,8 @@ def _print_row(label: str, row: dict[str, float]) -> None:
 def _header() -> None:
     names = ["p50", "p90", *(name.split("->")[1][:8] for name in PHASES), "tok/s"]
     widths = [7, 7, *(8 for _ in PHASES), 8]
-    print(f"{'ms (phase medians)':<24}" + " ".join(f"{n:>{w}}" for n, w in zip(names, widths)))
+    cells = " ".join(f"{n:>{w}}" for n, w in zip(names, widths, strict=True))
+    print(f"{'ms (phase medians)':<24}" + cells)
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -128,7 +137,8 @@ async def run(args: argparse.Namespace) -> int:
         port = free_port()
         cmd = [
             *switchboard_command(), "serve", "--model", args.model, "--host", HOST,
-            "--port", str(port), "--http-port", "0", "--dtype", args.dtype, "--max-model-len", "2048",
+            "--port", str(port), "--http-port", "0", "--dtype", args.dtype,
+            "--max-model-len", "2048",
             "--kv-cache-memory-bytes", str(2 * 2**30), "--seed", "0", *shlex.split(extra),
         ]  # fmt: skip
         log = log_dir / f"{label}.log"
@@ -140,6 +150,7 @@ async def run(args: argparse.Namespace) -> int:
         servers[label] = port
     rows: dict[str, list[dict[str, float]]] = {label: [] for label in servers}
     _header()
+    dumped: list[dict[str, object]] = []
     for r in range(args.rounds):
         order = list(servers) if r % 2 == 0 else list(reversed(servers))
         for label in order:
@@ -148,11 +159,19 @@ async def run(args: argparse.Namespace) -> int:
                 servers[label], prompts, args.concurrency, args.output_len
             )
             rows[label].append(summary(timelines, wall))
+            if args.dump:
+                dumped.append({"variant": label, "round": r, "requests": [
+                    dataclasses.asdict(t) for t in sorted(timelines, key=lambda t: t.sent)
+                ]})  # fmt: skip
             _print_row(f"round {r} {label}", rows[label][-1])
         print(f"  (load average {os.getloadavg()[0]:.1f})", flush=True)
+    if args.dump:
+        args.dump.write_text(json.dumps(dumped))
     print("median over rounds:")
     for label, label_rows in rows.items():
-        _print_row(label, {k: statistics.median(row[k] for row in label_rows) for k in label_rows[0]})
+        _print_row(
+            label, {k: statistics.median(row[k] for row in label_rows) for k in label_rows[0]}
+        )
     return 0
 
 
@@ -174,10 +193,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=96, help="per round")
     p.add_argument("--input-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--dump", type=Path, default=None, help="every request's timeline, JSON")
     args = p.parse_args(argv)
     args.variant = [spec.partition("=")[::2] for spec in args.variant or ["base="]]
-    import json
-
     config = json.loads((Path(args.model).expanduser() / "config.json").read_text())
     args.vocab = int(config["vocab_size"])
     args.model = str(Path(args.model).expanduser())
