@@ -225,21 +225,27 @@ def test_shared_step_tokens_limit_a_step_only_while_several_requests_are_in():
         assert d.tokens(f"r{i}") == expected_tokens(prompt(6, 100 * i), 3)
 
 
-def test_a_crowd_of_decodes_past_the_shared_budget_still_leaves_prompts_room():
+def test_a_crowd_of_decodes_past_half_the_shared_budget_still_leaves_prompts_room():
     sched = make_scheduler(max_num_batched_tokens=64, shared_step_tokens=8, max_num_seqs=32)
     d = driver(sched)
-    for i in range(8):
+    for i in range(4):
         sched.add_request(make_request(f"run{i}", prompt(1, 100 + i), max_tokens=20))
-    d.step()  # 8 one-token prompts: the shared budget
-    assert len(sched.running) == 8
-    sched.add_request(make_request("late", prompt(6, 300), max_tokens=2))
     d.step()
-    # 8 decodes fill the shared budget; half of it more goes to the waiting prompt
-    assert d.sched_outputs[-1].num_scheduled_tokens == {f"run{i}": 1 for i in range(8)} | {
-        "late": 4
-    }
+    sched.add_request(make_request("few", prompt(12, 200), max_tokens=2))
+    d.step()  # 4 decodes: half the shared budget; the prompt gets the rest
+    decodes = {f"run{i}": 1 for i in range(4)}
+    assert d.sched_outputs[-1].num_scheduled_tokens == decodes | {"few": 4}
     d.run()
-    assert d.tokens("late") == expected_tokens(prompt(6, 300), 2)
+    for i in range(4, 9):
+        sched.add_request(make_request(f"run{i}", prompt(1, 100 + i), max_tokens=20))
+    d.step()
+    sched.add_request(make_request("late", prompt(12, 300), max_tokens=2))
+    d.step()  # 5 decodes: past half of it, so a whole shared budget beside them
+    decodes = {f"run{i}": 1 for i in range(4, 9)}
+    assert d.sched_outputs[-1].num_scheduled_tokens == decodes | {"late": 8}
+    d.run()
+    assert d.tokens("few") == expected_tokens(prompt(12, 200), 2)
+    assert d.tokens("late") == expected_tokens(prompt(12, 300), 2)
 
 
 # ---------------------------------------------------------------- prefix caching
