@@ -102,7 +102,7 @@ class SchedulerConfig(Config, frozen=True):
         ),
     ] = 0
     # Tokens per step while more than one request is in the engine (0: max_num_batched_tokens
-    # always); while the running requests take more than half of it, their decodes and a
+    # always); while the running requests take more than a quarter of it, their decodes and a
     # whole shared budget more (engine/scheduler.py). Only the device default sets it; an explicit
     # --max-num-batched-tokens holds always.
     shared_step_tokens: int = 0

@@ -4,7 +4,7 @@ One scheduling model, no prefill/decode phases: every request has ``num_computed
 each step gives it tokens to catch up with ``num_tokens`` (prompt + outputs), under a token
 budget (``max_num_batched_tokens``; ``shared_step_tokens``, when set, while more than one request
 is in: a lone long prompt takes big steps, a crowd small ones, and running requests that take
-more than half of it get their decodes and a whole shared budget for prompts) and a cap on
+more than a quarter of it get their decodes and a whole shared budget for prompts) and a cap on
 running requests (``max_num_seqs``):
 
 1. running requests, decoding ones first (one token each) so a long prefill chunk never takes
@@ -231,13 +231,15 @@ class Scheduler:
 
     def _step_budget(self) -> int:
         """``max_num_batched_tokens``; ``shared_step_tokens`` (when set) while more than one
-        request is in the engine. While the running requests' decodes take more than half of
-        it, the step could not keep to it and leave prompts room: they get their decodes and a
-        whole shared budget more, so that a crowd of decoding streams never starves a prompt."""
+        request is in the engine. While the running requests' decodes take more than a quarter
+        of it, the step could not keep to it and leave prompts room: they get their decodes and
+        a whole shared budget more, so that a crowd of decoding streams never starves a prompt
+        (measured, tiny-llama: at 64 streams a 128-token budget with 64 for prompts queued
+        them twice as long as 256)."""
         budget = self.config.max_num_batched_tokens
         shared = self.config.shared_step_tokens
         if shared and len(self.running) + len(self.waiting) > 1:
-            if len(self.running) > shared // 2:
+            if len(self.running) > shared // 4:
                 return min(budget, len(self.running) + shared)
             return min(budget, shared)
         return budget
