@@ -36,14 +36,22 @@ def test_defaults_prefix_caching_on_fcfs_no_chunk_cap() -> None:
 
 
 def test_the_default_token_budget_is_by_device_and_fits_every_running_request() -> None:
-    def budget(device: str, max_num_seqs: int) -> tuple[int, int]:
-        config = with_step_budget(SchedulerConfig(max_num_seqs=max_num_seqs), device)
+    def budget(device: str, max_num_seqs: int, few_rows_limit: int = 0) -> tuple[int, int]:
+        config = SchedulerConfig(max_num_seqs=max_num_seqs)
+        config = with_step_budget(config, device, few_rows_limit)
         return config.max_num_batched_tokens, config.shared_step_tokens
 
     assert budget("cpu", 256) == (MAX_NUM_BATCHED_TOKENS, CPU_SHARED_STEP_TOKENS) == (2048, 256)
     assert budget("cuda", 256) == (2048, 0)  # no separate limit
-    assert budget("cpu", 1000) == (2048, 1000)  # a decode token for each of them
+    # more running requests than a shared step holds: the scheduler gives each its decode
+    assert budget("cpu", 1000) == (2048, 256)
     assert budget("cuda", 4096) == (4096, 0)
+    # the workers' kernels for few rows take 128 (AVX-512): shared steps no bigger
+    assert budget("cpu", 256, few_rows_limit=128) == (2048, 128)
+    assert budget("cpu", 256, few_rows_limit=512) == (2048, 256)  # AVX2 alone: 256 still
+    assert budget("cuda", 256, few_rows_limit=128) == (2048, 0)
+    explicit = SchedulerConfig(max_num_batched_tokens=512)
+    assert with_step_budget(explicit, "cpu", 128) == explicit  # a budget given holds always
 
 
 def test_scheduler_and_kv_flags_reach_the_engine_config() -> None:

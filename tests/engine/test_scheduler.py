@@ -225,6 +225,29 @@ def test_shared_step_tokens_limit_a_step_only_while_several_requests_are_in():
         assert d.tokens(f"r{i}") == expected_tokens(prompt(6, 100 * i), 3)
 
 
+def test_a_crowd_of_decodes_past_a_quarter_of_the_shared_budget_still_leaves_prompts_room():
+    sched = make_scheduler(max_num_batched_tokens=64, shared_step_tokens=8, max_num_seqs=32)
+    d = driver(sched)
+    for i in range(2):
+        sched.add_request(make_request(f"run{i}", prompt(1, 100 + i), max_tokens=20))
+    d.step()
+    sched.add_request(make_request("few", prompt(12, 200), max_tokens=2))
+    d.step()  # 2 decodes: a quarter of the shared budget; the prompt gets the rest
+    decodes = {f"run{i}": 1 for i in range(2)}
+    assert d.sched_outputs[-1].num_scheduled_tokens == decodes | {"few": 6}
+    d.run()
+    for i in range(2, 7):
+        sched.add_request(make_request(f"run{i}", prompt(1, 100 + i), max_tokens=20))
+    d.step()
+    sched.add_request(make_request("late", prompt(12, 300), max_tokens=2))
+    d.step()  # 5 decodes: past a quarter of it, so a whole shared budget beside them
+    decodes = {f"run{i}": 1 for i in range(2, 7)}
+    assert d.sched_outputs[-1].num_scheduled_tokens == decodes | {"late": 8}
+    d.run()
+    assert d.tokens("few") == expected_tokens(prompt(12, 200), 2)
+    assert d.tokens("late") == expected_tokens(prompt(12, 300), 2)
+
+
 # ---------------------------------------------------------------- prefix caching
 
 

@@ -102,6 +102,20 @@ def test_a_cpu_without_avx512_bf16_gets_the_widening_variants(monkeypatch, resto
     assert bf16_gemm.max_rows() == 4
 
 
+def test_a_bfloat16_step_stays_on_it_up_to_its_rows_unless_amx_takes_them(
+    monkeypatch, restore_kernel
+):
+    if not bf16_gemm.load():
+        pytest.skip(f"the bfloat16 kernel is not loaded here: {bf16_gemm.status()}")
+    monkeypatch.setattr(gemm, "BF16_MAX_ROWS", gemm.SMALL_BATCH_MAX_ROWS)
+    assert gemm.few_rows_limit(torch.bfloat16) == gemm.SMALL_BATCH_MAX_ROWS
+    monkeypatch.setattr(gemm, "BF16_MAX_ROWS", 16)  # an AMX CPU: oneDNN's tiles past 16 rows
+    assert gemm.few_rows_limit(torch.bfloat16) == 0
+    monkeypatch.setattr(gemm, "BF16_MAX_ROWS", gemm.SMALL_BATCH_MAX_ROWS)
+    bf16_gemm.unload()
+    assert gemm.few_rows_limit(torch.bfloat16) == 0
+
+
 def test_without_avx2_or_switched_off_bfloat16_layers_use_torch(monkeypatch, restore_kernel):
     x, weight, bias = _problem(4, 64, 32)
     bf16_gemm.load()

@@ -84,6 +84,13 @@ def test_gemm_linear_takes_it_up_to_its_rows(kernel, monkeypatch):
     assert gemm.linear(x3, packed, None, panels).shape == (1, 2, 64)
 
 
+def test_a_float32_step_stays_on_it_up_to_its_rows_and_not_without_it(kernel):
+    # what the worker reports to the engine, which shares steps in no more tokens
+    assert gemm.few_rows_limit(torch.float32) == gemm.SMALL_BATCH_MAX_ROWS
+    small_batch_gemm.unload()
+    assert gemm.few_rows_limit(torch.float32) == 0
+
+
 def test_can_be_turned_off(monkeypatch):
     small_batch_gemm.unload()
     monkeypatch.setenv("SWITCHBOARD_SMALL_BATCH_GEMM", "off")

@@ -18,6 +18,7 @@ import pytest
 import zmq
 
 from switchboard.config import EngineConfig, ModelConfig, WorkerConfig, encode_config
+from switchboard.kernels import gemm, small_batch_gemm
 from switchboard.wire.engine_msgs import SamplingParams
 from switchboard.wire.shm_ring import ShmRingWriter
 from switchboard.wire.step_msgs import (
@@ -102,6 +103,10 @@ def test_engine_drives_the_worker_over_the_ring_then_shuts_it_down(tmp_path):
             assert f.read().split(b"\0")[0] == b"switchboard::Worker_DP0_PP0_TP0"
         summary = msgspec.convert(engine.call("load_model"), ModelSummary)
         assert summary.num_layers == 2 and summary.dtype == "float32"
+        # the rows its kernels for few rows take (the engine's shared steps take no more)
+        assert summary.few_rows_limit == (
+            gemm.SMALL_BATCH_MAX_ROWS if small_batch_gemm.load() else 0
+        )
         assert engine.call("determine_num_kv_blocks", 16, 1 << 20) == (1 << 20) // (
             16 * summary.kv_cache_bytes_per_token
         )

@@ -76,7 +76,11 @@ class CacheConfig(Config, frozen=True):
 # next token; 256 a step keep decoding going and spread a burst of arrivals over several steps
 # (SmolLM2, 32 concurrent streams of 32-token prompts: TTFT p50 1,361 -> 636 ms, 317 -> 343
 # output tok/s). A request alone is prefilled 2,048 tokens a step: one prompt of 1,900 tokens
-# took 3.5 s so and 4.4 s in chunks of 256 (smaller matmuls, more steps).
+# took 3.5 s so and 4.4 s in chunks of 256 (smaller matmuls, more steps). Where the workers'
+# kernels for few rows take fewer than 256 (128 with AVX-512), a shared step takes no more:
+# past them a step leaves the one-call layer stack for oneDNN, no faster a row in float32 and
+# 3-5x slower in bfloat16 without AMX; and a burst's first prompts get their tokens a shorter
+# step sooner (docs/operations.md, "Step budget").
 MAX_NUM_BATCHED_TOKENS = 2048
 CPU_SHARED_STEP_TOKENS = 256
 
@@ -91,13 +95,16 @@ class SchedulerConfig(Config, frozen=True):
         Flag(
             "tokens per engine step; longer prompts are prefilled in chunks (default: "
             f"{MAX_NUM_BATCHED_TOKENS}; on CPU workers {CPU_SHARED_STEP_TOKENS} while more than "
-            "one request is in the engine; at least --max-num-seqs)",
+            "one request is in the engine, 128 where the CPU kernels for few rows take 128 "
+            "(AVX-512); at least --max-num-seqs)",
             Group.SCHEDULER,
             accepts=AT_LEAST_1,
         ),
     ] = 0
     # Tokens per step while more than one request is in the engine (0: max_num_batched_tokens
-    # always). Only the device default sets it; an explicit --max-num-batched-tokens holds always.
+    # always); while the running requests take more than a quarter of it, their decodes and a
+    # whole shared budget more (engine/scheduler.py). Only the device default sets it; an explicit
+    # --max-num-batched-tokens holds always.
     shared_step_tokens: int = 0
     long_prefill_token_threshold: Annotated[
         int,
@@ -139,17 +146,22 @@ class SchedulerConfig(Config, frozen=True):
     ] = ""
 
 
-def with_step_budget(config: SchedulerConfig, device_type: str) -> SchedulerConfig:
+def with_step_budget(
+    config: SchedulerConfig, device_type: str, few_rows_limit: int = 0
+) -> SchedulerConfig:
     """``config`` as given when it names a budget; else with the default budget for
     ``device_type`` workers, never below ``max_num_seqs`` (every running request decodes in
-    every step)."""
+    every step). ``few_rows_limit``: the most tokens a step may have to run on the workers'
+    kernels for few rows (0: none); a CPU's shared steps take no more."""
     if config.max_num_batched_tokens:
         return config
-    seqs = config.max_num_seqs
+    shared = 0
+    if device_type == "cpu":
+        shared = min(CPU_SHARED_STEP_TOKENS, few_rows_limit or CPU_SHARED_STEP_TOKENS)
     return msgspec.structs.replace(
         config,
-        max_num_batched_tokens=max(MAX_NUM_BATCHED_TOKENS, seqs),
-        shared_step_tokens=max(CPU_SHARED_STEP_TOKENS, seqs) if device_type == "cpu" else 0,
+        max_num_batched_tokens=max(MAX_NUM_BATCHED_TOKENS, config.max_num_seqs),
+        shared_step_tokens=shared,
     )
 
 

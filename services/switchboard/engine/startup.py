@@ -89,7 +89,7 @@ def load_and_size(
         num_gpu_blocks,
         block_size,
         max_model_len,
-        with_step_budget(config.scheduler, summary.device_type),
+        with_step_budget(config.scheduler, summary.device_type, summary.few_rows_limit),
     )
 
 

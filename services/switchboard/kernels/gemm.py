@@ -77,6 +77,18 @@ if _mkldnn and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
 _enabled = _onednn_linear is not None and os.environ.get("SWITCHBOARD_GEMM", "auto") != "torch"
 
 
+def few_rows_limit(dtype: torch.dtype) -> int:
+    """The most rows a product of a ``dtype`` model may have and still run on the kernel for few
+    rows (its panels, the one-call decode stack); past them oneDNN takes it, no faster a row
+    in float32 and slower in bfloat16 without AMX. 0: no such kernel is loaded, or it keeps
+    fewer rows than the float32 one (bfloat16 on AMX, where oneDNN's tiles win past them)."""
+    if dtype == torch.bfloat16:
+        if bf16_gemm.max_rows() == 0 or BF16_MAX_ROWS < SMALL_BATCH_MAX_ROWS:
+            return 0
+        return BF16_MAX_ROWS
+    return SMALL_BATCH_MAX_ROWS if dtype == torch.float32 and small_batch_gemm.max_rows() else 0
+
+
 def use_onednn(enabled: bool) -> bool:
     """Turn the oneDNN path on or off; returns whether it is on (off when unavailable)."""
     global _enabled

@@ -100,6 +100,9 @@ class ModelSummary(_Wire):
     device_type: str = "cpu"  # torch's device type the worker computes on: "cpu", "cuda"
     # the weights kept quantized for decode: "none", "gguf Q4_1, Q8_0", "int8"
     quantization: str = "none"
+    # The most tokens a step may have for its matmuls to run on the CPU kernels for few rows
+    # (0: no such kernel): the engine shares steps in no more (config.with_step_budget).
+    few_rows_limit: int = 0
 
 
 class RpcCall(_Wire):

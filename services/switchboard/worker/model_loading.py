@@ -7,7 +7,7 @@ import logging
 import torch
 
 from switchboard.config import ModelConfig
-from switchboard.kernels import bf16_gemm, small_batch_gemm
+from switchboard.kernels import bf16_gemm, gemm, small_batch_gemm
 from switchboard.models.hf_config import TransformerConfig, load_transformer_config
 from switchboard.models.loader import load_model, resolve_dtype
 from switchboard.models.parallel import SINGLE_PROCESS, ParallelState
@@ -102,6 +102,7 @@ def model_summary(
         kv_cache_bytes_per_token=kv_cache_bytes_per_token,
         device_type=device.type,
         quantization=quantization.describe(),
+        few_rows_limit=gemm.few_rows_limit(dtype) if device.type == "cpu" else 0,
     )
 
 

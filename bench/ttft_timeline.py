@@ -1,0 +1,214 @@
+"""Where switchboard's time to first token goes under a closed loop: each request's TTFT cut at
+the points both ends know, and server variants compared in alternated rounds.
+
+    python bench/ttft_timeline.py --model DIR                        # one server, c = 32
+    python bench/ttft_timeline.py --model DIR --dtype bfloat16 \\
+        --variant base= --variant big="--max-num-batched-tokens 2048" --rounds 4
+
+Every variant's server is started once (`switchboard serve`, the flags bench/vs_vllm.py gives it,
+plus the variant's), then the rounds alternate between them (A, B, A, B ...: the machine may be
+shared, so each variant sees the same spells of load); a round is one closed loop of
+--concurrency clients over --requests requests (32-token prompts, 128 output tokens, greedy,
+ignore_eos, as bench/vs_vllm.py), after one warm-up loop per server.
+
+Per request, from the client's wall clock and the RequestMetrics of the last message (all
+stamps on one machine, one wall clock):
+
+    send     -> arrival    the client's send to the gateway's servicer (client and gRPC in)
+    arrival  -> queued     checks, the ADD to the engine, its input thread and busy loop
+    queued   -> scheduled  waiting in the engine's queue for a step with room
+    scheduled-> token      the step(s) computing the prompt, until the engine stamps its output
+    token    -> client     the output thread, the gateway's stream, gRPC out, the client
+
+The report gives each phase's median (and the TTFT's p50 / p90) per variant and round, then the
+median over rounds, and output tok/s. Run with the project's venv (.venv/bin/python).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+from server_procs import free_port, start, stop_all, switchboard_command, wait_ready
+from serving_clients import HOST, make_prompts, pct
+
+from switchboard.api.v1 import generation_service_pb2 as pb
+from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
+
+PHASES = (
+    "send->arrival",
+    "arrival->queued",
+    "queued->scheduled",
+    "scheduled->token",
+    "token->client",
+)
+
+
+@dataclasses.dataclass
+class Timeline:
+    sent: float  # the client's wall clock
+    ttft_s: float
+    phases: tuple[float, ...]  # as PHASES, seconds
+    tokens: int
+
+
+async def one_request(
+    stub: pb_grpc.GenerationServiceStub, prompt: list[int], max_tokens: int
+) -> Timeline:
+    request = pb.GenerateRequest(
+        token_ids=pb.TokenIds(ids=prompt),
+        sampling=pb.SamplingParams(temperature=0.0),
+        stopping=pb.StoppingCriteria(max_tokens=max_tokens, ignore_eos=True),
+        output=pb.OutputOptions(return_token_ids=True),
+    )
+    sent = time.time()
+    first = None
+    tokens = 0
+    last = None
+    async for response in stub.Generate(request):
+        if n := sum(len(out.token_ids) for out in response.outputs):
+            if first is None:
+                first = time.time()
+            tokens += n
+        last = response
+    assert first is not None and last is not None, "a request gave no token"
+    m = last.metrics
+    arrival = m.arrival_time.ToNanoseconds() / 1e9
+    ttft = m.time_to_first_token.ToNanoseconds() / 1e9
+    queue = m.queue_time.ToNanoseconds() / 1e9
+    prefill = m.prefill_time.ToNanoseconds() / 1e9
+    phases = (arrival - sent, ttft - queue - prefill, queue, prefill, first - (arrival + ttft))
+    return Timeline(sent, first - sent, phases, tokens)
+
+
+async def closed_loop(
+    port: int, prompts: list[list[int]], concurrency: int, max_tokens: int
+) -> tuple[list[Timeline], float]:
+    todo = iter(prompts)
+    out: list[Timeline] = []
+    async with grpc.aio.insecure_channel(f"{HOST}:{port}") as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+
+        async def client() -> None:
+            for prompt in todo:
+                out.append(await one_request(stub, prompt, max_tokens))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+        return out, time.perf_counter() - t0
+
+
+def summary(timelines: list[Timeline], wall: float) -> dict[str, float]:
+    ttfts = [t.ttft_s * 1e3 for t in timelines]
+    row = {"ttft_p50": pct(ttfts, 50) or 0.0, "ttft_p90": pct(ttfts, 90) or 0.0}
+    for i, name in enumerate(PHASES):
+        row[name] = statistics.median(t.phases[i] * 1e3 for t in timelines)
+    row["tok_s"] = sum(t.tokens for t in timelines) / wall
+    return row
+
+
+def _print_row(label: str, row: dict[str, float]) -> None:
+    cells = [f"{row['ttft_p50']:7.1f}", f"{row['ttft_p90']:7.1f}"]
+    cells += [f"{row[name]:8.1f}" for name in PHASES] + [f"{row['tok_s']:8.0f}"]
+    print(f"{label:<24}" + " ".join(cells), flush=True)
+
+
+def _header() -> None:
+    names = ["p50", "p90", *(name.split("->")[1][:8] for name in PHASES), "tok/s"]
+    widths = [7, 7, *(8 for _ in PHASES), 8]
+    cells = " ".join(f"{n:>{w}}" for n, w in zip(names, widths, strict=True))
+    print(f"{'ms (phase medians)':<24}" + cells)
+
+
+async def run(args: argparse.Namespace) -> int:
+    log_dir = Path(tempfile.mkdtemp(prefix="ttft-timeline-"))
+    servers = {}
+    for label, extra in args.variant:
+        port = free_port()
+        cmd = [
+            *switchboard_command(), "serve", "--model", args.model, "--host", HOST,
+            "--port", str(port), "--http-port", "0", "--dtype", args.dtype,
+            "--max-model-len", "2048",
+            "--kv-cache-memory-bytes", str(2 * 2**30), "--seed", "0", *shlex.split(extra),
+        ]  # fmt: skip
+        log = log_dir / f"{label}.log"
+        print(f"{label}: {shlex.join(cmd)}  (log {log})", file=sys.stderr, flush=True)
+        server = start("switchboard", cmd, dict(os.environ), log, port)
+        await wait_ready(server)
+        warm = make_prompts(2, args.input_len, args.vocab, f"warm-up:{label}")
+        await closed_loop(port, warm, 2, 8)
+        servers[label] = port
+    rows: dict[str, list[dict[str, float]]] = {label: [] for label in servers}
+    _header()
+    dumped: list[dict[str, object]] = []
+    for r in range(args.rounds):
+        order = list(servers) if r % 2 == 0 else list(reversed(servers))
+        for label in order:
+            prompts = make_prompts(args.requests, args.input_len, args.vocab, f"{r}:{label}")
+            timelines, wall = await closed_loop(
+                servers[label], prompts, args.concurrency, args.output_len
+            )
+            rows[label].append(summary(timelines, wall))
+            if args.dump:
+                dumped.append({"variant": label, "round": r, "requests": [
+                    dataclasses.asdict(t) for t in sorted(timelines, key=lambda t: t.sent)
+                ]})  # fmt: skip
+            _print_row(f"round {r} {label}", rows[label][-1])
+        print(f"  (load average {os.getloadavg()[0]:.1f})", flush=True)
+    if args.dump:
+        args.dump.write_text(json.dumps(dumped))
+    print("median over rounds:")
+    for label, label_rows in rows.items():
+        _print_row(
+            label, {k: statistics.median(row[k] for row in label_rows) for k in label_rows[0]}
+        )
+    return 0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="LABEL=FLAGS",
+        help="a server with these extra `switchboard serve` flags (repeat; default: one, base)",
+    )
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--requests", type=int, default=96, help="per round")
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--dump", type=Path, default=None, help="every request's timeline, JSON")
+    args = p.parse_args(argv)
+    args.variant = [spec.partition("=")[::2] for spec in args.variant or ["base="]]
+    config = json.loads((Path(args.model).expanduser() / "config.json").read_text())
+    args.vocab = int(config["vocab_size"])
+    args.model = str(Path(args.model).expanduser())
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return asyncio.run(run(args))
+    finally:
+        stop_all()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
