@@ -257,13 +257,14 @@ static void quantize_block(const float *x, int64_t B, int8_t *q, float *d, float
     *corr = -128 * s;
 }
 
-/* What both variants do over a block of a panel: fetch the line `off` bytes into panel pp of a
-   tile of P panels `ahead` bytes early. The P panels are read side by side, so past its end a
-   panel's fetch goes on in the same panel of the next tile (the one after it is being read
-   already): without that, the last `ahead` bytes of each panel's fetches were wasted and the next
-   tile's panels but the first started cold (a 1-row step over SmolLM2's layers was ~25 % slower
-   on one thread). A fetch past the matrix's or the thread's panels is a wasted line, not a fault.
-   (4 bits: the lines of the low nibbles hold the high ones too.) */
+/* What both variants do over a block of a panel: fetch the line `ahead` bytes after the one
+   `off` bytes into `panel`, one of a tile's P panels. The P panels are read side by side, so
+   past its end a panel's fetch goes on in the same panel of the next tile (the panel right after
+   it is being read already): fetched straight on, the last `ahead` bytes of every panel's
+   fetches were wasted and the next tile's panels but its first started cold (the matmuls of a
+   1-row SmolLM2 step took ~25 % longer on one thread). A fetch past the matrix or the thread's
+   panels is a wasted line, not a fault. (4 bits: the lines of the low nibbles hold the high
+   ones too.) */
 static inline __attribute__((always_inline)) void prefetch_line(const uint8_t *panel, int64_t off,
                                                                 int64_t ahead, int P,
                                                                 int64_t panel_bytes) {
