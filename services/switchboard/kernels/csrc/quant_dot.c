@@ -257,12 +257,29 @@ static void quantize_block(const float *x, int64_t B, int8_t *q, float *d, float
     *corr = -128 * s;
 }
 
-/* What both variants do over a block of a panel: fetch value line k4 `ahead` bytes early (4
-   bits: the lines of the low nibbles hold the high ones too), */
-static inline __attribute__((always_inline)) void prefetch_line(const int nibbles,
-                                                                const uint8_t *blk, int64_t k4,
-                                                                int64_t B, int64_t ahead) {
-    if (!nibbles || k4 < B / 8) _mm_prefetch((const char *)blk + k4 * 4 * PW + ahead, _MM_HINT_T1);
+/* What both variants do over a block of a panel: fetch the line `ahead` bytes after the one
+   `off` bytes into `panel`, one of a tile's P panels. The P panels are read side by side, so
+   past its end a panel's fetch goes on in the same panel of the next tile (the panel right after
+   it is being read already): fetched straight on, the last `ahead` bytes of every panel's
+   fetches were wasted and the next tile's panels but its first started cold (the matmuls of a
+   1-row SmolLM2 step took ~25 % longer on one thread). A fetch past the matrix or the thread's
+   panels is a wasted line, not a fault. (4 bits: the lines of the low nibbles hold the high
+   ones too.) */
+static inline __attribute__((always_inline)) void prefetch_line(const uint8_t *panel, int64_t off,
+                                                                int64_t ahead, int P,
+                                                                int64_t panel_bytes) {
+    const int64_t at = off + ahead >= panel_bytes ? off + ahead + (P - 1) * panel_bytes
+                                                  : off + ahead;
+    _mm_prefetch((const char *)panel + at, _MM_HINT_T1);
+}
+
+/* the first `ahead` bytes of `panels` panels, which no earlier fetch of this thread covered:
+   the start of a thread's chunk of panels */
+static void prefetch_start(const uint8_t *p, int64_t panels, int64_t panel_bytes, int64_t ahead) {
+    const int64_t warm = ahead < panel_bytes ? ahead : panel_bytes;
+    for (int64_t pq = 0; pq < panels; pq++)
+        for (int64_t off = 0; off < warm; off += 64)
+            _mm_prefetch((const char *)p + pq * panel_bytes + off, _MM_HINT_T1);
 }
 
 /* and row r's 4 quantized inputs of line k4 of block b, as one int32. */
@@ -292,15 +309,6 @@ static inline __attribute__((always_inline)) void store_tile(const int R, const 
 }
 
 #if HAVE_VNNI512
-/* 4 inputs of a panel's 16 columns (one 64-byte line of values), line k4 of a block */
-static inline __m512i line512(const int nibbles, const uint8_t *blk, int64_t k4, int64_t B) {
-    if (!nibbles) return _mm512_loadu_si512((const void *)(blk + k4 * 4 * PW));
-    const int64_t half = B / 8; /* lines in the low nibbles */
-    const __m512i v = _mm512_loadu_si512((const void *)(blk + (k4 % half) * 4 * PW));
-    const __m512i low = _mm512_set1_epi8(0x0f);
-    return k4 < half ? _mm512_and_si512(v, low) : _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-}
-
 static inline __attribute__((always_inline)) void tile_vnni(
     const int R, const int P, const int nibbles, const int layout, const int64_t B,
     const struct qrows *x,
@@ -316,24 +324,43 @@ static inline __attribute__((always_inline)) void tile_vnni(
             const __m512i c = _mm512_set1_epi32(nibbles ? 0 : x->corr[(r0 + r) * x->blocks + b]);
             for (int pp = 0; pp < P; pp++) sums[r * P + pp] = c;
         }
-        for (int64_t k4 = 0; k4 < B / 4; k4++) {
-            __m512i w[4];
+        /* two chains of sums a pair: lines k4 and k4 + B / 8 (4 bits: one line's low and high
+           nibbles, loaded once), the dot products of one chain wait on each other; the sum of
+           the two chains is exact, so the same integers */
+        __m512i more[8 * 4];
+        for (int i = 0; i < R * P; i++) more[i] = _mm512_setzero_si512();
+        for (int64_t k4 = 0; k4 < B / 8; k4++) {
+            __m512i w[4], w2[4];
             for (int pp = 0; pp < P; pp++) {
-                const uint8_t *blk = p + pp * panel_bytes + b * bb;
-                prefetch_line(nibbles, blk, k4, B, ahead);
-                w[pp] = line512(nibbles, blk, k4, B);
+                const uint8_t *panel = p + pp * panel_bytes;
+                const int64_t off = b * bb + k4 * 4 * PW, off2 = off + B / 8 * 4 * PW;
+                prefetch_line(panel, off, ahead, P, panel_bytes);
+                if (nibbles) {
+                    const __m512i v = _mm512_loadu_si512((const void *)(panel + off));
+                    const __m512i low = _mm512_set1_epi8(0x0f);
+                    w[pp] = _mm512_and_si512(v, low);
+                    w2[pp] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                } else {
+                    prefetch_line(panel, off2, ahead, P, panel_bytes);
+                    w[pp] = _mm512_loadu_si512((const void *)(panel + off));
+                    w2[pp] = _mm512_loadu_si512((const void *)(panel + off2));
+                }
             }
             for (int r = 0; r < R; r++) {
-                const int32_t four = four_inputs(x, r0 + r, b, B, k4);
-                const __m512i xb = _mm512_set1_epi32(four);
-                for (int pp = 0; pp < P; pp++)
-                    sums[r * P + pp] = _mm512_dpbusd_epi32(sums[r * P + pp], w[pp], xb);
+                const __m512i xa = _mm512_set1_epi32(four_inputs(x, r0 + r, b, B, k4));
+                const __m512i xb = _mm512_set1_epi32(four_inputs(x, r0 + r, b, B, k4 + B / 8));
+                for (int pp = 0; pp < P; pp++) {
+                    sums[r * P + pp] = _mm512_dpbusd_epi32(sums[r * P + pp], w[pp], xa);
+                    more[r * P + pp] = _mm512_dpbusd_epi32(more[r * P + pp], w2[pp], xb);
+                }
             }
         }
+        for (int i = 0; i < R * P; i++) sums[i] = _mm512_add_epi32(sums[i], more[i]);
         for (int pp = 0; pp < P; pp++) {
-            const uint8_t *so = p + pp * panel_bytes + b * bb + values;
-            _mm_prefetch((const char *)so + ahead, _MM_HINT_T1);
-            if (factor_bytes(layout) > 64) _mm_prefetch((const char *)so + ahead + 64, _MM_HINT_T1);
+            const uint8_t *panel = p + pp * panel_bytes, *so = panel + b * bb + values;
+            prefetch_line(panel, b * bb + values, ahead, P, panel_bytes);
+            if (factor_bytes(layout) > 64)
+                prefetch_line(panel, b * bb + values + 64, ahead, P, panel_bytes);
             const __m512 s = half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)so))
                                   : _mm512_loadu_ps((const float *)so);
             const __m256i *o16 = (const __m256i *)(so + 32);
@@ -396,7 +423,9 @@ static inline __attribute__((always_inline)) void tile_avx2(
             __m256i wq[2 * 2], wa[2 * 2];
             for (int pp = 0; pp < P; pp++) {
                 const uint8_t *blk = p + pp * panel_bytes + b * bb;
-                prefetch_line(nibbles, blk, k4, B, ahead);
+                if (!nibbles || k4 < B / 8)
+                    prefetch_line(p + pp * panel_bytes, b * bb + k4 * 4 * PW, ahead, P,
+                                  panel_bytes);
                 for (int h = 0; h < 2; h++) {
                     /* 4 bits: u itself (at most 15); else q = u ^ 0x80 and |q| */
                     wq[2 * pp + h] = line256(nibbles, blk, k4, B, h);
@@ -420,8 +449,9 @@ static inline __attribute__((always_inline)) void tile_avx2(
         }
         for (int pp = 0; pp < P; pp++) {
             const uint8_t *at = p + pp * panel_bytes + b * bb + values;
-            _mm_prefetch((const char *)at + ahead, _MM_HINT_T1);
-            if (factor_bytes(layout) > 64) _mm_prefetch((const char *)at + ahead + 64, _MM_HINT_T1);
+            prefetch_line(p + pp * panel_bytes, b * bb + values, ahead, P, panel_bytes);
+            if (factor_bytes(layout) > 64)
+                prefetch_line(p + pp * panel_bytes, b * bb + values + 64, ahead, P, panel_bytes);
             float widened[2 * PW];
             const float *so = half ? widened : (const float *)at;
             if (half) widen_factors(at, widened, offsets ? 2 * PW : PW);
@@ -505,6 +535,8 @@ static void dot_panels(void *arg, int64_t i0, int64_t i1) {
     const int64_t panel_bytes = t->x.blocks * block_bytes(t->B, t->nibbles, t->layout);
     const int64_t panels = (t->N + PW - 1) / PW;
     const int64_t q1 = i1 * t->step < panels ? i1 * t->step : panels;
+    const int64_t first = q1 - i0 * t->step < t->step ? q1 - i0 * t->step : t->step;
+    prefetch_start(t->p + i0 * t->step * panel_bytes, first, panel_bytes, PREFETCH_AHEAD);
     for (int64_t q = i0 * t->step; q < q1;) {
         const int many = t->step > 1 && q + t->step <= q1;
         const int64_t last = many ? q + t->step - 1 : q;
