@@ -4,6 +4,7 @@
         [-dp 2] [--conversations N] [--turns N] [--rounds N] [--system-tokens N]
         [--document-tokens N|LOW-HIGH] [--user-tokens N|LOW-HIGH] [--max-tokens N|LOW-HIGH]
         [--think-ms MS] [--[no-]stagger] [--kv-share F | --kv-blocks N] [--server-arg ARG ...]
+        [--variant NAME=ARGS ...]
 
 Starts one real server (`switchboard serve -dp N`) per policy and run, the same in every way
 but ``--routing-policy`` (prefix, then power-of-two, alternated ``--repeat`` times), and runs
@@ -38,7 +39,15 @@ Printed: the KV sizing, the machine's load average before and after, then per po
 of prompt tokens served from the prefix cache (``Usage.cached_prompt_tokens``), client-side
 time to first token (p50, p90), output tokens per second over the whole run, and the ratios
 prefix / power-of-two. Every run's requests are pooled per policy; each run's line goes to
-stderr as it ends.
+stderr as it ends. Then where the hits went (``bench/routing_report.py``): the workload's
+ideal hit rate (every turn serving its whole previous turn from cache) and each turn's
+shortfall put down to its cause — sent to another engine than its previous turn, evicted on
+its own engine, a first turn — from the engine each response names.
+
+``--variant NAME=ARGS`` (repeatable) compares other servers with power of two choices instead
+of the default prefix routing, all alternated: ARGS are ``serve`` arguments, ``KEY=VALUE``
+words environment variables (``--variant "cap32=--routing-policy prefix
+--prefix-routing-max-imbalance 32"``).
 
 The default model is a small random-weight Llama built on the fly (as bench/prefix_cache.py).
 """
@@ -64,7 +73,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the test helpers: tiny checkpoint and server start-up
 
 from bench.prefix_cache import TINY, RunResult, Sample, greedy_request  # noqa: E402
-from bench.routing_losses import Breakdown, Turn, ideal_hit, print_breakdown  # noqa: E402
+from bench.routing_report import Breakdown, Turn, ideal_hit, print_breakdown, print_table  # noqa: E402
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc  # noqa: E402
 from tests.e2e.server import start_server  # noqa: E402
 from tests.tiny_checkpoint import tiny_llama_dir  # noqa: E402
@@ -350,30 +359,6 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def print_table(results: dict[str, RunResult]) -> None:
-    header = (
-        f"{'routing':<16} | {'prefix hit rate':>15} | {'TTFT p50 ms':>11} | "
-        f"{'TTFT p90 ms':>11} | {'output tok/s':>12}"
-    )
-    print(header)
-    print("-" * len(header))
-    for name, result in results.items():
-        print(
-            f"{name:<16} | {result.cached_share:>15.1%} | {result.ttft_ms(0.5):>11.1f} | "
-            f"{result.ttft_ms(0.9):>11.1f} | {result.tokens_per_s:>12.1f}"
-        )
-    off = results[BASELINE.name]
-    for name, on in results.items():
-        if name == BASELINE.name:
-            continue
-        print(
-            f"{(name + ' / p2')[:16]:<16} | {on.cached_share / off.cached_share:>15.2f} | "
-            f"{on.ttft_ms(0.5) / off.ttft_ms(0.5):>11.2f} | "
-            f"{on.ttft_ms(0.9) / off.ttft_ms(0.9):>11.2f} | "
-            f"{on.tokens_per_s / off.tokens_per_s:>12.2f}"
-        )
-
-
 def main() -> None:
     args = parse_args()
     model_dir = args.model or tiny_llama_dir(**TINY)
@@ -416,7 +401,7 @@ def main() -> None:
     )
     for v in args.variants:
         print(f"  {v.name}: serve {' '.join(v.server_args)} {' '.join('='.join(e) for e in v.env)}")
-    print_table(results)
+    print_table(results, BASELINE.name)
     print()
     print_breakdown({name: Breakdown(ts) for name, ts in turns.items()})
 

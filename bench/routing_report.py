@@ -1,5 +1,6 @@
-"""Where a routing policy's prefix hits go, turn by turn, against the workload's ideal
-(``bench/prefix_routing.py``).
+"""What ``bench/prefix_routing.py`` prints: each variant's hit rate, TTFT and throughput
+against power of two choices, and where its prefix hits went, turn by turn, against the
+workload's ideal.
 
 The ideal: every turn serves from cache all it could — a conversation's first turn the shared
 system prompt, every later turn the whole previous turn (its prompt and the answer computed
@@ -26,7 +27,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from bench.prefix_cache import Sample
+from bench.prefix_cache import RunResult, Sample
 
 
 @dataclass(frozen=True)
@@ -113,3 +114,28 @@ def print_breakdown(results: dict[str, Breakdown]) -> None:
         + ", ".join(f"{n} {b.moved_turns()}/{len(b.turns)}" for n, b in results.items())
         + ")"
     )
+
+
+def print_table(results: dict[str, RunResult], baseline: str) -> None:
+    """Per variant: hit rate, TTFT, throughput, and each one's ratios to ``baseline``."""
+    header = (
+        f"{'routing':<16} | {'prefix hit rate':>15} | {'TTFT p50 ms':>11} | "
+        f"{'TTFT p90 ms':>11} | {'output tok/s':>12}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name, result in results.items():
+        print(
+            f"{name:<16} | {result.cached_share:>15.1%} | {result.ttft_ms(0.5):>11.1f} | "
+            f"{result.ttft_ms(0.9):>11.1f} | {result.tokens_per_s:>12.1f}"
+        )
+    off = results[baseline]
+    for name, on in results.items():
+        if name == baseline:
+            continue
+        print(
+            f"{(name + ' / p2')[:16]:<16} | {on.cached_share / off.cached_share:>15.2f} | "
+            f"{on.ttft_ms(0.5) / off.ttft_ms(0.5):>11.2f} | "
+            f"{on.ttft_ms(0.9) / off.ttft_ms(0.9):>11.2f} | "
+            f"{on.tokens_per_s / off.tokens_per_s:>12.2f}"
+        )
