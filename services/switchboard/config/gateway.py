@@ -91,7 +91,7 @@ class GatewayConfig(Config, frozen=True):
             metavar="WEIGHT",
             accepts=Accepts(0, 1),
         ),
-    ] = 1.0
+    ] = 0.25
     enable_admin: Annotated[
         bool, Flag("serve AdminService (allow-listed engine utilities)", Group.GATEWAY)
     ] = False
