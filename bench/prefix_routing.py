@@ -4,6 +4,7 @@
         [-dp 2] [--conversations N] [--turns N] [--rounds N] [--system-tokens N]
         [--document-tokens N|LOW-HIGH] [--user-tokens N|LOW-HIGH] [--max-tokens N|LOW-HIGH]
         [--think-ms MS] [--[no-]stagger] [--kv-share F | --kv-blocks N] [--server-arg ARG ...]
+        [--variant NAME=ARGS ...]
 
 Starts one real server (`switchboard serve -dp N`) per policy and run, the same in every way
 but ``--routing-policy`` (prefix, then power-of-two, alternated ``--repeat`` times), and runs
@@ -38,7 +39,15 @@ Printed: the KV sizing, the machine's load average before and after, then per po
 of prompt tokens served from the prefix cache (``Usage.cached_prompt_tokens``), client-side
 time to first token (p50, p90), output tokens per second over the whole run, and the ratios
 prefix / power-of-two. Every run's requests are pooled per policy; each run's line goes to
-stderr as it ends.
+stderr as it ends. Then where the hits went (``bench/routing_report.py``): the workload's
+ideal hit rate (every turn serving its whole previous turn from cache) and each turn's
+shortfall put down to its cause — sent to another engine than its previous turn, evicted on
+its own engine, a first turn — from the engine each response names.
+
+``--variant NAME=ARGS`` (repeatable) compares other servers with power of two choices instead
+of the default prefix routing, all alternated: ARGS are ``serve`` arguments, ``KEY=VALUE``
+words environment variables (``--variant "cap32=--routing-policy prefix
+--prefix-routing-max-imbalance 32"``).
 
 The default model is a small random-weight Llama built on the fly (as bench/prefix_cache.py).
 """
@@ -49,6 +58,7 @@ import argparse
 import math
 import os
 import random
+import shlex
 import sys
 import tempfile
 import threading
@@ -63,6 +73,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # the test helpers: tiny checkpoint and server start-up
 
 from bench.prefix_cache import TINY, RunResult, Sample, greedy_request  # noqa: E402
+from bench.routing_report import Breakdown, Turn, ideal_hit, print_breakdown, print_table  # noqa: E402
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc  # noqa: E402
 from tests.e2e.server import start_server  # noqa: E402
 from tests.tiny_checkpoint import tiny_llama_dir  # noqa: E402
@@ -95,8 +106,8 @@ PRESETS = {
 
 def generate(
     stub: pb_grpc.GenerationServiceStub, prompt: list[int], max_tokens: int
-) -> tuple[Sample, list[int]]:
-    """One streamed request: its sample and the tokens it answered."""
+) -> tuple[Sample, list[int], str]:
+    """One streamed request: its sample, the tokens it answered and the engine that ran it."""
     request = greedy_request(prompt, max_tokens)
     started = time.perf_counter()
     ttft = None
@@ -111,7 +122,7 @@ def generate(
     assert last is not None and ttft is not None, "no tokens came back"
     usage = last.usage
     sample = Sample(ttft, usage.completion_tokens, usage.prompt_tokens, usage.cached_prompt_tokens)
-    return sample, answer
+    return sample, answer, last.metrics.engine_id
 
 
 class Workload:
@@ -147,7 +158,7 @@ class Workload:
             total += math.ceil((self.args.system_tokens + own) / BLOCK_SIZE)
         return total / self.args.turns - self.args.system_tokens // BLOCK_SIZE
 
-    def run_slot(self, target: str, slot: int, samples: list[Sample]) -> None:
+    def run_slot(self, target: str, slot: int, turns: list[Turn]) -> None:
         args = self.args
         sent, conversation = 0, slot * 1000
         first_turn = slot % args.turns if args.stagger else 0
@@ -156,17 +167,35 @@ class Workload:
             while sent < args.rounds:
                 history = list(self.system)
                 for turn in range(first_turn):  # the conversation so far
-                    user, answer, _ = self.turn(conversation, turn)
-                    history += user + self.tokens(random.Random(-conversation - turn), answer)
+                    user, answer_len, _ = self.turn(conversation, turn)
+                    history += user + self.tokens(random.Random(-conversation - turn), answer_len)
+                previous: tuple[str, int] | None = None  # its engine, the tokens computed
                 for turn in range(first_turn, args.turns):
                     if sent == args.rounds:
                         break
                     user, max_tokens, think = self.turn(conversation, turn)
                     time.sleep(think)
                     history += user
-                    sample, answer = generate(stub, history, max_tokens)
-                    samples.append(sample)
+                    sample, answer, engine = generate(stub, history, max_tokens)
+                    ideal, reusable = ideal_hit(
+                        BLOCK_SIZE,
+                        len(history),
+                        args.system_tokens,
+                        previous[1] if previous else None,
+                    )
+                    picked_up = previous is None and turn > 0
+                    turns.append(
+                        Turn(
+                            sample,
+                            engine,
+                            previous[0] if previous else None,
+                            picked_up,
+                            ideal,
+                            reusable,
+                        )
+                    )
                     history += answer
+                    previous = (engine, len(history) - 1)  # the last token was not computed
                     sent += 1
                 conversation, first_turn = conversation + 1, 0
 
@@ -194,38 +223,45 @@ def sizing(workload: Workload) -> Sizing:
     return Sizing(context, args.kv_blocks or math.ceil(args.kv_share * context))
 
 
-def run_workload(target: str, workload: Workload) -> RunResult:
+def run_workload(target: str, workload: Workload) -> tuple[RunResult, list[Turn]]:
     args = workload.args
     with grpc.insecure_channel(target) as channel:  # warm-up, not measured, not shared
         stub = pb_grpc.GenerationServiceStub(channel)
         warm = [workload.tokens(random.Random(-i - 1), 64) for i in range(WARMUP_REQUESTS)]
         with ThreadPoolExecutor(WARMUP_REQUESTS) as pool:
             list(pool.map(lambda p: generate(stub, p, 4), warm))
-    samples: list[Sample] = []
+    turns: list[Turn] = []
     lock = threading.Lock()
 
     def one(slot: int) -> None:
-        mine: list[Sample] = []
+        mine: list[Turn] = []
         workload.run_slot(target, slot, mine)
         with lock:
-            samples.extend(mine)
+            turns.extend(mine)
 
     started = time.perf_counter()
     with ThreadPoolExecutor(args.conversations) as pool:
         list(pool.map(one, range(args.conversations)))
-    return RunResult(samples, time.perf_counter() - started)
+    wall_s = time.perf_counter() - started
+    return RunResult([t.sample for t in turns], wall_s), turns
 
 
 def serve_and_run(
-    model_dir: str, policy: str, workload: Workload, kv_blocks: int, workdir: Path
-) -> RunResult:
+    model_dir: str, variant: Variant, workload: Workload, kv_blocks: int, workdir: Path
+) -> tuple[RunResult, list[Turn]]:
     args = workload.args
-    server_args = ["-dp", str(args.data_parallel_size), "--routing-policy", policy]
+    server_args = ["-dp", str(args.data_parallel_size), *variant.server_args]
     server_args += ["--max-num-seqs", str(max(args.conversations, 1))]
     server_args += ["--num-gpu-blocks-override", str(kv_blocks), *args.server_arg]
-    logs = workdir / policy
+    logs = workdir / variant.name
     logs.mkdir(parents=True, exist_ok=True)
-    server = start_server(model_dir, logs, *server_args, ready_timeout=600.0)
+    saved = dict(os.environ)
+    os.environ.update(dict(variant.env))
+    try:
+        server = start_server(model_dir, logs, *server_args, ready_timeout=600.0)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     result = None
     try:
         result = run_workload(server.target, workload)
@@ -233,6 +269,31 @@ def serve_and_run(
         if server.stop() != 0 or result is None:
             print(server.log()[-3000:], file=sys.stderr)
     return result
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A server to compare: its name, ``serve`` arguments and environment."""
+
+    name: str
+    server_args: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+
+
+def variant(text: str) -> Variant:
+    """``NAME=ARGS``: ARGS are ``serve`` arguments, ``KEY=VALUE`` words environment variables."""
+    name, _, rest = text.partition("=")
+    words = shlex.split(rest)
+    env = tuple((k, v) for k, _, v in (w.partition("=") for w in words if _is_env(w)))
+    return Variant(name, tuple(w for w in words if not _is_env(w)), env)
+
+
+def _is_env(word: str) -> bool:
+    return "=" in word and not word.startswith("-")
+
+
+BASELINE = Variant("power-of-two", ("--routing-policy", "power-of-two"))
+DEFAULT_VARIANTS = (Variant("prefix", ("--routing-policy", "prefix")), BASELINE)
 
 
 def span(text: str) -> tuple[int, int]:
@@ -274,7 +335,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--server-arg", action="append", default=[], help="extra `serve` argument (repeatable)"
     )
+    parser.add_argument(
+        "--variant",
+        type=variant,
+        action="append",
+        help="a server to compare with power of two choices instead of the default prefix "
+        "routing: NAME=ARGS, ARGS its `serve` arguments and KEY=VALUE environment variables "
+        "(repeatable; all alternated)",
+    )
     args = parser.parse_args()
+    args.variants = [*(args.variant or DEFAULT_VARIANTS[:1]), BASELINE]
     preset = PRESETS[args.workload]
     fields = ("conversations", "turns", "rounds", "system_tokens", "document_tokens")
     for name in (*fields, "user_tokens", "max_tokens", "stagger", "think_ms"):
@@ -289,55 +359,39 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def print_table(results: dict[str, RunResult]) -> None:
-    header = (
-        f"{'routing':<16} | {'prefix hit rate':>15} | {'TTFT p50 ms':>11} | "
-        f"{'TTFT p90 ms':>11} | {'output tok/s':>12}"
-    )
-    print(header)
-    print("-" * len(header))
-    for name, result in results.items():
-        print(
-            f"{name:<16} | {result.cached_share:>15.1%} | {result.ttft_ms(0.5):>11.1f} | "
-            f"{result.ttft_ms(0.9):>11.1f} | {result.tokens_per_s:>12.1f}"
-        )
-    on, off = results["prefix"], results["power-of-two"]
-    print(
-        f"{'prefix / p-of-2':<16} | {on.cached_share / off.cached_share:>15.2f} | "
-        f"{on.ttft_ms(0.5) / off.ttft_ms(0.5):>11.2f} | "
-        f"{on.ttft_ms(0.9) / off.ttft_ms(0.9):>11.2f} | "
-        f"{on.tokens_per_s / off.tokens_per_s:>12.2f}"
-    )
-
-
 def main() -> None:
     args = parse_args()
     model_dir = args.model or tiny_llama_dir(**TINY)
     workload = Workload(args)
     size = sizing(workload)
     load_before = os.getloadavg()
-    runs: dict[str, list[RunResult]] = {policy: [] for policy in POLICIES}
+    runs: dict[str, list[RunResult]] = {v.name: [] for v in args.variants}
+    turns: dict[str, list[Turn]] = {v.name: [] for v in args.variants}
     with tempfile.TemporaryDirectory(prefix="bench-routing-") as tmp:
         for _ in range(args.repeat):
-            for policy in POLICIES:
-                result = serve_and_run(model_dir, policy, workload, size.kv_blocks, Path(tmp))
-                runs[policy].append(result)
+            for variant in args.variants:
+                result, run_turns = serve_and_run(
+                    model_dir, variant, workload, size.kv_blocks, Path(tmp)
+                )
+                runs[variant.name].append(result)
+                turns[variant.name] += run_turns
                 print(
-                    f"  {policy}: hit rate {result.cached_share:.1%}, TTFT p50 "
-                    f"{result.ttft_ms(0.5):.0f} ms, {result.tokens_per_s:.1f} tok/s",
+                    f"  {variant.name}: hit rate {result.cached_share:.1%}, TTFT p50 "
+                    f"{result.ttft_ms(0.5):.0f} ms, {result.tokens_per_s:.1f} tok/s, "
+                    f"load {os.getloadavg()[0]:.1f}",
                     file=sys.stderr,
                 )
     load_after = os.getloadavg()
     # Every run's requests pooled: percentiles over all of them, tokens over the summed time.
     results = {
-        policy: RunResult([s for r in rs for s in r.samples], sum(r.wall_s for r in rs))
-        for policy, rs in runs.items()
+        name: RunResult([s for r in rs for s in r.samples], sum(r.wall_s for r in rs))
+        for name, rs in runs.items()
     }
     document, user, answer = args.document_tokens, args.user_tokens, args.max_tokens
     start = "staggered" if args.stagger else "all at turn 1"
     print(
         f"model {args.model or 'tiny random Llama ' + str(TINY)}, -dp {args.data_parallel_size}, "
-        f"{args.repeat} run(s) per policy, alternated; load average "
+        f"{args.repeat} run(s) per variant, alternated; load average "
         f"{load_before[0]:.1f} before, {load_after[0]:.1f} after\n"
         f"workload {args.workload}: {args.conversations} conversations at once ({start}), "
         f"{args.turns} turns each, {args.rounds} turns per slot; a {args.system_tokens}-token "
@@ -345,7 +399,11 @@ def main() -> None:
         f"then {user[0]}-{user[1]} user tokens a turn, {answer[0]}-{answer[1]} output tokens a "
         f"turn, think time {args.think_ms:g} ms, greedy\n{size.describe(args.data_parallel_size)}"
     )
-    print_table(results)
+    for v in args.variants:
+        print(f"  {v.name}: serve {' '.join(v.server_args)} {' '.join('='.join(e) for e in v.env)}")
+    print_table(results, BASELINE.name)
+    print()
+    print_breakdown({name: Breakdown(ts) for name, ts in turns.items()})
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Prefix-aware routing across DP engines: a conversation's next turn follows its cached
-prefix; a prefix every engine holds, a short gain or a busy holder leave the choice to load."""
+prefix; a prefix every engine holds, a short gain or a busy holder leave the choice to load
+(running requests weighed lighter than waiting ones when asked)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from switchboard.gateway.engines.prefix_routing import PrefixRouting
 from switchboard.gateway.engines.routed_prefixes import RoutedPrefixes
 from switchboard.gateway.engines.types import EngineHandle
 from switchboard.wire.block_hash import extend_block_hashes
-from switchboard.wire.engine_msgs import EngineCoreRequest, EngineReady
+from switchboard.wire.engine_msgs import EngineCoreRequest, EngineLoad, EngineReady
 
 BLOCK = 16
 ROUTING = PrefixRouting(min_match_tokens=2 * BLOCK, max_imbalance=4)
@@ -105,6 +106,25 @@ def test_the_table_forgets_least_recent_chains_from_their_tail() -> None:
     assert len(table) == 6
     assert table.match(new) == 4
     assert table.match(old) == 2  # its two tail blocks went first: the head still matches
+
+
+def test_running_requests_weigh_less_than_waiting_ones_when_asked() -> None:
+    prompt = tokens(11, 10 * BLOCK)  # a 160-token gain on e0
+    light = PrefixRouting(min_match_tokens=2 * BLOCK, max_imbalance=4, running_weight=0.25)
+
+    def chosen(routing: PrefixRouting, waiting: int, running: int) -> str:
+        live = [handle(0), handle(1)]
+        live[0].prefix_table.record(_hashes(prompt))
+        live[0].load = EngineLoad(0, num_waiting_reqs=waiting, num_running_reqs=running)
+        live[1].load = EngineLoad(1, num_waiting_reqs=0, num_running_reqs=0)
+        return routing.choose(live, request(prompt + [1]), random.Random(0)).engine_id
+
+    # Counted whole, six running requests are past the bound; at a quarter, 1.5 asks for
+    # 32 * 2.5 = 80 tokens of gain: followed.
+    assert chosen(ROUTING, waiting=0, running=6) == "e1"
+    assert chosen(light, waiting=0, running=6) == "e0"
+    # Waiting requests count whole at any weight.
+    assert chosen(light, waiting=6, running=0) == "e1"
 
 
 def test_membership_routes_by_prefix_only_when_asked() -> None:

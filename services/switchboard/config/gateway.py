@@ -80,6 +80,18 @@ class GatewayConfig(Config, frozen=True):
             accepts=AT_LEAST_0,
         ),
     ] = 8.0
+    prefix_routing_running_weight: Annotated[
+        float,
+        Flag(
+            "prefix routing: what a running request weighs in that load difference against 1 "
+            "for a waiting one (a decoding request delays a newcomer's prefill by a token a "
+            "step, a waiting one by its whole prompt); 1: both alike, as power of two counts "
+            "them",
+            Group.GATEWAY,
+            metavar="WEIGHT",
+            accepts=Accepts(0, 1),
+        ),
+    ] = 0.25
     enable_admin: Annotated[
         bool, Flag("serve AdminService (allow-listed engine utilities)", Group.GATEWAY)
     ] = False

@@ -331,4 +331,8 @@ def _prefix_routing(config: GatewayConfig) -> PrefixRouting | None:
     """The DP routing policy the flags ask for (None: power of two choices)."""
     if config.routing_policy != "prefix":
         return None
-    return PrefixRouting(config.prefix_routing_min_match, config.prefix_routing_max_imbalance)
+    return PrefixRouting(
+        config.prefix_routing_min_match,
+        config.prefix_routing_max_imbalance,
+        config.prefix_routing_running_weight,
+    )
