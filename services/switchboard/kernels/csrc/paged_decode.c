@@ -143,6 +143,34 @@ static inline __m256 load8(const void *cache, int64_t i, const int bf16) {
             out = _mm256_fmadd_ps(qv[c], load8(keys, (k) + 8 * c, bf16), out);           \
     } while (0)
 
+/* One query row's scaled scores against the keys of positions t..stop of one block (the first
+   at slot k0), into scores[t - start .. stop - start]: eight keys at a time, then one by one. */
+static inline __attribute__((always_inline)) void score_keys(
+    const __m256 *qv, const void *keys, const int bf16, int64_t k0, int64_t t, int64_t stop,
+    int64_t start, int64_t slot_stride, const int64_t D, float scale, float *scores) {
+    const __m256 scale8 = _mm256_set1_ps(scale);
+    int64_t k = k0;
+    int64_t u = t;
+    for (; u + 8 <= stop; u += 8, k += 8 * slot_stride) {
+        __m256 a0, a1, a2, a3, a4, a5, a6, a7;
+        DOT_LANES(qv, k, D, a0);
+        DOT_LANES(qv, k + slot_stride, D, a1);
+        DOT_LANES(qv, k + 2 * slot_stride, D, a2);
+        DOT_LANES(qv, k + 3 * slot_stride, D, a3);
+        DOT_LANES(qv, k + 4 * slot_stride, D, a4);
+        DOT_LANES(qv, k + 5 * slot_stride, D, a5);
+        DOT_LANES(qv, k + 6 * slot_stride, D, a6);
+        DOT_LANES(qv, k + 7 * slot_stride, D, a7);
+        _mm256_storeu_ps(scores + (u - start),
+                         _mm256_mul_ps(sum8_lanes(a0, a1, a2, a3, a4, a5, a6, a7), scale8));
+    }
+    for (; u < stop; u++, k += slot_stride) {
+        __m256 a;
+        DOT_LANES(qv, k, D, a);
+        scores[u - start] = sum_lanes(a) * scale;
+    }
+}
+
 /* attend() for D a multiple of 8 (up to 128), in AVX2 vectors: the scores of eight keys at a
    time (one vector of partial sums per key, then one transposing reduction for all eight,
    instead of a horizontal sum per key), and each query head's weighted sum of the values kept
@@ -152,7 +180,6 @@ static inline __attribute__((always_inline)) void attend_vec(
     float *o, float *scores, int64_t start, int64_t len, int64_t nkv, int64_t G, int64_t KVH,
     int64_t BS, int64_t h0, const int64_t D, float scale) {
     const int64_t L = len - start, nq = nkv * G, slot_stride = KVH * D;
-    const __m256 scale8 = _mm256_set1_ps(scale);
     for (int64_t h = 0; h < nkv; h++) {
         for (int64_t t = start; t < len;) {
             const int64_t stop = block_stop(t, BS, len);
@@ -162,27 +189,7 @@ static inline __attribute__((always_inline)) void attend_vec(
                 __m256 qv[16];
                 for (int64_t c = 0; c < D / 8; c++) qv[c] = _mm256_loadu_ps(q + j * D + 8 * c);
                 float *sj = scores + j * L;
-                int64_t k = slot;
-                int64_t u = t;
-                for (; u + 8 <= stop; u += 8, k += 8 * slot_stride) {
-                    __m256 a0, a1, a2, a3, a4, a5, a6, a7;
-                    DOT_LANES(qv, k, D, a0);
-                    DOT_LANES(qv, k + slot_stride, D, a1);
-                    DOT_LANES(qv, k + 2 * slot_stride, D, a2);
-                    DOT_LANES(qv, k + 3 * slot_stride, D, a3);
-                    DOT_LANES(qv, k + 4 * slot_stride, D, a4);
-                    DOT_LANES(qv, k + 5 * slot_stride, D, a5);
-                    DOT_LANES(qv, k + 6 * slot_stride, D, a6);
-                    DOT_LANES(qv, k + 7 * slot_stride, D, a7);
-                    _mm256_storeu_ps(sj + (u - start),
-                                     _mm256_mul_ps(sum8_lanes(a0, a1, a2, a3, a4, a5, a6, a7),
-                                                   scale8));
-                }
-                for (; u < stop; u++, k += slot_stride) {
-                    __m256 a;
-                    DOT_LANES(qv, k, D, a);
-                    sj[u - start] = sum_lanes(a) * scale;
-                }
+                score_keys(qv, keys, bf16, slot, t, stop, start, slot_stride, D, scale, sj);
             }
             t = stop;
         }
@@ -220,7 +227,6 @@ static inline __attribute__((always_inline)) void attend_rows_vec(
     float *acc, int64_t start, int64_t Lmax, int64_t G, int64_t KVH, int64_t BS, int64_t h,
     const int64_t D, float scale) {
     const int64_t slot_stride = KVH * D, end = start + Lmax;
-    const __m256 scale8 = _mm256_set1_ps(scale);
     for (int64_t t = start; t < end;) {
         const int64_t block_end = t - t % BS + BS;
         const int64_t slot = slot_at(table, t, BS, KVH, h, D);
@@ -233,27 +239,7 @@ static inline __attribute__((always_inline)) void attend_rows_vec(
                 __m256 qv[16];
                 for (int64_t c = 0; c < D / 8; c++) qv[c] = _mm256_loadu_ps(qj + 8 * c);
                 float *sj = scores + (r * G + g) * Lmax;
-                int64_t k = slot;
-                int64_t u = t;
-                for (; u + 8 <= stop; u += 8, k += 8 * slot_stride) {
-                    __m256 a0, a1, a2, a3, a4, a5, a6, a7;
-                    DOT_LANES(qv, k, D, a0);
-                    DOT_LANES(qv, k + slot_stride, D, a1);
-                    DOT_LANES(qv, k + 2 * slot_stride, D, a2);
-                    DOT_LANES(qv, k + 3 * slot_stride, D, a3);
-                    DOT_LANES(qv, k + 4 * slot_stride, D, a4);
-                    DOT_LANES(qv, k + 5 * slot_stride, D, a5);
-                    DOT_LANES(qv, k + 6 * slot_stride, D, a6);
-                    DOT_LANES(qv, k + 7 * slot_stride, D, a7);
-                    _mm256_storeu_ps(sj + (u - start),
-                                     _mm256_mul_ps(sum8_lanes(a0, a1, a2, a3, a4, a5, a6, a7),
-                                                   scale8));
-                }
-                for (; u < stop; u++, k += slot_stride) {
-                    __m256 a;
-                    DOT_LANES(qv, k, D, a);
-                    sj[u - start] = sum_lanes(a) * scale;
-                }
+                score_keys(qv, keys, bf16, slot, t, stop, start, slot_stride, D, scale, sj);
             }
         }
         t = block_end;
