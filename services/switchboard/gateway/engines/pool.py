@@ -48,12 +48,17 @@ KV_PRESSURE_WEIGHT = 6.0  # per waiting request, per unit of KV usage above one 
 REPORTS_STALE_S = 15.0
 
 
-def engine_score(engine: EngineHandle) -> float:
+def engine_score(engine: EngineHandle, running_weight: float = 1.0) -> float:
+    """The engine's load: its last report (waiting and running requests, plus those sent since)
+    and, while requests wait, the pressure on its KV cache; at ``running_weight`` 1 never below
+    the requests this gateway has in flight there. Below 1 (the prefix rule) each running request
+    counts that much and the report alone decides."""
     score = float(engine.num_requests)
     load = engine.load
     if load is not None:
-        reported = load.num_waiting_reqs + load.num_running_reqs + engine.added_since_load
-        score = max(score, float(reported))
+        waiting = load.num_waiting_reqs + engine.added_since_load
+        reported = waiting + running_weight * load.num_running_reqs
+        score = max(score, float(reported)) if running_weight == 1 else float(reported)
         if load.num_waiting_reqs:
             pressure = max(0.0, load.kv_cache_usage - 0.5)
             score += load.num_waiting_reqs * KV_PRESSURE_WEIGHT * pressure

@@ -15,7 +15,7 @@ one engine holds goes there only while that engine is about as loaded as the oth
 burst of them does not pile onto it). Otherwise power of two choices decides, as without this
 policy. Among engines with the same longest prefix the least loaded wins. With
 ``running_weight`` below 1 the scores in ``d`` count each running request (decoding, or its
-prefill under way) at that weight and each waiting one whole (``prefix_load``): a decoding
+prefill under way) at that weight and each waiting one whole (``engine_score``): a decoding
 request delays a newcomer's prefill by a token a step, a waiting one by its whole prompt, so a
 conversation need not leave its cache for an engine that merely decodes fewer. What each engine
 holds is its ``prefix_table.py``: the engine's KV events when they are followed, and the
@@ -28,7 +28,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from switchboard.gateway.engines.pool import KV_PRESSURE_WEIGHT, engine_score, power_of_two
+from switchboard.gateway.engines.pool import engine_score, power_of_two
 from switchboard.gateway.engines.types import EngineHandle
 from switchboard.wire.block_hash import BlockHash, extend_block_hashes
 from switchboard.wire.engine_msgs import EngineCoreRequest
@@ -59,7 +59,7 @@ class PrefixRouting:
         self, live: list[EngineHandle], hashes: list[BlockHash], block_size: int, rng: random.Random
     ) -> EngineHandle:
         order = rng.sample(live, len(live))  # ties go to a random one, not always the first
-        scores = {id(e): prefix_load(e, self.running_weight) for e in order}
+        scores = {id(e): engine_score(e, self.running_weight) for e in order}
         matches = {id(e): e.prefix_table.match(hashes) for e in order}
         least = min(order, key=lambda e: scores[id(e)])
         best = max(order, key=lambda e: (matches[id(e)], -scores[id(e)]))
@@ -70,19 +70,6 @@ class PrefixRouting:
         if gain_tokens < max(1, self.min_match_tokens) * (1 + imbalance):
             return power_of_two(live, rng)
         return best
-
-
-def prefix_load(engine: EngineHandle, running_weight: float) -> float:
-    """The load the prefix rule weighs: ``engine_score`` with the engine's running requests
-    at ``running_weight`` each (the requests sent since the last report count whole: they are
-    waiting). Without a report, or at weight 1, ``engine_score`` itself."""
-    load = engine.load
-    if load is None or running_weight == 1:
-        return engine_score(engine)
-    score = load.num_waiting_reqs + engine.added_since_load + running_weight * load.num_running_reqs
-    if load.num_waiting_reqs:
-        score += load.num_waiting_reqs * KV_PRESSURE_WEIGHT * max(0.0, load.kv_cache_usage - 0.5)
-    return score
 
 
 def _chain(request: EngineCoreRequest, block_size: int) -> list[BlockHash]:
