@@ -206,12 +206,15 @@ int quant_dot_select(int v) {
 
 int quant_dot_max_rows(void) { return selected == NONE ? 0 : rows_of(selected); }
 
-/* The rows quantized per block: int8 values, and per block d, d * sum(xq) and -128 * sum(xq) */
+/* The rows quantized per block: the int8 values as groups of 4 consecutive inputs, the M rows'
+   groups of one line side by side ([K / 4][M] int32: a tile reads its rows' inputs at constant
+   offsets from one pointer; with a row's values together it kept a pointer per row, which ran
+   short of registers at 8 rows), and per block d, d * sum(xq) and -128 * sum(xq) */
 struct qrows {
-    const int8_t *q;
+    const int32_t *q4;
     const float *d, *ds;
     const int32_t *corr;
-    int64_t K, blocks; /* a row's values and blocks */
+    int64_t M, blocks; /* the rows, and a row's blocks */
 };
 
 /* 8 floats of x * id rounded to int32 (the current rounding mode: to nearest even) */
@@ -233,9 +236,10 @@ static inline int32_t hsum8_epi32(__m256i v) {
     return _mm_cvtsi128_si32(s);
 }
 
-/* One row's block of B (16 or 32) values: q, d, and the sums; B a multiple of 8. */
-static void quantize_block(const float *x, int64_t B, int8_t *q, float *d, float *ds,
-                           int32_t *corr) {
+/* One row's block of B (16 or 32) values: its 4-input groups at q4, stride apart (struct
+   qrows), d, and the sums; B a multiple of 8. */
+static void quantize_block(const float *x, int64_t B, int32_t *q4, int64_t stride, float *d,
+                           float *ds, int32_t *corr) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 amax = _mm256_setzero_ps();
     for (int64_t k = 0; k < B; k += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
@@ -249,7 +253,14 @@ static void quantize_block(const float *x, int64_t B, int8_t *q, float *d, float
         const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xd8);
         const __m128i w8 = _mm_packs_epi16(_mm256_castsi256_si128(w16),
                                            _mm256_extracti128_si256(w16, 1));
-        _mm_storeu_si128((__m128i *)(q + k), w8);
+        if (stride == 1) {
+            _mm_storeu_si128((__m128i *)(q4 + k / 4), w8);
+        } else {
+            q4[(k / 4) * stride] = _mm_extract_epi32(w8, 0);
+            q4[(k / 4 + 1) * stride] = _mm_extract_epi32(w8, 1);
+            q4[(k / 4 + 2) * stride] = _mm_extract_epi32(w8, 2);
+            q4[(k / 4 + 3) * stride] = _mm_extract_epi32(w8, 3);
+        }
     }
     const int32_t s = hsum8_epi32(sum);
     *d = dv;
@@ -282,13 +293,11 @@ static void prefetch_start(const uint8_t *p, int64_t panels, int64_t panel_bytes
             _mm_prefetch((const char *)p + pq * panel_bytes + off, _MM_HINT_T1);
 }
 
-/* and row r's 4 quantized inputs of line k4 of block b, as one int32. */
-static inline __attribute__((always_inline)) int32_t four_inputs(const struct qrows *x,
-                                                                 int64_t r, int64_t b, int64_t B,
-                                                                 int64_t k4) {
-    int32_t four;
-    __builtin_memcpy(&four, x->q + r * x->K + b * B + 4 * k4, 4);
-    return four;
+/* and the quantized inputs of line k4 of block b from row r0 on: row r0 + r's 4 at [r] */
+static inline __attribute__((always_inline)) const int32_t *line_of(const struct qrows *x,
+                                                                    int64_t r0, int64_t b,
+                                                                    int64_t B, int64_t k4) {
+    return x->q4 + (b * (B / 4) + k4) * x->M + r0;
 }
 
 /* Tile of R rows times P panels (constants where inlined), variant V; the last panel has
@@ -324,11 +333,16 @@ static inline __attribute__((always_inline)) void tile_vnni(
             const __m512i c = _mm512_set1_epi32(nibbles ? 0 : x->corr[(r0 + r) * x->blocks + b]);
             for (int pp = 0; pp < P; pp++) sums[r * P + pp] = c;
         }
-        /* two chains of sums a pair: lines k4 and k4 + B / 8 (4 bits: one line's low and high
-           nibbles, loaded once), the dot products of one chain wait on each other; the sum of
-           the two chains is exact, so the same integers */
+        /* lines k4 and k4 + B / 8 (4 bits: one line's low and high nibbles, loaded once). With
+           fewer (row, panel) pairs than a dot product's latency in cycles, each pair's sums run
+           as two chains, added at the end (the dot products of one chain wait on each other);
+           with more, one chain a pair: the second chains' registers spilled, and their adds
+           and zeroing cost ~15 % at 8 rows and ~30 % at 4. Integer sums are exact either way,
+           so the same integers. */
+        const int split = R * P < 6;
         __m512i more[8 * 4];
-        for (int i = 0; i < R * P; i++) more[i] = _mm512_setzero_si512();
+        if (split)
+            for (int i = 0; i < R * P; i++) more[i] = _mm512_setzero_si512();
         for (int64_t k4 = 0; k4 < B / 8; k4++) {
             __m512i w[4], w2[4];
             for (int pp = 0; pp < P; pp++) {
@@ -346,16 +360,22 @@ static inline __attribute__((always_inline)) void tile_vnni(
                     w2[pp] = _mm512_loadu_si512((const void *)(panel + off2));
                 }
             }
+            const int32_t *line = line_of(x, r0, b, B, k4);
+            const int32_t *line2 = line_of(x, r0, b, B, k4 + B / 8);
             for (int r = 0; r < R; r++) {
-                const __m512i xa = _mm512_set1_epi32(four_inputs(x, r0 + r, b, B, k4));
-                const __m512i xb = _mm512_set1_epi32(four_inputs(x, r0 + r, b, B, k4 + B / 8));
+                const __m512i xa = _mm512_set1_epi32(line[r]);
+                const __m512i xb = _mm512_set1_epi32(line2[r]);
                 for (int pp = 0; pp < P; pp++) {
                     sums[r * P + pp] = _mm512_dpbusd_epi32(sums[r * P + pp], w[pp], xa);
-                    more[r * P + pp] = _mm512_dpbusd_epi32(more[r * P + pp], w2[pp], xb);
+                    if (split)
+                        more[r * P + pp] = _mm512_dpbusd_epi32(more[r * P + pp], w2[pp], xb);
+                    else
+                        sums[r * P + pp] = _mm512_dpbusd_epi32(sums[r * P + pp], w2[pp], xb);
                 }
             }
         }
-        for (int i = 0; i < R * P; i++) sums[i] = _mm512_add_epi32(sums[i], more[i]);
+        if (split)
+            for (int i = 0; i < R * P; i++) sums[i] = _mm512_add_epi32(sums[i], more[i]);
         for (int pp = 0; pp < P; pp++) {
             const uint8_t *panel = p + pp * panel_bytes, *so = panel + b * bb + values;
             prefetch_line(panel, b * bb + values, ahead, P, panel_bytes);
@@ -435,9 +455,9 @@ static inline __attribute__((always_inline)) void tile_avx2(
                     }
                 }
             }
+            const int32_t *line = line_of(x, r0, b, B, k4);
             for (int r = 0; r < R; r++) {
-                const int32_t four = four_inputs(x, r0 + r, b, B, k4);
-                const __m256i xb = _mm256_set1_epi32(four);
+                const __m256i xb = _mm256_set1_epi32(line[r]);
                 for (int i = 0; i < 2 * P; i++) {
                     const __m256i pairs =
                         nibbles ? _mm256_maddubs_epi16(wq[i], xb)
@@ -578,14 +598,15 @@ static int dot_linear(const float *x, int64_t ldx, const uint8_t *p, const float
     }
     float *d = scratch, *ds = d + floats;
     int32_t *corr = (int32_t *)(ds + floats);
-    int8_t *q = (int8_t *)(corr + floats);
+    int32_t *q4 = corr + floats;
     for (int64_t r = 0; r < M; r++)
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t i = r * blocks + b;
-            quantize_block(x + r * ldx + b * B, B, q + r * K + b * B, d + i, ds + i, corr + i);
+            quantize_block(x + r * ldx + b * B, B, q4 + b * (B / 4) * M + r, M, d + i, ds + i,
+                           corr + i);
         }
     const int64_t step = M <= rows_of(v) ? panels_for(v, M) : 1;
-    const struct dot_task task = {{q, d, ds, corr, K, blocks}, bias, p, y, M, N, B, step, v,
+    const struct dot_task task = {{q4, d, ds, corr, M, blocks}, bias, p, y, M, N, B, step, v,
                                   nibbles, layout};
     const int64_t per_item = M * K * PW * step, min_items = PANEL_WORK / per_item;
     const int64_t items = ((N + PW - 1) / PW + step - 1) / step;
