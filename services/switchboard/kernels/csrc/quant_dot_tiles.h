@@ -87,7 +87,7 @@ static inline __attribute__((always_inline)) void tile_vnni(
            with more, one chain a pair: the second chains' registers spilled, and their adds
            and zeroing cost ~15 % at 8 rows and ~30 % at 4. Integer sums are exact either way,
            so the same integers. */
-        const int split = R * P < 6;
+        const int split = R * P < 5;
         __m512i more[8 * 4];
         if (split)
             for (int i = 0; i < R * P; i++) more[i] = _mm512_setzero_si512();
