@@ -36,6 +36,7 @@ SOURCES = (
     "small_batch_gemm.c",
     "quant_gemm.c",
     "quant_dot.c",
+    "quant_dot_pack.c",
     "bf16_gemm.c",
     "decode_stack.c",
     "lora_delta.c",

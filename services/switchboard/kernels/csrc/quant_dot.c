@@ -33,145 +33,18 @@
    held them (it counts the factors it did not hold exactly), and the kernel widens them back to
    the same float32 values (an offset of zero adds nothing), so the products are bit for bit
    those of float32 factors on 0.625 bytes a weight (4 bits) or 1.0625 (Q8_0) instead of 0.75
-   or 1.25. */
+   or 1.25.
+
+   quant_dot_pack.c packs the panels, quant_dot_tiles.h holds each variant's tile (R rows times
+   P panels), this file quantizes the rows and splits a matmul into tiles over the work pool. */
 #include <stdint.h>
 #include <stdlib.h>
 
 #include "kernels.h"
+#include "quant_dot.h"
 #include "work_pool.h"
 
-#define PW 16 /* output columns per panel */
-
 enum variant { NONE = 0, AVX2 = 1, VNNI512 = 2 };
-
-/* the factors' layout: bits of B above the block size */
-#define HALF 1       /* float16 */
-#define NO_OFFSETS 2 /* scales only */
-static inline int layout_of(int64_t B) {
-    return (B & QUANT_HALF_SCALES ? HALF : 0) | (B & QUANT_NO_OFFSETS ? NO_OFFSETS : 0);
-}
-static inline int64_t block_of(int64_t B) {
-    return B & ~(int64_t)(QUANT_HALF_SCALES | QUANT_NO_OFFSETS);
-}
-
-/* the bytes of a block's factors, and of the whole block: the values (4 bits each when
-   `nibbles`), the scales and the offsets, as `layout` says */
-static inline int64_t factor_bytes(int layout) {
-    return (layout & NO_OFFSETS ? 1 : 2) * PW * (layout & HALF ? 2 : (int64_t)sizeof(float));
-}
-static inline int64_t block_bytes(int64_t B, int nibbles, int layout) {
-    return (nibbles ? B * PW / 2 : B * PW) + factor_bytes(layout);
-}
-
-/* float16 bits of f, and whether they hold f exactly (finite, normal or subnormal) */
-static int to_half(float f, uint16_t *h) {
-    uint32_t u;
-    __builtin_memcpy(&u, &f, 4);
-    const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
-    const int32_t e = (int32_t)((u >> 23) & 0xff) - 127;
-    uint32_t m = u & 0x7fffffu;
-    if ((u & 0x7fffffffu) == 0) return *h = sign, 1;
-    if (e > 15 || e < -24 || e == 128) return *h = 0, 0;
-    if (e >= -14) { /* normal: 10 bits of mantissa */
-        *h = (uint16_t)(sign | (uint32_t)(e + 15) << 10 | m >> 13);
-        return (m & 0x1fffu) == 0;
-    }
-    m |= 0x800000u; /* subnormal: value = m * 2^(e - 23), in units of 2^-24 */
-    const int shift = -e - 1;
-    *h = (uint16_t)(sign | m >> shift);
-    return (m & ((1u << shift) - 1)) == 0;
-}
-
-static inline float from_half(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ffu;
-    uint32_t u;
-    if (e == 0) { /* zero or subnormal: m * 2^-24 */
-        float f = (float)m * 0x1p-24f;
-        __builtin_memcpy(&u, &f, 4);
-        u |= sign;
-    } else {
-        u = sign | (e + 112) << 23 | m << 13;
-    }
-    float f;
-    __builtin_memcpy(&f, &u, 4);
-    return f;
-}
-
-/* the scales and offsets of one block of a panel, so[0..2 PW), at `at` as `layout` says; how
-   many it does not hold exactly (offsets other than zero without offsets, values float16 does
-   not hold) */
-static int64_t store_factors(uint8_t *at, const float *so, int layout) {
-    const int count = layout & NO_OFFSETS ? PW : 2 * PW;
-    int64_t inexact = 0;
-    if (layout & NO_OFFSETS)
-        for (int i = PW; i < 2 * PW; i++) inexact += so[i] != 0.0f;
-    if (!(layout & HALF)) {
-        __builtin_memcpy(at, so, count * sizeof(float));
-        return inexact;
-    }
-    uint16_t h[2 * PW];
-    for (int i = 0; i < count; i++) inexact += !to_half(so[i], h + i);
-    __builtin_memcpy(at, h, count * sizeof(uint16_t));
-    return inexact;
-}
-
-/* q [N, K] int8, scale and offset [N, K / B] (offset NULL: zeros) -> panels, zero past N (a
-   zero weight: u = 128, scale and offset 0); B with QUANT_HALF_SCALES / QUANT_NO_OFFSETS: the
-   factors in that layout. Returns how many factors the layout does not hold exactly (0: the
-   panels are good). */
-int64_t quant_dot_pack(const int8_t *q, const float *scale, const float *offset, uint8_t *p,
-                       int64_t N, int64_t K, int64_t B) {
-    const int layout = layout_of(B);
-    B = block_of(B);
-    const int64_t panels = (N + PW - 1) / PW, blocks = K / B, bb = block_bytes(B, 0, layout);
-    int64_t inexact = 0;
-#pragma omp parallel for schedule(static) reduction(+ : inexact)
-    for (int64_t pq = 0; pq < panels; pq++)
-        for (int64_t b = 0; b < blocks; b++) {
-            uint8_t *blk = p + (pq * blocks + b) * bb;
-            float so[2 * PW];
-            for (int64_t j = 0; j < PW; j++) {
-                const int64_t n = pq * PW + j;
-                for (int64_t k = 0; k < B; k++) {
-                    const int8_t v = n < N ? q[n * K + b * B + k] : 0;
-                    blk[(k / 4) * 4 * PW + j * 4 + k % 4] = (uint8_t)v ^ 0x80u;
-                }
-                so[j] = n < N ? scale[n * blocks + b] : 0.0f;
-                so[PW + j] = n < N && offset ? offset[n * blocks + b] : 0.0f;
-            }
-            inexact += store_factors(blk + B * PW, so, layout);
-        }
-    return inexact;
-}
-
-/* the same as 4 bits: q - qmin in 0..15 (the caller checks), offset + qmin * scale */
-int64_t quant_dot4_pack(const int8_t *q, const float *scale, const float *offset, uint8_t *p,
-                        int64_t N, int64_t K, int64_t B, int64_t qmin) {
-    const int layout = layout_of(B);
-    B = block_of(B);
-    const int64_t panels = (N + PW - 1) / PW, blocks = K / B, bb = block_bytes(B, 1, layout);
-    int64_t inexact = 0;
-#pragma omp parallel for schedule(static) reduction(+ : inexact)
-    for (int64_t pq = 0; pq < panels; pq++)
-        for (int64_t b = 0; b < blocks; b++) {
-            uint8_t *blk = p + (pq * blocks + b) * bb;
-            float so[2 * PW];
-            for (int64_t j = 0; j < PW; j++) {
-                const int64_t n = pq * PW + j;
-                for (int64_t k = 0; k < B / 2; k++) {
-                    const int64_t at = n * K + b * B + k;
-                    const uint8_t lo = n < N ? (uint8_t)(q[at] - qmin) : 0;
-                    const uint8_t hi = n < N ? (uint8_t)(q[at + B / 2] - qmin) : 0;
-                    blk[(k / 4) * 4 * PW + j * 4 + k % 4] = (uint8_t)(lo | hi << 4);
-                }
-                const float s = n < N ? scale[n * blocks + b] : 0.0f;
-                so[j] = s;
-                so[PW + j] = (n < N && offset ? offset[n * blocks + b] : 0.0f) + (float)qmin * s;
-            }
-            inexact += store_factors(blk + B * PW / 2, so, layout);
-        }
-    return inexact;
-}
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -186,8 +59,10 @@ static const int compiled = (1 << AVX2) | (HAVE_VNNI512 << VNNI512);
 static int selected = NONE;
 
 /* Rows per group over one panel: every (row, panel) pair holds an integer and a float sum in
-   registers (AVX-512: one register each; AVX2: two each, of its 16) */
-#define MAX_ROWS_512 8
+   registers (AVX-512: one register each; AVX2: two each, of its 16). 9 on AVX-512: a decode
+   with 8 proposed tokens in one pass over the weights (as groups of 5 and 4 its matmuls took
+   ~12 % longer) */
+#define MAX_ROWS_512 9
 #define MAX_ROWS_256 2
 static inline int rows_of(int v) { return v == VNNI512 ? MAX_ROWS_512 : MAX_ROWS_256; }
 /* panels one group takes at once: independent chains for few rows */
@@ -205,14 +80,6 @@ int quant_dot_select(int v) {
 }
 
 int quant_dot_max_rows(void) { return selected == NONE ? 0 : rows_of(selected); }
-
-/* The rows quantized per block: int8 values, and per block d, d * sum(xq) and -128 * sum(xq) */
-struct qrows {
-    const int8_t *q;
-    const float *d, *ds;
-    const int32_t *corr;
-    int64_t K, blocks; /* a row's values and blocks */
-};
 
 /* 8 floats of x * id rounded to int32 (the current rounding mode: to nearest even) */
 static inline __m256i round8(const float *x, __m256 id) {
@@ -233,9 +100,10 @@ static inline int32_t hsum8_epi32(__m256i v) {
     return _mm_cvtsi128_si32(s);
 }
 
-/* One row's block of B (16 or 32) values: q, d, and the sums; B a multiple of 8. */
-static void quantize_block(const float *x, int64_t B, int8_t *q, float *d, float *ds,
-                           int32_t *corr) {
+/* One row's block of B (16 or 32) values: its 4-input groups at q4, stride apart (struct
+   qrows), d, and the sums; B a multiple of 8. */
+static void quantize_block(const float *x, int64_t B, int32_t *q4, int64_t stride, float *d,
+                           float *ds, int32_t *corr) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     __m256 amax = _mm256_setzero_ps();
     for (int64_t k = 0; k < B; k += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + k)));
@@ -249,7 +117,14 @@ static void quantize_block(const float *x, int64_t B, int8_t *q, float *d, float
         const __m256i w16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(i0, i1), 0xd8);
         const __m128i w8 = _mm_packs_epi16(_mm256_castsi256_si128(w16),
                                            _mm256_extracti128_si256(w16, 1));
-        _mm_storeu_si128((__m128i *)(q + k), w8);
+        if (stride == 1) {
+            _mm_storeu_si128((__m128i *)(q4 + k / 4), w8);
+        } else {
+            q4[(k / 4) * stride] = _mm_extract_epi32(w8, 0);
+            q4[(k / 4 + 1) * stride] = _mm_extract_epi32(w8, 1);
+            q4[(k / 4 + 2) * stride] = _mm_extract_epi32(w8, 2);
+            q4[(k / 4 + 3) * stride] = _mm_extract_epi32(w8, 3);
+        }
     }
     const int32_t s = hsum8_epi32(sum);
     *d = dv;
@@ -257,220 +132,7 @@ static void quantize_block(const float *x, int64_t B, int8_t *q, float *d, float
     *corr = -128 * s;
 }
 
-/* What both variants do over a block of a panel: fetch the line `ahead` bytes after the one
-   `off` bytes into `panel`, one of a tile's P panels. The P panels are read side by side, so
-   past its end a panel's fetch goes on in the same panel of the next tile (the panel right after
-   it is being read already): fetched straight on, the last `ahead` bytes of every panel's
-   fetches were wasted and the next tile's panels but its first started cold (the matmuls of a
-   1-row SmolLM2 step took ~25 % longer on one thread). A fetch past the matrix or the thread's
-   panels is a wasted line, not a fault. (4 bits: the lines of the low nibbles hold the high
-   ones too.) */
-static inline __attribute__((always_inline)) void prefetch_line(const uint8_t *panel, int64_t off,
-                                                                int64_t ahead, int P,
-                                                                int64_t panel_bytes) {
-    const int64_t at = off + ahead >= panel_bytes ? off + ahead + (P - 1) * panel_bytes
-                                                  : off + ahead;
-    _mm_prefetch((const char *)panel + at, _MM_HINT_T1);
-}
-
-/* the first `ahead` bytes of `panels` panels, which no earlier fetch of this thread covered:
-   the start of a thread's chunk of panels */
-static void prefetch_start(const uint8_t *p, int64_t panels, int64_t panel_bytes, int64_t ahead) {
-    const int64_t warm = ahead < panel_bytes ? ahead : panel_bytes;
-    for (int64_t pq = 0; pq < panels; pq++)
-        for (int64_t off = 0; off < warm; off += 64)
-            _mm_prefetch((const char *)p + pq * panel_bytes + off, _MM_HINT_T1);
-}
-
-/* and row r's 4 quantized inputs of line k4 of block b, as one int32. */
-static inline __attribute__((always_inline)) int32_t four_inputs(const struct qrows *x,
-                                                                 int64_t r, int64_t b, int64_t B,
-                                                                 int64_t k4) {
-    int32_t four;
-    __builtin_memcpy(&four, x->q + r * x->K + b * B + 4 * k4, 4);
-    return four;
-}
-
-/* Tile of R rows times P panels (constants where inlined), variant V; the last panel has
-   ncols_last columns. acc: float sums, one per (row, panel) pair. */
-#define PREFETCH_AHEAD 2048
-
-static inline __attribute__((always_inline)) void store_tile(const int R, const int P,
-                                                             const float *acc, float *y,
-                                                             int64_t ldy, int64_t ncols_last,
-                                                             const float *bias) {
-    for (int r = 0; r < R; r++)
-        for (int pp = 0; pp < P; pp++) {
-            const int64_t ncols = pp == P - 1 ? ncols_last : PW;
-            const float *a = acc + (r * P + pp) * PW, *bp = bias ? bias + pp * PW : 0;
-            float *yp = y + r * ldy + pp * PW;
-            for (int64_t j = 0; j < ncols; j++) yp[j] = bp ? a[j] + bp[j] : a[j];
-        }
-}
-
-#if HAVE_VNNI512
-static inline __attribute__((always_inline)) void tile_vnni(
-    const int R, const int P, const int nibbles, const int layout, const int64_t B,
-    const struct qrows *x,
-    int64_t r0, const uint8_t *p, int64_t panel_bytes, int64_t ahead, float *y, int64_t ldy,
-    int64_t ncols_last, const float *bias) {
-    const int64_t bb = block_bytes(B, nibbles, layout), values = nibbles ? B * PW / 2 : B * PW;
-    const int half = layout & HALF, offsets = !(layout & NO_OFFSETS);
-    __m512 acc[8 * 4];
-    for (int i = 0; i < R * P; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < x->blocks; b++) {
-        __m512i sums[8 * 4];
-        for (int r = 0; r < R; r++) {
-            const __m512i c = _mm512_set1_epi32(nibbles ? 0 : x->corr[(r0 + r) * x->blocks + b]);
-            for (int pp = 0; pp < P; pp++) sums[r * P + pp] = c;
-        }
-        /* two chains of sums a pair: lines k4 and k4 + B / 8 (4 bits: one line's low and high
-           nibbles, loaded once), the dot products of one chain wait on each other; the sum of
-           the two chains is exact, so the same integers */
-        __m512i more[8 * 4];
-        for (int i = 0; i < R * P; i++) more[i] = _mm512_setzero_si512();
-        for (int64_t k4 = 0; k4 < B / 8; k4++) {
-            __m512i w[4], w2[4];
-            for (int pp = 0; pp < P; pp++) {
-                const uint8_t *panel = p + pp * panel_bytes;
-                const int64_t off = b * bb + k4 * 4 * PW, off2 = off + B / 8 * 4 * PW;
-                prefetch_line(panel, off, ahead, P, panel_bytes);
-                if (nibbles) {
-                    const __m512i v = _mm512_loadu_si512((const void *)(panel + off));
-                    const __m512i low = _mm512_set1_epi8(0x0f);
-                    w[pp] = _mm512_and_si512(v, low);
-                    w2[pp] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-                } else {
-                    prefetch_line(panel, off2, ahead, P, panel_bytes);
-                    w[pp] = _mm512_loadu_si512((const void *)(panel + off));
-                    w2[pp] = _mm512_loadu_si512((const void *)(panel + off2));
-                }
-            }
-            for (int r = 0; r < R; r++) {
-                const __m512i xa = _mm512_set1_epi32(four_inputs(x, r0 + r, b, B, k4));
-                const __m512i xb = _mm512_set1_epi32(four_inputs(x, r0 + r, b, B, k4 + B / 8));
-                for (int pp = 0; pp < P; pp++) {
-                    sums[r * P + pp] = _mm512_dpbusd_epi32(sums[r * P + pp], w[pp], xa);
-                    more[r * P + pp] = _mm512_dpbusd_epi32(more[r * P + pp], w2[pp], xb);
-                }
-            }
-        }
-        for (int i = 0; i < R * P; i++) sums[i] = _mm512_add_epi32(sums[i], more[i]);
-        for (int pp = 0; pp < P; pp++) {
-            const uint8_t *panel = p + pp * panel_bytes, *so = panel + b * bb + values;
-            prefetch_line(panel, b * bb + values, ahead, P, panel_bytes);
-            if (factor_bytes(layout) > 64)
-                prefetch_line(panel, b * bb + values + 64, ahead, P, panel_bytes);
-            const __m512 s = half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)so))
-                                  : _mm512_loadu_ps((const float *)so);
-            const __m256i *o16 = (const __m256i *)(so + 32);
-            const __m512 o = !offsets ? _mm512_setzero_ps()
-                             : half   ? _mm512_cvtph_ps(_mm256_loadu_si256(o16))
-                                      : _mm512_loadu_ps((const float *)so + PW);
-            for (int r = 0; r < R; r++) {
-                const int64_t i = (r0 + r) * x->blocks + b;
-                const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(x->d[i]));
-                __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r * P + pp]), sd,
-                                           acc[r * P + pp]);
-                acc[r * P + pp] = offsets ? _mm512_fmadd_ps(o, _mm512_set1_ps(x->ds[i]), a) : a;
-            }
-        }
-    }
-    float out[8 * 4 * PW];
-    for (int i = 0; i < R * P; i++) _mm512_storeu_ps(out + i * PW, acc[i]);
-    store_tile(R, P, out, y, ldy, ncols_last, bias);
-}
-#endif
-
-/* A block's `count` float16 factors as float32 */
-static inline void widen_factors(const uint8_t *at, float *so, int count) {
-#if defined(__F16C__)
-    for (int i = 0; i < count; i += 8)
-        _mm256_storeu_ps(so + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(at + 2 * i))));
-#else
-    for (int i = 0; i < count; i++) {
-        uint16_t h;
-        __builtin_memcpy(&h, at + 2 * i, 2);
-        so[i] = from_half(h);
-    }
-#endif
-}
-
-/* The AVX2 variant: a panel's 4 inputs are two vectors of 8 columns. */
-static inline __m256i line256(const int nibbles, const uint8_t *blk, int64_t k4, int64_t B,
-                              int h) {
-    if (!nibbles) return _mm256_loadu_si256((const __m256i *)(blk + k4 * 4 * PW + 32 * h));
-    const int64_t half = B / 8;
-    const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + (k4 % half) * 4 * PW + 32 * h));
-    const __m256i low = _mm256_set1_epi8(0x0f);
-    return k4 < half ? _mm256_and_si256(v, low) : _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-}
-
-static inline __attribute__((always_inline)) void tile_avx2(
-    const int R, const int P, const int nibbles, const int layout, const int64_t B,
-    const struct qrows *x,
-    int64_t r0, const uint8_t *p, int64_t panel_bytes, int64_t ahead, float *y, int64_t ldy,
-    int64_t ncols_last, const float *bias) {
-    const int64_t bb = block_bytes(B, nibbles, layout), values = nibbles ? B * PW / 2 : B * PW;
-    const int half = layout & HALF, offsets = !(layout & NO_OFFSETS);
-    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
-    __m256 acc[2 * 2 * 2];
-    for (int i = 0; i < 2 * R * P; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < x->blocks; b++) {
-        __m256i sums[2 * 2 * 2];
-        for (int i = 0; i < 2 * R * P; i++) sums[i] = _mm256_setzero_si256();
-        for (int64_t k4 = 0; k4 < B / 4; k4++) {
-            __m256i wq[2 * 2], wa[2 * 2];
-            for (int pp = 0; pp < P; pp++) {
-                const uint8_t *blk = p + pp * panel_bytes + b * bb;
-                if (!nibbles || k4 < B / 8)
-                    prefetch_line(p + pp * panel_bytes, b * bb + k4 * 4 * PW, ahead, P,
-                                  panel_bytes);
-                for (int h = 0; h < 2; h++) {
-                    /* 4 bits: u itself (at most 15); else q = u ^ 0x80 and |q| */
-                    wq[2 * pp + h] = line256(nibbles, blk, k4, B, h);
-                    if (!nibbles) {
-                        wq[2 * pp + h] = _mm256_xor_si256(wq[2 * pp + h], flip);
-                        wa[2 * pp + h] = _mm256_abs_epi8(wq[2 * pp + h]);
-                    }
-                }
-            }
-            for (int r = 0; r < R; r++) {
-                const int32_t four = four_inputs(x, r0 + r, b, B, k4);
-                const __m256i xb = _mm256_set1_epi32(four);
-                for (int i = 0; i < 2 * P; i++) {
-                    const __m256i pairs =
-                        nibbles ? _mm256_maddubs_epi16(wq[i], xb)
-                                : _mm256_maddubs_epi16(wa[i], _mm256_sign_epi8(xb, wq[i]));
-                    sums[2 * r * P + i] =
-                        _mm256_add_epi32(sums[2 * r * P + i], _mm256_madd_epi16(pairs, ones));
-                }
-            }
-        }
-        for (int pp = 0; pp < P; pp++) {
-            const uint8_t *at = p + pp * panel_bytes + b * bb + values;
-            prefetch_line(p + pp * panel_bytes, b * bb + values, ahead, P, panel_bytes);
-            if (factor_bytes(layout) > 64)
-                prefetch_line(p + pp * panel_bytes, b * bb + values + 64, ahead, P, panel_bytes);
-            float widened[2 * PW];
-            const float *so = half ? widened : (const float *)at;
-            if (half) widen_factors(at, widened, offsets ? 2 * PW : PW);
-            for (int r = 0; r < R; r++) {
-                const int64_t i = (r0 + r) * x->blocks + b;
-                const __m256 d = _mm256_set1_ps(x->d[i]), ds = _mm256_set1_ps(x->ds[i]);
-                for (int h = 0; h < 2; h++) {
-                    const int t = 2 * (r * P + pp) + h;
-                    const __m256 sd = _mm256_mul_ps(_mm256_loadu_ps(so + 8 * h), d);
-                    const __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), sd, acc[t]);
-                    acc[t] = offsets ? _mm256_fmadd_ps(_mm256_loadu_ps(so + PW + 8 * h), ds, a) : a;
-                }
-            }
-        }
-    }
-    float out[2 * 2 * 2 * 8];
-    for (int i = 0; i < 2 * R * P; i++) _mm256_storeu_ps(out + i * 8, acc[i]);
-    store_tile(R, P, out, y, ldy, ncols_last, bias);
-}
+#include "quant_dot_tiles.h"
 
 #define TILE_ARGS NIBBLES, layout, B, x, r0, p, panel_bytes, ahead, y, ldy, ncols_last, bias
 
@@ -492,6 +154,7 @@ static inline __attribute__((always_inline)) void panel_group_of(
             case 6: tile_vnni(6, 1, TILE_ARGS); break;
             case 7: tile_vnni(7, 1, TILE_ARGS); break;
             case 8: tile_vnni(8, 1, TILE_ARGS); break;
+            case 9: tile_vnni(9, 1, TILE_ARGS); break;
         }
         return;
     }
@@ -578,14 +241,15 @@ static int dot_linear(const float *x, int64_t ldx, const uint8_t *p, const float
     }
     float *d = scratch, *ds = d + floats;
     int32_t *corr = (int32_t *)(ds + floats);
-    int8_t *q = (int8_t *)(corr + floats);
+    int32_t *q4 = corr + floats;
     for (int64_t r = 0; r < M; r++)
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t i = r * blocks + b;
-            quantize_block(x + r * ldx + b * B, B, q + r * K + b * B, d + i, ds + i, corr + i);
+            quantize_block(x + r * ldx + b * B, B, q4 + b * (B / 4) * M + r, M, d + i, ds + i,
+                           corr + i);
         }
     const int64_t step = M <= rows_of(v) ? panels_for(v, M) : 1;
-    const struct dot_task task = {{q, d, ds, corr, K, blocks}, bias, p, y, M, N, B, step, v,
+    const struct dot_task task = {{q4, d, ds, corr, M, blocks}, bias, p, y, M, N, B, step, v,
                                   nibbles, layout};
     const int64_t per_item = M * K * PW * step, min_items = PANEL_WORK / per_item;
     const int64_t items = ((N + PW - 1) / PW + step - 1) / step;
