@@ -4,12 +4,17 @@ the points both ends know, and server variants compared in alternated rounds.
     python bench/ttft_timeline.py --model DIR                        # one server, c = 32
     python bench/ttft_timeline.py --model DIR --dtype bfloat16 \\
         --variant base= --variant big="--max-num-batched-tokens 2048" --rounds 4
+    python bench/ttft_timeline.py --model DIR --channels both       # the client's connections
+    git worktree add /tmp/base BASE && python bench/ttft_timeline.py --model DIR \
+        --variant base= --source base=/tmp/base --variant new=     # a code change
 
 Every variant's server is started once (`switchboard serve`, the flags bench/vs_vllm.py gives it,
 plus the variant's), then the rounds alternate between them (A, B, A, B ...: the machine may be
 shared, so each variant sees the same spells of load); a round is one closed loop of
 --concurrency clients over --requests requests (32-token prompts, 128 output tokens, greedy,
-ignore_eos, as bench/vs_vllm.py), after one warm-up loop per server.
+ignore_eos, as bench/vs_vllm.py), after one warm-up loop per server. The clients share one gRPC
+channel (one HTTP/2 connection), or each has its own (``--channels per-client``, as
+bench/vs_vllm.py's clients); ``--channels both`` alternates the two on every server.
 
 Per request, from the client's wall clock and the RequestMetrics of the last message (all
 stamps on one machine, one wall clock):
@@ -40,7 +45,7 @@ from pathlib import Path
 
 import grpc
 from server_procs import free_port, start, stop_all, switchboard_command, wait_ready
-from serving_clients import HOST, make_prompts, pct
+from serving_clients import HOST, make_prompts, own_channel, pct
 
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
@@ -92,16 +97,27 @@ async def one_request(
 
 
 async def closed_loop(
-    port: int, prompts: list[list[int]], concurrency: int, max_tokens: int
+    port: int,
+    prompts: list[list[int]],
+    concurrency: int,
+    max_tokens: int,
+    channels: str = "shared",
 ) -> tuple[list[Timeline], float]:
+    """``channels``: "shared", one gRPC channel for every client; "per-client", one each."""
     todo = iter(prompts)
     out: list[Timeline] = []
-    async with grpc.aio.insecure_channel(f"{HOST}:{port}") as channel:
-        stub = pb_grpc.GenerationServiceStub(channel)
+    target = f"{HOST}:{port}"
+    async with grpc.aio.insecure_channel(target) as shared:
 
         async def client() -> None:
-            for prompt in todo:
-                out.append(await one_request(stub, prompt, max_tokens))
+            channel = own_channel(target) if channels == "per-client" else shared
+            stub = pb_grpc.GenerationServiceStub(channel)
+            try:
+                for prompt in todo:
+                    out.append(await one_request(stub, prompt, max_tokens))
+            finally:
+                if channel is not shared:
+                    await channel.close()
 
         t0 = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(concurrency)))
@@ -143,20 +159,30 @@ async def run(args: argparse.Namespace) -> int:
         ]  # fmt: skip
         log = log_dir / f"{label}.log"
         print(f"{label}: {shlex.join(cmd)}  (log {log})", file=sys.stderr, flush=True)
-        server = start("switchboard", cmd, dict(os.environ), log, port)
+        env = dict(os.environ)
+        if label in args.source:  # that checkout's package first on the server's path
+            services = str(Path(args.source[label]).expanduser() / "services")
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [services, env.get("PYTHONPATH")]))
+        server = start("switchboard", cmd, env, log, port)
         await wait_ready(server)
         warm = make_prompts(2, args.input_len, args.vocab, f"warm-up:{label}")
         await closed_loop(port, warm, 2, 8)
         servers[label] = port
-    rows: dict[str, list[dict[str, float]]] = {label: [] for label in servers}
+    modes = ["shared", "per-client"] if args.channels == "both" else [args.channels]
+    # (row label, server label, client channels): each server once per client mode
+    runs = [
+        (label if len(modes) == 1 else f"{label}/{mode}", label, mode)
+        for label in servers
+        for mode in modes
+    ]
+    rows: dict[str, list[dict[str, float]]] = {run[0]: [] for run in runs}
     _header()
     dumped: list[dict[str, object]] = []
     for r in range(args.rounds):
-        order = list(servers) if r % 2 == 0 else list(reversed(servers))
-        for label in order:
+        for label, server, mode in runs if r % 2 == 0 else reversed(runs):
             prompts = make_prompts(args.requests, args.input_len, args.vocab, f"{r}:{label}")
             timelines, wall = await closed_loop(
-                servers[label], prompts, args.concurrency, args.output_len
+                servers[server], prompts, args.concurrency, args.output_len, mode
             )
             rows[label].append(summary(timelines, wall))
             if args.dump:
@@ -188,6 +214,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="LABEL=FLAGS",
         help="a server with these extra `switchboard serve` flags (repeat; default: one, base)",
     )
+    p.add_argument(
+        "--source",
+        action="append",
+        default=[],
+        metavar="LABEL=DIR",
+        help="run that variant's server from the checkout DIR (e.g. a `git worktree` of the "
+        "base commit), this one's otherwise: code changes in alternated rounds",
+    )
+    p.add_argument(
+        "--channels",
+        choices=["shared", "per-client", "both"],
+        default="shared",
+        help="the clients' gRPC channels: one for all, one each, or both in alternated rounds",
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--requests", type=int, default=96, help="per round")
@@ -196,6 +236,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dump", type=Path, default=None, help="every request's timeline, JSON")
     args = p.parse_args(argv)
     args.variant = [spec.partition("=")[::2] for spec in args.variant or ["base="]]
+    args.source = dict(spec.partition("=")[::2] for spec in args.source)
     config = json.loads((Path(args.model).expanduser() / "config.json").read_text())
     args.vocab = int(config["vocab_size"])
     args.model = str(Path(args.model).expanduser())
