@@ -44,7 +44,14 @@ import time
 from pathlib import Path
 
 import grpc
-from server_procs import free_port, start, stop_all, switchboard_command, wait_ready
+from server_procs import (
+    TreeSampler,
+    free_port,
+    start,
+    stop_all,
+    switchboard_command,
+    wait_ready,
+)
 from serving_clients import HOST, make_prompts, own_channel, pct
 
 from switchboard.api.v1 import generation_service_pb2 as pb
@@ -124,24 +131,47 @@ async def closed_loop(
         return out, time.perf_counter() - t0
 
 
-def summary(timelines: list[Timeline], wall: float) -> dict[str, float]:
+def summary(
+    timelines: list[Timeline], wall: float, cpu: dict[str, float], client_cpu: float
+) -> dict[str, float]:
+    """``cpu``: the server's processes' CPU seconds in the round by name, ``client_cpu`` this
+    process's; as CPU microseconds per output token, the gateway's and everyone's."""
     ttfts = [t.ttft_s * 1e3 for t in timelines]
     row = {"ttft_p50": pct(ttfts, 50) or 0.0, "ttft_p90": pct(ttfts, 90) or 0.0}
     for i, name in enumerate(PHASES):
         row[name] = statistics.median(t.phases[i] * 1e3 for t in timelines)
-    row["tok_s"] = sum(t.tokens for t in timelines) / wall
+    tokens = sum(t.tokens for t in timelines)
+    row["tok_s"] = tokens / wall
+    gateway = sum(v for name, v in cpu.items() if name.startswith("Gateway"))
+    row["gw_us"] = gateway / tokens * 1e6
+    row["all_us"] = (sum(cpu.values()) + client_cpu) / tokens * 1e6
     return row
+
+
+def _cpu(sampler: TreeSampler) -> tuple[dict[str, float], float]:
+    """CPU seconds since ``sampler`` started: per server process name, and this process's."""
+    cpu, _, client = sampler.finish()
+    span = (time.perf_counter() - sampler.wall0) / 100  # x CPU % = CPU seconds
+    return {name: pct * span for name, pct in cpu.items()}, client * span
 
 
 def _print_row(label: str, row: dict[str, float]) -> None:
     cells = [f"{row['ttft_p50']:7.1f}", f"{row['ttft_p90']:7.1f}"]
     cells += [f"{row[name]:8.1f}" for name in PHASES] + [f"{row['tok_s']:8.0f}"]
+    cells += [f"{row['gw_us']:6.0f}", f"{row['all_us']:6.0f}"]
     print(f"{label:<24}" + " ".join(cells), flush=True)
 
 
 def _header() -> None:
-    names = ["p50", "p90", *(name.split("->")[1][:8] for name in PHASES), "tok/s"]
-    widths = [7, 7, *(8 for _ in PHASES), 8]
+    names = [
+        "p50",
+        "p90",
+        *(name.split("->")[1][:8] for name in PHASES),
+        "tok/s",
+        "gw us",
+        "us/tok",
+    ]
+    widths = [7, 7, *(8 for _ in PHASES), 8, 6, 6]
     cells = " ".join(f"{n:>{w}}" for n, w in zip(names, widths, strict=True))
     print(f"{'ms (phase medians)':<24}" + cells)
 
@@ -167,7 +197,8 @@ async def run(args: argparse.Namespace) -> int:
         await wait_ready(server)
         warm = make_prompts(2, args.input_len, args.vocab, f"warm-up:{label}")
         await closed_loop(port, warm, 2, 8)
-        servers[label] = port
+        server.track()
+        servers[label] = server
     modes = ["shared", "per-client"] if args.channels == "both" else [args.channels]
     # (row label, server label, client channels): each server once per client mode
     runs = [
@@ -181,10 +212,11 @@ async def run(args: argparse.Namespace) -> int:
     for r in range(args.rounds):
         for label, server, mode in runs if r % 2 == 0 else reversed(runs):
             prompts = make_prompts(args.requests, args.input_len, args.vocab, f"{r}:{label}")
+            sampler = TreeSampler(servers[server].proc.pid, "switchboard")
             timelines, wall = await closed_loop(
-                servers[server], prompts, args.concurrency, args.output_len, mode
+                servers[server].port, prompts, args.concurrency, args.output_len, mode
             )
-            rows[label].append(summary(timelines, wall))
+            rows[label].append(summary(timelines, wall, *_cpu(sampler)))
             if args.dump:
                 dumped.append({"variant": label, "round": r, "requests": [
                     dataclasses.asdict(t) for t in sorted(timelines, key=lambda t: t.sent)

@@ -22,6 +22,7 @@ engine is READY within ``startup_timeout_s``.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 from concurrent.futures import ThreadPoolExecutor
@@ -324,6 +325,12 @@ async def serve(config: GatewayRoleConfig) -> int:
     except Exception:
         logger.exception("the gateway failed to start")
         return START_FAILED
+    # What starting allocated lives as long as the process (the tokenizer's tables, gRPC's
+    # and protobuf's modules): collections skip it from now on. Under load a collection that
+    # walked all of it stopped the event loop while new calls waited to be accepted and first
+    # tokens to go out (tiny-llama, 64 streams: time to first token p50 161 -> 80 ms).
+    gc.collect()
+    gc.freeze()
     return await server.run()
 
 
