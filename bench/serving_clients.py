@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import random
 import time
 from collections.abc import Awaitable, Callable
@@ -77,31 +76,20 @@ Send = Callable[[list[int]], Awaitable[RequestResult]]
 
 
 class SbClient:
-    """switchboard's GenerationService over gRPC. ``per_client``: one channel (one HTTP/2
-    connection) per closed-loop client, as the OpenAI client keeps one connection per client;
-    otherwise one channel whose HTTP/2 connection every stream shares."""
+    """switchboard's GenerationService over one gRPC channel (HTTP/2: every stream shares it)."""
 
-    def __init__(self, port: int, max_tokens: int, per_client: bool = False) -> None:
-        self.target = f"{HOST}:{port}"
-        self.channel = grpc.aio.insecure_channel(self.target)
+    def __init__(self, port: int, max_tokens: int) -> None:
+        self.channel = grpc.aio.insecure_channel(f"{HOST}:{port}")
         self.stub = pb_grpc.GenerationServiceStub(self.channel)
         self.max_tokens = max_tokens
-        self.per_client = per_client
 
     async def sender(self) -> tuple[Send, Callable[[], Awaitable[None]]]:
-        if self.per_client:
-            channel = own_channel(self.target)
-            stub = pb_grpc.GenerationServiceStub(channel)
-            return functools.partial(self.send, stub=stub), channel.close
-
         async def nothing() -> None:
             pass
 
         return self.send, nothing
 
-    async def send(
-        self, prompt: list[int], stub: pb_grpc.GenerationServiceStub | None = None
-    ) -> RequestResult:
+    async def send(self, prompt: list[int]) -> RequestResult:
         request = pb.GenerateRequest(
             token_ids=pb.TokenIds(ids=prompt),
             sampling=pb.SamplingParams(temperature=0.0),
@@ -109,19 +97,13 @@ class SbClient:
             output=pb.OutputOptions(return_token_ids=True),
         )
         timer = StreamTimer()
-        async for response in (stub or self.stub).Generate(request):
+        async for response in self.stub.Generate(request):
             if n := sum(len(out.token_ids) for out in response.outputs):
                 timer.tokens(n)
         return timer.done()
 
     async def close(self) -> None:
         await self.channel.close()
-
-
-def own_channel(target: str) -> grpc.aio.Channel:
-    """A channel with a connection of its own: channels with the same target and options
-    otherwise share one connection from gRPC's process-wide subchannel pool."""
-    return grpc.aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
 
 
 class OpenAIClient:

@@ -13,8 +13,8 @@ plus the variant's), then the rounds alternate between them (A, B, A, B ...: the
 shared, so each variant sees the same spells of load); a round is one closed loop of
 --concurrency clients over --requests requests (32-token prompts, 128 output tokens, greedy,
 ignore_eos, as bench/vs_vllm.py), after one warm-up loop per server. The clients share one gRPC
-channel (one HTTP/2 connection), or each has its own (``--channels per-client``, as
-bench/vs_vllm.py's clients); ``--channels both`` alternates the two on every server.
+channel (one HTTP/2 connection, as bench/vs_vllm.py's), or each has its own (``--channels
+per-client``, as the OpenAI clients' connections); ``--channels both`` alternates the two.
 
 Per request, from the client's wall clock and the RequestMetrics of the last message (all
 stamps on one machine, one wall clock):
@@ -52,7 +52,7 @@ from server_procs import (
     switchboard_command,
     wait_ready,
 )
-from serving_clients import HOST, make_prompts, own_channel, pct
+from serving_clients import HOST, make_prompts, pct
 
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
@@ -101,6 +101,12 @@ async def one_request(
     prefill = m.prefill_time.ToNanoseconds() / 1e9
     phases = (arrival - sent, ttft - queue - prefill, queue, prefill, first - (arrival + ttft))
     return Timeline(sent, first - sent, phases, tokens)
+
+
+def own_channel(target: str) -> grpc.aio.Channel:
+    """A channel with a connection of its own: channels with the same target and options
+    otherwise share one connection from gRPC's process-wide subchannel pool."""
+    return grpc.aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
 
 
 async def closed_loop(
