@@ -5,7 +5,7 @@ the points both ends know, and server variants compared in alternated rounds.
     python bench/ttft_timeline.py --model DIR --dtype bfloat16 \\
         --variant base= --variant big="--max-num-batched-tokens 2048" --rounds 4
     python bench/ttft_timeline.py --model DIR --channels both       # the client's connections
-    git worktree add /tmp/base BASE && python bench/ttft_timeline.py --model DIR \
+    git worktree add /tmp/base BASE && python bench/ttft_timeline.py --model DIR \\
         --variant base= --source base=/tmp/base --variant new=     # a code change
 
 Every variant's server is started once (`switchboard serve`, the flags bench/vs_vllm.py gives it,
@@ -26,7 +26,10 @@ stamps on one machine, one wall clock):
     token    -> client     the output thread, the gateway's stream, gRPC out, the client
 
 The report gives each phase's median (and the TTFT's p50 / p90) per variant and round, then the
-median over rounds, and output tok/s. Run with the project's venv (.venv/bin/python).
+median over rounds, output tok/s, and CPU microseconds per output token (from /proc): the
+gateway's, and all the server's processes' with this client's (on a shared machine steadier
+than the rates). ``--source LABEL=DIR`` runs a variant's server from another checkout, for code
+changes. Run with the project's venv (.venv/bin/python).
 """
 
 from __future__ import annotations
