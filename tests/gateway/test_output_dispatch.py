@@ -84,3 +84,30 @@ async def test_a_step_delivers_every_output_and_forgets_finished_requests() -> N
     assert (await first.get()).output.new_token_ids == [9]
     assert not router.is_live("done") and router.is_live("first")
     assert engine.num_requests == 1  # the finished request no longer counts in its load
+
+
+async def test_a_wait_for_the_end_sleeps_through_steps_and_wakes_at_the_last() -> None:
+    """A paced stream waits for its last step without being woken by the steps before it;
+    they stay queued, in order, for the message that follows."""
+    router, engine = _router_with_engine()
+    channel = _open(router, "paced")
+    woke: list[int] = []
+
+    async def wait_for_end() -> None:
+        await channel.end_arrival()
+        woke.append(len(woke))
+
+    waiter = asyncio.create_task(wait_for_end())
+    await asyncio.sleep(0)  # it waits
+    for token_id in (5, 6):
+        step = EngineCoreOutputs(0, 1, [EngineCoreOutput("paced", [token_id])])
+        router.deliver(engine, step)
+        await asyncio.sleep(0)
+    assert not waiter.done() and not channel.end_queued()
+    last = EngineCoreOutput("paced", [7], finish_reason=FinishReason.STOP)
+    router.deliver(engine, EngineCoreOutputs(0, 2, [last]))
+    await asyncio.wait_for(waiter, 10.0)
+    assert woke == [0] and channel.end_queued()
+    await channel.end_arrival()  # already queued: returns at once
+    got = [await channel.get() for _ in range(3)]
+    assert [e.output.new_token_ids for e in got if isinstance(e, StepOutput)] == [[5], [6], [7]]

@@ -109,6 +109,11 @@ RequestEvent = StepOutput | RequestFailed | RequestAborted
 SendRequest = Callable[[EngineHandle, RequestType, Any], bool]
 
 
+def _ends_request(event: RequestEvent) -> bool:
+    """A finished step, a failure or an abort: nothing comes after it."""
+    return not isinstance(event, StepOutput) or event.output.finish_reason is not None
+
+
 class RequestChannel:
     """The outputs of one request, in order, ending with a finish, a failure or an abort.
 
@@ -130,10 +135,13 @@ class RequestChannel:
         self.stalled = False
         self._events: collections.deque[RequestEvent] = collections.deque()
         self._arrived = asyncio.Event()
+        self._end_arrived = asyncio.Event()  # the event that ends the request is queued
 
     def put(self, event: RequestEvent) -> None:
         self._events.append(event)
         self._arrived.set()
+        if _ends_request(event):
+            self._end_arrived.set()
 
     async def get(self) -> RequestEvent:
         while not self._events:
@@ -144,15 +152,14 @@ class RequestChannel:
     def end_queued(self) -> bool:
         """Whether the event that ends the request is already here (a finished step, a
         failure, an abort): nothing comes after it."""
-        if not self._events:
-            return False
-        last = self._events[-1]
-        return not isinstance(last, StepOutput) or last.output.finish_reason is not None
+        return bool(self._events) and _ends_request(self._events[-1])
 
-    async def next_arrival(self) -> None:
-        """Until the next event arrives (those already here are left queued)."""
-        self._arrived.clear()
-        await self._arrived.wait()
+    async def end_arrival(self) -> None:
+        """Until the event that ends the request is queued (those before it are left
+        queued): a consumer that holds its steps back is not woken by each of them."""
+        if not self.end_queued():
+            self._end_arrived.clear()
+            await self._end_arrived.wait()
 
     def take_ready_step(self) -> StepOutput | None:
         """The next event if it is already here and is a step's output, without waiting: a

@@ -43,8 +43,8 @@ class MessagePacing:
         deadline = sent_at + self.interval()
         if deadline <= asyncio.get_running_loop().time():
             return  # the engine's steps are further apart than the interval: nothing to wait
-        channel = group.channels[0]
+        # Woken by the deadline or the call's last step only, not by each step between: with
+        # many calls streaming, a wake-up per call and step is a task switch per token.
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout_at(deadline):
-                while not channel.end_queued():
-                    await channel.next_arrival()
+                await group.channels[0].end_arrival()
