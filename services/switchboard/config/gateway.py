@@ -137,7 +137,7 @@ class GatewayConfig(Config, frozen=True):
             metavar="N",
             accepts=AT_LEAST_0,
         ),
-    ] = 500.0
+    ] = 1000.0
     tokenizer_threads: int = 2
     max_message_bytes: int = 64 * 1024 * 1024
     startup_timeout_s: float = 600.0
