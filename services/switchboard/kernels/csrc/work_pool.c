@@ -11,9 +11,9 @@
    Here a loop is cut into chunks that threads claim one at a time from a shared cursor (a
    compare and swap); the calling thread claims chunks too and waits only for chunks another
    thread has claimed and is running. A helper thread that is not running when the loop starts
-   claims nothing and is not waited for: the caller does its share. Helpers spin SPIN_NS after
-   their last chunk (the next loop of a step follows at once), then sleep on a futex until
-   woken: idle, the pool takes no CPU. The number of threads is torch's (omp_get_max_threads()
+   claims nothing and is not waited for: the caller does its share. Helpers spin SPIN_NS of their own
+   running time after their last chunk (the next loop of a step follows at once), then sleep on
+   a futex until woken, one wake-up call per sleep: idle, the pool takes no CPU. The number of threads is torch's (omp_get_max_threads()
    of the calling thread, which torch.set_num_threads sets); helpers start on first use. A call
    made while another runs (a second thread, or a chunk that loops again) runs on the calling
    thread alone.
