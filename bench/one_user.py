@@ -119,7 +119,9 @@ async def run(args: argparse.Namespace) -> int:
             sampler = TreeSampler(server.proc.pid, server.kind)
             perf = start_perf(sampler) if args.perf else None
             prompts = make_prompts(args.requests, args.input_len, VOCAB, f"{r}:{label}")
-            results, wall = await closed_loop(clients[label], prompts, 1, REQUEST_TIMEOUT_S)
+            results, wall = await closed_loop(
+                clients[label], prompts, args.concurrency, REQUEST_TIMEOUT_S
+            )
             cpu, _, client_cpu = sampler.finish()
             counts = finish_perf(perf) if perf is not None else {}
             errors = [res.error for res in results if res.error]
@@ -210,6 +212,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--perf",
         action="store_true",
         help="count the worker's context switches, migrations and futex calls (perf stat)",
+    )
+    p.add_argument(
+        "--concurrency", type=int, default=1, help="closed-loop clients (the same check at more)"
     )
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--requests", type=int, default=4, help="per round")

@@ -11,12 +11,12 @@
    Here a loop is cut into chunks that threads claim one at a time from a shared cursor (a
    compare and swap); the calling thread claims chunks too and waits only for chunks another
    thread has claimed and is running. A helper thread that is not running when the loop starts
-   claims nothing and is not waited for: the caller does its share. Helpers spin SPIN_NS of their own
-   running time after their last chunk (the next loop of a step follows at once), then sleep on
-   a futex until woken, one wake-up call per sleep: idle, the pool takes no CPU. The number of threads is torch's (omp_get_max_threads()
-   of the calling thread, which torch.set_num_threads sets); helpers start on first use. A call
-   made while another runs (a second thread, or a chunk that loops again) runs on the calling
-   thread alone.
+   claims nothing and is not waited for: the caller does its share. Helpers spin SPIN_NS of
+   their own running time after their last chunk (the next loop of a step follows at once),
+   then sleep on a futex until woken, one wake-up call per sleep: idle, the pool takes no CPU.
+   The number of threads is torch's (omp_get_max_threads() of the calling thread, which
+   torch.set_num_threads sets); helpers start on first use. A call made while another runs (a
+   second thread, or a chunk that loops again) runs on the calling thread alone.
 
    Each output is computed by one chunk whichever thread runs it, so the floats do not depend on
    the number of threads or on who ran what. The library is loaded with RTLD_GLOBAL, so a test
@@ -40,7 +40,10 @@
 #define MAX_HELPERS 255
 #define CHUNKS_PER_THREAD 8 /* enough for a thread that starts late to leave work to others */
 #define MAX_CHUNKS 4096     /* the cursor's 16-bit fields hold it */
-#define SPIN_NS 50000       /* a helper spins this long after its last chunk, then sleeps */
+/* a helper spins this long after its last chunk, then sleeps: the gaps between a step's loops
+   are shorter, and a longer spin (50 us) took CPU the other processes on the cores needed (one
+   stream of the default model on 2 cores: ITL p50 lower in 10 of 12 alternated rounds) */
+#define SPIN_NS 15000
 #define PREEMPTED_NS 20000  /* a gap this long between two looks at the clock: preempted */
 
 /* generation << 32 | chunks << 16 | next chunk: one word, so a claim (compare and swap) fails
