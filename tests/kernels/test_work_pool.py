@@ -32,6 +32,10 @@ def count_items():
     function = counting.count_items
     function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     function.restype = None
+    meet = counting.meet_two_threads
+    meet.argtypes = [ctypes.c_int64]
+    meet.restype = ctypes.c_int
+    function.meet_two_threads = meet
     return function
 
 
@@ -95,6 +99,19 @@ def test_idle_helpers_take_no_cpu(count_items, threads):
     started = time.process_time()
     time.sleep(1.0)
     assert time.process_time() - started < 0.1
+
+
+def test_a_sleeping_helper_is_woken_for_each_loop(count_items, threads):
+    """A loop of two chunks that wait for each other completes only with a second thread in
+    it: after the helper fell asleep, and in loops that follow each other at once (a helper
+    woken once and not yet running must still come)."""
+    threads(2)
+    _counts_after(count_items, 1000, 1)  # the helper has started
+    for _ in range(3):
+        time.sleep(0.2)  # past the helper's spin: asleep on the futex
+        assert count_items.meet_two_threads(60_000) == 1
+        for _ in range(20):
+            assert count_items.meet_two_threads(60_000) == 1
 
 
 def test_status_names_the_variant():
