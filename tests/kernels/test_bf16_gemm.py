@@ -69,7 +69,7 @@ def test_the_variants_agree_and_are_batch_invariant(restore_kernel):
         assert bf16_gemm.load(variant)
         panels = bf16_gemm.pack(weight)
         y = bf16_gemm.linear(x, panels, bias)
-        for rows in (1, 2, 5, 8):  # a row's result whatever rows share the call
+        for rows in (1, 2, 5, 8, 16, 17):  # a row's result whatever rows share the call
             assert torch.equal(bf16_gemm.linear(x[:rows], panels, bias), y[:rows]), variant
         results[variant] = y
     assert results, "no variant runs here: the kernel needs AVX2 and FMA"
@@ -88,10 +88,15 @@ def test_a_cpu_without_avx512_bf16_gets_the_widening_variants(monkeypatch, resto
     if "avx2" not in bf16_gemm.cpu_flags():
         pytest.skip("the kernel needs AVX2")
     runnable = bf16_gemm.available()
-    expected = "dpbf16" if "avx512_bf16" in bf16_gemm.cpu_flags() else runnable[0]
+    flags = bf16_gemm.cpu_flags()
+    expected = "amx" if "amx" in runnable else "dpbf16" if "avx512_bf16" in flags else runnable[0]
     bf16_gemm.unload()
     assert bf16_gemm.load() and bf16_gemm.variant() == expected
-    _cpu_without(monkeypatch, "avx512_bf16")
+    _cpu_without(monkeypatch, "amx_bf16")
+    bf16_gemm.unload()
+    expected = "dpbf16" if "avx512_bf16" in flags else bf16_gemm.available()[0]
+    assert bf16_gemm.load() and bf16_gemm.variant() == expected
+    _cpu_without(monkeypatch, "amx_bf16", "avx512_bf16")
     bf16_gemm.unload()
     assert bf16_gemm.load() and bf16_gemm.variant() != "dpbf16"
     assert not bf16_gemm.load("dpbf16")  # asked for, but the CPU lacks it
@@ -102,18 +107,30 @@ def test_a_cpu_without_avx512_bf16_gets_the_widening_variants(monkeypatch, resto
     assert bf16_gemm.max_rows() == 4
 
 
-def test_a_bfloat16_step_stays_on_it_up_to_its_rows_unless_amx_takes_them(
+def test_a_bfloat16_step_stays_on_it_up_to_its_rows_unless_onednn_has_amx_and_it_not(
     monkeypatch, restore_kernel
 ):
+    """With AMX and the kernel's amx variant, or without AMX, a bfloat16 step of up to the
+    float32 kernel's rows runs on the kernel (and in the decode stack); with AMX but another
+    variant, oneDNN's tiles take the steps past 16 rows."""
     if not bf16_gemm.load():
         pytest.skip(f"the bfloat16 kernel is not loaded here: {bf16_gemm.status()}")
-    monkeypatch.setattr(gemm, "BF16_MAX_ROWS", gemm.SMALL_BATCH_MAX_ROWS)
-    assert gemm.few_rows_limit(torch.bfloat16) == gemm.SMALL_BATCH_MAX_ROWS
-    monkeypatch.setattr(gemm, "BF16_MAX_ROWS", 16)  # an AMX CPU: oneDNN's tiles past 16 rows
-    assert gemm.few_rows_limit(torch.bfloat16) == 0
-    monkeypatch.setattr(gemm, "BF16_MAX_ROWS", gemm.SMALL_BATCH_MAX_ROWS)
+    all_rows = gemm.SMALL_BATCH_MAX_ROWS
+    without_amx = gemm.cpu_flags() - {"amx_bf16"}
+    monkeypatch.setattr(gemm, "cpu_flags", lambda: without_amx)
+    assert gemm.few_rows_limit(torch.bfloat16) == gemm.bf16_max_rows() == all_rows
+    monkeypatch.undo()
+    if "amx" in bf16_gemm.available():
+        assert bf16_gemm.load("amx")
+        assert gemm.few_rows_limit(torch.bfloat16) == gemm.bf16_max_rows() == all_rows
+        assert bf16_gemm.load("dpbf16")
+        assert gemm.bf16_max_rows() == gemm.AMX_ONEDNN_ROWS
+        assert gemm.few_rows_limit(torch.bfloat16) == 0
+    monkeypatch.setattr(gemm, "cpu_flags", lambda: {"amx_bf16", "avx2", "fma"})
     bf16_gemm.unload()
     assert gemm.few_rows_limit(torch.bfloat16) == 0
+    assert bf16_gemm.load("avx2")
+    assert gemm.bf16_max_rows() == gemm.AMX_ONEDNN_ROWS
 
 
 def test_without_avx2_or_switched_off_bfloat16_layers_use_torch(monkeypatch, restore_kernel):

@@ -38,6 +38,7 @@ _VARIABLE = "SWITCHBOARD_BF16_GEMM"
 # only where AVX2 and FMA are
 _AVX2 = frozenset({"avx2", "fma"})
 VARIANTS: dict[str, tuple[int, frozenset[str]]] = {
+    "amx": (4, _AVX2 | {"amx_tile", "amx_bf16"}),
     "dpbf16": (3, _AVX2 | {"avx512f", "avx512_bf16"}),
     "avx512": (2, _AVX2 | {"avx512f"}),
     "avx2": (1, _AVX2),

@@ -23,7 +23,7 @@ row's floats do not depend on the rows beside it). Its loops run on the kernels'
 late thread is not waited for. ``SWITCHBOARD_DECODE_STACK=off`` turns it off alone.
 
 A bfloat16 model runs here too, on its matrices' bfloat16 panels (``bf16_gemm.py``, up to
-``gemm.BF16_MAX_ROWS`` rows): the stack takes its hidden states as float32 and hands them back
+``gemm.bf16_max_rows()`` rows): the stack takes its hidden states as float32 and hands them back
 rounded, so its activations stay float32 between the operations (the layer-by-layer path rounds
 each to bfloat16: the two agree to bfloat16 rounding, not bit for bit). Its KV caches may be
 bfloat16 (``--kv-cache-dtype``): written rounded, read widened in registers.
@@ -283,7 +283,7 @@ def _make_plan(layers: Sequence[StackLayer], kv_caches: Sequence[torch.Tensor]) 
         eps=eps,
         scale=scale,
         kv_bf16=kv_caches[0].dtype == torch.bfloat16,
-        max_rows=min(MAX_ROWS, gemm.BF16_MAX_ROWS) if bf16_panels else MAX_ROWS,
+        max_rows=min(MAX_ROWS, gemm.bf16_max_rows()) if bf16_panels else MAX_ROWS,
     )
 
 

@@ -59,14 +59,25 @@ PACK_BATCH_HINT = 32
 # Quantized panels take the same products (the quantized kernel computes the float32 kernel's
 # sums on the dequantized weights).
 SMALL_BATCH_MAX_ROWS = 128 if "avx512f" in cpu_flags() else 512
-# Products of at most this many rows on a bfloat16 weight with its panels go to the bfloat16
-# kernel (``bf16_gemm.py``), the rest to torch's bfloat16 matmul (oneDNN). Without AMX that
-# matmul was 3-5x slower than the kernel at 1 to 32 rows (SmolLM2's matrices, AVX-512 BF16
+# Products of at most ``bf16_max_rows()`` rows on a bfloat16 weight with its panels go to the
+# bfloat16 kernel (``bf16_gemm.py``), the rest to torch's bfloat16 matmul (oneDNN). Without AMX
+# that matmul was 3-5x slower than the kernel at 1 to 32 rows (SmolLM2's matrices, AVX-512 BF16
 # EPYC, 2 threads: 110 / 142 / 247 ms against 22 / 24 / 64 ms), so the kernel takes what the
-# float32 one does. With AMX oneDNN's tiles do several times the work per cycle once a step is
-# bound by compute; not measured here, so the kernel keeps only the rows where a step is bound
-# by reading the weights.
-BF16_MAX_ROWS = 16 if "amx_bf16" in cpu_flags() else SMALL_BATCH_MAX_ROWS
+# float32 one does. With AMX the kernel's own amx variant runs on the tiles oneDNN uses, its
+# panels packed once where oneDNN's matmul takes the plain weight each call: 1.2-10x faster than
+# oneDNN at 1 to 64 rows on the three benchmark models' matrices, within 0.7-0.95x of it at 128
+# (one thread, an Intel Xeon with AMX), and it keeps a step in the one-call decode stack. Only
+# where AMX is there but another variant is loaded (switched by ``SWITCHBOARD_BF16_GEMM``) does
+# oneDNN take the steps past ``AMX_ONEDNN_ROWS``, where its tiles beat the AVX-512 kernel.
+AMX_ONEDNN_ROWS = 16
+
+
+def bf16_max_rows() -> int:
+    """The most rows a bfloat16 product runs on the bfloat16 kernel (past them: oneDNN)."""
+    if "amx_bf16" in cpu_flags() and bf16_gemm.variant() != "amx":
+        return AMX_ONEDNN_ROWS
+    return SMALL_BATCH_MAX_ROWS
+
 
 _onednn_linear: Callable[..., torch.Tensor] | None = None
 _onednn_reorder: Callable[..., torch.Tensor] | None = None
@@ -81,11 +92,12 @@ def few_rows_limit(dtype: torch.dtype) -> int:
     """The most rows a product of a ``dtype`` model may have and still run on the kernel for few
     rows (its panels, the one-call decode stack); past them oneDNN takes it, no faster a row
     in float32 and slower in bfloat16 without AMX. 0: no such kernel is loaded, or it keeps
-    fewer rows than the float32 one (bfloat16 on AMX, where oneDNN's tiles win past them)."""
+    fewer rows than the float32 one (bfloat16 on AMX without the kernel's amx variant, where
+    oneDNN's tiles win past them)."""
     if dtype == torch.bfloat16:
-        if bf16_gemm.max_rows() == 0 or BF16_MAX_ROWS < SMALL_BATCH_MAX_ROWS:
+        if bf16_gemm.max_rows() == 0 or bf16_max_rows() < SMALL_BATCH_MAX_ROWS:
             return 0
-        return BF16_MAX_ROWS
+        return bf16_max_rows()
     return SMALL_BATCH_MAX_ROWS if dtype == torch.float32 and small_batch_gemm.max_rows() else 0
 
 
@@ -185,7 +197,7 @@ def _bf16_linear(
     """A bfloat16 weight's product: the kernel for few rows (float32 sums, rounded to ``x``'s
     dtype as torch's matmul rounds them, unless ``float32_sums``), torch's matmul otherwise."""
     rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] > BF16_MAX_ROWS or bf16_gemm.max_rows() == 0:
+    if rows.shape[0] > bf16_max_rows() or bf16_gemm.max_rows() == 0:
         return F.linear(x, weight, bias)
     y = bf16_gemm.linear(rows.float(), panels, bias)
     if not float32_sums:

@@ -38,6 +38,7 @@ SOURCES = (
     "quant_dot.c",
     "quant_dot_pack.c",
     "bf16_gemm.c",
+    "bf16_amx.c",
     "decode_stack.c",
     "lora_delta.c",
 )

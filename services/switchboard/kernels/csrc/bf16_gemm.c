@@ -5,8 +5,9 @@
 
    Panels of 16 output columns like small_batch_gemm.c, each input pair interleaved: panel q is
    [ceil(K / 2)][16][2] bfloat16 (bf16_pack), so one k-pair of a panel is one 64-byte line,
-   one AVX-512 register. Three variants, each compiled where the build's CPU flags (the
+   one AVX-512 register. Four variants, each compiled where the build's CPU flags (the
    machine's, -march=native) have its instructions, chosen at run time (bf16_gemm_select):
+     AMX     AMX-BF16 tiles (bf16_amx.c), where the kernel may use them;
      DPBF16  AVX-512 BF16: _mm512_dpbf16_ps multiplies and sums a pair of inputs per lane;
      AVX512  AVX-512F: each lane's pair widened to two float32 by a shift and a mask, two FMAs;
      AVX2    the same on two AVX2 halves.
@@ -23,7 +24,7 @@
 
 #define PW 16 /* output columns per panel */
 
-enum variant { NONE = 0, AVX2 = 1, AVX512 = 2, DPBF16 = 3 };
+enum variant { NONE = 0, AVX2 = 1, AVX512 = 2, DPBF16 = 3, AMX = 4 };
 
 static inline int64_t pairs_of(int64_t K) { return (K + 1) / 2; }
 
@@ -62,7 +63,10 @@ static const int compiled = (1 << AVX2)
    halves each) and a panel's four widened weight vectors. */
 #define MAX_ROWS_512 8
 #define MAX_ROWS_256 4
-static inline int rows_of(int v) { return v == AVX2 ? MAX_ROWS_256 : MAX_ROWS_512; }
+#define MAX_ROWS_AMX 16 /* a tile's rows */
+static inline int rows_of(int v) {
+    return v == AVX2 ? MAX_ROWS_256 : v == AMX ? MAX_ROWS_AMX : MAX_ROWS_512;
+}
 static inline int panels_for(int v, int64_t R) {
     if (v == AVX2) return R == 1 ? 2 : 1;
     return R <= 2 ? 4 : 1;
@@ -70,10 +74,10 @@ static inline int panels_for(int v, int64_t R) {
 
 static int selected = NONE;
 
-int bf16_gemm_variants(void) { return compiled; }
+int bf16_gemm_variants(void) { return compiled | (bf16_amx_ready() ? 1 << AMX : 0); }
 
 int bf16_gemm_select(int v) {
-    if (v <= NONE || v > DPBF16 || !(compiled & (1 << v))) return 0;
+    if (v <= NONE || v > AMX || !(bf16_gemm_variants() & (1 << v))) return 0;
     selected = v;
     return rows_of(v);
 }
@@ -295,11 +299,13 @@ int bf16_linear(const float *x, int64_t ldx, const uint32_t *p, const float *bia
     const int v = selected;
     if (M < 1 || K < 1 || v == NONE) return -1;
     const int64_t KP = pairs_of(K);
+    /* AMX reads the rows as whole tiles: 16 pairs by 16 rows, zero past K and M */
+    const int64_t KPA = v == AMX ? (KP + 15) / 16 * 16 : KP, MA = v == AMX ? (M + 15) / 16 * 16 : M;
     /* the rows rounded to bfloat16, kept from call to call (a fresh allocation of this size
        each call would be fresh pages, faulted in every time); one per calling thread */
     static __thread void *scratch = NULL;
     static __thread size_t capacity = 0;
-    const size_t needed = (size_t)(M * 2 * KP) * sizeof(float);
+    const size_t needed = (size_t)(v == AMX ? MA * KPA : M * 2 * KP) * sizeof(float);
     if (needed > capacity) {
         free(scratch);
         scratch = malloc(needed);
@@ -310,13 +316,14 @@ int bf16_linear(const float *x, int64_t ldx, const uint32_t *p, const float *bia
     float *xf = scratch;
     for (int64_t r = 0; r < M; r++) {
         const float *xr = x + r * ldx;
-        if (v == DPBF16) {
-            uint32_t *o = xp + r * KP;
+        if (v == DPBF16 || v == AMX) {
+            uint32_t *o = xp + r * KPA;
             for (int64_t kp = 0; kp < KP; kp++) {
                 const uint32_t lo = bf16_bits(xr[2 * kp]);
                 const uint32_t hi = 2 * kp + 1 < K ? bf16_bits(xr[2 * kp + 1]) : 0;
                 o[kp] = lo | hi << 16;
             }
+            for (int64_t kp = KP; kp < KPA; kp++) o[kp] = 0;
         } else {
             float *o = xf + r * 2 * KP;
             for (int64_t k = 0; k < 2 * KP; k++) {
@@ -324,6 +331,11 @@ int bf16_linear(const float *x, int64_t ldx, const uint32_t *p, const float *bia
                 memcpy(o + k, &bits, sizeof bits);
             }
         }
+    }
+    if (v == AMX) {
+        memset(xp + M * KPA, 0, (size_t)((MA - M) * KPA) * sizeof(uint32_t));
+        bf16_amx_linear(xp, p, bias, y, M, KP, N);
+        return 0;
     }
     const int64_t step = M <= rows_of(v) ? panels_for(v, M) : 1;
     const struct bf16_task task = {xp, p, xf, bias, y, M, KP, N, step, v};

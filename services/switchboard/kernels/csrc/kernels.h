@@ -72,13 +72,17 @@ int quant_dot4_linear(const float *x, int64_t ldx, const uint8_t *p, const float
                       float *y, int64_t M, int64_t K, int64_t N, int64_t B);
 
 /* bf16_gemm.c: matmuls of a few rows on bfloat16 weights (variants: bit 1 AVX2, 2 AVX-512,
-   3 AVX-512 BF16; 0 rows at a time: none selected) */
+   3 AVX-512 BF16, 4 AMX; 0 rows at a time: none selected) */
 int bf16_gemm_variants(void);
 int bf16_gemm_select(int variant);
 int bf16_gemm_max_rows(void);
 void bf16_pack(const uint16_t *w, uint32_t *p, int64_t N, int64_t K);
 int bf16_linear(const float *x, int64_t ldx, const uint32_t *p, const float *bias, float *y,
                 int64_t M, int64_t K, int64_t N);
+/* bf16_amx.c: bf16_gemm.c's AMX variant (ready: compiled, and Linux granted the tiles) */
+int bf16_amx_ready(void);
+void bf16_amx_linear(const uint32_t *xp, const uint32_t *p, const float *bias, float *y,
+                     int64_t M, int64_t KP, int64_t N);
 
 /* lora_delta.c: y[r] += (x[r] A_s^T) B_s for each row r of a slot s = row_slot[r] != -1 (A
    [slots, parts * max_rank, K], B [slots, parts * max_rank, N]; part p writes the columns
