@@ -121,6 +121,15 @@ class RunningServer:
             shutil.rmtree(self.run_base, ignore_errors=True)
 
 
+def _free_port_apart(taken: list[int], apart: int = 8) -> int:
+    """A free port at least ``apart`` from each of ``taken``."""
+    for _ in range(100):
+        port = free_port()
+        if all(abs(port - other) >= apart for other in taken):
+            return port
+    raise RuntimeError(f"no free port {apart} apart from {taken}")
+
+
 def start_server(
     model_dir: str | None,
     workdir: Path,
@@ -132,10 +141,13 @@ def start_server(
     wait until it reports SERVING for generation. The HTTP API gets a free port too (unless
     ``extra_args`` choose one): never the default 8000, which parallel runs would share.
     ``python``: the interpreter that runs it (another virtual environment's, say)."""
-    port = free_port()
+    # gateway i binds --http-port + i and --metrics-port + i: keep the ports 8 apart (the most
+    # gateways a test starts), which serve checks before it starts anything
+    taken = [int(extra_args[i + 1]) for i, a in enumerate(extra_args) if a == "--metrics-port"]
+    port = _free_port_apart(taken)
     http_args: list[str] = []
     if "--http-port" not in extra_args:
-        http_args = ["--http-port", str(free_port())]
+        http_args = ["--http-port", str(_free_port_apart([*taken, port]))]
     args = [*http_args, *extra_args]
     http_port = int(args[args.index("--http-port") + 1])
     # ipc:// paths must stay under 107 bytes: a short base in /tmp, not pytest's deep tmp_path.

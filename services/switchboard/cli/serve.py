@@ -261,7 +261,37 @@ def prepare(
     apply_security_args(parser, args)
     gateway, engine = build_configs(args, model_dir)
     check_kv_events(parser, engine)
+    check_gateway_ports(parser, gateway, engine)
     return gateway, engine
+
+
+def gateway_port_clash(gateway: GatewayRoleConfig, gateways: int) -> str | None:
+    """Why the gateways' ports would collide, or None: gateway i serves HTTP on --http-port + i
+    and metrics on --metrics-port + i beside the one gRPC port they share, so with two gateways
+    --http-port 8000 --metrics-port 8001 gives gateway 1's HTTP port to gateway 0's metrics."""
+    cfg = gateway.gateway
+    ranges = [("--port", cfg.port, 1)]
+    ranges += [("--http-port", cfg.http_port, gateways)] if cfg.http_port else []
+    ranges += [("--metrics-port", cfg.metrics_port, gateways)] if cfg.metrics_port else []
+    for i, (name, start, count) in enumerate(ranges):
+        for other, other_start, other_count in ranges[i + 1 :]:
+            if start < other_start + other_count and other_start < start + count:
+                return (
+                    f"{name} {start} and {other} {other_start} overlap: gateway i serves HTTP "
+                    f"on --http-port + i and metrics on --metrics-port + i, so with {gateways} "
+                    f"gateway(s) they need {gateways} ports each, apart from --port"
+                )
+    return None
+
+
+def check_gateway_ports(
+    parser: argparse.ArgumentParser, gateway: GatewayRoleConfig, engine: EngineConfig
+) -> None:
+    """Refuse ports that two of the gateways' servers would both bind (before anything starts:
+    otherwise one gateway fails to start after the engines have loaded the model)."""
+    clash = gateway_port_clash(gateway, engine.parallel.api_servers)
+    if clash:
+        parser.error(clash)
 
 
 def check_kv_events(parser: argparse.ArgumentParser, engine: EngineConfig) -> None:
