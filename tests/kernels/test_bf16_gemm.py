@@ -12,8 +12,16 @@ import torch.nn.functional as F
 from switchboard.kernels import bf16_gemm, gemm
 
 # (rows, inputs, outputs): one row to several register groups, odd inputs (a zero-padded pair),
-# outputs that are not a whole number of 16-column panels, SmolLM2's shapes
-SHAPES = [(1, 576, 960), (2, 64, 48), (3, 577, 33), (8, 576, 1536), (13, 1536, 576), (33, 96, 17)]
+# outputs that are not a whole number of 16-column panels, SmolLM2's shapes, many rows
+SHAPES = [
+    (1, 576, 960),
+    (2, 64, 48),
+    (3, 577, 33),
+    (8, 576, 1536),
+    (13, 1536, 576),
+    (33, 96, 17),
+    (70, 301, 50),  # amx: K in blocks (64, 64 and 23 pairs, the last ending mid-tile)
+]
 EPS32 = 2.0**-24  # float32's unit roundoff
 EPS_BF16 = 2.0**-8  # bfloat16's
 
@@ -63,13 +71,15 @@ def test_each_variant_against_torch_and_the_exact_sums(
 
 
 def test_the_variants_agree_and_are_batch_invariant(restore_kernel):
-    x, weight, bias = _problem(19, 320, 80, seed=1)
+    x, weight, bias = _problem(40, 320, 80, seed=1)
     results = {}
     for variant in bf16_gemm.available():
         assert bf16_gemm.load(variant)
         panels = bf16_gemm.pack(weight)
         y = bf16_gemm.linear(x, panels, bias)
-        for rows in (1, 2, 5, 8, 16, 17):  # a row's result whatever rows share the call
+        # a row's result whatever rows share the call (amx: one group of rows, two, and K in
+        # blocks past two)
+        for rows in (1, 2, 5, 8, 16, 17, 33):
             assert torch.equal(bf16_gemm.linear(x[:rows], panels, bias), y[:rows]), variant
         results[variant] = y
     assert results, "no variant runs here: the kernel needs AVX2 and FMA"
