@@ -28,7 +28,7 @@
 #include "kernels.h"
 #include "work_pool.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
