@@ -126,8 +126,7 @@ def test_a_bfloat16_step_stays_on_it_up_to_its_rows_unless_onednn_has_amx_and_it
     if not bf16_gemm.load():
         pytest.skip(f"the bfloat16 kernel is not loaded here: {bf16_gemm.status()}")
     all_rows = gemm.SMALL_BATCH_MAX_ROWS
-    without_amx = gemm.cpu_flags() - {"amx_bf16"}
-    monkeypatch.setattr(gemm, "cpu_flags", lambda: without_amx)
+    monkeypatch.setattr(gemm, "CPU_HAS_AMX", False)
     assert gemm.few_rows_limit(torch.bfloat16) == gemm.bf16_max_rows() == all_rows
     monkeypatch.undo()
     if "amx" in bf16_gemm.available():
@@ -136,7 +135,7 @@ def test_a_bfloat16_step_stays_on_it_up_to_its_rows_unless_onednn_has_amx_and_it
         assert bf16_gemm.load("dpbf16")
         assert gemm.bf16_max_rows() == gemm.AMX_ONEDNN_ROWS
         assert gemm.few_rows_limit(torch.bfloat16) == 0
-    monkeypatch.setattr(gemm, "cpu_flags", lambda: {"amx_bf16", "avx2", "fma"})
+    monkeypatch.setattr(gemm, "CPU_HAS_AMX", True)
     bf16_gemm.unload()
     assert gemm.few_rows_limit(torch.bfloat16) == 0
     assert bf16_gemm.load("avx2")

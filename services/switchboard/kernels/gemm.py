@@ -70,11 +70,13 @@ SMALL_BATCH_MAX_ROWS = 128 if "avx512f" in cpu_flags() else 512
 # where AMX is there but another variant is loaded (switched by ``SWITCHBOARD_BF16_GEMM``) does
 # oneDNN take the steps past ``AMX_ONEDNN_ROWS``, where its tiles beat the AVX-512 kernel.
 AMX_ONEDNN_ROWS = 16
+# read once: bf16_max_rows() is asked on every bfloat16 product of the layer-by-layer path
+CPU_HAS_AMX = "amx_bf16" in cpu_flags()
 
 
 def bf16_max_rows() -> int:
     """The most rows a bfloat16 product runs on the bfloat16 kernel (past them: oneDNN)."""
-    if "amx_bf16" in cpu_flags() and bf16_gemm.variant() != "amx":
+    if CPU_HAS_AMX and bf16_gemm.variant() != "amx":
         return AMX_ONEDNN_ROWS
     return SMALL_BATCH_MAX_ROWS
 

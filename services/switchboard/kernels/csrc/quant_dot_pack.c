@@ -43,6 +43,16 @@ static int64_t store_factors(uint8_t *at, const float *so, int layout) {
     return inexact;
 }
 
+/* column j's scale and offset of one block into so (so[j], so[PW + j]): factor `at` of a row
+   below N (inside: 0, zero factors past N); offset NULL: zeros; a 4-bit row (nibbles), stored
+   as q - qmin, gets qmin * scale added to its offset */
+static inline void panel_factors(float so[2 * PW], int64_t j, int inside, const float *scale,
+                                 const float *offset, int64_t at, int nibbles, int64_t qmin) {
+    const float s = inside ? scale[at] : 0.0f, o = inside && offset ? offset[at] : 0.0f;
+    so[j] = s;
+    so[PW + j] = nibbles ? o + (float)qmin * s : o;
+}
+
 /* q [N, K] int8, scale and offset [N, K / B] (offset NULL: zeros) -> panels, zero past N (a
    zero weight: u = 128, scale and offset 0); B with QUANT_HALF_SCALES / QUANT_NO_OFFSETS: the
    factors in that layout. Returns how many factors the layout does not hold exactly (0: the
@@ -64,8 +74,7 @@ int64_t quant_dot_pack(const int8_t *q, const float *scale, const float *offset,
                     const int8_t v = n < N ? q[n * K + b * B + k] : 0;
                     blk[(k / 4) * 4 * PW + j * 4 + k % 4] = (uint8_t)v ^ 0x80u;
                 }
-                so[j] = n < N ? scale[n * blocks + b] : 0.0f;
-                so[PW + j] = n < N && offset ? offset[n * blocks + b] : 0.0f;
+                panel_factors(so, j, n < N, scale, offset, n * blocks + b, 0, 0);
             }
             inexact += store_factors(blk + B * PW, so, layout);
         }
@@ -92,9 +101,7 @@ int64_t quant_dot4_pack(const int8_t *q, const float *scale, const float *offset
                     const uint8_t hi = n < N ? (uint8_t)(q[at + B / 2] - qmin) : 0;
                     blk[(k / 4) * 4 * PW + j * 4 + k % 4] = (uint8_t)(lo | hi << 4);
                 }
-                const float s = n < N ? scale[n * blocks + b] : 0.0f;
-                so[j] = s;
-                so[PW + j] = (n < N && offset ? offset[n * blocks + b] : 0.0f) + (float)qmin * s;
+                panel_factors(so, j, n < N, scale, offset, n * blocks + b, 1, qmin);
             }
             inexact += store_factors(blk + B * PW / 2, so, layout);
         }
