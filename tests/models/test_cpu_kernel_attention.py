@@ -205,6 +205,33 @@ def test_the_every_chunk_backend_sends_no_chunk_to_sdpa(kernel_calls, monkeypatc
         assert torch.equal(out[7 + i], alone.reshape(-1))
 
 
+def test_a_chunk_past_the_prompt_takes_the_kernel_whatever_its_context(kernel_calls, monkeypatch):
+    """A chunk that recomputes generated tokens (a resumed or preempted request) is kernel rows
+    even where its context would send it to SDPA: each row's floats are those of the decode
+    step that first made it, so the request goes on with the tokens it would have made."""
+    monkeypatch.setattr(cpu_kernel_attention, "KERNEL_MAX_CONTEXT", 6)
+    monkeypatch.setattr(cpu_kernel_attention, "KERNEL_ANY_CONTEXT_MAX_TOKENS", 2)
+    shapes = [(5, 1), (0, 6), (4, 3)]
+    cache, metadata, (queries, keys, values), full = _mixed_step(shapes, seed=4)
+    metadata.prefills[1].past_prompt = True
+    query = torch.cat(queries)
+    out = paged_attention(
+        query, torch.cat(keys), torch.cat(values), cache, CPU_KERNEL.prepare(metadata), 8**-0.5
+    )
+    assert kernel_calls == [1 + 6 + 3]
+    chunk = metadata.prefills[1]
+    for i in range(3):
+        alone = paged_decode.paged_decode(
+            query[7 + i : 8 + i],
+            cache,
+            chunk.block_ids[None].contiguous(),
+            torch.tensor([5 + i]),
+            8**-0.5,
+            None,
+        )
+        assert torch.equal(out[7 + i], alone.reshape(-1))
+
+
 def test_a_few_tokens_after_a_long_context_take_the_kernel(kernel_calls, monkeypatch):
     """A chunk of at most ``KERNEL_ANY_CONTEXT_MAX_TOKENS`` tokens (a decode with its proposed
     tokens, speculative decoding) is kernel rows whatever its context."""

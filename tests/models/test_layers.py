@@ -59,6 +59,25 @@ def test_rotary_rotates_pairs_by_position_times_frequency():
     )
 
 
+def test_rotary_tables_are_what_one_position_computes_alone():
+    """The tables are computed on the calling thread: every position's cosines and sines are
+    those of a tensor of that position alone (torch splits a large one across its threads,
+    whose results differed in some processes), and torch's thread count is left as it was."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        rotary = RotaryEmbedding(
+            RopeConfig(theta=10000.0), head_dim=16, device="cpu", max_positions=1024
+        )
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+    for position in (0, 1, 255, 256, 700, 1023):
+        angles = torch.tensor(float(position)) * rotary.inv_freq
+        assert torch.equal(rotary.cos_table[position], angles.cos())
+        assert torch.equal(rotary.sin_table[position], angles.sin())
+
+
 def test_rms_norm_matches_transformers():
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 

@@ -66,3 +66,30 @@ def test_a_step_with_prompts_samples_the_last_row_of_each_finished_one() -> None
     hidden = _hidden(5)
     assert inputs.sampled_request_ids == ["a"]
     assert torch.equal(sampled_rows(hidden, inputs.logits_rows), hidden[[2]])
+
+
+def test_a_chunk_that_recomputes_generated_tokens_is_marked_past_the_prompt() -> None:
+    """A resumed request (3 prompt tokens, 3 generated) recomputed in two chunks: the first,
+    all prompt, is not past the prompt; the second, holding generated tokens, is (the CPU
+    kernel attends it as the decode steps that made those tokens did)."""
+    states = RequestStates()
+    resumed = _new("r", [5, 6, 7, 20, 21, 22], 0)
+    resumed.num_output_tokens = 3
+    first = SchedulerOutput(
+        step_id=0,
+        new_requests=[resumed, _new("p", [8, 9, 10, 11], 3)],
+        num_scheduled_tokens={"r": 3, "p": 4},
+        total_num_scheduled_tokens=7,
+    )
+    states.apply(first)
+    spans = build_step_inputs(first, states, BLOCK, CPU).metadata.prefills
+    assert [span.past_prompt for span in spans] == [False, False]
+    second = SchedulerOutput(
+        step_id=1,
+        cached_requests=[CachedRequest("r", [], 3)],
+        num_scheduled_tokens={"r": 3},
+        total_num_scheduled_tokens=3,
+    )
+    states.apply(second)
+    (span,) = build_step_inputs(second, states, BLOCK, CPU).metadata.prefills
+    assert span.past_prompt and span.context_len == 6

@@ -52,6 +52,9 @@ class PrefillSpan:
     num_tokens: int
     context_len: int  # tokens in the cache after this step, this chunk included
     block_ids: torch.Tensor  # [ceil(context_len / block_size)] long, on the device
+    # The chunk reaches past the prompt: generated tokens recomputed (a resumed or preempted
+    # request) or proposed ones. Decode attended those one row at a time; a CPU kernel does too.
+    past_prompt: bool = False
     # sliding_window -> the causal mask, built by the first layer that needs it in this step
     _masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
 

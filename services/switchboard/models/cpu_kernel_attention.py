@@ -225,9 +225,11 @@ def split_rows(
 
 def _reference_span(span: PrefillSpan, every_chunk: bool) -> bool:
     """A chunk SDPA attends faster than the kernel: many tokens over a long context (none
-    under ``every_chunk``)."""
+    under ``every_chunk``). A chunk past the prompt stays on the kernel, which attended its
+    tokens as decode rows: its floats, hence its next tokens, are the undisturbed run's."""
     return (
         not every_chunk
+        and not span.past_prompt
         and span.context_len > KERNEL_MAX_CONTEXT
         and span.num_tokens > KERNEL_ANY_CONTEXT_MAX_TOKENS
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +18,8 @@ from torch import nn
 from switchboard.kernels import fused_ops
 from switchboard.kernels.gemm import MatmulPanels, linear
 from switchboard.models.hf_config import RopeConfig
+
+T = TypeVar("T")
 
 
 class RMSNorm(nn.Module):
@@ -176,6 +179,24 @@ def rope_inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def on_calling_thread(compute: Callable[[], T]) -> T:
+    """``compute()`` with torch's intra-op threads set to one. torch splits a large ``cos`` or
+    ``sin`` across its threads (chunks of 2,048 values through MKL), and in some worker
+    processes the chunk another thread ran came out different: the cosines of tiny-llama's
+    positions 256-511 up to 1e-4 apart from the calling thread's (2 workers of 24 measured), so
+    the same request decoded other tokens in another process (a resumed stream diverged from
+    its undisturbed run). On the calling thread the values are those a step of one position
+    computes, in every process."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        return compute()
+    torch.set_num_threads(1)
+    try:
+        return compute()
+    finally:
+        torch.set_num_threads(threads)
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding in the "rotate half" layout of Hugging Face checkpoints.
 
@@ -194,8 +215,7 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = rope_inverse_frequencies(rope, head_dim).to(device)
         positions = torch.arange(max_positions, dtype=torch.float32, device=self.inv_freq.device)
         angles = positions[:, None] * self.inv_freq[None, :]  # the product HF's forward takes
-        self.cos_table = angles.cos()
-        self.sin_table = angles.sin()
+        self.cos_table, self.sin_table = on_calling_thread(lambda: (angles.cos(), angles.sin()))
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """``cos``/``sin`` of shape ``[num_tokens, head_dim // 2]`` for these positions."""

@@ -199,7 +199,15 @@ def build_step_inputs(
                 block_table[token_positions // block_size] * block_size
                 + token_positions % block_size
             )
-            spans.append(PrefillSpan(row, n, end, upload(block_table, device)))
+            spans.append(
+                PrefillSpan(
+                    row,
+                    n,
+                    end,
+                    upload(block_table, device),
+                    past_prompt=end > state.num_prompt_tokens,
+                )
+            )
         request_ids.append(state.request_id)
         first_rows.append(row)
         if end == len(token_ids):
