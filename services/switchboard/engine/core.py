@@ -259,6 +259,8 @@ class EngineCore:
         """One step; returns the stats it sent with the outputs (the turn publishes them too).
         The step is the one scheduled ahead in the last turn, if any; the next one is
         scheduled ahead now, if it may be."""
+        started = time.perf_counter()
+        was_ahead = self._ahead is not None
         current = self._ahead if self._ahead is not None else self._schedule_and_submit()
         self._ahead = None
         if self._may_schedule_ahead():
@@ -267,7 +269,12 @@ class EngineCore:
                 self._ahead = ahead
             else:  # nothing to run ahead (say every request ends with its pending token)
                 self.scheduler.update_from_output(ahead.output, _no_output(ahead.output))
-        return self._finish(current)
+        stats = self._finish(current)
+        speculator = self.scheduler.speculator
+        if speculator is not None and not was_ahead and self._ahead is None:
+            # a step alone, scheduled to applied: what speculation weighs its rows by
+            speculator.observe_step(current.output, time.perf_counter() - started)
+        return stats
 
     def _schedule_and_submit(self) -> _SentStep:
         scheduler_output = self.scheduler.schedule()

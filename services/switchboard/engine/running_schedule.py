@@ -27,6 +27,7 @@ def schedule_running(scheduler: Scheduler, plan: StepPlan) -> None:
     speculator = scheduler.speculator
     if speculator is not None and not speculator.active(len(scheduler.running)):
         speculator = None
+    decoding = scheduler.num_decoding() if speculator is not None else 0
     for request in list(scheduler.running):  # decoding requests first
         if plan.budget <= 0:
             break
@@ -39,7 +40,7 @@ def schedule_running(scheduler: Scheduler, plan: StepPlan) -> None:
             _schedule_one(scheduler, plan, request, 1)
             if speculator is not None and not pending and request.status == _RUNNING:
                 drafts = schedule_proposals(
-                    speculator, plan, request, scheduler.kv, scheduler.max_model_len
+                    speculator, plan, request, scheduler.kv, scheduler.max_model_len, decoding
                 )
                 if drafts:
                     scheduler.proposals[request.request_id] = drafts

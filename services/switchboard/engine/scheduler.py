@@ -221,13 +221,18 @@ class Scheduler:
         """Whether a running request proposes at its next step: its proposals must start from
         its latest token, so the engine does not schedule that step ahead."""
         speculator = self.speculator
-        return (
-            speculator is not None
-            and speculator.active(len(self.running))
-            and any(
-                speculator.will_propose(r) for r in self.running if r.num_tokens_to_compute <= 1
-            )
+        if speculator is None or not speculator.active(len(self.running)):
+            return False
+        decoding = self.num_decoding()
+        return any(
+            speculator.will_propose(r, decoding)
+            for r in self.running
+            if r.num_tokens_to_compute <= 1
         )
+
+    def num_decoding(self) -> int:
+        """Running requests with one token to compute: the decodes of the next step."""
+        return sum(1 for r in self.running if r.num_tokens_to_compute <= 1)
 
     def _step_budget(self) -> int:
         """``max_num_batched_tokens``; ``shared_step_tokens`` (when set) while more than one

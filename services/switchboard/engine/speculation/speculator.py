@@ -18,7 +18,10 @@ Proposals adapt (:class:`SpeculationState`), since every proposed token costs a 
 whether it is accepted or not. A request starts at ``FIRST_LEN`` tokens (at most
 ``num_speculative_tokens``); after a step that accepted all its proposals the next proposal is
 twice as long (text that copies, copies long runs: a run the proposer found goes on), up to
-``num_speculative_tokens``; after one that rejected some, one token more than it accepted. On a
+``num_speculative_tokens``; after one that rejected some, one token more than it accepted; and
+never more than raise the step's tokens per second at what a row costs on this machine, measured
+as it serves (``step_cost.py``: none at all where a row costs more than the request's
+proposals are likely to earn, which a large batch on a CPU makes the rule). On a
 2-core CPU a proposed row costs about a sixth of a one-row step (the matmul kernels are compute
 bound there); replaying the default model's greedy answers to the benchmark's copying tasks at
 that cost, this rule needs 9 % less step time than following a running mean of the accepted
@@ -43,8 +46,9 @@ from switchboard.config.speculative import (
 )
 from switchboard.engine.request import Request
 from switchboard.engine.speculation.ngram import TokenIndex, propose_ngram
+from switchboard.engine.speculation.step_cost import StepCost, acceptance, worth_proposing
 from switchboard.wire.engine_msgs import SamplingParams, SchedulerStats
-from switchboard.wire.step_msgs import DRAFT_PLACEHOLDER
+from switchboard.wire.step_msgs import DRAFT_PLACEHOLDER, SchedulerOutput
 
 FIRST_LEN = 4
 MAX_MISSES = 3
@@ -88,6 +92,8 @@ class SpeculationState:
     length: int = 0  # tokens to propose next (0: FIRST_LEN)
     num_draft_tokens: int = 0  # over the request's life, for its usage
     num_accepted_tokens: int = 0
+    continues: int = 0  # proposed tokens accepted (as record() saw them)
+    stops: int = 0  # steps that rejected one of its proposals
 
     def proposal_len(self) -> int:
         """Tokens worth proposing next (see the module)."""
@@ -97,6 +103,8 @@ class SpeculationState:
         if num_proposed:
             grown = 2 * num_proposed if num_accepted == num_proposed else num_accepted + 1
             self.length = min(grown, self.max_len)
+            self.continues += num_accepted
+            self.stops += num_accepted < num_proposed
         if num_accepted > 0:
             self.misses = self.dry_lookups = 0
             self.pause = FIRST_PAUSE
@@ -134,6 +142,7 @@ class Speculator:
         self.counters = SpeculationCounters(
             accepted_per_position=[0] * config.num_speculative_tokens
         )
+        self.cost = StepCost()
 
     def state(self, request: Request) -> SpeculationState:
         state = request.speculation
@@ -148,23 +157,32 @@ class Speculator:
         """Whether requests propose in a step of this many running requests."""
         return num_running <= self.max_batch
 
-    def will_propose(self, request: Request) -> bool:
-        """Whether the request looks up proposals at its next decode step (the engine then
-        waits for its latest token instead of scheduling a step ahead)."""
+    def will_propose(self, request: Request, decoding: int = 1) -> bool:
+        """Whether the request looks up proposals at its next decode step, in a step of
+        ``decoding`` decoding requests (the engine then waits for its latest token instead of
+        scheduling a step ahead)."""
         state = self.state(request)
         return (
             state.allowed
             and request.num_output_tokens >= max(state.paused_until, 1)
             and request.num_output_tokens >= request.sampling_params.min_tokens
+            and self.worth_proposing(state, decoding) > 0
         )
 
-    def propose(self, request: Request, max_tokens: int) -> list[int]:
+    def worth_proposing(self, state: SpeculationState, decoding: int) -> int:
+        """The proposals that would raise a step's tokens per second (``step_cost.py``)."""
+        p = acceptance(state.continues, state.stops)
+        return worth_proposing(p, decoding, self.cost.row_share(), state.proposal_len())
+
+    def propose(self, request: Request, max_tokens: int, decoding: int = 1) -> list[int]:
         """At most ``max_tokens`` proposals (fewer near the request's length limits, which the
-        caller folds into ``max_tokens``) for a decoding request with no token in flight."""
-        if max_tokens <= 0 or not self.will_propose(request):
+        caller folds into ``max_tokens``) for a decoding request with no token in flight, in a
+        step of ``decoding`` decoding requests."""
+        if max_tokens <= 0 or not self.will_propose(request, decoding):
             return []
         state = self.state(request)
         num_tokens = min(max_tokens, self.num_speculative_tokens, state.proposal_len())
+        num_tokens = min(num_tokens, self.worth_proposing(state, decoding))
         if self.worker_proposes:
             drafts = [DRAFT_PLACEHOLDER] * num_tokens
         else:
@@ -189,6 +207,17 @@ class Speculator:
         counters.num_accepted_tokens += num_accepted
         for position in range(num_accepted):
             counters.accepted_per_position[position] += 1
+
+    def observe_step(self, step: SchedulerOutput, seconds: float) -> None:
+        """A step ran in ``seconds`` from its scheduling to its outputs applied, with no other
+        step in flight: a sample of the step cost if it was decodes only (with proposals)."""
+        if step.new_requests or not step.total_num_scheduled_tokens:
+            return
+        proposals = step.scheduled_spec_decode_tokens
+        for request_id, n in step.num_scheduled_tokens.items():
+            if n != 1 + len(proposals.get(request_id, ())):
+                return  # a prompt chunk: its rows cost otherwise
+        self.cost.observe(step.total_num_scheduled_tokens, seconds)
 
     @staticmethod
     def drop_in_flight(request: Request) -> None:

@@ -28,16 +28,18 @@ def schedule_proposals(
     request: Request,
     kv: KVCacheManager,
     max_model_len: int,
+    decoding: int,
 ) -> list[int]:
     """Extend a decoding request's share of the step (one token, already planned) by its
-    proposals; returns them ([] when it proposes nothing or nothing fits)."""
+    proposals, in a step of ``decoding`` decoding requests; returns them ([] when it proposes
+    nothing or nothing fits)."""
     limit = min(
         plan.budget,
         # its last accepted token may be its last: never compute beyond the length limits
         request.sampling_params.max_tokens - request.num_output_tokens - 1,
         max_model_len - request.num_tokens - 1,
     )
-    drafts = speculator.propose(request, limit)
+    drafts = speculator.propose(request, limit, decoding)
     if not drafts:
         return []
     if kv.allocate_slots(request, 1 + len(drafts)) is None:

@@ -1,0 +1,94 @@
+"""What a proposed token costs, and how many are worth proposing.
+
+Every proposed token is a row of the step whether it is accepted or not. Where a row costs
+little beside the step's fixed part (one request on a machine whose step is bound by reading the
+weights) long proposals pay; where the step is bound by compute (several requests on a 2-core
+CPU) a row costs nearly what a decode does, and proposals that are not accepted take time from
+every request in the batch. Measured on a 2-core Xeon (the default model from its GGUF file, in
+process, ``bench/verify_step.py``): a step of 1 + 8 rows took 3.1x a one-row step, and n-gram
+proposals of up to 8 tokens at 4 streams gave 0.84x the tokens per second of no speculation.
+
+:class:`StepCost` keeps a running least-squares fit of the engine's step time on the step's rows
+(decode steps only: a prompt chunk's rows cost otherwise), ``time = fixed + per_row * rows``, and
+:func:`worth_proposing` turns it into a length: a request's ``i``-th proposal is accepted with
+probability about ``p ** i`` (``p`` its running acceptance per token), so it adds ``p ** i``
+expected tokens for ``per_row`` more time, and raises the step's tokens per second when that is
+more than the step already makes per unit of time, ``n / (fixed + per_row * n)`` for ``n``
+decoding requests. Proposals are cut to the positions that pass.
+"""
+
+from __future__ import annotations
+
+import math
+
+# A row's cost against the step's fixed part until the fit has seen enough steps: a sixth, what
+# the verify rows of the default model cost on a 2-core AMD EPYC (docs/benchmarks.md)
+PRIOR_ROW_SHARE = 1 / 6
+# the fit forgets a step's weight by this factor per step (a machine's load drifts)
+FORGET = 0.98
+MIN_STEPS = 8  # steps seen before the fit replaces the prior
+MIN_ROWS_SPREAD = 0.5  # and the rows' weighted standard deviation it needs
+# Per-request acceptance: accepted tokens against steps that rejected something, with this
+# prior (3 to 1: a new request proposes as if three tokens of four were accepted)
+PRIOR_ACCEPTED = 3
+PRIOR_STOPS = 1
+
+
+class StepCost:
+    """A running fit of step time against rows (see the module)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self._w = self._x = self._xx = self._y = self._xy = 0.0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A decode step of ``rows`` rows (decodes and proposals) took ``seconds``."""
+        if rows <= 0 or not seconds > 0.0:
+            return
+        f = FORGET
+        self._w = f * self._w + 1.0
+        self._x = f * self._x + rows
+        self._xx = f * self._xx + rows * rows
+        self._y = f * self._y + seconds
+        self._xy = f * self._xy + rows * seconds
+        self.steps += 1
+
+    def row_share(self) -> float:
+        """A row's cost as a share of the step's fixed part (``per_row / fixed``); the prior
+        until the fit has enough steps of different sizes, or where it is not a cost."""
+        if self.steps < MIN_STEPS:
+            return PRIOR_ROW_SHARE
+        mean_x, mean_y = self._x / self._w, self._y / self._w
+        var_x = self._xx / self._w - mean_x * mean_x
+        if var_x < MIN_ROWS_SPREAD**2:
+            return PRIOR_ROW_SHARE
+        per_row = (self._xy / self._w - mean_x * mean_y) / var_x
+        fixed = mean_y - per_row * mean_x
+        if per_row <= 0.0:
+            return 0.0  # rows are free at these sizes: propose what the proposer finds
+        if fixed <= 0.0:
+            return math.inf  # all cost is per row: a proposal never pays for itself
+        return per_row / fixed
+
+
+def acceptance(accepted: int, stops: int) -> float:
+    """A request's chance that a proposed token is accepted given the ones before it were:
+    its accepted tokens against its steps that rejected one, with the prior."""
+    return (accepted + PRIOR_ACCEPTED) / (accepted + stops + PRIOR_ACCEPTED + PRIOR_STOPS)
+
+
+def worth_proposing(p: float, decoding: int, row_share: float, most: int) -> int:
+    """How many of at most ``most`` proposals raise a step's tokens per second, for a request
+    whose proposals are accepted with ``p`` per token, in a step of ``decoding`` decoding
+    requests whose rows cost ``row_share`` of its fixed part each."""
+    if most <= 0 or row_share <= 0.0:
+        return max(most, 0)
+    if math.isinf(row_share):
+        return 0
+    n = max(decoding, 1)
+    threshold = row_share * n / (1.0 + row_share * n)  # tokens per row the step makes now
+    if p <= threshold:
+        return 0
+    if p >= 1.0:
+        return most
+    return min(most, int(math.log(threshold) / math.log(p)))
