@@ -14,6 +14,7 @@ from test_speculation import NGRAM, cyclic_token, make_scheduler, proposed_token
 from switchboard.engine.speculation.step_cost import (
     MIN_STEPS,
     PRIOR_ROW_SHARE,
+    AcceptanceRate,
     StepCost,
     acceptance,
     worth_proposing,
@@ -59,6 +60,18 @@ def test_proposals_are_cut_to_those_that_raise_tokens_per_second() -> None:
     assert worth_proposing(1.0, 8, 0.25, 5) == 5
     assert acceptance(0, 0) == 0.75  # the prior: 3 of 4
     assert acceptance(30, 2) == pytest.approx(33 / 36)
+
+
+def test_a_new_request_starts_from_the_acceptance_of_the_others() -> None:
+    rate = AcceptanceRate()
+    assert rate.rate() == 0.75
+    for _ in range(50):  # the others' proposals all accepted
+        rate.record(4, 4)
+    assert rate.rate() > 0.97
+    assert acceptance(0, 0, rate.rate()) == rate.rate()
+    for _ in range(300):  # then all rejected: the old verdicts fade
+        rate.record(4, 0)
+    assert rate.rate() < 0.15
 
 
 def test_a_step_s_time_is_a_sample_only_for_decodes_and_their_proposals() -> None:

@@ -46,7 +46,12 @@ from switchboard.config.speculative import (
 )
 from switchboard.engine.request import Request
 from switchboard.engine.speculation.ngram import TokenIndex, propose_ngram
-from switchboard.engine.speculation.step_cost import StepCost, acceptance, worth_proposing
+from switchboard.engine.speculation.step_cost import (
+    AcceptanceRate,
+    StepCost,
+    acceptance,
+    worth_proposing,
+)
 from switchboard.wire.engine_msgs import SamplingParams, SchedulerStats
 from switchboard.wire.step_msgs import DRAFT_PLACEHOLDER, SchedulerOutput
 
@@ -143,6 +148,7 @@ class Speculator:
             accepted_per_position=[0] * config.num_speculative_tokens
         )
         self.cost = StepCost()
+        self.acceptance = AcceptanceRate()
 
     def state(self, request: Request) -> SpeculationState:
         state = request.speculation
@@ -171,7 +177,7 @@ class Speculator:
 
     def worth_proposing(self, state: SpeculationState, decoding: int) -> int:
         """The proposals that would raise a step's tokens per second (``step_cost.py``)."""
-        p = acceptance(state.continues, state.stops)
+        p = acceptance(state.continues, state.stops, self.acceptance.rate())
         return worth_proposing(p, decoding, self.cost.row_share(), state.proposal_len())
 
     def propose(self, request: Request, max_tokens: int, decoding: int = 1) -> list[int]:
@@ -201,6 +207,8 @@ class Speculator:
         state.num_draft_tokens += num_proposed
         state.num_accepted_tokens += num_accepted
         state.record(num_proposed, num_accepted, request.num_output_tokens)
+        if num_proposed:
+            self.acceptance.record(num_proposed, num_accepted)
         counters = self.counters
         counters.num_drafts += 1
         counters.num_draft_tokens += num_proposed

@@ -28,10 +28,13 @@ PRIOR_ROW_SHARE = 1 / 6
 FORGET = 0.98
 MIN_STEPS = 8  # steps seen before the fit replaces the prior
 MIN_ROWS_SPREAD = 0.5  # and the rows' weighted standard deviation it needs
-# Per-request acceptance: accepted tokens against steps that rejected something, with this
-# prior (3 to 1: a new request proposes as if three tokens of four were accepted)
-PRIOR_ACCEPTED = 3
-PRIOR_STOPS = 1
+# Per-request acceptance: accepted tokens against steps that rejected something, after
+# PRIOR_WEIGHT steps' worth of the rate over every request's recent steps (a new request on a
+# workload that copies starts as the others did); that rate starts at 3 of 4
+PRIOR_WEIGHT = 4.0
+FIRST_ACCEPTANCE = 0.75
+# the rate over every request forgets a verdict by this factor per verdict
+ACCEPTANCE_FORGET = 0.99
 
 
 class StepCost:
@@ -71,10 +74,24 @@ class StepCost:
         return per_row / fixed
 
 
-def acceptance(accepted: int, stops: int) -> float:
-    """A request's chance that a proposed token is accepted given the ones before it were:
-    its accepted tokens against its steps that rejected one, with the prior."""
-    return (accepted + PRIOR_ACCEPTED) / (accepted + stops + PRIOR_ACCEPTED + PRIOR_STOPS)
+def acceptance(accepted: float, stops: float, prior: float = FIRST_ACCEPTANCE) -> float:
+    """The chance that a proposed token is accepted given the ones before it were: accepted
+    tokens against steps that rejected one, after ``PRIOR_WEIGHT`` of ``prior``."""
+    return (accepted + PRIOR_WEIGHT * prior) / (accepted + stops + PRIOR_WEIGHT)
+
+
+class AcceptanceRate:
+    """The acceptance over every request's recent verdicts: a new request's prior."""
+
+    def __init__(self) -> None:
+        self.accepted = self.stops = 0.0
+
+    def record(self, num_proposed: int, num_accepted: int) -> None:
+        self.accepted = ACCEPTANCE_FORGET * self.accepted + num_accepted
+        self.stops = ACCEPTANCE_FORGET * self.stops + (num_accepted < num_proposed)
+
+    def rate(self) -> float:
+        return acceptance(self.accepted, self.stops)
 
 
 def worth_proposing(p: float, decoding: int, row_share: float, most: int) -> int:
