@@ -171,21 +171,30 @@ def test_the_integer_sums_of_the_rounded_rows(
 
 
 def test_the_variants_give_the_same_floats():
+    """Every variant this CPU runs gives the floats of the first: 8- and 4-bit panels, blocks
+    of 16 and 32, rows from one to several groups of each variant's."""
     runnable = quant_gemm.dot_variants()
     if len(runnable) < 2:
         pytest.skip("one variant runs here")
     torch.manual_seed(0)
-    x, bias = torch.randn(11, 256), torch.randn(70)
-    results = []
+    x, bias = torch.randn(40, 256), torch.randn(70)
+    rng = np.random.default_rng(3)
+    weights = [_random_rows(70, 256, block, block) for block in (16, 32)]
+    weights.append(decode_gguf(gguf_blocks("Q4_1", 70, 256, rng), "Q4_1"))
+    counts = (1, 2, 3, 4, 5, 9, 11, 16, 17, 40)
+    results: dict[str, list[torch.Tensor]] = {}
     for name in runnable:
         assert quant_gemm.load(name)
-        for block in (16, 32):
-            panels = quant_gemm.pack(_random_rows(70, 256, block, block))
-            results.append((block, [quant_gemm.linear(x[:n], panels, bias) for n in (1, 2, 11)]))
+        results[name] = []
+        for rows in weights:
+            panels = quant_gemm.pack(rows)
+            assert panels.bits == (4 if rows.format == "Q4_1" else 8)
+            results[name] += [quant_gemm.linear(x[:n], panels, bias) for n in counts]
     quant_gemm.unload()
-    half = len(results) // len(runnable)
-    for mine, theirs in zip(results[:half], results[half:], strict=True):
-        assert all(map(torch.equal, mine[1], theirs[1]))
+    first = results[runnable[0]]
+    for name in runnable[1:]:
+        for mine, theirs in zip(results[name], first, strict=True):
+            assert torch.equal(mine, theirs), name
 
 
 def test_a_row_does_not_depend_on_its_neighbours(variant):
