@@ -73,6 +73,17 @@ def _table(head: list[str], rows: list[list[str]]) -> None:
     print()
 
 
+def _nth(
+    by: dict[str, dict[tuple[int, int], list[dict[str, Any]]]],
+    kind: str,
+    key: tuple[int, int],
+    n: int,
+) -> dict[str, Any] | None:
+    """The ``n``-th run of level ``key`` (prompt length, c) by ``kind``; None if it has none."""
+    runs_of = by.get(kind, {}).get(key, [])
+    return runs_of[n] if n < len(runs_of) else None
+
+
 def print_tables(
     plans: list[ModelPlan], runs: dict[str, dict[str, Any]], sweep: bool, dtype: str
 ) -> None:
@@ -82,17 +93,22 @@ def print_tables(
     lead_head = ["model", *(["prompt"] if sweep else []), "c"]
     speed, tails = [], []
     for plan in plans:
-        by: dict[str, dict[tuple[int, int], dict[str, Any]]] = {}
+        # a level given twice (--concurrency 1 1 1: repeated runs) has a row per run, in order
+        by: dict[str, dict[tuple[int, int], list[dict[str, Any]]]] = {}
         for kind in kinds:
-            levels = (runs[plan.label].get(kind) or {}).get("levels", [])
-            by[kind] = {(lv["input_len"], lv["concurrency"]): lv for lv in levels}
+            by[kind] = {}
+            for lv in (runs[plan.label].get(kind) or {}).get("levels", []):
+                by[kind].setdefault((lv["input_len"], lv["concurrency"]), []).append(lv)
+        seen: dict[tuple[int, int], int] = {}
         for input_len, c, _ in plan.levels:
-            row = [by[kind].get((input_len, c)) for kind in kinds]
-            sb = by.get("switchboard", {}).get((input_len, c))
+            key = (input_len, c)
+            n = seen[key] = seen.get(key, -1) + 1
+            row = [_nth(by, kind, key, n) for kind in kinds]
+            sb = _nth(by, "switchboard", key, n)
             lead = [plan.label, *([str(input_len)] if sweep else []), str(c)]
             against = []
             for kind in anchors:
-                anchor = by[kind].get((input_len, c))
+                anchor = _nth(by, kind, key, n)
                 against += [_tok_s(anchor), _ratio(sb, anchor)]
             pair = [_sides(row, key) for key in ("ttft_ms_p50", "itl_ms_p50")]
             speed.append([*lead, _tok_s(sb), *against, *pair, *(_cpu(level) for level in row)])
