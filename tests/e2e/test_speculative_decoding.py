@@ -16,11 +16,13 @@ import pytest
 
 from switchboard.api.v1 import generation_service_pb2 as pb
 from switchboard.api.v1 import generation_service_pb2_grpc as pb_grpc
-from tests.e2e.server import start_server
+from tests.e2e.client_calls import scrape
+from tests.e2e.server import free_port, start_server
 from tests.models.test_default_model_speculation import TEXT
 
 pytestmark = pytest.mark.slow
 
+ROW_COST = "switchboard:spec_decode_row_cost"
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
 
 
@@ -43,7 +45,16 @@ def generate(stub, *, bad_words=(), stop=(), max_tokens=40) -> Generated:
 
 
 def test_speculation_served(tmp_path: Path) -> None:
-    server = start_server(None, tmp_path, "--speculative-config", NGRAM, ready_timeout=600)
+    metrics_port = free_port()
+    server = start_server(
+        None,
+        tmp_path,
+        "--speculative-config",
+        NGRAM,
+        "--metrics-port",
+        str(metrics_port),
+        ready_timeout=600,
+    )
     try:
         with server.channel() as channel:
             stub = pb_grpc.GenerationServiceStub(channel)
@@ -72,5 +83,9 @@ def test_speculation_served(tmp_path: Path) -> None:
         assert "Difference" not in stopped.text and stopped.text.endswith("Babbage's ")
         assert stopped.usage.completion_tokens == len(stopped.token_ids)
         assert stopped.token_ids == on.token_ids[: len(stopped.token_ids)]
+        # the engine's measure of a proposed row's cost, fitted on the steps it ran
+        samples = scrape(metrics_port)
+        (row_cost,) = [v for (name, _), v in samples.items() if name == ROW_COST]
+        assert row_cost >= 0.0
     finally:
         assert server.stop() == 0, server.log()

@@ -94,6 +94,8 @@ class EngineCore:
         self.compiling: dict[str, Request] = {}  # intake.py
         # The step scheduled ahead (async scheduling): on the workers' ring, output not applied.
         self._ahead: _SentStep | None = None
+        # when the last step's outputs were applied; None after the engine waited idle
+        self._last_step_end: float | None = None
         self.loras = EngineLoras.for_engine(config)
 
     def start(self) -> None:
@@ -230,6 +232,7 @@ class EngineCore:
     def _process_input_queue(self) -> None:
         if not self._has_work():
             _drain(self.aborts_queue)  # idle: every abort also arrives on the input queue
+            self._last_step_end = None
             self._handle_input(*self.input_queue.get())
         while True:
             try:
@@ -260,7 +263,8 @@ class EngineCore:
         The step is the one scheduled ahead in the last turn, if any; the next one is
         scheduled ahead now, if it may be."""
         started = time.perf_counter()
-        was_ahead = self._ahead is not None
+        if self._last_step_end is not None:
+            started = self._last_step_end  # busy since: the period of a step in a busy loop
         current = self._ahead if self._ahead is not None else self._schedule_and_submit()
         self._ahead = None
         if self._may_schedule_ahead():
@@ -270,10 +274,11 @@ class EngineCore:
             else:  # nothing to run ahead (say every request ends with its pending token)
                 self.scheduler.update_from_output(ahead.output, _no_output(ahead.output))
         stats = self._finish(current)
-        speculator = self.scheduler.speculator
-        if speculator is not None and not was_ahead and self._ahead is None:
-            # a step alone, scheduled to applied: what speculation weighs its rows by
-            speculator.observe_step(current.output, time.perf_counter() - started)
+        self._last_step_end = ended = time.perf_counter()
+        if self.scheduler.speculator is not None:
+            # what a step of these rows takes in the loop, scheduled ahead or not: what
+            # speculation weighs its rows by
+            self.scheduler.speculator.observe_step(current.output, ended - started)
         return stats
 
     def _schedule_and_submit(self) -> _SentStep:

@@ -219,6 +219,9 @@ class SchedulerStats(_Wire):
     # Appended for LoRA: the adapters of the running and of the waiting requests, sorted.
     running_lora_adapters: list[str] = []
     waiting_lora_adapters: list[str] = []
+    # Appended: what a proposed row costs as a share of a decode step's fixed part, as the
+    # engine measures it (engine/speculation/step_cost.py; 0.0 while speculation is off).
+    spec_decode_row_cost: float = 0.0
 
 
 class EngineCoreOutputs(_Wire):

@@ -217,8 +217,9 @@ class Speculator:
             counters.accepted_per_position[position] += 1
 
     def observe_step(self, step: SchedulerOutput, seconds: float) -> None:
-        """A step ran in ``seconds`` from its scheduling to its outputs applied, with no other
-        step in flight: a sample of the step cost if it was decodes only (with proposals)."""
+        """A step's period in the busy loop was ``seconds`` (from the previous step's outputs
+        applied to its own, or from its scheduling after an idle wait): a sample of the step
+        cost if it was decodes only (with proposals)."""
         if step.new_requests or not step.total_num_scheduled_tokens:
             return
         proposals = step.scheduled_spec_decode_tokens
@@ -239,3 +240,4 @@ class Speculator:
         stats.spec_decode_num_draft_tokens = counters.num_draft_tokens
         stats.spec_decode_num_accepted_tokens = counters.num_accepted_tokens
         stats.spec_decode_accepted_per_position = list(counters.accepted_per_position)
+        stats.spec_decode_row_cost = self.cost.row_share()

@@ -9,7 +9,10 @@ process, ``bench/verify_step.py``): a step of 1 + 8 rows took 3.1x a one-row ste
 proposals of up to 8 tokens at 4 streams gave 0.84x the tokens per second of no speculation.
 
 :class:`StepCost` keeps a running least-squares fit of the engine's step time on the step's rows
-(decode steps only: a prompt chunk's rows cost otherwise), ``time = fixed + per_row * rows``, and
+(decode steps only: a prompt chunk's rows cost otherwise), ``time = fixed + per_row * rows``,
+each step timed by its period in the engine's busy loop (from the previous step's outputs
+applied to its own: with steps scheduled ahead, as while nobody proposes, the rate a step of
+these rows sets; the number of decoding requests varies, so the fit keeps learning), and
 :func:`worth_proposing` turns it into a length: a request's ``i``-th proposal is accepted with
 probability about ``p ** i`` (``p`` its running acceptance per token), so it adds ``p ** i``
 expected tokens for ``per_row`` more time, and raises the step's tokens per second when that is

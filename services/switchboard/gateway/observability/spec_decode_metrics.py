@@ -5,7 +5,10 @@ off): steps of a request with proposals (``spec_decode_num_drafts``), tokens pro
 (``..._num_draft_tokens``), tokens accepted (``..._num_accepted_tokens``), and accepted tokens by
 their position among a step's proposals (``..._num_accepted_tokens_per_pos``, label
 ``position``). The acceptance rate is accepted / draft tokens; the mean accepted length per
-proposing step is 1 + accepted / drafts. Exported as the other engine-level series are
+proposing step is 1 + accepted / drafts. Under ``switchboard:`` only (vLLM has no such series),
+the gauge ``spec_decode_row_cost``: a proposed row's cost as a share of a decode step's fixed
+part, as the engine measures it, which decides how many tokens a request proposes
+(``engine/speculation/step_cost.py``). Exported as the other engine-level series are
 (``metrics.EngineStatsCollector``).
 """
 
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from switchboard.wire.engine_msgs import SchedulerStats
 
@@ -60,11 +63,19 @@ class SpecDecodeMetrics:
             SpecDecodeFamilies(SWITCHBOARD_PREFIX, labels),
             SpecDecodeFamilies(VLLM_PREFIX, labels),
         ]
+        self.row_cost = GaugeMetricFamily(
+            SWITCHBOARD_PREFIX + "spec_decode_row_cost",
+            "A proposed row's cost as a share of a decode step's fixed part, as the engine "
+            "measures it (0 while speculation is off).",
+            labels=labels,
+        )
 
     def add(self, labels: list[str], stats: SchedulerStats) -> None:
         for families in self._by_prefix:
             families.add(labels, stats)
+        self.row_cost.add_metric(labels, stats.spec_decode_row_cost)
 
     def families(self) -> Iterator[Metric]:
         for families in self._by_prefix:
             yield from families.families()
+        yield self.row_cost
