@@ -12,9 +12,11 @@ from test_scheduler import BS, make_request, prompt
 from test_speculation import NGRAM, cyclic_token, make_scheduler, proposed_tokens
 
 from switchboard.engine.speculation.step_cost import (
+    MAX_ROW_SHARE,
     MIN_STEPS,
     PRIOR_ROW_SHARE,
     AcceptanceRate,
+    Evidence,
     StepCost,
     acceptance,
     worth_proposing,
@@ -39,7 +41,8 @@ def test_the_fit_finds_a_row_s_share_of_the_step() -> None:
     assert fitted(0.005, 0.00125, [4] * 40).row_share() == PRIOR_ROW_SHARE
     # rows that cost nothing, and steps that cost nothing but their rows
     assert fitted(0.005, 0.0, sizes).row_share() == pytest.approx(0.0, abs=1e-9)
-    assert math.isinf(fitted(-0.001, 0.001, sizes).row_share())
+    assert fitted(-0.001, 0.001, sizes).row_share() == MAX_ROW_SHARE  # at most the fixed part
+    assert fitted(0.001, 0.005, sizes).row_share() == MAX_ROW_SHARE
     # a drifting machine: the recent steps weigh most
     cost = fitted(0.005, 0.005, sizes * 4)
     for n in sizes * 10:
@@ -64,14 +67,29 @@ def test_proposals_are_cut_to_those_that_raise_tokens_per_second() -> None:
 
 def test_a_new_request_starts_from_the_acceptance_of_the_others() -> None:
     rate = AcceptanceRate()
-    assert rate.rate() == 0.75
+    assert rate.rate() == rate.prior() == 0.75
     for _ in range(50):  # the others' proposals all accepted
         rate.record(4, 4)
-    assert rate.rate() > 0.97
-    assert acceptance(0, 0, rate.rate()) == rate.rate()
-    for _ in range(300):  # then all rejected: the old verdicts fade
+    assert rate.prior() > 0.97
+    assert acceptance(0, 0, rate.prior()) == rate.prior()
+    for _ in range(300):  # then all rejected: the old verdicts fade, the prior stays hopeful
         rate.record(4, 0)
-    assert rate.rate() < 0.15
+    assert rate.rate() < 0.15 and rate.prior() == 0.75
+
+
+def test_a_request_s_failures_fade_with_its_output() -> None:
+    """Rejected proposals lower a request's rate until it is not worth proposing; as it goes on
+    without proposals its verdicts fade back to the prior, and it tries again."""
+    evidence = Evidence()
+    for tokens in (5, 6, 7, 8):
+        evidence.record(4, 0, tokens)
+    low = evidence.rate(8, 0.75)
+    assert low < 0.5
+    assert worth_proposing(low, 4, 0.25, 4) == 0  # four decoding at a quarter: needs 1 in 2
+    later = evidence.rate(8 + 30, 0.75)
+    assert later > 0.7 and worth_proposing(later, 4, 0.25, 4) > 0
+    evidence.record(4, 4, 38)  # accepted: counts at once
+    assert evidence.rate(38, 0.75) > later
 
 
 def test_a_step_s_time_is_a_sample_only_for_decodes_and_their_proposals() -> None:
@@ -115,6 +133,7 @@ def test_where_rows_are_dear_a_batch_proposes_nothing_and_one_request_a_little()
     the tokens are those of no speculation. Where rows are cheap the same request proposes up
     to its full length."""
     dear = fitted(0.005, 0.005, [1, 2, 3, 4, 5, 6, 7, 8, 9] * 2)
+    assert dear.row_share() == pytest.approx(1.0)
     batch = [(f"r{i}", prompt(5, 11 + 10 * i), 30) for i in range(4)]
     d = drive(batch, dear)
     off = drive(batch, None)

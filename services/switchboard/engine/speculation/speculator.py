@@ -48,8 +48,8 @@ from switchboard.engine.request import Request
 from switchboard.engine.speculation.ngram import TokenIndex, propose_ngram
 from switchboard.engine.speculation.step_cost import (
     AcceptanceRate,
+    Evidence,
     StepCost,
-    acceptance,
     worth_proposing,
 )
 from switchboard.wire.engine_msgs import SamplingParams, SchedulerStats
@@ -97,8 +97,7 @@ class SpeculationState:
     length: int = 0  # tokens to propose next (0: FIRST_LEN)
     num_draft_tokens: int = 0  # over the request's life, for its usage
     num_accepted_tokens: int = 0
-    continues: int = 0  # proposed tokens accepted (as record() saw them)
-    stops: int = 0  # steps that rejected one of its proposals
+    evidence: Evidence = field(default_factory=Evidence)  # its verdicts, for step_cost.py
 
     def proposal_len(self) -> int:
         """Tokens worth proposing next (see the module)."""
@@ -108,8 +107,7 @@ class SpeculationState:
         if num_proposed:
             grown = 2 * num_proposed if num_accepted == num_proposed else num_accepted + 1
             self.length = min(grown, self.max_len)
-            self.continues += num_accepted
-            self.stops += num_accepted < num_proposed
+            self.evidence.record(num_proposed, num_accepted, num_output_tokens)
         if num_accepted > 0:
             self.misses = self.dry_lookups = 0
             self.pause = FIRST_PAUSE
@@ -172,12 +170,13 @@ class Speculator:
             state.allowed
             and request.num_output_tokens >= max(state.paused_until, 1)
             and request.num_output_tokens >= request.sampling_params.min_tokens
-            and self.worth_proposing(state, decoding) > 0
+            and self.worth_proposing(request, decoding) > 0
         )
 
-    def worth_proposing(self, state: SpeculationState, decoding: int) -> int:
+    def worth_proposing(self, request: Request, decoding: int) -> int:
         """The proposals that would raise a step's tokens per second (``step_cost.py``)."""
-        p = acceptance(state.continues, state.stops, self.acceptance.rate())
+        state = self.state(request)
+        p = state.evidence.rate(request.num_output_tokens, self.acceptance.prior())
         return worth_proposing(p, decoding, self.cost.row_share(), state.proposal_len())
 
     def propose(self, request: Request, max_tokens: int, decoding: int = 1) -> list[int]:
@@ -188,7 +187,7 @@ class Speculator:
             return []
         state = self.state(request)
         num_tokens = min(max_tokens, self.num_speculative_tokens, state.proposal_len())
-        num_tokens = min(num_tokens, self.worth_proposing(state, decoding))
+        num_tokens = min(num_tokens, self.worth_proposing(request, decoding))
         if self.worker_proposes:
             drafts = [DRAFT_PLACEHOLDER] * num_tokens
         else:

@@ -31,11 +31,19 @@ PRIOR_ROW_SHARE = 1 / 6
 FORGET = 0.98
 MIN_STEPS = 8  # steps seen before the fit replaces the prior
 MIN_ROWS_SPREAD = 0.5  # and the rows' weighted standard deviation it needs
+# The most a row is taken to cost: the step's whole fixed part (a step bound by compute through
+# and through). A fit past it, or with no fixed part at all, says more about the noise of a
+# few steps than about rows; with it a lone request still proposes (two tokens at 3 of 4).
+MAX_ROW_SHARE = 1.0
 # Per-request acceptance: accepted tokens against steps that rejected something, after
-# PRIOR_WEIGHT steps' worth of the rate over every request's recent steps (a new request on a
-# workload that copies starts as the others did); that rate starts at 3 of 4
+# PRIOR_WEIGHT steps' worth of a prior: the recent rate over every request's verdicts, but
+# never below FIRST_ACCEPTANCE (a new request on a workload that copies starts as the others did;
+# on one that does not, it still tries). A request's own verdicts fade by EVIDENCE_FORGET per
+# output token since: one whose proposals failed, and that stopped proposing for it, comes back
+# to the prior and tries again (a text may start to repeat itself later)
 PRIOR_WEIGHT = 4.0
 FIRST_ACCEPTANCE = 0.75
+EVIDENCE_FORGET = 0.9
 # the rate over every request forgets a verdict by this factor per verdict
 ACCEPTANCE_FORGET = 0.99
 
@@ -73,14 +81,35 @@ class StepCost:
         if per_row <= 0.0:
             return 0.0  # rows are free at these sizes: propose what the proposer finds
         if fixed <= 0.0:
-            return math.inf  # all cost is per row: a proposal never pays for itself
-        return per_row / fixed
+            return MAX_ROW_SHARE
+        return min(per_row / fixed, MAX_ROW_SHARE)
 
 
 def acceptance(accepted: float, stops: float, prior: float = FIRST_ACCEPTANCE) -> float:
     """The chance that a proposed token is accepted given the ones before it were: accepted
     tokens against steps that rejected one, after ``PRIOR_WEIGHT`` of ``prior``."""
     return (accepted + PRIOR_WEIGHT * prior) / (accepted + stops + PRIOR_WEIGHT)
+
+
+class Evidence:
+    """A request's verdicts, fading with its output tokens (``EVIDENCE_FORGET``)."""
+
+    def __init__(self) -> None:
+        self.accepted = self.stops = 0.0
+        self.at = 0  # the output tokens when they were last faded
+
+    def faded(self, num_output_tokens: int) -> float:
+        return float(EVIDENCE_FORGET ** max(num_output_tokens - self.at, 0))
+
+    def record(self, num_proposed: int, num_accepted: int, num_output_tokens: int) -> None:
+        f = self.faded(num_output_tokens)
+        self.accepted = f * self.accepted + num_accepted
+        self.stops = f * self.stops + (num_accepted < num_proposed)
+        self.at = num_output_tokens
+
+    def rate(self, num_output_tokens: int, prior: float) -> float:
+        f = self.faded(num_output_tokens)
+        return acceptance(f * self.accepted, f * self.stops, prior)
 
 
 class AcceptanceRate:
@@ -95,6 +124,10 @@ class AcceptanceRate:
 
     def rate(self) -> float:
         return acceptance(self.accepted, self.stops)
+
+    def prior(self) -> float:
+        """A request's prior: this rate, but never below ``FIRST_ACCEPTANCE``."""
+        return max(self.rate(), FIRST_ACCEPTANCE)
 
 
 def worth_proposing(p: float, decoding: int, row_share: float, most: int) -> int:
