@@ -117,6 +117,28 @@ def _mixed_step(shapes: list[tuple[int, int]], seed: int):
     return cache, metadata, (queries, keys, values), full
 
 
+def assert_rows_decoded_alone(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    cache: torch.Tensor,
+    chunk,
+    first_row: int,
+    first_len: int,
+) -> None:
+    """Each of ``chunk``'s rows in ``out`` (from ``first_row``, seeing ``first_len`` keys, one
+    more each) is bit for bit the kernel's answer for that row decoded alone."""
+    for i in range(chunk.num_tokens):
+        alone = paged_decode.paged_decode(
+            query[first_row + i : first_row + i + 1],
+            cache,
+            chunk.block_ids[None].contiguous(),
+            torch.tensor([first_len + i]),
+            8**-0.5,
+            None,
+        )
+        assert torch.equal(out[first_row + i], alone.reshape(-1))
+
+
 @pytest.mark.parametrize("window", [None, 4])
 def test_prompt_tokens_are_kernel_rows_of_their_own_context(kernel_calls, window):
     """A float32 CPU step with prompt chunks goes to the kernel in one call, every prompt token
@@ -192,17 +214,8 @@ def test_the_every_chunk_backend_sends_no_chunk_to_sdpa(kernel_calls, monkeypatc
     )
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     assert kernel_calls == [1 + 6 + 3]
-    chunk = metadata.prefills[1]  # 3 tokens after 4 cached: each alone, a row of its own
-    for i in range(3):
-        alone = paged_decode.paged_decode(
-            query[7 + i : 8 + i],
-            cache,
-            chunk.block_ids[None].contiguous(),
-            torch.tensor([5 + i]),
-            8**-0.5,
-            None,
-        )
-        assert torch.equal(out[7 + i], alone.reshape(-1))
+    # the chunk of 3 tokens after 4 cached: each alone, a row of its own
+    assert_rows_decoded_alone(out, query, cache, metadata.prefills[1], first_row=7, first_len=5)
 
 
 def test_a_chunk_past_the_prompt_takes_the_kernel_whatever_its_context(kernel_calls, monkeypatch):
@@ -219,17 +232,7 @@ def test_a_chunk_past_the_prompt_takes_the_kernel_whatever_its_context(kernel_ca
         query, torch.cat(keys), torch.cat(values), cache, CPU_KERNEL.prepare(metadata), 8**-0.5
     )
     assert kernel_calls == [1 + 6 + 3]
-    chunk = metadata.prefills[1]
-    for i in range(3):
-        alone = paged_decode.paged_decode(
-            query[7 + i : 8 + i],
-            cache,
-            chunk.block_ids[None].contiguous(),
-            torch.tensor([5 + i]),
-            8**-0.5,
-            None,
-        )
-        assert torch.equal(out[7 + i], alone.reshape(-1))
+    assert_rows_decoded_alone(out, query, cache, metadata.prefills[1], first_row=7, first_len=5)
 
 
 def test_a_few_tokens_after_a_long_context_take_the_kernel(kernel_calls, monkeypatch):

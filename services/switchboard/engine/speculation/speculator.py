@@ -165,17 +165,19 @@ class Speculator:
         """Whether the request looks up proposals at its next decode step, in a step of
         ``decoding`` decoding requests (the engine then waits for its latest token instead of
         scheduling a step ahead)."""
+        return self.tokens_to_propose(request, decoding) > 0
+
+    def tokens_to_propose(self, request: Request, decoding: int) -> int:
+        """The tokens the request would propose at its next decode step, in a step of
+        ``decoding`` decoding requests: 0 where it may not or should not; else its adaptive
+        length cut to those that raise a step's tokens per second (``step_cost.py``)."""
         state = self.state(request)
-        return (
+        if not (
             state.allowed
             and request.num_output_tokens >= max(state.paused_until, 1)
             and request.num_output_tokens >= request.sampling_params.min_tokens
-            and self.worth_proposing(request, decoding) > 0
-        )
-
-    def worth_proposing(self, request: Request, decoding: int) -> int:
-        """The proposals that would raise a step's tokens per second (``step_cost.py``)."""
-        state = self.state(request)
+        ):
+            return 0
         p = state.evidence.rate(request.num_output_tokens, self.acceptance.prior())
         return worth_proposing(p, decoding, self.cost.row_share(), state.proposal_len())
 
@@ -183,11 +185,12 @@ class Speculator:
         """At most ``max_tokens`` proposals (fewer near the request's length limits, which the
         caller folds into ``max_tokens``) for a decoding request with no token in flight, in a
         step of ``decoding`` decoding requests."""
-        if max_tokens <= 0 or not self.will_propose(request, decoding):
+        num_tokens = min(max_tokens, self.num_speculative_tokens)
+        if num_tokens > 0:
+            num_tokens = min(num_tokens, self.tokens_to_propose(request, decoding))
+        if num_tokens <= 0:
             return []
         state = self.state(request)
-        num_tokens = min(max_tokens, self.num_speculative_tokens, state.proposal_len())
-        num_tokens = min(num_tokens, self.worth_proposing(request, decoding))
         if self.worker_proposes:
             drafts = [DRAFT_PLACEHOLDER] * num_tokens
         else:
