@@ -36,11 +36,15 @@ def decode_batch(context_lens: list[int], num_blocks: int, block_size: int, seed
     ("context_lens", "window"),
     [([37], None), ([5, 16, 17, 90], None), ([50, 3, 64], 8), ([1, 2], None), ([40, 40], 40)],
 )
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 def test_matches_the_torch_path(
-    paged_decode_loaded, kv_heads, heads, head_dim, context_lens, window
+    paged_decode_loaded, kv_heads, heads, head_dim, context_lens, window, cache_dtype
 ):
+    """Float32 and bfloat16 caches (each of the kernel's ways to read them: widened per key,
+    or a block at a time into lane order where the CPU has AVX-512) against torch's path over
+    the same cache."""
     torch.manual_seed(len(context_lens) * head_dim)
-    cache = torch.randn(2, 64, 16, kv_heads, head_dim)
+    cache = torch.randn(2, 64, 16, kv_heads, head_dim).to(cache_dtype)
     batch = decode_batch(context_lens, 64, 16, seed=heads)
     query = torch.randn(len(context_lens), heads, head_dim)
     scale = head_dim**-0.5

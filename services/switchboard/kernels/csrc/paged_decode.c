@@ -302,6 +302,11 @@ static inline __attribute__((always_inline)) void attend_rows_any(
 static inline int rows_grouped(int64_t D) { (void)D; return 0; }
 #endif
 
+#if defined(HAVE_ATTEND_VEC) && defined(__AVX512F__)
+#define HAVE_ATTEND_512 1
+#include "paged_decode_512.h"
+#endif
+
 /* One task's attention (bf16 a constant where inlined): the vector version for the head
    sizes it takes, D a constant for the common ones. */
 static inline __attribute__((always_inline)) void attend_any(
@@ -385,6 +390,27 @@ static void decode_tasks(void *arg, int64_t first, int64_t stop) {
         int64_t L = 0;
         for (int64_t r = 0; r < rows; r++)
             L = context_lens[b + r] - start > L ? context_lens[b + r] - start : L;
+#ifdef HAVE_ATTEND_512
+        if (takes512(D, bf16)) { /* one task's rows (one, or a group's), head by head */
+            float *scratch = malloc(sizeof(float) * (size_t)scratch512(rows, G, L, D, BS));
+            if (scratch == NULL) {
+                atomic_store(&t->failed, 1);
+                continue;
+            }
+            for (int64_t h = h0; h < h0 + heads; h++) {
+                if (bf16)
+                    attend512_any(query + b * ldq, ldq, kv, values, 1, table, context_lens + b,
+                                  rows, out + b * H * D, H, scratch, start, L, G, KVH, BS, h, D,
+                                  scale);
+                else
+                    attend512_any(query + b * ldq, ldq, kv, values, 0, table, context_lens + b,
+                                  rows, out + b * H * D, H, scratch, start, L, G, KVH, BS, h, D,
+                                  scale);
+            }
+            free(scratch);
+            continue;
+        }
+#endif
         const int64_t nq = rows == 1 ? heads * G : rows * G;
         float *scores = malloc(sizeof(float) * (size_t)(nq * (L > 0 ? L : 1) + nq * D));
         if (scores == NULL) {
