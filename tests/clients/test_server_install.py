@@ -121,12 +121,12 @@ def test_the_server_extra_alone_serves_the_default_model_and_answers_chat(
     server = start_server(None, tmp_path, ready_timeout=900, python=str(python))
     try:
         chat = subprocess.run(
-            [str(python.parent / "switchboard"), "chat", "What is the capital of France?",
+            [str(python.parent / "switchboard"), "chat", "Name the capital of France.",
              "--target", server.target, "--max-tokens", "32", "--temperature", "0"],
             capture_output=True, text=True, timeout=180, check=False,
             env=dict(os.environ, PYTHONUNBUFFERED="1"),
         )  # fmt: skip
-        reply = _http_chat(server.http_url, "What is the capital of France?")
+        reply = _http_chat(server.http_url, "Name the capital of France.")
     finally:
         code = server.stop()
     log = server.log()

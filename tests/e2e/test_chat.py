@@ -17,7 +17,11 @@ from tests.e2e.server import RunningServer, start_server
 
 pytestmark = pytest.mark.slow
 
-QUESTION = "What is the capital of France?"
+# The default model answers this greedily with "The capital of France is Paris." by a margin of
+# at least 1.0 log-probability over its first eight tokens, quantized or in float32 ("What is
+# the capital of France?" starts on a near-tie, 0.08 apart in float32, that the order of a
+# kernel's float sums decides)
+QUESTION = "Name the capital of France."
 
 
 @pytest.fixture(scope="module")
