@@ -7,7 +7,9 @@
    (max subtracted) and the weighted sum of the values. Rows that read the same keys (a decode
    with its speculative proposals, a prompt chunk: one block table, each row's context ending
    at its own position) go in groups, which read each block once for up to 16 rows while it is
-   in cache; each row's floats are what it gets alone. The tasks run on the work pool. */
+   in cache; each row's floats are what it gets alone. The tasks run on the work pool. Where
+   the compiler targets AVX-512, paged_decode_512.h takes the head sizes it can (a bfloat16 block
+   widened once for all the rows and query heads that read it); the AVX2 code below the rest. */
 #include <math.h>
 #include <omp.h>
 #include <stdatomic.h>
