@@ -222,13 +222,16 @@ class Speculator:
         """A step's period in the busy loop was ``seconds`` (from the previous step's outputs
         applied to its own, or from its scheduling after an idle wait): a sample of the step
         cost if it was decodes only (with proposals)."""
-        if step.new_requests or not step.total_num_scheduled_tokens:
+        rows = step.total_num_scheduled_tokens
+        if step.new_requests or not rows:
             return
-        proposals = step.scheduled_spec_decode_tokens
-        for request_id, n in step.num_scheduled_tokens.items():
-            if n != 1 + len(proposals.get(request_id, ())):
-                return  # a prompt chunk: its rows cost otherwise
-        self.cost.observe(step.total_num_scheduled_tokens, seconds)
+        # every request schedules at least its token and its proposals, so the step is decodes
+        # only exactly when its rows are that many (a look at the proposals, not every request)
+        decode_rows = len(step.num_scheduled_tokens) + sum(
+            map(len, step.scheduled_spec_decode_tokens.values())
+        )
+        if rows == decode_rows:  # else a prompt chunk, whose rows cost otherwise
+            self.cost.observe(rows, seconds)
 
     @staticmethod
     def drop_in_flight(request: Request) -> None:

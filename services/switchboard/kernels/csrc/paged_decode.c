@@ -24,6 +24,20 @@
 #include "vector_exp.h"
 #include "work_pool.h"
 
+/* CALL(D) with D a constant for the common head sizes (32, 64, 128), so that a vector kernel's
+   loops over a head unroll into registers; other sizes pass D as it is. */
+#define BY_HEAD_SIZE(CALL, D) \
+    do {                      \
+        if ((D) == 32)        \
+            CALL(32);         \
+        else if ((D) == 64)   \
+            CALL(64);         \
+        else if ((D) == 128)  \
+            CALL(128);        \
+        else                  \
+            CALL(D);          \
+    } while (0)
+
 /* The end of token t's block (or len), and where KV head h0 of token t lies in the cache. */
 static inline int64_t block_stop(int64_t t, int64_t BS, int64_t len) {
     const int64_t end = t - t % BS + BS;
@@ -290,14 +304,7 @@ static inline __attribute__((always_inline)) void attend_rows_any(
 #define ROWS_CALL(DD)                                                                         \
     attend_rows_vec(query, ldq, keys, values, bf16, table, lens, R, out, H, scores, acc, start, \
                     Lmax, G, KVH, BS, h, DD, scale)
-    if (D == 32)
-        ROWS_CALL(32);
-    else if (D == 64)
-        ROWS_CALL(64);
-    else if (D == 128)
-        ROWS_CALL(128);
-    else
-        ROWS_CALL(D);
+    BY_HEAD_SIZE(ROWS_CALL, D);
 #undef ROWS_CALL
 }
 #else

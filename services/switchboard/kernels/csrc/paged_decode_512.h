@@ -206,14 +206,7 @@ static inline __attribute__((always_inline)) void attend512_any(
 #define ATTEND512(DD)                                                                          \
     attend512(query, ldq, keys, values, bf16, table, lens, R, out, H, scratch, start, Lmax, G, \
               KVH, BS, h, DD, scale)
-    if (D == 32)
-        ATTEND512(32);
-    else if (D == 64)
-        ATTEND512(64);
-    else if (D == 128)
-        ATTEND512(128);
-    else
-        ATTEND512(D);
+    BY_HEAD_SIZE(ATTEND512, D);
 #undef ATTEND512
 }
 #endif
