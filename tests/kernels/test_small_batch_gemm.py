@@ -1,16 +1,20 @@
 """The small-batch matmul kernel: what F.linear computes (to rounding) for one row to several
-groups of ``max_rows`` rows (8 with AVX-512's registers, else 6; more rows in groups of nearly
-equal size), any shape, with or without a bias; each row's result independent of the rows
+groups of ``max_rows`` rows (12 over two panels with AVX-512, else 6; more rows in groups of
+nearly equal size), any shape, with or without a bias; each row's result independent of the rows
 beside it; ``gemm.linear`` sends products of at most ``gemm.SMALL_BATCH_MAX_ROWS`` rows on a
 packed weight with panels to it; it can be turned off."""
 
 from __future__ import annotations
 
+import ctypes
+import subprocess
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from switchboard.kernels import gemm, small_batch_gemm
+from switchboard.kernels import gemm, library, small_batch_gemm
+from switchboard.kernels.build import FLAGS, compiler, cpu_flags
 
 
 @pytest.fixture
@@ -47,6 +51,45 @@ def test_a_row_does_not_depend_on_its_neighbours(kernel):
         assert torch.equal(alone[0], together[row])  # bit for bit
 
 
+@pytest.mark.slow
+@pytest.mark.skipif("avx512f" not in cpu_flags(), reason="the AVX2 build is the library here")
+def test_the_avx2_build_gives_the_same_floats(kernel, tmp_path):
+    """Built without AVX-512 (6 rows a group over one panel, two AVX2 vectors), the kernel gives
+    the AVX-512 code's floats bit for bit (12 rows over two panels): whole and partial last
+    panels, an odd and an even number of panels, one group of rows and several."""
+    cc = compiler()
+    assert cc is not None
+    built = tmp_path / "avx2.so"
+    source = str(library.SOURCE_DIR / "small_batch_gemm.c")
+    subprocess.run(
+        [cc, *FLAGS, "-mno-avx512f", "-I", str(library.SOURCE_DIR), source, "-o", str(built)],
+        check=True,
+        timeout=300,
+    )
+    avx2 = ctypes.CDLL(str(built))  # its work pool is the loaded library's (RTLD_GLOBAL)
+    for name in ("small_batch_max_rows", "small_batch_linear"):
+        result, arguments = library.SIGNATURES[name]
+        function = getattr(avx2, name)
+        function.restype, function.argtypes = result, arguments
+    assert avx2.small_batch_max_rows() == 6
+    assert small_batch_gemm.max_rows() == 12
+    torch.manual_seed(3)
+    for out_features, in_features in ((7, 5), (16, 40), (40, 24), (48, 33), (250, 64)):
+        weight, bias = torch.randn(out_features, in_features), torch.randn(out_features)
+        panels = small_batch_gemm.pack(weight)
+        for rows in (1, 2, 5, 6, 7, 12, 13, 25, 40):
+            x = torch.randn(rows, in_features)
+            for b in (None, bias):
+                y = torch.empty(rows, out_features)
+                code = avx2.small_batch_linear(
+                    x.data_ptr(), in_features, panels.data.data_ptr(),
+                    b.data_ptr() if b is not None else None, y.data_ptr(),
+                    rows, in_features, out_features,
+                )  # fmt: skip
+                assert code == 0
+                assert torch.equal(y, small_batch_gemm.linear(x, panels, b))
+
+
 def test_strided_rows_and_no_rows(kernel):
     torch.manual_seed(1)
     weight = torch.randn(40, 24)
@@ -57,7 +100,7 @@ def test_strided_rows_and_no_rows(kernel):
     x = wide[:, :24]  # a row stride of 48: read in place
     torch.testing.assert_close(small_batch_gemm.linear(x, panels), F.linear(x, weight))
     assert small_batch_gemm.linear(torch.randn(0, 24), panels).shape == (0, 40)
-    assert small_batch_gemm.max_rows() in (6, 8)
+    assert small_batch_gemm.max_rows() in (6, 8, 12)
 
 
 @pytest.mark.skipif(gemm._onednn_reorder is None, reason="this torch build cannot pack weights")

@@ -93,7 +93,8 @@ def _run(runner, steps: list[SchedulerOutput], stack_on: bool, monkeypatch) -> l
 )
 def test_decode_steps_are_bit_identical_to_the_layers(family, kwargs, monkeypatch):
     model_dir = tiny_checkpoint_dir(family, **kwargs)
-    stacked, layered = make_runner(model_dir), make_runner(model_dir)
+    num_blocks = small_batch_gemm.max_rows() * BLOCK_RANGE
+    stacked, layered = make_runner(model_dir, num_blocks), make_runner(model_dir, num_blocks)
     assert decode_stack.status() == "in use", decode_stack.status()
     assert stacked.attention_backend.name == "cpu-kernel"
     vocab = stacked.summary().vocab_size

@@ -4,9 +4,9 @@ A decode step of one request multiplies one row by every weight matrix: the work
 the weights, and oneDNN's kernels (``gemm.py``) read them at about half the memory's speed on a
 2-core EPYC. This kernel streams each weight once, in panels of 16 output columns laid out for
 it (:class:`Panels`, made once at load by ``pack``), and keeps the rows' sums in registers: two
-AVX2 vectors per row, ``max_rows()`` rows at a time (8 where AVX-512's 32 vector registers hold
-them, else 6; more rows go in groups over each panel while it is in the core's cache, so the
-weight is still read once). Measured on that machine (it has AVX-512),
+AVX2 vectors per row, ``max_rows()`` (6) rows at a time, or with AVX-512 one vector per row and
+panel, 12 rows over two panels at a time; more rows go in groups over each panel while it is in
+the core's cache, so the weight is still read once. Measured on that machine (it has AVX-512),
 two threads, a SmolLM2-135M-shaped stack (30 layers and the LM head, cold weights), ms:
 
     rows            1      2      4      6      8
@@ -15,6 +15,9 @@ two threads, a SmolLM2-135M-shaped stack (30 layers and the LM head, cold weight
 
 and 2.5x / 2.3x / 1.6x / 1.5x / 1.6x faster on tiny-llama's small matrices. There (AVX-512),
 from about eight rows oneDNN is as fast (16 / 32 / 64 rows: 0.95x / 0.97x / 1.00x);
+On an Intel Xeon with AVX-512 (two 512-bit FMA units a core) the AVX2 code ran at half the
+multiply-add rate the core has; the AVX-512 code (``csrc/small_batch_gemm_512.h``, the same
+floats) made tiny-llama's 32- and 64-row decode steps 1.4-1.6x faster in process.
 ``gemm.linear`` uses this up to ``gemm.SMALL_BATCH_MAX_ROWS`` rows (128; 512 with AVX2 alone,
 where it measured faster than oneDNN up to 1,024 rows), the one-call decode layer stack
 (``decode_stack.py``) likewise: its loops run on the kernels' work pool, never waiting at an
@@ -69,8 +72,8 @@ def status() -> str:
 
 
 def max_rows() -> int:
-    """Rows one call takes, read from the library at load (8 with AVX-512's registers, else
-    6); 0 while the kernel is not loaded."""
+    """Rows one call takes, read from the library at load (12 with AVX-512, else 6); 0 while
+    the kernel is not loaded."""
     return _kernel.max_rows
 
 

@@ -12,14 +12,15 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-#define PW 16 /* output columns per panel: two AVX2 vectors */
-/* Rows per call: the sums take two vector registers per row; AVX-512's 32 registers hold eight
-   rows' worth with room to spare. AVX2's 16 hold six (twelve sums, the panel's two vectors and
-   a broadcast): with four, eight independent sums were too few to cover the multiply-add's
-   latency on two FMA pipes, and each panel was read from L2 once per four rows. Six rows
-   measured 1.3-1.6x faster at 16-64 rows on a Zen 3 EPYC (warm, one thread). */
-#ifdef __AVX512VL__
-#define MAX_ROWS 8
+#define PW 16 /* output columns per panel: two AVX2 vectors, one AVX-512 vector */
+/* Rows per call. With AVX-512 (small_batch_gemm_512.h): twelve rows times two panels, 24 sums
+   in its 32 registers. With AVX2 the sums take two vector registers per row, and the 16
+   registers hold six rows (twelve sums, the panel's two vectors and a broadcast): with four,
+   eight independent sums were too few to cover the multiply-add's latency on two FMA pipes,
+   and each panel was read from L2 once per four rows. Six rows measured 1.3-1.6x faster at
+   16-64 rows on a Zen 3 EPYC (warm, one thread). */
+#ifdef __AVX512F__
+#define MAX_ROWS 12
 #else
 #define MAX_ROWS 6
 #endif
@@ -44,6 +45,9 @@ void small_batch_pack(const float *w, float *p, int64_t N, int64_t K) {
             }
 }
 
+#ifdef __AVX512F__
+#include "small_batch_gemm_512.h"
+#else
 /* R rows times one panel, R a constant where it is inlined. The sums are named variables:
    GCC kept an array of them on the stack, storing eight vectors on every step of k. */
 #define ROW_FMA(r)                                                                       \
@@ -77,8 +81,7 @@ static inline __attribute__((always_inline)) void panel_rows(
     const int ahead_is_next, int64_t K, float *y, int64_t ldy, int64_t ncols,
     const float *bias) {
     __m256 lo0 = _mm256_setzero_ps(), hi0 = lo0, lo1 = lo0, hi1 = lo0, lo2 = lo0, hi2 = lo0,
-           lo3 = lo0, hi3 = lo0, lo4 = lo0, hi4 = lo0, lo5 = lo0, hi5 = lo0, lo6 = lo0,
-           hi6 = lo0, lo7 = lo0, hi7 = lo0;
+           lo3 = lo0, hi3 = lo0, lo4 = lo0, hi4 = lo0, lo5 = lo0, hi5 = lo0;
     for (int64_t k = 0; k < K; k++) {
         /* One line (a k-row of a panel) a step: see linear_panels for which. A hint never
            faults past the last panel. */
@@ -87,14 +90,13 @@ static inline __attribute__((always_inline)) void panel_rows(
         else
             _mm_prefetch((const char *)(ahead + k * PW), _MM_HINT_T0);
         const __m256 w0 = _mm256_loadu_ps(p + k * PW), w1 = _mm256_loadu_ps(p + k * PW + 8);
-        ROW_FMA(0) ROW_FMA(1) ROW_FMA(2) ROW_FMA(3) ROW_FMA(4) ROW_FMA(5) ROW_FMA(6) ROW_FMA(7)
+        ROW_FMA(0) ROW_FMA(1) ROW_FMA(2) ROW_FMA(3) ROW_FMA(4) ROW_FMA(5)
     }
     float t[PW];
-    ROW_STORE(0) ROW_STORE(1) ROW_STORE(2) ROW_STORE(3)
-    ROW_STORE(4) ROW_STORE(5) ROW_STORE(6) ROW_STORE(7)
+    ROW_STORE(0) ROW_STORE(1) ROW_STORE(2) ROW_STORE(3) ROW_STORE(4) ROW_STORE(5)
 }
 
-/* At most MAX_ROWS rows times one panel. */
+/* At most MAX_ROWS rows times one panel (the AVX2 code). */
 static inline void panel_group(int64_t M, const float *x, int64_t ldx, const float *pq,
                                const float *ahead, int ahead_is_next, int64_t K, float *yq,
                                int64_t N, int64_t ncols, const float *bq) {
@@ -105,10 +107,6 @@ static inline void panel_group(int64_t M, const float *x, int64_t ldx, const flo
         case 4: panel_rows(4, x, ldx, pq, ahead, ahead_is_next, K, yq, N, ncols, bq); break;
         case 5: panel_rows(5, x, ldx, pq, ahead, ahead_is_next, K, yq, N, ncols, bq); break;
         case 6: panel_rows(6, x, ldx, pq, ahead, ahead_is_next, K, yq, N, ncols, bq); break;
-#if MAX_ROWS > 6
-        case 7: panel_rows(7, x, ldx, pq, ahead, ahead_is_next, K, yq, N, ncols, bq); break;
-        case 8: panel_rows(8, x, ldx, pq, ahead, ahead_is_next, K, yq, N, ncols, bq); break;
-#endif
     }
 }
 
@@ -142,6 +140,8 @@ static void linear_panels(void *arg, int64_t q0, int64_t q1) {
         }
     }
 }
+
+#endif
 
 /* y [M, N] = x [M, K] (row stride ldx) @ weight^T (+ bias); M >= 1, else -1. More rows than
    MAX_ROWS are taken MAX_ROWS at a time, each group over the same panel while it is still in
