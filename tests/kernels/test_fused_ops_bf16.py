@@ -1,6 +1,7 @@
 """The fused CPU layer operations on bfloat16 tensors give the values of the layers' torch code in
 bfloat16 (RMSNorm within one bfloat16 step: its sum of squares in another order); the KV-cache
-write stores float32 keys and values into a bfloat16 cache as ``Tensor.to`` rounds them."""
+write stores float32 keys and values into a bfloat16 cache as ``Tensor.to`` rounds them; the
+bfloat16 <-> float32 conversions and the residual add give torch's values bit for bit."""
 
 from __future__ import annotations
 
@@ -81,3 +82,59 @@ def _assert_same(a: torch.Tensor, b: torch.Tensor) -> None:
     """Equal values, NaNs where NaNs are (torch's NaN bits vary with its code path)."""
     assert torch.equal(a.isnan(), b.isnan())
     assert torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
+def _awkward_floats(rows: int, cols: int) -> torch.Tensor:
+    """Random floats of every scale, with the values rounding to bfloat16 must get right: ties
+    to even, the largest finite values, infinities, NaNs (of both signs and with payloads),
+    subnormals and signed zeros."""
+    torch.manual_seed(rows * cols)
+    x = torch.randn(rows, cols) * torch.exp2(torch.randint(-130, 128, (rows, cols)).float())
+    bits = x.view(torch.int32).flatten()
+    specials = [
+        0x3F808000, 0x3F818000, 0x3F807FFF, 0x7F7FFFFF, 0x7F7F8000, 0x7F800000,
+        -0x00800000, 0x7FC00000, 0x7F800001, -0x00400001, 0x00000001, 0x00008000,
+        -0x80000000, 0, 0x3F80FFFF, 0x4049_0FDB,
+    ]  # fmt: skip
+    count = min(len(specials), bits.numel())
+    bits[:count] = torch.tensor(specials[:count], dtype=torch.int32)
+    return x
+
+
+def _assert_same_bits(got: torch.Tensor, expected: torch.Tensor, bits: torch.dtype) -> None:
+    """Bit for bit, but a NaN's bits: torch's vectorized and scalar code give NaNs different
+    bits (0xffff, 0x7fc0), the kernels torch's scalar NaN."""
+    assert torch.equal(got.isnan(), expected.isnan())
+    keep = ~expected.isnan()
+    assert torch.equal(got[keep].view(bits), expected[keep].view(bits))
+
+
+@pytest.mark.parametrize(("rows", "cols"), [(1, 7), (3, 40), (64, 768), (130, 2048)])
+def test_conversions_give_tensor_to_values(kernels, rows, cols):
+    """float32 -> bfloat16 rounds as ``Tensor.to``, bfloat16 -> float32 is exact; rows read
+    with a row stride."""
+    wide = _awkward_floats(rows, cols + 5)
+    x = wide[:, :cols]  # a row stride past the row
+    narrowed = fused_ops.to_dtype(x, BF16)
+    assert narrowed.dtype == BF16
+    _assert_same_bits(narrowed, x.to(BF16), torch.int16)
+    back = fused_ops.to_dtype(wide.to(BF16)[:, :cols], torch.float32)
+    _assert_same_bits(back, x.to(BF16).float(), torch.int32)
+
+
+def test_other_conversions_are_torchs():
+    x = torch.randn(4, 6)
+    assert fused_ops.to_dtype(x, torch.float32) is x
+    assert torch.equal(fused_ops.to_dtype(x, torch.float16), x.half())
+    assert torch.equal(fused_ops.to_dtype(x.t(), BF16), x.t().to(BF16))  # a column stride
+    assert fused_ops.to_dtype(torch.empty(0, 6), BF16).shape == (0, 6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize(("rows", "cols"), [(1, 9), (96, 768), (200, 576)])
+def test_add_is_torchs_sum(kernels, dtype, rows, cols):
+    a = _awkward_floats(rows, cols).to(dtype)
+    b = _awkward_floats(cols, rows).t().contiguous().to(dtype)[:, :cols]
+    got = fused_ops.add(a[:, :cols], b)
+    assert got.dtype == dtype
+    _assert_same_bits(got, a[:, :cols] + b, torch.int32 if dtype == torch.float32 else torch.int16)

@@ -41,6 +41,11 @@ _write_kv_bf16: Callable[..., Any] | None = None
 _rms_norm_bf16: Callable[..., Any] | None = None
 _rotary_bf16: Callable[..., Any] | None = None
 _silu_and_mul_bf16: Callable[..., Any] | None = None
+# bfloat16 rows <-> float32 rows (the bfloat16 matmul kernel's input and output)
+_widen_bf16: Callable[..., Any] | None = None
+_narrow_f32: Callable[..., Any] | None = None
+_add: Callable[..., Any] | None = None
+_add_bf16: Callable[..., Any] | None = None
 _argmax: Callable[..., Any] | None = None
 _status = "not loaded"
 
@@ -59,6 +64,10 @@ def load() -> bool:
     global _rms_norm_bf16, _rotary_bf16, _silu_and_mul_bf16
     _rms_norm_bf16, _rotary_bf16 = loaded.rms_norm_bf16, loaded.rotary_bf16
     _silu_and_mul_bf16 = loaded.silu_and_mul_bf16
+    global _widen_bf16, _narrow_f32
+    _widen_bf16, _narrow_f32 = loaded.bf16_rows_to_f32, loaded.f32_rows_to_bf16
+    global _add, _add_bf16
+    _add, _add_bf16 = loaded.add_f32, loaded.add_bf16
     _argmax = loaded.argmax_rows_f32
     return True
 
@@ -71,8 +80,10 @@ def unload() -> None:
     """Back to torch's operators (tests compare the two)."""
     global _rms_norm, _rotary, _silu_and_mul, _write_kv, _write_kv_bf16, _argmax, _status
     _rms_norm = _rotary = _silu_and_mul = _write_kv = _write_kv_bf16 = _argmax = None
-    global _rms_norm_bf16, _rotary_bf16, _silu_and_mul_bf16
-    _rms_norm_bf16 = _rotary_bf16 = _silu_and_mul_bf16 = None
+    global _rms_norm_bf16, _rotary_bf16, _silu_and_mul_bf16, _widen_bf16, _narrow_f32
+    _rms_norm_bf16 = _rotary_bf16 = _silu_and_mul_bf16 = _widen_bf16 = _narrow_f32 = None
+    global _add, _add_bf16
+    _add = _add_bf16 = None
     _status = "not loaded"
 
 
@@ -128,6 +139,42 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
     kernel(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, width // 2)
     return out
+
+
+def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a + b`` of two ``[rows, cols]`` tensors of one dtype (last dims contiguous), float32
+    or bfloat16 in the kernel (torch's sums, rounded as torch rounds); torch's add otherwise."""
+    kernel = _kernel_for(_add, _add_bf16, a, b)
+    if kernel is None or a.dim() != 2 or a.shape != b.shape or a.stride(1) != 1 or b.stride(1) != 1:
+        return a + b
+    rows, cols = a.shape
+    out = torch.empty(rows, cols, dtype=a.dtype)
+    if rows:
+        kernel(a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), out.data_ptr(), rows, cols)
+    return out
+
+
+def to_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` ``[rows, cols]`` (last dim contiguous) as ``dtype``, bfloat16 <-> float32 in the
+    kernel (the values torch's ``.to`` gives, without waking its thread team); torch's ``.to``
+    for anything else."""
+    if x.dtype == dtype:
+        return x
+    if x.dim() == 2 and x.stride(1) == 1 and x.device.type == "cpu":
+        kernel = (
+            _widen_bf16
+            if (x.dtype, dtype) == (torch.bfloat16, torch.float32)
+            else _narrow_f32
+            if (x.dtype, dtype) == (torch.float32, torch.bfloat16)
+            else None
+        )
+        if kernel is not None:
+            rows, cols = x.shape
+            out = torch.empty(rows, cols, dtype=dtype)
+            if rows:
+                kernel(x.data_ptr(), x.stride(0), out.data_ptr(), rows, cols)
+            return out
+    return x.to(dtype)
 
 
 def write_kv(

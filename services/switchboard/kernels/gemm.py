@@ -36,7 +36,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from switchboard.kernels import bf16_gemm, quant_gemm, small_batch_gemm
+from switchboard.kernels import bf16_gemm, fused_ops, quant_gemm, small_batch_gemm
 from switchboard.kernels.build import cpu_flags
 
 # A layer's weight laid out for a kernel of few rows: float32, quantized or bfloat16.
@@ -201,7 +201,7 @@ def _bf16_linear(
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] > bf16_max_rows() or bf16_gemm.max_rows() == 0:
         return F.linear(x, weight, bias)
-    y = bf16_gemm.linear(rows.float(), panels, bias)
+    y = bf16_gemm.linear(fused_ops.to_dtype(rows, torch.float32), panels, bias)
     if not float32_sums:
-        y = y.to(x.dtype)
+        y = fused_ops.to_dtype(y, x.dtype)
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from switchboard.kernels import library
+from switchboard.kernels import fused_ops, library
 
 _kernel: Callable[..., Any] | None = None  # the library's paged_decode_f32
 _kernel_bf16kv: Callable[..., Any] | None = None  # the same over a bfloat16 cache
@@ -75,10 +75,10 @@ def paged_decode(
     kernel = _kernel_bf16kv if kv_cache.dtype == torch.bfloat16 else _kernel
     assert kernel is not None, "paged_decode before load()"
     dtype = query.dtype
-    if dtype != torch.float32:
-        query = query.float()
     if query.stride(2) != 1 or query.stride(1) != query.shape[2]:  # rows may be strided
         query = query.contiguous()
+    if dtype != torch.float32:  # a view of rows of heads x head_dim, widened in the kernel
+        query = fused_ops.to_dtype(query.flatten(1), torch.float32).view(query.shape)
     block_table = block_table.contiguous()
     context_lens = context_lens.contiguous()
     size, heads, head_dim = query.shape
@@ -103,4 +103,6 @@ def paged_decode(
     )
     if code != 0:
         raise MemoryError("CPU decode-attention kernel: out of scratch memory")
-    return out if dtype == torch.float32 else out.to(dtype)
+    if dtype == torch.float32:
+        return out
+    return fused_ops.to_dtype(out.view(size, heads * head_dim), dtype).view(out.shape)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from switchboard.kernels import decode_stack
+from switchboard.kernels import decode_stack, fused_ops
 from switchboard.kernels.decode_stack import StackLayer, StackMatmul
 from switchboard.models.attention import AttentionMetadata, paged_attention
 from switchboard.models.cpu_kernel_attention import CpuKernelBackend, stack_rows
@@ -136,8 +136,9 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attended = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, metadata)
+        hidden = fused_ops.add(hidden, attended)
+        return fused_ops.add(hidden, self.mlp(self.post_attention_layernorm(hidden)))
 
     def stack_layer(self) -> StackLayer | None:
         """This layer as the one-call decode stack reads it; None while a matrix has no

@@ -199,3 +199,26 @@ void argmax_rows_f32(const float *x, int64_t ldx, int64_t rows, int64_t V, int64
     struct argmax_task task = {x, out, ldx, V};
     switchboard_parallel_for(rows, 16 * min_rows(V), argmax_rows, &task);
 }
+
+/* out = a + b, rows of cols floats (a layer's residual add): torch's add wakes its OpenMP team
+   past 32,768 values, whose second thread then waits for a core the kernels' pool holds. */
+struct add_task {
+    const float *a, *b;
+    float *out;
+    int64_t lda, ldb, cols;
+};
+
+static void add_rows(void *arg, int64_t r0, int64_t r1) {
+    const struct add_task *t = arg;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *ar = t->a + r * t->lda, *br = t->b + r * t->ldb;
+        float *o = t->out + r * t->cols;
+        for (int64_t i = 0; i < t->cols; i++) o[i] = ar[i] + br[i];
+    }
+}
+
+void add_f32(const float *a, int64_t lda, const float *b, int64_t ldb, float *out, int64_t rows,
+             int64_t cols) {
+    struct add_task task = {a, b, out, lda, ldb, cols};
+    switchboard_parallel_for(rows, min_rows(cols), add_rows, &task);
+}

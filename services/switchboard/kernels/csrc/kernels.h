@@ -33,6 +33,12 @@ void rms_norm_bf16(const uint16_t *x, int64_t ldx, const uint16_t *weight, uint1
 void rotary_bf16(uint16_t *x, int64_t ldx, int64_t tokens, int64_t heads, int64_t D,
                  const uint16_t *cos_half, const uint16_t *sin_half);
 void silu_and_mul_bf16(const uint16_t *x, int64_t ldx, uint16_t *out, int64_t rows, int64_t I);
+void bf16_rows_to_f32(const uint16_t *x, int64_t ldx, float *out, int64_t rows, int64_t cols);
+void f32_rows_to_bf16(const float *x, int64_t ldx, uint16_t *out, int64_t rows, int64_t cols);
+void add_f32(const float *a, int64_t lda, const float *b, int64_t ldb, float *out, int64_t rows,
+             int64_t cols);
+void add_bf16(const uint16_t *a, int64_t lda, const uint16_t *b, int64_t ldb, uint16_t *out,
+              int64_t rows, int64_t cols);
 int write_kv_bf16(const float *key, int64_t ldk, const float *value, int64_t ldv,
                   const int64_t *slots, int64_t tokens, int64_t row, uint16_t *cache_k,
                   uint16_t *cache_v, int64_t num_slots);
