@@ -103,7 +103,10 @@ def test_decode_steps_are_bit_identical_to_the_layers(family, kwargs, monkeypatc
         steps = _steps(rows, vocab, decode_steps=4, seed=rows)
         calls.clear()
         got = _run(stacked, steps, True, monkeypatch)
-        assert calls == [True] * 4  # the decode steps (the prefill step: the layers, unasked)
+        # the prompts (short: the decode kernel attends them) in the stack while their tokens
+        # fit its rows, else the layers; then the decode steps
+        prompt_tokens = steps[0].total_num_scheduled_tokens
+        assert calls == [prompt_tokens <= decode_stack.MAX_ROWS] + [True] * 4
         expected = _run(layered, steps, False, monkeypatch)
         for a, b in zip(got, expected, strict=True):
             assert torch.equal(a, b)
@@ -130,7 +133,8 @@ def test_beyond_a_register_group_of_rows(layer_matmuls, monkeypatch):
         steps = _steps(rows, stacked.summary().vocab_size, decode_steps=3, seed=5)
         calls.clear()
         got = _run(stacked, steps, True, monkeypatch)
-        assert calls == [True] * 3
+        prompt_tokens = steps[0].total_num_scheduled_tokens
+        assert calls == [prompt_tokens <= decode_stack.MAX_ROWS] + [True] * 3
         expected = _run(layered, steps, False, monkeypatch)
         for a, b in zip(got, expected, strict=True):
             if layer_matmuls == "oneDNN":
@@ -145,7 +149,7 @@ def test_more_rows_than_it_takes_go_to_the_layers(monkeypatch):
     monkeypatch.setattr(decode_stack, "MAX_ROWS", 2)
     calls = _stack_calls(monkeypatch)
     _run(runner, _steps(3, runner.summary().vocab_size, 2, seed=0), True, monkeypatch)
-    assert calls == [False, False]  # the decode steps: 3 rows, more than it takes
+    assert calls == [False] * 3  # the prompts and the decode steps: 3 rows, more than it takes
 
 
 def test_can_be_turned_off(monkeypatch):

@@ -59,7 +59,7 @@ def test_adapter_rows_stay_in_the_stack_bit_identical_to_the_layers(checkpoint, 
     steps = _adapter_steps(stacked.summary().vocab_size, decode_steps=3)
     calls = _stack_calls(monkeypatch)
     got = _run(stacked, steps, True, monkeypatch)
-    assert calls == [True] * 3
+    assert calls == [False] + [True] * 3  # the prompt step goes to the layers
     expected = _run(layered, steps, False, monkeypatch)
     for a, b in zip(got, expected, strict=True):
         assert torch.equal(a, b)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from switchboard.checkpoint import convert_gguf_to_hf
-from switchboard.kernels import quant_gemm
+from switchboard.kernels import decode_stack, quant_gemm
 from switchboard.kernels.quant_gemm import QuantPanels
 from switchboard.models.loader import load_model
 from switchboard.models.parallel import SINGLE_PROCESS, ParallelState
@@ -219,6 +219,7 @@ def test_the_decode_stack_takes_quantized_panels(monkeypatch, kernel):
         steps = _steps(rows, stacked.summary().vocab_size, decode_steps=3, seed=rows)
         calls.clear()
         got = _run(stacked, steps, True, monkeypatch)
-        assert calls == [True] * 3
+        prompt_tokens = steps[0].total_num_scheduled_tokens  # short prompts: the stack's too
+        assert calls == [prompt_tokens <= decode_stack.MAX_ROWS] + [True] * 3
         for a, b in zip(got, _run(layered, steps, False, monkeypatch), strict=True):
             assert torch.equal(a, b)

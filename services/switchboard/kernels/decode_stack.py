@@ -194,10 +194,10 @@ class DecodeStack:
         if hidden.dtype == torch.float32:
             _call(plan, hidden, cos, sin, kv_caches[0], slots, block_table, context_lens, lora)
             return True
-        work = hidden.float()
+        work = fused_ops.to_dtype(hidden, torch.float32)
         cos, sin = cos.float(), sin.float()
         _call(plan, work, cos, sin, kv_caches[0], slots, block_table, context_lens, lora)
-        hidden.copy_(work)
+        fused_ops.to_dtype(work, hidden.dtype, out=hidden)
         return True
 
 

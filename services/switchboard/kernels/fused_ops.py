@@ -154,10 +154,16 @@ def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def to_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def to_dtype(x: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` ``[rows, cols]`` (last dim contiguous) as ``dtype``, bfloat16 <-> float32 in the
     kernel (the values torch's ``.to`` gives, without waking its thread team); torch's ``.to``
-    for anything else."""
+    for anything else. ``out``: a contiguous tensor of ``dtype`` and ``x``'s shape to write
+    into (returned)."""
+    if out is not None:
+        if out.dtype != dtype or out.shape != x.shape or not out.is_contiguous():
+            raise ValueError("to_dtype: out must be a contiguous tensor of dtype and x's shape")
+        if x.dtype == dtype or x.dim() != 2 or x.stride(1) != 1 or x.device.type != "cpu":
+            return out.copy_(x)
     if x.dtype == dtype:
         return x
     if x.dim() == 2 and x.stride(1) == 1 and x.device.type == "cpu":
@@ -170,11 +176,12 @@ def to_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         )
         if kernel is not None:
             rows, cols = x.shape
-            out = torch.empty(rows, cols, dtype=dtype)
+            if out is None:
+                out = torch.empty(rows, cols, dtype=dtype)
             if rows:
                 kernel(x.data_ptr(), x.stride(0), out.data_ptr(), rows, cols)
             return out
-    return x.to(dtype)
+    return x.to(dtype) if out is None else out.copy_(x)
 
 
 def write_kv(
