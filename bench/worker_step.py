@@ -2,6 +2,7 @@
 
     python bench/worker_step.py MODEL_DIR [--batch 1 8 32] [--context 96] [--steps 50]
                                 [--threads N] [--paths torch onednn packed] [--profile]
+                                [--dtype bfloat16] [--prompt-beside 32]
 
 Builds a :class:`ModelRunner` on ``MODEL_DIR``, prefills ``--batch`` requests of ``--context``
 random tokens, then times greedy decode steps (what ``execute_model`` does for a running
@@ -9,8 +10,9 @@ batch). Prints the median step time per batch size for three matmul paths side b
 (``kernels/gemm.py``): torch's ``F.linear`` on dense weights, oneDNN on dense weights, and oneDNN
 on weights packed at load (what the worker serves with; ``--paths packed`` times it alone);
 ``--profile`` adds torch's operator table of the packed path for the last batch size. The
-weights stay float32 (``quantization="none"``; ``bench/quant_decode.py`` compares quantized
-ones).
+weights are not quantized (``quantization="none"``; ``bench/quant_decode.py`` compares quantized
+ones); ``--dtype`` as the server's (default float32). ``--prompt-beside N``: every timed step
+also prefills a new N-token prompt, as most steps of a closed loop of many streams do.
 """
 
 from __future__ import annotations
@@ -34,15 +36,22 @@ BLOCK_SIZE = 16
 PATHS = ("torch", "onednn", "packed")  # the matmul paths timed side by side
 
 
+def prompt_blocks(tokens: int) -> int:
+    return -(-tokens // BLOCK_SIZE)
+
+
 def decode_steps(
     runner: ModelRunner,
     batch: int,
     context: int,
     steps: int,
     profiler: torch.profiler.profile | None = None,
+    prompt_beside: int = 0,
 ) -> list[float]:
     """Prefill ``batch`` requests, then time ``steps`` decode steps (seconds each); a
-    ``profiler`` given runs over the decode steps only."""
+    ``profiler`` given runs over the decode steps only. ``prompt_beside``: each timed step also
+    prefills a new request's prompt of that many tokens (released after the step), as a step of
+    a closed loop of many streams often does."""
     rng = random.Random(0)
     vocab = runner.summary().vocab_size
     blocks_per_request = -(-(context + steps + 1) // BLOCK_SIZE)
@@ -59,6 +68,9 @@ def decode_steps(
                 num_computed_tokens=0,
             )
         )
+    beside_blocks = list(
+        range(batch * blocks_per_request, batch * blocks_per_request + prompt_blocks(prompt_beside))
+    )
     runner.execute_model(
         SchedulerOutput(
             step_id=step_id,
@@ -73,15 +85,32 @@ def decode_steps(
     for k in range(steps):
         step_id += 1
         computed = context + k
+        scheduled = {r.request_id: 1 for r in new}
+        prompts = []
+        if prompt_beside:
+            prompts = [
+                NewRequest(
+                    request_id=f"p{k}",
+                    prompt_token_ids=[rng.randrange(vocab) for _ in range(prompt_beside)],
+                    sampling_params=SamplingParams(temperature=0.0, max_tokens=1),
+                    block_ids=beside_blocks,
+                    num_computed_tokens=0,
+                )
+            ]
+            scheduled[f"p{k}"] = prompt_beside
         step = SchedulerOutput(
             step_id=step_id,
+            new_requests=prompts,
             cached_requests=[CachedRequest(r.request_id, [], computed) for r in new],
-            num_scheduled_tokens={r.request_id: 1 for r in new},
-            total_num_scheduled_tokens=batch,
+            num_scheduled_tokens=scheduled,
+            total_num_scheduled_tokens=sum(scheduled.values()),
         )
         started = time.perf_counter()
         runner.execute_model(step)
         times.append(time.perf_counter() - started)
+        if prompts:
+            step_id += 1
+            runner.execute_model(SchedulerOutput(step_id=step_id, finished_request_ids=[f"p{k}"]))
     if profiler is not None:
         profiler.stop()
     runner.execute_model(
@@ -99,19 +128,30 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--prompt-beside",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="each timed step also prefills a new prompt of TOKENS tokens",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     blocks = max(args.batch) * -(-(args.context + args.steps + 1) // BLOCK_SIZE)
+    blocks += prompt_blocks(args.prompt_beside)
     kernels: dict[str, tuple[ModelRunner, bool]] = {}
     if {"torch", "onednn"} & set(args.paths):
         gemm.use_onednn(False)  # loaded with oneDNN off, the weights stay dense
-        dense = ModelRunner(ModelConfig(model=args.model, quantization="none"), CPU)
+        dense = ModelRunner(
+            ModelConfig(model=args.model, quantization="none", dtype=args.dtype), CPU
+        )
         dense.load_model()
         dense.initialize_kv_cache(blocks, BLOCK_SIZE)
         kernels |= {"torch": (dense, False), "onednn": (dense, True)}
     gemm.use_onednn(True)
-    packed = ModelRunner(ModelConfig(model=args.model, quantization="none"), CPU)
+    packed = ModelRunner(ModelConfig(model=args.model, quantization="none", dtype=args.dtype), CPU)
     packed.load_model()
     packed.initialize_kv_cache(blocks, BLOCK_SIZE)
     kernels["packed"] = (packed, True)
@@ -132,8 +172,8 @@ def main() -> None:
         ms = {}
         for kernel, (runner, onednn) in kernels.items():
             gemm.use_onednn(onednn)
-            decode_steps(runner, batch, args.context, 5)  # warm-up
-            steps = decode_steps(runner, batch, args.context, args.steps)
+            decode_steps(runner, batch, args.context, 5, None, args.prompt_beside)  # warm-up
+            steps = decode_steps(runner, batch, args.context, args.steps, None, args.prompt_beside)
             ms[kernel] = statistics.median(steps) * 1e3
         print(
             f"{batch:>5} | "
