@@ -1,7 +1,7 @@
 /* small_batch_gemm.c's matmul where the compiler targets AVX-512F: the panels' 16 columns are
    one 512-bit vector, and a call takes up to twelve rows times two neighbouring panels (24 sums
    in registers). The AVX2 code's two 256-bit vectors a panel ran at half the multiply-add rate
-   of a core whose 512-bit units are two (an Intel Xeon's): 130-150 GFLOP/s on two threads at
+   of a core whose 512-bit units are two (an Intel Xeon's): 116-150 GFLOP/s on two threads at
    32-64 rows, where oneDNN's kernels reached 200-250. Every output is the same fused
    multiply-add chain over the inputs in order as the AVX2 code's, so the floats are the same
    bit for bit, and still independent of the rows beside it. Included by small_batch_gemm.c
