@@ -159,29 +159,22 @@ def to_dtype(x: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = Non
     kernel (the values torch's ``.to`` gives, without waking its thread team); torch's ``.to``
     for anything else. ``out``: a contiguous tensor of ``dtype`` and ``x``'s shape to write
     into (returned)."""
-    if out is not None:
-        if out.dtype != dtype or out.shape != x.shape or not out.is_contiguous():
-            raise ValueError("to_dtype: out must be a contiguous tensor of dtype and x's shape")
-        if x.dtype == dtype or x.dim() != 2 or x.stride(1) != 1 or x.device.type != "cpu":
+    if out is not None and (out.dtype != dtype or out.shape != x.shape or not out.is_contiguous()):
+        raise ValueError("to_dtype: out must be a contiguous tensor of dtype and x's shape")
+    kernel = {
+        (torch.bfloat16, torch.float32): _widen_bf16,
+        (torch.float32, torch.bfloat16): _narrow_f32,
+    }.get((x.dtype, dtype))
+    if kernel is None or x.dim() != 2 or x.stride(1) != 1 or x.device.type != "cpu":
+        if out is not None:
             return out.copy_(x)
-    if x.dtype == dtype:
-        return x
-    if x.dim() == 2 and x.stride(1) == 1 and x.device.type == "cpu":
-        kernel = (
-            _widen_bf16
-            if (x.dtype, dtype) == (torch.bfloat16, torch.float32)
-            else _narrow_f32
-            if (x.dtype, dtype) == (torch.float32, torch.bfloat16)
-            else None
-        )
-        if kernel is not None:
-            rows, cols = x.shape
-            if out is None:
-                out = torch.empty(rows, cols, dtype=dtype)
-            if rows:
-                kernel(x.data_ptr(), x.stride(0), out.data_ptr(), rows, cols)
-            return out
-    return x.to(dtype) if out is None else out.copy_(x)
+        return x if x.dtype == dtype else x.to(dtype)
+    rows, cols = x.shape
+    if out is None:
+        out = torch.empty(rows, cols, dtype=dtype)
+    if rows:
+        kernel(x.data_ptr(), x.stride(0), out.data_ptr(), rows, cols)
+    return out
 
 
 def write_kv(

@@ -258,11 +258,12 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
     ) -> bool:
-        """A decode step on the CPU kernel backend: every layer in one C call, ``hidden`` in
-        place. Decodes, and chunks of a few tokens (a decode with its proposed tokens), each
-        token a row that sees the keys up to its own position. False where the stack does not
-        apply (the caller loops over the layers): also a step with LoRA rows whose deltas the
-        stack cannot add (they are the projections' hooks', which it does not run)."""
+        """A step on the CPU kernel backend: every layer in one C call, ``hidden`` in place.
+        Decodes, and the chunks the decode-attention kernel attends (a decode with its proposed
+        tokens, a short prompt), each token a row that sees the keys up to its own position.
+        False where the stack does not apply (the caller loops over the layers): also a step
+        with LoRA rows whose deltas the stack cannot add (they are the projections' hooks',
+        which it does not run)."""
         decode = metadata.decode
         lora = metadata.lora
         if lora is not None and lora.stack is None:
