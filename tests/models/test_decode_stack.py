@@ -93,6 +93,7 @@ def _run(runner, steps: list[SchedulerOutput], stack_on: bool, monkeypatch) -> l
 )
 def test_decode_steps_are_bit_identical_to_the_layers(family, kwargs, monkeypatch):
     model_dir = tiny_checkpoint_dir(family, **kwargs)
+    assert small_batch_gemm.load(), small_batch_gemm.status()  # max_rows() is 0 until loaded
     num_blocks = small_batch_gemm.max_rows() * BLOCK_RANGE
     stacked, layered = make_runner(model_dir, num_blocks), make_runner(model_dir, num_blocks)
     assert decode_stack.status() == "in use", decode_stack.status()
