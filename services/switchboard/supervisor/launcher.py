@@ -249,7 +249,11 @@ class Supervisor:
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
         logger.info("received %s: stopping", signal.Signals(signum).name)
-        self._stop_requested.set()
+        # Not set() here: the handler runs on the main thread between two bytecodes, possibly
+        # inside _stop_requested.wait() while that holds the event's lock, and set() would wait
+        # for that lock forever (seen: a SIGTERM 0.5 s after the ready line never stopped the
+        # server). A thread of its own takes the lock once the main thread lets go of it.
+        threading.Thread(target=self._stop_requested.set, name="stop", daemon=True).start()
 
     def _wait_for_first_exit(self) -> Child | None:
         """Block until a stop is requested (None) or a child exits on its own and is not
