@@ -1,14 +1,19 @@
 """Panel memory in huge-page-advised chunks: copies hold the bytes, start on a cache line, do not
-overlap, and a chunk goes back once the last tensor in it is gone."""
+overlap, and a chunk goes back once the last tensor in it is gone. A CPU KV cache is advised
+into huge pages too, and starts zeroed."""
 
 from __future__ import annotations
 
 import gc
+import mmap
+import os
 from itertools import pairwise
 
+import pytest
 import torch
 
 from switchboard.kernels import huge_pages
+from switchboard.models.attention import new_kv_cache
 
 
 def _bytes(n: int, seed: int) -> torch.Tensor:
@@ -44,3 +49,32 @@ def test_a_chunk_is_freed_with_its_last_tensor(monkeypatch):
     assert chunk() is None
     again = huge_pages.copy_of(_bytes(1000, 4))  # a new chunk, not the freed one's memory
     assert torch.equal(again, _bytes(1000, 4))
+
+
+def _mapping_of(address: int) -> list[str]:
+    """The lines /proc/self/smaps gives for the mapping holding ``address``."""
+    with open("/proc/self/smaps") as f:
+        lines = f.read().splitlines()
+    for i, line in enumerate(lines):
+        span = line.split(" ", 1)[0]
+        if "-" not in span or not all(c in "0123456789abcdef-" for c in span):
+            continue
+        start, end = (int(x, 16) for x in span.split("-"))
+        if start <= address < end:
+            body = []
+            for more in lines[i + 1 :]:
+                head = more.split(" ", 1)[0]
+                if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                    break
+                body.append(more)
+            return body
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this OS")
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="no /proc/self/smaps")
+def test_a_cpu_kv_cache_is_advised_into_huge_pages_and_starts_zeroed():
+    cache = new_kv_cache(256, 16, 4, 64, torch.bfloat16, "cpu")  # 4 MiB
+    flags = next(ln for ln in _mapping_of(cache.data_ptr()) if ln.startswith("VmFlags"))
+    assert " hg" in flags, flags  # MADV_HUGEPAGE: THP in "madvise" mode gives it huge pages
+    assert not cache.any()  # untouched memory reads as zeros (masked slots rely on it)
