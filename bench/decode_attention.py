@@ -13,14 +13,15 @@ CPU's model name and its AVX-512 flag head the table (the kernel's AVX-512 path 
 CPU has it).
 
 ``--out-of-cache`` times the kernel where a served cache is: larger than the CPU's caches, each
-call on other blocks (block tables drawn over a cache of ``--cache-mb``), on the KV cache the
-worker allocates (``new_kv_cache``: advised into 2 MiB pages) against the same values in memory
-advised out of them (4 KiB pages), the two alternated call by call.
+call on other blocks (block tables drawn over a cache of ``--cache-mb``), the cache in memory
+advised into 2 MiB pages against the same values in memory advised out of them (4 KiB pages), the
+two alternated call by call.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import mmap
 import statistics
 import time
@@ -28,9 +29,9 @@ from collections.abc import Callable
 
 import torch
 
-from switchboard.kernels import paged_decode
+from switchboard.kernels import huge_pages, paged_decode
 from switchboard.kernels.build import cpu_flags
-from switchboard.models.attention import DecodeBatch, gathered_decode_attention, new_kv_cache
+from switchboard.models.attention import DecodeBatch, gathered_decode_attention
 
 BLOCK = 16
 SHAPES = [  # label, requests, heads, kv heads, head size, shortest and longest context
@@ -52,12 +53,16 @@ def median_s(reps: int, fn: Callable[..., object], *args: object) -> float:
     return statistics.median(times)
 
 
-def small_pages_cache(like: torch.Tensor) -> torch.Tensor:
-    """A cache of ``like``'s shape and dtype in memory advised out of huge pages."""
-    pages = mmap.mmap(-1, like.numel() * like.element_size(), flags=mmap.MAP_PRIVATE)
-    if hasattr(mmap, "MADV_NOHUGEPAGE"):
-        pages.madvise(mmap.MADV_NOHUGEPAGE)
-    return torch.frombuffer(pages, dtype=like.dtype, count=like.numel()).view(like.shape)
+def cache_in(pages: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed cache in memory advised into huge pages (``pages`` "huge") or out of them."""
+    numel = math.prod(shape)
+    if pages == "huge":
+        memory = huge_pages.advised_memory(numel * dtype.itemsize)
+    else:
+        memory = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE)
+        if hasattr(mmap, "MADV_NOHUGEPAGE"):
+            memory.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(memory, dtype=dtype, count=numel).view(shape)
 
 
 def out_of_cache(reps: int, cache_mb: int) -> None:
@@ -73,8 +78,8 @@ def out_of_cache(reps: int, cache_mb: int) -> None:
             block_bytes = 2 * BLOCK * kv_heads * dim * dtype.itemsize
             tables = max(2, (cache_mb << 20) // (block_bytes * rows * max_blocks))
             blocks = tables * rows * max_blocks
-            huge = new_kv_cache(blocks, BLOCK, kv_heads, dim, dtype, "cpu")
-            small = small_pages_cache(huge)
+            shape = (2, blocks, BLOCK, kv_heads, dim)
+            huge, small = cache_in("huge", shape, dtype), cache_in("small", shape, dtype)
             for i in range(blocks):  # the same values in both, block by block
                 values = torch.randn(2, BLOCK, kv_heads, dim, generator=generator).to(dtype)
                 huge[:, i] = values

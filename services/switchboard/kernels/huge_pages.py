@@ -1,5 +1,4 @@
-"""Memory in transparent huge pages, where Linux offers them: the quantized weights' panels and
-the KV cache (``models/attention.py``).
+"""Memory for the quantized weights' panels in transparent huge pages, where Linux offers them.
 
 A decode step at one row streams every panel once (SmolLM2's Q4_1 layers and Q8_0 head: ~96 MB
 a token), which in 4 KiB pages is a TLB miss and a page walk every 4 KiB. In 2 MiB pages the
@@ -10,11 +9,6 @@ so the panels are copied into chunks of anonymous memory advised ``MADV_HUGEPAGE
 advice is refused (THP off, another OS) the chunks are plain pages and nothing else differs.
 A chunk is freed when the last tensor in it is.
 
-The decode-attention kernel reads each request's blocks wherever the block pool put them: with a
-cache larger than the CPU's caches, every block is a TLB miss in 4 KiB pages. In 2 MiB pages the
-kernel took 11-12 % less time on SmolLM2's shape (64 rows of 32-160 tokens, a bfloat16 cache of
-377 MB, block tables over all of it; Intel Xeon with AMX, 2 threads, the two caches alternated in
-one process: ``bench/decode_attention.py --out-of-cache``).
 """
 
 from __future__ import annotations

@@ -31,13 +31,14 @@ Metadata with no backend runs the reference.
 from __future__ import annotations
 
 import math
+import mmap
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
-from switchboard.kernels import fused_ops, huge_pages
+from switchboard.kernels import fused_ops
 
 if TYPE_CHECKING:
     from switchboard.models.lora.stacks import LoraBatch
@@ -200,9 +201,8 @@ def new_kv_cache(
         return torch.zeros(shape, dtype=dtype, device=device)
     # On CPU, private anonymous memory: the kernel hands out zeroed pages when they are first
     # touched. torch.zeros wrote every page at start instead (2 GiB: 4 s of a 10 s start on a
-    # 2-core VM), most of them for blocks a short run never uses. In huge pages where Linux
-    # offers them: the attention kernel reads blocks scattered over the cache (huge_pages.py).
-    pages = huge_pages.advised_memory(numel * dtype.itemsize)
+    # 2-core VM), most of them for blocks a short run never uses.
+    pages = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE)
     return torch.frombuffer(pages, dtype=dtype, count=numel).view(shape)
 
 
