@@ -66,7 +66,7 @@ def cache_in(pages: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Te
 
 
 def out_of_cache(reps: int, cache_mb: int) -> None:
-    """The kernel on caches larger than the CPU's: 2 MiB pages (the worker's) against 4 KiB."""
+    """The kernel on caches larger than the CPU's: in 2 MiB pages against 4 KiB pages."""
     print("| model | requests | context | cache | MB | 2 MiB pages us | 4 KiB pages us | ratio |")
     print("|---|---|---|---|---|---|---|---|")
     generator = torch.Generator().manual_seed(0)

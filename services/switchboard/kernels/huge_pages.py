@@ -8,7 +8,6 @@ AMD EPYC with AVX-512, alternated runs: 3.05 -> 2.59 ms). With transparent huge 
 so the panels are copied into chunks of anonymous memory advised ``MADV_HUGEPAGE``; where the
 advice is refused (THP off, another OS) the chunks are plain pages and nothing else differs.
 A chunk is freed when the last tensor in it is.
-
 """
 
 from __future__ import annotations
