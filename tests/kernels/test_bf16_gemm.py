@@ -121,8 +121,9 @@ def test_a_bfloat16_step_stays_on_it_up_to_its_rows_unless_onednn_has_amx_and_it
     monkeypatch, restore_kernel
 ):
     """With AMX and the kernel's amx variant, or without AMX, a bfloat16 step of up to the
-    float32 kernel's rows runs on the kernel (and in the decode stack); with AMX but another
-    variant, oneDNN's tiles take the steps past 16 rows."""
+    float32 kernel's rows runs on the kernel (and in the decode stack; the amx variant takes the
+    layers' products up to AMX_KERNEL_MAX_ROWS); with AMX but another variant, oneDNN's tiles
+    take the steps past 16 rows."""
     if not bf16_gemm.load():
         pytest.skip(f"the bfloat16 kernel is not loaded here: {bf16_gemm.status()}")
     all_rows = gemm.SMALL_BATCH_MAX_ROWS
@@ -131,7 +132,8 @@ def test_a_bfloat16_step_stays_on_it_up_to_its_rows_unless_onednn_has_amx_and_it
     monkeypatch.undo()
     if "amx" in bf16_gemm.available():
         assert bf16_gemm.load("amx")
-        assert gemm.few_rows_limit(torch.bfloat16) == gemm.bf16_max_rows() == all_rows
+        assert gemm.few_rows_limit(torch.bfloat16) == all_rows
+        assert gemm.bf16_max_rows() == gemm.AMX_KERNEL_MAX_ROWS
         assert bf16_gemm.load("dpbf16")
         assert gemm.bf16_max_rows() == gemm.AMX_ONEDNN_ROWS
         assert gemm.few_rows_limit(torch.bfloat16) == 0

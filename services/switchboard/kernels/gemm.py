@@ -70,14 +70,19 @@ SMALL_BATCH_MAX_ROWS = 128 if "avx512f" in cpu_flags() else 512
 # where AMX is there but another variant is loaded (switched by ``SWITCHBOARD_BF16_GEMM``) does
 # oneDNN take the steps past ``AMX_ONEDNN_ROWS``, where its tiles beat the AVX-512 kernel.
 AMX_ONEDNN_ROWS = 16
+# The amx variant takes the layer-by-layer path's products of up to this many rows: a step of
+# decodes beside a prompt chunk (64 + 128 rows at 64 streams) ran 1.2-1.6x as fast on it as on
+# oneDNN in process (SmolLM2, llama-100m, tiny-llama in bfloat16; docs/benchmarks.md,
+# "bfloat16 on AMX tiles"). The one-call stack and the step budget keep SMALL_BATCH_MAX_ROWS.
+AMX_KERNEL_MAX_ROWS = 256
 # read once: bf16_max_rows() is asked on every bfloat16 product of the layer-by-layer path
 CPU_HAS_AMX = "amx_bf16" in cpu_flags()
 
 
 def bf16_max_rows() -> int:
     """The most rows a bfloat16 product runs on the bfloat16 kernel (past them: oneDNN)."""
-    if CPU_HAS_AMX and bf16_gemm.variant() != "amx":
-        return AMX_ONEDNN_ROWS
+    if CPU_HAS_AMX:
+        return AMX_KERNEL_MAX_ROWS if bf16_gemm.variant() == "amx" else AMX_ONEDNN_ROWS
     return SMALL_BATCH_MAX_ROWS
 
 
@@ -99,7 +104,7 @@ def few_rows_limit(dtype: torch.dtype) -> int:
     if dtype == torch.bfloat16:
         if bf16_gemm.max_rows() == 0 or bf16_max_rows() < SMALL_BATCH_MAX_ROWS:
             return 0
-        return bf16_max_rows()
+        return SMALL_BATCH_MAX_ROWS
     return SMALL_BATCH_MAX_ROWS if dtype == torch.float32 and small_batch_gemm.max_rows() else 0
 
 
