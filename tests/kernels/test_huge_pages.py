@@ -72,6 +72,9 @@ def _mapping_of(address: int) -> list[str]:
 
 @pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this OS")
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="no /proc/self/smaps")
+@pytest.mark.skipif(
+    not os.path.exists("/sys/kernel/mm/transparent_hugepage"), reason="a kernel without THP"
+)
 def test_advised_memory_carries_the_advice_and_starts_zeroed():
     memory = huge_pages.advised_memory(4 << 20)
     data = torch.frombuffer(memory, dtype=torch.uint8)

@@ -96,11 +96,12 @@ _enabled = _onednn_linear is not None and os.environ.get("SWITCHBOARD_GEMM", "au
 
 
 def few_rows_limit(dtype: torch.dtype) -> int:
-    """The most rows a product of a ``dtype`` model may have and still run on the kernel for few
-    rows (its panels, the one-call decode stack); past them oneDNN takes it, no faster a row
-    in float32 and slower in bfloat16 without AMX. 0: no such kernel is loaded, or it keeps
-    fewer rows than the float32 one (bfloat16 on AMX without the kernel's amx variant, where
-    oneDNN's tiles win past them)."""
+    """The most rows a step of a ``dtype`` model may have and still run on the kernel for few
+    rows in the one-call decode stack (the step budget on CPU follows it); past them the step
+    goes layer by layer, its products to oneDNN (no faster a row in float32, slower in bfloat16
+    without AMX) or, bfloat16 with the amx variant, up to ``bf16_max_rows()`` to the kernel. 0:
+    no such kernel is loaded, or it keeps fewer rows than the float32 one (bfloat16 on AMX
+    without the kernel's amx variant, where oneDNN's tiles win past them)."""
     if dtype == torch.bfloat16:
         if bf16_gemm.max_rows() == 0 or bf16_max_rows() < SMALL_BATCH_MAX_ROWS:
             return 0
