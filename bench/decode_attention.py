@@ -53,10 +53,10 @@ def median_s(reps: int, fn: Callable[..., object], *args: object) -> float:
     return statistics.median(times)
 
 
-def cache_in(pages: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed cache in memory advised into huge pages (``pages`` "huge") or out of them."""
+def cache_in(huge: bool, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed cache in memory advised into huge pages (``huge``) or out of them."""
     numel = math.prod(shape)
-    if pages == "huge":
+    if huge:
         memory = huge_pages.advised_memory(numel * dtype.itemsize)
     else:
         memory = mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE)
@@ -79,7 +79,7 @@ def out_of_cache(reps: int, cache_mb: int) -> None:
             tables = max(2, (cache_mb << 20) // (block_bytes * rows * max_blocks))
             blocks = tables * rows * max_blocks
             shape = (2, blocks, BLOCK, kv_heads, dim)
-            huge, small = cache_in("huge", shape, dtype), cache_in("small", shape, dtype)
+            huge, small = cache_in(True, shape, dtype), cache_in(False, shape, dtype)
             for i in range(blocks):  # the same values in both, block by block
                 values = torch.randn(2, BLOCK, kv_heads, dim, generator=generator).to(dtype)
                 huge[:, i] = values

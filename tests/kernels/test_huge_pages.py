@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import mmap
 import os
+import re
 from itertools import pairwise
 
 import pytest
@@ -50,23 +51,17 @@ def test_a_chunk_is_freed_with_its_last_tensor(monkeypatch):
     assert torch.equal(again, _bytes(1000, 4))
 
 
+_MAPPING = re.compile(r"([0-9a-f]+)-([0-9a-f]+) ")  # a mapping's first line in smaps
+
+
 def _mapping_of(address: int) -> list[str]:
     """The lines /proc/self/smaps gives for the mapping holding ``address``."""
     with open("/proc/self/smaps") as f:
         lines = f.read().splitlines()
-    for i, line in enumerate(lines):
-        span = line.split(" ", 1)[0]
-        if "-" not in span or not all(c in "0123456789abcdef-" for c in span):
-            continue
-        start, end = (int(x, 16) for x in span.split("-"))
-        if start <= address < end:
-            body = []
-            for more in lines[i + 1 :]:
-                head = more.split(" ", 1)[0]
-                if "-" in head and all(c in "0123456789abcdef-" for c in head):
-                    break
-                body.append(more)
-            return body
+    starts = [(i, m) for i, line in enumerate(lines) if (m := _MAPPING.match(line))]
+    for (i, m), (end, _) in zip(starts, [*starts[1:], (len(lines), None)], strict=True):
+        if int(m[1], 16) <= address < int(m[2], 16):
+            return lines[i + 1 : end]
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
