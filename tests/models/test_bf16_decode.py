@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from switchboard import cli
-from switchboard.kernels import bf16_gemm, decode_stack
+from switchboard.kernels import bf16_gemm, decode_stack, gemm
 from switchboard.models.attention import REFERENCE
 from switchboard.worker.model_loading import resolve_kv_cache_dtype
-from tests.models.test_decode_stack import _stack_calls
+from tests.models.test_decode_stack import BLOCK_RANGE, _run, _stack_calls, _steps
 from tests.tiny_checkpoint import tiny_llama_dir
 from tests.worker.test_model_runner_parity import DrivenRequest, ToyScheduler, make_runner
 
@@ -102,3 +102,34 @@ def test_kv_cache_dtype_flag_is_checked_at_start_up(capsys):
         resolve_kv_cache_dtype("float32", torch.bfloat16, cuda)
     with pytest.raises(ValueError, match="unknown KV cache dtype 'fp8'"):
         resolve_kv_cache_dtype("fp8", torch.float32, cpu)
+
+
+def test_the_amx_kernel_keeps_steps_past_the_float32_rows_in_one_call(monkeypatch):
+    """With the amx variant a bfloat16 step of more rows than the float32 stack takes (decodes
+    beside a prompt chunk at many streams) runs in one call, agreeing with the layers' to
+    bfloat16 rounding; a plan with float32 or quantized panels among its matrices keeps
+    ``MAX_ROWS``."""
+    if not bf16_gemm.load() or gemm.bf16_max_rows() <= decode_stack.MAX_ROWS:
+        pytest.skip("the bfloat16 kernel takes no more rows than the float32 one here")
+    assert decode_stack._max_rows({True}) == gemm.bf16_max_rows()
+    assert decode_stack._max_rows({True, False}) == decode_stack.MAX_ROWS
+    assert decode_stack._max_rows({False}) == decode_stack.MAX_ROWS
+    rows = decode_stack.MAX_ROWS + 5
+    model_dir = tiny_llama_dir()
+    stacked, layered = (
+        make_runner(model_dir, rows * BLOCK_RANGE, dtype="bfloat16") for _ in range(2)
+    )
+    steps = _steps(rows, stacked.summary().vocab_size, decode_steps=3, seed=1)
+    calls = _stack_calls(monkeypatch)
+    got = _run(stacked, steps, True, monkeypatch)
+    assert calls == [False, True, True, True]  # the prompts' thousands of tokens: the layers
+    calls.clear()
+    with monkeypatch.context() as patch:
+        patch.setattr(decode_stack, "_max_rows", lambda kinds: decode_stack.MAX_ROWS)
+        expected = _run(layered, steps, True, monkeypatch)
+    assert calls == [False] * 4
+    assert torch.equal(got[0], expected[0])  # the same prefill on both
+    # the first decode step's inputs are the same on both: each row's best five
+    ours, theirs = (logits[1].float().log_softmax(-1) for logits in (got, expected))
+    best = theirs.topk(5)
+    torch.testing.assert_close(ours.gather(1, best.indices), best.values, atol=BF16_ERROR, rtol=0)

@@ -73,7 +73,8 @@ AMX_ONEDNN_ROWS = 16
 # The amx variant takes the layer-by-layer path's products of up to this many rows: a step of
 # decodes beside a prompt chunk (64 + 128 rows at 64 streams) ran 1.2-1.6x as fast on it as on
 # oneDNN in process (SmolLM2, llama-100m, tiny-llama in bfloat16; docs/benchmarks.md,
-# "bfloat16 on AMX tiles"). The one-call stack and the step budget keep SMALL_BATCH_MAX_ROWS.
+# "bfloat16 on AMX tiles"), and so does the one-call stack of a model whose matrices are all
+# bfloat16 (decode_stack.py); the CPU step budget keeps SMALL_BATCH_MAX_ROWS.
 AMX_KERNEL_MAX_ROWS = 256
 # read once: bf16_max_rows() is asked on every bfloat16 product of the layer-by-layer path
 CPU_HAS_AMX = "amx_bf16" in cpu_flags()
@@ -96,11 +97,13 @@ _enabled = _onednn_linear is not None and os.environ.get("SWITCHBOARD_GEMM", "au
 
 
 def few_rows_limit(dtype: torch.dtype) -> int:
-    """The most rows a step of a ``dtype`` model may have and still run on the kernel for few
-    rows in the one-call decode stack (the step budget on CPU follows it); past them the step
-    goes layer by layer, its products to oneDNN (no faster a row in float32, slower in bfloat16
-    without AMX) or, bfloat16 with the amx variant, up to ``bf16_max_rows()`` to the kernel. 0:
-    no such kernel is loaded, or it keeps fewer rows than the float32 one (bfloat16 on AMX
+    """The rows the CPU step budget follows: the most a step of a ``dtype`` model may have and
+    still run on the kernel for few rows in the one-call decode stack; past them the step goes
+    layer by layer, its products to oneDNN (no faster a row in float32, slower in bfloat16
+    without AMX). bfloat16 with the amx variant: 128 too, though the stack takes up to
+    ``bf16_max_rows()`` (the decodes of many streams beside the budget's prompt tokens); a
+    budget of 256 lengthened the time to first token (SmolLM2, 32 streams: p50 325 -> 464 ms).
+    0: no such kernel is loaded, or it keeps fewer rows than the float32 one (bfloat16 on AMX
     without the kernel's amx variant, where oneDNN's tiles win past them)."""
     if dtype == torch.bfloat16:
         if bf16_gemm.max_rows() == 0 or bf16_max_rows() < SMALL_BATCH_MAX_ROWS:
