@@ -53,8 +53,10 @@ NO_OFFSETS = 512
 EXACT = "exact"
 # dot product variant -> (the C side's number, the CPU flags it needs), fastest first
 _AVX2 = frozenset({"avx2", "fma"})
+_VNNI512 = _AVX2 | {"avx512f", "avx512bw", "avx512_vnni"}
 DOT_VARIANTS: dict[str, tuple[int, frozenset[str]]] = {
-    "vnni512": (2, _AVX2 | {"avx512f", "avx512bw", "avx512_vnni"}),
+    "amx": (3, _VNNI512 | {"amx_tile", "amx_int8"}),
+    "vnni512": (2, _VNNI512),
     "avx2": (1, _AVX2),
 }
 _kernel = PanelKernel(__name__)

@@ -39,12 +39,13 @@
    P panels), this file quantizes the rows and splits a matmul into tiles over the work pool. */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "kernels.h"
 #include "quant_dot.h"
 #include "work_pool.h"
 
-enum variant { NONE = 0, AVX2 = 1, VNNI512 = 2 };
+enum variant { NONE = 0, AVX2 = 1, VNNI512 = 2, AMX8 = 3 };
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -55,7 +56,13 @@ enum variant { NONE = 0, AVX2 = 1, VNNI512 = 2 };
 #define HAVE_VNNI512 0
 #endif
 
-static const int compiled = (1 << AVX2) | (HAVE_VNNI512 << VNNI512);
+#if HAVE_VNNI512 && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#define HAVE_AMX8 1
+#else
+#define HAVE_AMX8 0
+#endif
+
+static const int compiled = (1 << AVX2) | (HAVE_VNNI512 << VNNI512) | (HAVE_AMX8 << AMX8);
 static int selected = NONE;
 
 /* Rows per group over one panel: every (row, panel) pair holds an integer and a float sum in
@@ -64,17 +71,21 @@ static int selected = NONE;
    ~12 % longer) */
 #define MAX_ROWS_512 9
 #define MAX_ROWS_256 2
-static inline int rows_of(int v) { return v == VNNI512 ? MAX_ROWS_512 : MAX_ROWS_256; }
+#define MAX_ROWS_AMX8 16 /* a tile's rows (the VNNI-512 tile's for rows left over) */
+static inline int rows_of(int v) {
+    return v == AMX8 ? MAX_ROWS_AMX8 : v == VNNI512 ? MAX_ROWS_512 : MAX_ROWS_256;
+}
 /* panels one group takes at once: independent chains for few rows */
 static inline int panels_for(int v, int64_t R) {
     if (v == VNNI512) return R <= 2 ? 4 : R <= 4 ? 2 : 1;
     return R == 1 ? 2 : 1;
 }
 
-int quant_dot_variants(void) { return compiled; }
+/* the AMX variant only where Linux granted the tiles (bf16_amx.c asks once) */
+int quant_dot_variants(void) { return compiled & ~(bf16_amx_ready() ? 0 : 1 << AMX8); }
 
 int quant_dot_select(int v) {
-    if (v <= NONE || v > VNNI512 || !(compiled & (1 << v))) return 0;
+    if (v <= NONE || v > AMX8 || !(quant_dot_variants() & (1 << v))) return 0;
     selected = v;
     return rows_of(v);
 }
@@ -180,6 +191,10 @@ static void panel_group4(int layout, int v, int64_t M, int many, int64_t B, cons
                    bias);
 }
 
+#if HAVE_AMX8
+#include "quant_dot_amx.h"
+#endif
+
 struct dot_task {
     struct qrows x;
     const float *bias;
@@ -217,16 +232,65 @@ static void dot_panels(void *arg, int64_t i0, int64_t i1) {
     }
 }
 
+#define PANEL_WORK 32768
+
+#if HAVE_AMX8
+/* dot_linear on the tiles for rows 0 .. m_amx, the VNNI-512 tile for the rest */
+static int amx_linear(const float *x, int64_t ldx, const uint8_t *p, const float *bias, float *y,
+                      int64_t M, int64_t K, int64_t N, int64_t B, int nibbles, int layout,
+                      int64_t m_amx) {
+    const int64_t blocks = K / B, padded = (m_amx + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+    const int64_t rest = M - m_amx, rows = padded + rest; /* padded > m_amx only when rest 0 */
+    static __thread void *scratch = NULL;
+    static __thread size_t capacity = 0;
+    const size_t floats = (size_t)(rows * blocks);
+    const size_t needed = 3 * floats * 4 + (size_t)(padded * K) + (size_t)(rest * K);
+    if (needed > capacity) {
+        free(scratch);
+        scratch = malloc(needed);
+        capacity = scratch == NULL ? 0 : needed;
+        if (scratch == NULL) return -2;
+    }
+    float *d = scratch, *ds = d + floats;
+    int32_t *corr = (int32_t *)(ds + floats);
+    int8_t *qa = (int8_t *)(corr + floats), *q_rest = qa + padded * K;
+    memset(d + M * blocks, 0, sizeof(float) * (size_t)((rows - M) * blocks));
+    memset(ds + M * blocks, 0, sizeof(float) * (size_t)((rows - M) * blocks));
+    memset(corr + M * blocks, 0, sizeof(int32_t) * (size_t)((rows - M) * blocks));
+    memset(qa + m_amx * K, 0, (size_t)((padded - m_amx) * K));
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t i = r * blocks + b;
+            int32_t *q4 = r < m_amx ? (int32_t *)(qa + r * K + b * B)
+                                    : (int32_t *)q_rest + b * (B / 4) * rest + (r - m_amx);
+            quantize_block(x + r * ldx + b * B, B, q4, r < m_amx ? 1 : rest, d + i, ds + i,
+                           corr + i);
+        }
+    const struct qrows rest_rows = {(const int32_t *)q_rest, d + m_amx * blocks,
+                                    ds + m_amx * blocks, corr + m_amx * blocks, rest, blocks};
+    const struct amx_task task = {qa, d, ds, corr, rest_rows, bias, p, y, M, m_amx, K, N, B,
+                                  blocks, nibbles, layout};
+    const int64_t items = (N + PW - 1) / PW;
+    switchboard_parallel_for(items, PANEL_WORK / (M * K * PW), amx_panels, (void *)&task);
+    return 0;
+}
+#endif
+
 /* y [M, N] = x [M, K] (row stride ldx) @ w^T (+ bias), w in quant_dot_pack's panels (or
    quant_dot4_pack's when `nibbles`) of blocks of B inputs (16 or 32; K a multiple of it), x
    quantized per block, with the selected variant. Returns 0; -1 for bad sizes or no variant;
    -2 out of memory. */
-#define PANEL_WORK 32768
 static int dot_linear(const float *x, int64_t ldx, const uint8_t *p, const float *bias, float *y,
                       int64_t M, int64_t K, int64_t N, int64_t B, int nibbles) {
-    const int v = selected, layout = layout_of(B);
+    int v = selected;
+    const int layout = layout_of(B);
     B = block_of(B);
     if (M < 1 || K < 1 || (B != 16 && B != 32) || K % B != 0 || v == NONE) return -1;
+#if HAVE_AMX8
+    if (v == AMX8 && amx_rows(M) > 0) return amx_linear(x, ldx, p, bias, y, M, K, N, B, nibbles,
+                                                         layout, amx_rows(M));
+#endif
+    if (v == AMX8) v = VNNI512; /* too few rows for a tile */
     const int64_t blocks = K / B;
     /* the quantized rows, kept from call to call (fresh pages each call would be faulted in
        every time); one per calling thread */
