@@ -268,11 +268,11 @@ static int amx_linear(const float *x, int64_t ldx, const uint8_t *p, const float
         }
     const struct qrows rest_rows = {(const int32_t *)q_rest, d + m_amx * blocks,
                                     ds + m_amx * blocks, corr + m_amx * blocks, rest, blocks};
-    const struct amx_task task = {qa, d, ds, corr, rest_rows, bias, p, y, M, m_amx, K, N, B,
-                                  blocks, nibbles, layout};
+    struct amx_task task = {qa, d, ds, corr, rest_rows, bias, p, y, M, m_amx, K, N, B,
+                            blocks, nibbles, layout, 0};
     const int64_t items = (N + PW - 1) / PW;
-    switchboard_parallel_for(items, PANEL_WORK / (M * K * PW), amx_panels, (void *)&task);
-    return 0;
+    switchboard_parallel_for(items, PANEL_WORK / (M * K * PW), amx_panels, &task);
+    return atomic_load(&task.failed) ? -2 : 0;
 }
 #endif
 

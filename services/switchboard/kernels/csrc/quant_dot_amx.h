@@ -18,6 +18,7 @@
    quant_dot.c alone, after quant_dot_tiles.h, where HAVE_AMX8. */
 #ifndef SWITCHBOARD_QUANT_DOT_AMX_H
 #define SWITCHBOARD_QUANT_DOT_AMX_H
+#include <stdatomic.h>
 #include <string.h>
 
 #define AMX_ROWS 16
@@ -35,6 +36,7 @@ struct amx_task {
     float *y;
     int64_t M, m_amx, K, N, B, blocks;
     int nibbles, layout;
+    _Atomic int failed; /* a thread found no memory for its unpacked panel */
 };
 
 static void amx_load_config(int64_t B) {
@@ -132,7 +134,7 @@ static inline __attribute__((always_inline)) void amx_group(
 
 /* panels [i0, i1): every row, the tiles' groups then the rest on the VNNI-512 tile */
 static void amx_panels(void *arg, int64_t i0, int64_t i1) {
-    const struct amx_task *t = arg;
+    struct amx_task *t = arg;
     const int64_t bb = block_bytes(t->B, t->nibbles, t->layout);
     const int64_t panel_bytes = t->blocks * bb, factors = t->nibbles ? t->B * PW / 2 : t->B * PW;
     static __thread uint8_t *unpacked = NULL;
@@ -142,7 +144,10 @@ static void amx_panels(void *arg, int64_t i0, int64_t i1) {
         free(unpacked);
         unpacked = malloc(needed);
         capacity = unpacked == NULL ? 0 : needed;
-        if (unpacked == NULL) abort(); /* a few KB per thread: nothing sensible is left */
+        if (unpacked == NULL) {
+            atomic_store(&t->failed, 1);
+            return;
+        }
     }
     const int64_t rest = t->M - t->m_amx, most = MAX_ROWS_512;
     const int64_t groups = (rest + most - 1) / most;
