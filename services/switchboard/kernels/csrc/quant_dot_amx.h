@@ -22,8 +22,10 @@
 #include <string.h>
 
 #define AMX_ROWS 16
-/* A last group of fewer rows than this takes the VNNI-512 tile (its float work per row is the
-   same; the tile's fixed cost per block is not worth it for a few rows). */
+/* A last group of fewer rows than this takes the VNNI-512 tile: a block's tile work (two tile
+   loads, the multiply, storing 1 KB of sums) costs the same for one row as for 16, and below
+   12 rows the VNNI-512 tile was the faster (SmolLM2's matrices, 2 threads: 4 / 8 / 9 rows
+   0.70 / 0.61 / 0.66x its time on the tiles, 12 rows 1.05x, 16 rows 1.2x). */
 #define AMX_MIN_ROWS 12
 
 struct amx_task {
@@ -84,7 +86,8 @@ static void unpack_panel4(const uint8_t *panel, int64_t blocks, int64_t B, int64
     } while (0)
 
 /* Block b's integer sums (rows r0 .. r0 + 16) folded into acc as the VNNI-512 tile does */
-static inline __attribute__((always_inline)) void amx_fold(const struct amx_task *t, int64_t r0,
+static inline __attribute__((always_inline)) void amx_fold(const int R,
+                                                          const struct amx_task *t, int64_t r0,
                                                           int64_t b, const int32_t *sums,
                                                           const uint8_t *so, __m512 *acc) {
     const int half = t->layout & HALF, offsets = !(t->layout & NO_OFFSETS);
@@ -94,7 +97,7 @@ static inline __attribute__((always_inline)) void amx_fold(const struct amx_task
     const __m512 o = !offsets ? _mm512_setzero_ps()
                      : half   ? _mm512_cvtph_ps(_mm256_loadu_si256(o16))
                               : _mm512_loadu_ps((const float *)so + PW);
-    for (int r = 0; r < AMX_ROWS; r++) {
+    for (int r = 0; r < R; r++) {
         const int64_t i = (r0 + r) * t->blocks + b;
         __m512i v = _mm512_load_si512((const void *)(sums + r * PW));
         if (!t->nibbles) v = _mm512_add_epi32(v, _mm512_set1_epi32(t->corr[i]));
@@ -104,33 +107,46 @@ static inline __attribute__((always_inline)) void amx_fold(const struct amx_task
     }
 }
 
-/* Rows r0 .. r0 + 16 (R of them real) times one panel: its blocks' values at `values` (8-bit
-   lines, block b at values + b * vstride) and factors at panel + b * bb + factors. Two tiles
-   of sums take turns: the next block's multiply runs while this one's sums are folded. */
+/* Rows r0 .. r0 + R (a constant where inlined; the tile's rows past them are zero) times one
+   panel: its blocks' values at `values` (8-bit lines, block b at values + b * vstride) and
+   factors at panel + b * bb + factors. Two tiles of sums take turns: the next block's multiply
+   runs while this one's sums are folded. */
 static inline __attribute__((always_inline)) void amx_group(
-    const struct amx_task *t, int64_t r0, int64_t R, const uint8_t *panel, const uint8_t *values,
+    const int R, const struct amx_task *t, int64_t r0, const uint8_t *panel, const uint8_t *values,
     int64_t vstride, int64_t bb, int64_t factors, float *y, int64_t ncols_last,
     const float *bias) {
     const int64_t B = t->B, blocks = t->blocks;
     __m512 acc[AMX_ROWS];
-    for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_setzero_ps();
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     int32_t sums[AMX_ROWS * PW] __attribute__((aligned(64)));
     AMX_BLOCK(0, 1, 2, 0);
     for (int64_t b = 0; b < blocks; b += 2) {
         if (b + 1 < blocks) AMX_BLOCK(3, 4, 5, b + 1);
         _tile_stored(0, sums, 4 * PW);
-        amx_fold(t, r0, b, sums, panel + b * bb + factors, acc);
+        amx_fold(R, t, r0, b, sums, panel + b * bb + factors, acc);
         if (b + 1 < blocks) {
             if (b + 2 < blocks) AMX_BLOCK(0, 1, 2, b + 2);
             _tile_stored(3, sums, 4 * PW);
-            amx_fold(t, r0, b + 1, sums, panel + (b + 1) * bb + factors, acc);
+            amx_fold(R, t, r0, b + 1, sums, panel + (b + 1) * bb + factors, acc);
         }
     }
     float out[AMX_ROWS * PW];
-    for (int r = 0; r < AMX_ROWS; r++) _mm512_storeu_ps(out + r * PW, acc[r]);
-    store_tile((int)R, 1, out, y, t->N, ncols_last, bias);
+    for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * PW, acc[r]);
+    store_tile(R, 1, out, y, t->N, ncols_last, bias);
 }
 #undef AMX_BLOCK
+
+/* amx_group with R a constant: AMX_MIN_ROWS .. 16 */
+static void amx_group_of(int64_t R, const struct amx_task *t, int64_t r0, const uint8_t *panel,
+                         const uint8_t *values, int64_t vstride, int64_t bb, int64_t factors,
+                         float *y, int64_t ncols_last, const float *bias) {
+#define GROUP(n) \
+    case n: amx_group(n, t, r0, panel, values, vstride, bb, factors, y, ncols_last, bias); break
+    switch (R) {
+        GROUP(12); GROUP(13); GROUP(14); GROUP(15); GROUP(16);
+    }
+#undef GROUP
+}
 
 /* panels [i0, i1): every row, the tiles' groups then the rest on the VNNI-512 tile */
 static void amx_panels(void *arg, int64_t i0, int64_t i1) {
@@ -164,7 +180,7 @@ static void amx_panels(void *arg, int64_t i0, int64_t i1) {
         }
         for (int64_t r0 = 0; r0 < t->m_amx; r0 += AMX_ROWS) {
             const int64_t R = t->m_amx - r0 < AMX_ROWS ? t->m_amx - r0 : AMX_ROWS;
-            amx_group(t, r0, R, panel, values, vstride, bb, factors, t->y + r0 * t->N + q * PW,
+            amx_group_of(R, t, r0, panel, values, vstride, bb, factors, t->y + r0 * t->N + q * PW,
                       ncols_last, bq);
         }
         for (int64_t g = 0, r0 = 0; g < groups; g++) {
