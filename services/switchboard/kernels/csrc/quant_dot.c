@@ -16,7 +16,9 @@
      VNNI512  AVX-512 VNNI: _mm512_dpbusd_epi32 sums u * xq over 4 inputs a lane; the block's
               sum starts at -128 * sum(xq), which makes it sum(q * xq);
      AVX2     q = u ^ 0x80; _mm256_maddubs_epi16(|q|, sign(xq, q)) (pairs at most 2 * 128 * 127:
-              no saturation) and _mm256_madd_epi16 with ones sum 4 inputs a lane.
+              no saturation) and _mm256_madd_epi16 with ones sum 4 inputs a lane;
+     AMX8     AMX-INT8 tiles for groups of 12 to 16 rows, VNNI512 for fewer (quant_dot_amx.h),
+              where Linux grants the process the tiles.
    The variants give the same integer sums, hence the same floats (the same float operations
    in the same order per lane). A row's result does not depend on the rows beside it.
 
