@@ -137,6 +137,7 @@ static inline __attribute__((always_inline)) void amx_group(
 #undef AMX_BLOCK
 
 /* amx_group with R a constant: AMX_MIN_ROWS .. 16 */
+_Static_assert(AMX_MIN_ROWS == 12, "amx_group_of instantiates groups of 12 to 16 rows");
 static void amx_group_of(int64_t R, const struct amx_task *t, int64_t r0, const uint8_t *panel,
                          const uint8_t *values, int64_t vstride, int64_t bb, int64_t factors,
                          float *y, int64_t ncols_last, const float *bias) {
