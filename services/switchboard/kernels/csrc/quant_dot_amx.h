@@ -24,8 +24,9 @@
 #define AMX_ROWS 16
 /* A last group of fewer rows than this takes the VNNI-512 tile: a block's tile work (two tile
    loads, the multiply, storing 1 KB of sums) costs the same for one row as for 16, and below
-   12 rows the VNNI-512 tile was the faster (SmolLM2's matrices, 2 threads: 4 / 8 / 9 rows
-   0.70 / 0.61 / 0.66x its time on the tiles, 12 rows 1.05x, 16 rows 1.2x). */
+   12 rows the VNNI-512 tile was the faster (SmolLM2's matrices, 2 threads, its time over the
+   tiles' in two runs: 4 / 8 / 9 rows 0.47-0.70 / 0.58-0.76 / 0.66-0.79x, 12 rows 0.83-1.05x,
+   16 rows 1.01-1.23x). */
 #define AMX_MIN_ROWS 12
 
 struct amx_task {
