@@ -236,30 +236,33 @@ static void dot_panels(void *arg, int64_t i0, int64_t i1) {
 
 #define PANEL_WORK 32768
 
+/* The quantized rows' scratch, kept from call to call (fresh pages each call would be faulted
+   in every time); one per calling thread; NULL out of memory */
+static void *rows_scratch(size_t needed) {
+    static __thread void *scratch = NULL;
+    static __thread size_t capacity = 0;
+    if (needed > capacity) {
+        free(scratch);
+        scratch = malloc(needed);
+        capacity = scratch == NULL ? 0 : needed;
+    }
+    return scratch;
+}
+
 #if HAVE_AMX8
 /* dot_linear on the tiles for rows 0 .. m_amx, the VNNI-512 tile for the rest */
 static int amx_linear(const float *x, int64_t ldx, const uint8_t *p, const float *bias, float *y,
                       int64_t M, int64_t K, int64_t N, int64_t B, int nibbles, int layout,
                       int64_t m_amx) {
     const int64_t blocks = K / B, padded = (m_amx + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
-    const int64_t rest = M - m_amx, rows = padded + rest; /* padded > m_amx only when rest 0 */
-    static __thread void *scratch = NULL;
-    static __thread size_t capacity = 0;
-    const size_t floats = (size_t)(rows * blocks);
-    const size_t needed = 3 * floats * 4 + (size_t)(padded * K) + (size_t)(rest * K);
-    if (needed > capacity) {
-        free(scratch);
-        scratch = malloc(needed);
-        capacity = scratch == NULL ? 0 : needed;
-        if (scratch == NULL) return -2;
-    }
-    float *d = scratch, *ds = d + floats;
+    const int64_t rest = M - m_amx;
+    const size_t floats = (size_t)(M * blocks);
+    float *d = rows_scratch(3 * floats * 4 + (size_t)(padded * K) + (size_t)(rest * K));
+    if (d == NULL) return -2;
+    float *ds = d + floats;
     int32_t *corr = (int32_t *)(ds + floats);
     int8_t *qa = (int8_t *)(corr + floats), *q_rest = qa + padded * K;
-    memset(d + M * blocks, 0, sizeof(float) * (size_t)((rows - M) * blocks));
-    memset(ds + M * blocks, 0, sizeof(float) * (size_t)((rows - M) * blocks));
-    memset(corr + M * blocks, 0, sizeof(int32_t) * (size_t)((rows - M) * blocks));
-    memset(qa + m_amx * K, 0, (size_t)((padded - m_amx) * K));
+    memset(qa + m_amx * K, 0, (size_t)((padded - m_amx) * K)); /* a last tile's rows past M */
     for (int64_t r = 0; r < M; r++)
         for (int64_t b = 0; b < blocks; b++) {
             const int64_t i = r * blocks + b;
@@ -294,18 +297,10 @@ static int dot_linear(const float *x, int64_t ldx, const uint8_t *p, const float
 #endif
     if (v == AMX8) v = VNNI512; /* too few rows for a tile */
     const int64_t blocks = K / B;
-    /* the quantized rows, kept from call to call (fresh pages each call would be faulted in
-       every time); one per calling thread */
-    static __thread void *scratch = NULL;
-    static __thread size_t capacity = 0;
-    const size_t floats = (size_t)(M * blocks), needed = 3 * floats * 4 + (size_t)(M * K);
-    if (needed > capacity) {
-        free(scratch);
-        scratch = malloc(needed);
-        capacity = scratch == NULL ? 0 : needed;
-        if (scratch == NULL) return -2;
-    }
-    float *d = scratch, *ds = d + floats;
+    const size_t floats = (size_t)(M * blocks);
+    float *d = rows_scratch(3 * floats * 4 + (size_t)(M * K));
+    if (d == NULL) return -2;
+    float *ds = d + floats;
     int32_t *corr = (int32_t *)(ds + floats);
     int32_t *q4 = corr + floats;
     for (int64_t r = 0; r < M; r++)

@@ -32,7 +32,7 @@
 struct amx_task {
     const int8_t *qa; /* [rows rounded up to 16][K] */
     const float *d, *ds;
-    const int32_t *corr; /* per (row, block), rows rounded up to 16 (zero past M) */
+    const int32_t *corr; /* per (row, block); a tile's rows past M are never folded */
     struct qrows rest;   /* rows past m_amx in quant_dot.c's layout, for the VNNI-512 tile */
     const float *bias;
     const uint8_t *p;
@@ -92,12 +92,8 @@ static inline __attribute__((always_inline)) void amx_fold(const int R,
                                                           int64_t b, const int32_t *sums,
                                                           const uint8_t *so, __m512 *acc) {
     const int half = t->layout & HALF, offsets = !(t->layout & NO_OFFSETS);
-    const __m512 s = half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)so))
-                          : _mm512_loadu_ps((const float *)so);
-    const __m256i *o16 = (const __m256i *)(so + 32);
-    const __m512 o = !offsets ? _mm512_setzero_ps()
-                     : half   ? _mm512_cvtph_ps(_mm256_loadu_si256(o16))
-                              : _mm512_loadu_ps((const float *)so + PW);
+    __m512 s, o;
+    block_factors(so, half, offsets, &s, &o);
     for (int r = 0; r < R; r++) {
         const int64_t i = (r0 + r) * t->blocks + b;
         __m512i v = _mm512_load_si512((const void *)(sums + r * PW));

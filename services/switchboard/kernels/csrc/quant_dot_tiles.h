@@ -66,6 +66,17 @@ static inline __attribute__((always_inline)) void store_tile(const int R, const 
 }
 
 #if HAVE_VNNI512
+/* A panel block's 16 scales and offsets (zero where the layout has none) at so, as float32 */
+static inline __attribute__((always_inline)) void block_factors(const uint8_t *so, int half,
+                                                              int offsets, __m512 *s, __m512 *o) {
+    *s = half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)so))
+              : _mm512_loadu_ps((const float *)so);
+    const __m256i *o16 = (const __m256i *)(so + 32);
+    *o = !offsets ? _mm512_setzero_ps()
+         : half   ? _mm512_cvtph_ps(_mm256_loadu_si256(o16))
+                  : _mm512_loadu_ps((const float *)so + PW);
+}
+
 static inline __attribute__((always_inline)) void tile_vnni(
     const int R, const int P, const int nibbles, const int layout, const int64_t B,
     const struct qrows *x,
@@ -129,12 +140,8 @@ static inline __attribute__((always_inline)) void tile_vnni(
             prefetch_line(panel, b * bb + values, ahead, P, panel_bytes);
             if (factor_bytes(layout) > 64)
                 prefetch_line(panel, b * bb + values + 64, ahead, P, panel_bytes);
-            const __m512 s = half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)so))
-                                  : _mm512_loadu_ps((const float *)so);
-            const __m256i *o16 = (const __m256i *)(so + 32);
-            const __m512 o = !offsets ? _mm512_setzero_ps()
-                             : half   ? _mm512_cvtph_ps(_mm256_loadu_si256(o16))
-                                      : _mm512_loadu_ps((const float *)so + PW);
+            __m512 s, o;
+            block_factors(so, half, offsets, &s, &o);
             for (int r = 0; r < R; r++) {
                 const int64_t i = (r0 + r) * x->blocks + b;
                 const __m512 sd = _mm512_mul_ps(s, _mm512_set1_ps(x->d[i]));
