@@ -21,7 +21,7 @@ from switchboard.models.attention import (
     paged_attention,
 )
 from switchboard.models.attention_backends import backend_choice, select_backend
-from switchboard.models.cpu_kernel_attention import CPU_KERNEL, CPU_KERNEL_EVERY_CHUNK
+from switchboard.models.cpu_kernel_attention import CPU_KERNEL, CPU_KERNEL_EVERY_CHUNK, stack_rows
 from tests.models.paged_reference import dense_attention, lay_out_step
 from tests.paged_decode_kernel import needs_compiler
 
@@ -190,6 +190,26 @@ def test_a_prompt_chunk_with_a_long_context_takes_sdpa(kernel_calls, monkeypatch
     # the decode and the new prompt of a short context; SDPA the chunk after the cached prefix
     assert kernel_calls == [1 + 6]
     assert metadata.prepared.built and metadata.prepared.rows is None
+
+
+def test_a_step_the_decode_stack_declines_still_attends_every_row(kernel_calls, monkeypatch):
+    """The decode stack asks for the step's rows first (a Llama-family model on CPU); when a
+    chunk takes SDPA it declines, and the layers' attention must still find the step's split
+    between the kernel and SDPA: every output row written, none left as uninitialised memory
+    (that was NaN or stale floats in the prompt's hidden states, and wrong tokens after)."""
+    monkeypatch.setattr(cpu_kernel_attention, "KERNEL_MAX_CONTEXT", 6)
+    monkeypatch.setattr(cpu_kernel_attention, "KERNEL_ANY_CONTEXT_MAX_TOKENS", 2)
+    shapes = [(5, 1), (0, 6), (4, 3)]
+    cache, metadata, (queries, keys, values), full = _mixed_step(shapes, seed=4)
+    query = torch.cat(queries)
+    prepared = CPU_KERNEL.prepare(metadata)
+    assert stack_rows(prepared, query.shape[0]) is None
+    out = paged_attention(query, torch.cat(keys), torch.cat(values), cache, prepared, 8**-0.5)
+    expected = torch.cat(
+        [dense_attention(q, k, v) for q, (k, v) in zip(queries, full, strict=True)]
+    )
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert kernel_calls == [1 + 6]
 
 
 def test_the_every_chunk_backend_sends_no_chunk_to_sdpa(kernel_calls, monkeypatch):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from switchboard.config import ModelConfig
+from switchboard.models.cpu_kernel_attention import KERNEL_MAX_CONTEXT
 from switchboard.wire.engine_msgs import SamplingParams
 from switchboard.wire.step_msgs import CachedRequest, NewRequest, SchedulerOutput
 from switchboard.worker.model_runner import ModelRunner, StepLogits
@@ -28,6 +29,7 @@ PROMPTS = {
     "odd": [0, 900, 3, 3, 3, 77, 512, 8, 1000, 64, 2],
     "long": [0, *[(7 * i) % 1000 + 3 for i in range(45)]],
 }
+LONG_PROMPT = [0, *[(13 * i) % 1000 + 3 for i in range(299)]]
 
 
 @dataclass
@@ -190,6 +192,17 @@ def test_batched_requests_joining_at_different_steps_match_transformers(
     ToyScheduler(runner, chunk_size, seed=1).run(requests)
     assert_same_as_reference(requests, reference)
     assert runner.requests == {}  # every finished request's state was dropped
+
+
+@pytest.mark.parametrize("chunk_size", [None, 100], ids=["whole-prefill", "chunked-prefill"])
+def test_a_prompt_past_the_kernels_context_matches_transformers(tiny_dir, reference, chunk_size):
+    # 300 tokens: chunks of many tokens over a context past KERNEL_MAX_CONTEXT take SDPA, in a
+    # step the one-call decode stack declines (it once left their attention rows unwritten)
+    assert len(LONG_PROMPT) > KERNEL_MAX_CONTEXT
+    runner = make_runner(tiny_dir)
+    request = DrivenRequest("past-the-kernel", LONG_PROMPT, max_tokens=8)
+    ToyScheduler(runner, chunk_size).run([request])
+    assert_same_as_reference([request], reference)
 
 
 def test_prefill_in_two_chunks_samples_only_after_the_last(tiny_dir):

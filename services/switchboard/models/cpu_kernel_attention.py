@@ -98,13 +98,7 @@ class CpuKernelBackend(AttentionBackend):
         prepared = metadata.prepared
         if not isinstance(prepared, KernelRows):  # not prepared by us: do it now
             prepared = self.prepare(metadata).prepared
-        if not prepared.built:
-            prepared.rows = token_rows(metadata, query.shape[0], prepared.every_chunk)
-            prepared.built = True
-            if prepared.rows is None:
-                prepared.kernel_part, prepared.reference_spans = split_rows(
-                    metadata, prepared.every_chunk
-                )
+        build_rows(prepared, metadata, query.shape[0])
         if prepared.rows is not None:
             block_table, context_lens = prepared.rows
             return paged_decode.paged_decode(
@@ -146,10 +140,22 @@ def stack_rows(
     prepared = metadata.prepared
     if not isinstance(prepared, KernelRows):
         return token_rows(metadata, num_tokens)
+    return build_rows(prepared, metadata, num_tokens).rows
+
+
+def build_rows(prepared: KernelRows, metadata: AttentionMetadata, num_tokens: int) -> KernelRows:
+    """Fill ``prepared`` once per step, whoever asks first (the decode stack or a layer's
+    attention): the whole step as kernel rows, or else its split between the kernel and the
+    reference. Both halves at once: a step the stack declines goes on to the layers, whose
+    attention reads the split."""
     if not prepared.built:
         prepared.rows = token_rows(metadata, num_tokens, prepared.every_chunk)
+        if prepared.rows is None:
+            prepared.kernel_part, prepared.reference_spans = split_rows(
+                metadata, prepared.every_chunk
+            )
         prepared.built = True
-    return prepared.rows
+    return prepared
 
 
 def token_rows(
