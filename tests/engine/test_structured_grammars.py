@@ -184,6 +184,34 @@ def test_json_schema_output_parses_and_stops(manager, tokenizer) -> None:
     assert set(value) == {"ok", "n"} and value["n"] in (1, 2, 3)
 
 
+def accepts(manager, tokenizer, schema: dict, output: str) -> bool:
+    grammar = manager.start(StructuredOutputParams("json_schema", json.dumps(schema)), [EOS])
+    assert grammar.future.exception(60) is None and grammar.resolve() is None
+    tokens = tokenizer.encode(output, add_special_tokens=False).ids + [EOS]
+    return grammar.matcher.validate_tokens(tokens) == len(tokens)
+
+
+def test_an_object_that_names_its_properties_allows_no_other_key(manager, tokenizer) -> None:
+    # A router's tool-call schema: an array of {"name", "parameters"} objects that does not say
+    # additionalProperties. Open, a model may start a key of its own and never close it.
+    call = {
+        "type": "object",
+        "properties": {"name": {"const": "f"}, "parameters": {"properties": {"x": {}}}},
+        "required": ["name", "parameters"],
+    }
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": [call]}}
+    good = '[{"name": "f", "parameters": {"x": 1}}]'
+    assert accepts(manager, tokenizer, schema, good)
+    assert not accepts(manager, tokenizer, schema, '[{"name": "f", "parameters": {}, "y": 2}]')
+    assert not accepts(manager, tokenizer, schema, '[{"name": "f", "parameters": {"z": 1}}]')
+    # a schema that says so keeps its other keys; values and property names are not schemas
+    call["additionalProperties"] = True
+    assert accepts(manager, tokenizer, schema, '[{"name": "f", "parameters": {}, "y": 2}]')
+    odd = {"properties": {"properties": {"enum": [{"properties": {}}]}}}
+    assert accepts(manager, tokenizer, odd, '{"properties": {"properties": {}}}')
+    assert not accepts(manager, tokenizer, odd, '{"properties": {"properties": {}}, "a": 1}')
+
+
 def test_preempted_constrained_requests_resume_with_their_matchers(manager, tokenizer) -> None:
     # 6 blocks of 4 tokens: three prompts of 8 fill them, the first decode step preempts
     sched = make_scheduler(num_blocks=6, max_model_len=24, caching=False)

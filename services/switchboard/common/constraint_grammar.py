@@ -33,6 +33,12 @@ MAX_CHOICES = 4096
 # JSON on one line with the usual separators: flexible whitespace lets a small model loop on
 # newlines until max_tokens. A schema's own "x-guidance" options override these.
 JSON_OPTIONS: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Every object must give "properties" ("patternProperties") exactly the keys it names unless it
+# says "additionalProperties" itself: vLLM's default grammar backend (xgrammar, strict mode) and
+# OpenAI's strict schemas do the same. JSON Schema's own default (any other key) lets a model
+# open a key of its own and write it until max_tokens: a routers' tool-call schema (an array of
+# {"name", "parameters"} objects that does not say) ended so.
+ADDITIONAL_PROPERTIES_DEFAULT = False
 
 
 class StructuredOutputError(ValueError):
@@ -49,9 +55,8 @@ def to_grammar(kind: str, spec: str) -> str:
         schema = _json(spec, "json_schema: not valid JSON")
         if not isinstance(schema, dict | bool):
             raise StructuredOutputError("json_schema: a schema is a JSON object (or a boolean)")
-        return _from(
-            lambda: matcher.grammar_from_json_schema(json.dumps(schema), JSON_OPTIONS), kind
-        )
+        closed = json.dumps(closed_objects(schema))
+        return _from(lambda: matcher.grammar_from_json_schema(closed, JSON_OPTIONS), kind)
     if kind == "json_object":
         return matcher.grammar_from_json_schema('{"type": "object"}', JSON_OPTIONS)
     if kind == "regex":
@@ -79,6 +84,36 @@ def check_structured_output(kind: str, spec: str) -> None:
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
         raise StructuredOutputError(f"{kind}: {error.strip()}")
+
+
+def closed_objects(schema: Any) -> Any:
+    """A copy of the schema in which every object schema that names its properties and does not
+    say ``additionalProperties`` allows no other key (ADDITIONAL_PROPERTIES_DEFAULT). Only
+    subschemas are walked: ``enum``, ``const``, ``default`` values and property names stay as
+    they are."""
+    if not isinstance(schema, dict):
+        return schema
+    closed = dict(schema)
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, dict):
+            closed[key] = {name: closed_objects(sub) for name, sub in value.items()}
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            closed[key] = [closed_objects(sub) for sub in value]
+        elif key in _SCHEMAS:
+            closed[key] = closed_objects(value)
+    names_keys = "properties" in schema or "patternProperties" in schema
+    if names_keys and "additionalProperties" not in schema:
+        closed["additionalProperties"] = ADDITIONAL_PROPERTIES_DEFAULT
+    return closed
+
+
+# JSON Schema keywords whose values are subschemas: a name -> schema map, a list, one schema
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMAS = (
+    "items", "additionalItems", "additionalProperties", "unevaluatedProperties",
+    "unevaluatedItems", "not", "if", "then", "else", "contains", "propertyNames",
+)  # fmt: skip
 
 
 def _json(spec: str, message: str) -> Any:
@@ -136,7 +171,8 @@ def _structural_tag_lark(spec: str) -> str:
         trigger = next((t for t in triggers if begin.startswith(t)), None)
         if trigger is None:
             raise StructuredOutputError(f"{field}.begin: must start with one of the triggers")
-        tags.append(StructTag(trigger=trigger, begin=begin, grammar=json.dumps(schema), end=end))
+        grammar = json.dumps(closed_objects(schema))
+        tags.append(StructTag(trigger=trigger, begin=begin, grammar=grammar, end=end))
     try:
         return StructTag.to_grammar(tags)
     except (ValueError, TypeError, AssertionError) as exc:
