@@ -135,6 +135,25 @@ def _jitter_norms_and_biases(model) -> None:
                 param.add_(torch.randn_like(param) * 0.1)
 
 
+def _favour_token(model, token: str, tokenizer) -> None:
+    """Give ``token`` a logit far above the others wherever it may come, as a trained model
+    prefers the token that closes what it wrote: the residual stream's first dimension is a
+    constant (every embedding's, no layer writes it) that only that token's LM head row reads."""
+    import torch
+
+    token_id = tokenizer.token_to_id(token)
+    assert token_id is not None, f"{token!r} is not one token"
+    llama = model.model
+    with torch.no_grad():
+        llama.embed_tokens.weight[:, 0] = 1.0
+        for layer in llama.layers:
+            layer.self_attn.o_proj.weight[0, :] = 0.0
+            layer.mlp.down_proj.weight[0, :] = 0.0
+        llama.norm.weight[0] = 1.0
+        model.lm_head.weight[:, 0] = 0.0
+        model.lm_head.weight[token_id, 0] = 1000.0
+
+
 def _save_tiny(
     path: str,
     config_class: str,
@@ -143,6 +162,7 @@ def _save_tiny(
     seed: int,
     model_max_length: int,
     chat_template: str | None = None,
+    favoured_token: str | None = None,
 ) -> str:
     """Train the tokenizer, build ``transformers.<model_class>`` from ``<config_class>(**config)``
     (plus the special token ids) under ``seed``, and write the whole checkpoint directory
@@ -165,6 +185,8 @@ def _save_tiny(
         torch.manual_seed(seed)
         model = getattr(transformers, model_class)(model_config)
         _jitter_norms_and_biases(model)
+        if favoured_token is not None:
+            _favour_token(model, favoured_token, tokenizer)
     model.save_pretrained(path)
     _write_json(
         os.path.join(path, "generation_config.json"),
@@ -202,11 +224,13 @@ def make_tiny_llama(
     rope_scaling: dict[str, Any] | None = None,
     initializer_range: float = 0.25,
     chat_template: str | None = None,
+    favoured_token: str | None = None,
 ) -> str:
     """Write a tiny seeded Llama checkpoint directory at ``path`` and return ``path``.
 
     ``rope_scaling`` is merged into transformers' ``rope_parameters`` (e.g. a ``llama3`` dict);
-    ``chat_template`` goes into ``tokenizer_config.json`` (e.g. ``TINY_CHAT_TEMPLATE``).
+    ``chat_template`` goes into ``tokenizer_config.json`` (e.g. ``TINY_CHAT_TEMPLATE``);
+    ``favoured_token`` (one token's text) is chosen wherever it is allowed.
     """
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": rope_theta}
     if rope_scaling:
@@ -231,6 +255,7 @@ def make_tiny_llama(
         seed,
         max_position_embeddings,
         chat_template=chat_template,
+        favoured_token=favoured_token,
     )
 
 
