@@ -4,6 +4,8 @@ steps, and a stop token ends its request with nothing after it."""
 
 from __future__ import annotations
 
+import queue
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -106,3 +108,29 @@ def test_no_step_is_scheduled_ahead_while_requests_wait_for_one() -> None:
     assert EngineCore._may_schedule_ahead(engine)  # type: ignore[arg-type]
     sched.add_request(make_request("b", prompt(5), 8))
     assert EngineCore._may_schedule_ahead(engine)  # type: ignore[arg-type]  # no free slot
+
+
+def test_a_request_arriving_while_the_step_ahead_is_held_back_joins_the_next_step() -> None:
+    """The step ahead waits for most of the running step (engine/ahead_hold.py): a request that
+    arrives meanwhile is taken in, and the step after the running one is scheduled when that
+    one ends, with it, not ahead without it; with no arrival the step ahead is scheduled."""
+    sched = make_scheduler(max_num_seqs=4)
+    sched.add_request(make_request("a", prompt(5), 8))
+    sched.schedule()
+    inputs: queue.Queue = queue.Queue()
+    engine = SimpleNamespace(
+        config=SimpleNamespace(scheduler=SchedulerConfig(async_scheduling=True)),
+        scheduler=sched,
+        executor=SimpleNamespace(step_done=lambda timeout_ms: time.sleep(timeout_ms / 1e3)),
+        input_queue=inputs,
+        _handle_input=lambda kind, request: sched.add_request(request),
+        _deferred=[],
+        _step_period=0.05,
+    )
+    engine._may_schedule_ahead = lambda: EngineCore._may_schedule_ahead(engine)  # type: ignore[arg-type]
+    running = SimpleNamespace(submitted=object())
+    hold = EngineCore._hold_ahead
+    assert hold(engine, running, time.perf_counter())  # type: ignore[arg-type]  # nobody came
+    inputs.put((RequestType.ADD, make_request("b", prompt(5), 8)))
+    assert not hold(engine, running, time.perf_counter())  # type: ignore[arg-type]
+    assert sched.has_admissible_waiting() and inputs.empty()

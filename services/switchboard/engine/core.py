@@ -33,7 +33,7 @@ import msgspec
 import zmq
 
 from switchboard.config import EngineConfig, new_run_dir
-from switchboard.engine import clock, intake
+from switchboard.engine import ahead_hold, clock, intake
 from switchboard.engine.constrained_decoding import StructuredOutputManager, attach_bitmask
 from switchboard.engine.executor import MultiprocExecutor, Stall, SubmittedStep
 from switchboard.engine.intake import GATEWAY_LOST, GRAMMAR_READY
@@ -96,6 +96,9 @@ class EngineCore:
         self._ahead: _SentStep | None = None
         # when the last step's outputs were applied; None after the engine waited idle
         self._last_step_end: float | None = None
+        self._step_period: float | None = None  # the last step's, in a busy loop
+        # input taken while holding the step ahead back (ahead_hold.py), for the next turn
+        self._deferred: list[tuple[RequestType | str, Any]] = []
         self.loras = EngineLoras.for_engine(config)
 
     def start(self) -> None:
@@ -230,6 +233,8 @@ class EngineCore:
         )
 
     def _process_input_queue(self) -> None:
+        while self._deferred:
+            self._handle_input(*self._deferred.pop(0))
         if not self._has_work():
             _drain(self.aborts_queue)  # idle: every abort also arrives on the input queue
             self._last_step_end = None
@@ -267,7 +272,7 @@ class EngineCore:
             started = self._last_step_end  # busy since: the period of a step in a busy loop
         current = self._ahead if self._ahead is not None else self._schedule_and_submit()
         self._ahead = None
-        if self._may_schedule_ahead():
+        if self._may_schedule_ahead() and self._hold_ahead(current, started):
             ahead = self._schedule_and_submit()
             if ahead.submitted is not None:
                 self._ahead = ahead
@@ -275,6 +280,7 @@ class EngineCore:
                 self.scheduler.update_from_output(ahead.output, _no_output(ahead.output))
         stats = self._finish(current)
         self._last_step_end = ended = time.perf_counter()
+        self._step_period = ended - started
         if self.scheduler.speculator is not None:
             # what a step of these rows takes in the loop, scheduled ahead or not: what
             # speculation weighs its rows by
@@ -289,6 +295,23 @@ class EngineCore:
             assert self.executor is not None  # started before the busy loop
             return _SentStep(scheduler_output, self.executor.submit_step(scheduler_output))
         return _SentStep(scheduler_output, None)
+
+    def _hold_ahead(self, current: _SentStep, started: float) -> bool:
+        """Take arrivals in for most of the running step before scheduling the next one ahead
+        (``ahead_hold.py``); False when the step ended meanwhile or a request arrived."""
+        period = self._step_period
+        if current.submitted is None or period is None or period < ahead_hold.MIN_HELD_PERIOD_S:
+            return True
+        executor = self.executor
+        assert executor is not None
+        scheduled_ahead = ahead_hold.hold_for_arrivals(
+            started + ahead_hold.HOLD_FRACTION * period,
+            executor.step_done,
+            self.input_queue,
+            self._handle_input,
+            self._deferred,
+        )
+        return scheduled_ahead and self._may_schedule_ahead()
 
     def _may_schedule_ahead(self) -> bool:
         """Not while requests wait that a step could take: arrivals come in bursts (clients

@@ -330,6 +330,12 @@ class MultiprocExecutor:
         call = self._send("execute_model", (scheduler_output,), None, self.output_rank, timeout)
         return SubmittedStep(call, stall_after, timeout)
 
+    def step_done(self, timeout_ms: int) -> bool:
+        """Whether a reply (the oldest submitted step's: steps finish in order) is waiting,
+        after up to ``timeout_ms``; nothing is taken: ``collect_step`` still reads it."""
+        assert self._reply_socket is not None
+        return bool(self._reply_socket.poll(timeout_ms))
+
     def collect_step(self, step: SubmittedStep) -> ModelRunnerOutput:
         """Wait for a submitted step's output; its timeouts count from now (a step waits for
         the one before it to finish)."""
