@@ -56,13 +56,14 @@ def test_the_running_step_ending_first_ends_the_hold_without_scheduling_ahead() 
 
 
 def test_a_utility_call_ends_the_hold_and_waits_for_the_next_turn() -> None:
+    # nothing scheduled ahead: the next turn runs the call with no step in flight
     inputs: queue.Queue = queue.Queue()
     inputs.put((RequestType.ADD, "a"))
     inputs.put((RequestType.UTILITY, "call"))
     inputs.put((RequestType.ADD, "later"))
     handle, deferred = Recorder(), []
     started = time.perf_counter()
-    assert hold_for_arrivals(started + 10.0, never_done, inputs, handle, deferred)
+    assert not hold_for_arrivals(started + 10.0, never_done, inputs, handle, deferred)
     assert time.perf_counter() - started < 5.0
     assert handle.handled == [(RequestType.ADD, "a")]
     assert deferred == [(RequestType.UTILITY, "call")]

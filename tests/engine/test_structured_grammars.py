@@ -14,6 +14,7 @@ from fake_worker import Driver, FakeWorker, default_token
 from test_scheduler import BS, expected_tokens, make_request, make_scheduler, prompt
 from tokenizers import Tokenizer
 
+from switchboard.common.constraint_grammar import closed_objects
 from switchboard.config import EngineConfig, ModelConfig
 from switchboard.engine import intake
 from switchboard.engine.constrained_decoding import StructuredOutputManager, attach_bitmask
@@ -380,3 +381,9 @@ def test_the_busy_loop_replays_a_resumed_add(core, tokenizer) -> None:
     (failed,) = outputs.outputs
     assert failed.request_id == "wrong" and failed.finish_reason == FinishReason.ERROR
     assert "does not fit" in failed.stop_reason
+
+
+def test_tuple_items_are_closed_too() -> None:
+    # "items" as a list (a tuple, the form before prefixItems) is walked like prefixItems
+    schema = {"type": "array", "items": [{"properties": {"a": {}}}]}
+    assert closed_objects(schema)["items"][0]["additionalProperties"] is False

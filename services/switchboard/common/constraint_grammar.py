@@ -99,8 +99,12 @@ def closed_objects(schema: Any) -> Any:
             closed[key] = {name: closed_objects(sub) for name, sub in value.items()}
         elif key in _SCHEMA_LISTS and isinstance(value, list):
             closed[key] = [closed_objects(sub) for sub in value]
-        elif key in _SCHEMAS:
-            closed[key] = closed_objects(value)
+        elif key in _SCHEMAS:  # "items" may be a list too (a tuple, before prefixItems)
+            closed[key] = (
+                [closed_objects(sub) for sub in value]
+                if isinstance(value, list)
+                else closed_objects(value)
+            )
     names_keys = "properties" in schema or "patternProperties" in schema
     if names_keys and "additionalProperties" not in schema:
         closed["additionalProperties"] = ADDITIONAL_PROPERTIES_DEFAULT

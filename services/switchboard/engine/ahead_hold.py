@@ -12,8 +12,8 @@ turn (applying outputs, scheduling), a millisecond or two, instead of starting t
 behind.
 
 While it holds, the engine applies only what changes the scheduler's queues (requests added,
-aborted, compiled); anything else (a utility call, a failure) ends the hold and is kept for the
-next turn, which handles it as it would have.
+aborted, compiled); anything else (a utility call, a failure) ends the hold, nothing is
+scheduled ahead, and the next turn handles it as it would have.
 """
 
 from __future__ import annotations
@@ -49,9 +49,10 @@ def hold_for_arrivals(
     deferred: list[InputItem],
 ) -> bool:
     """Take arrivals in until ``until`` (``time.perf_counter``). True: schedule ahead now, the
-    running step still runs (or an item for the next turn came, put in ``deferred``); False:
-    the running step is done, so the next one is scheduled after its outputs, not ahead.
-    ``step_done(timeout_ms)`` waits up to that long for the running step's output."""
+    running step still runs; False: the running step is done, or an item came for the next
+    turn (put in ``deferred``: a utility call, a failure), so the next step is scheduled
+    after the running one's outputs, not ahead. ``step_done(timeout_ms)`` waits up to that
+    long for the running step's output."""
     while True:
         left_ms = (until - time.perf_counter()) * 1000.0
         if left_ms <= 0:
@@ -65,5 +66,5 @@ def hold_for_arrivals(
                 break
             if kind not in QUEUE_KINDS:
                 deferred.append((kind, payload))
-                return True
+                return False
             handle(kind, payload)
