@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from switchboard.engine.intake import GATEWAY_LOST, GRAMMAR_READY
+from switchboard.engine.io_threads import InputItem, InputQueue
 from switchboard.wire.engine_msgs import RequestType
 
 # How far into the running step (as a fraction of the last step's period) the next one is
@@ -38,13 +39,11 @@ POLL_MS = 1  # the longest an arrival waits to be taken in while the engine hold
 # What the engine applies while it holds: they change only the scheduler's queues.
 QUEUE_KINDS = (RequestType.ADD, RequestType.ABORT, GRAMMAR_READY, GATEWAY_LOST)
 
-InputItem = tuple[RequestType | str, Any]
-
 
 def hold_for_arrivals(
     until: float,
     step_done: Callable[[int], bool],
-    input_queue: queue.Queue[InputItem],
+    input_queue: InputQueue,
     handle: Callable[[RequestType | str, Any], None],
     deferred: list[InputItem],
 ) -> bool:

@@ -37,7 +37,7 @@ from switchboard.engine import ahead_hold, clock, intake
 from switchboard.engine.constrained_decoding import StructuredOutputManager, attach_bitmask
 from switchboard.engine.executor import MultiprocExecutor, Stall, SubmittedStep
 from switchboard.engine.intake import GATEWAY_LOST, GRAMMAR_READY
-from switchboard.engine.io_threads import InputQueue, InputThread
+from switchboard.engine.io_threads import InputItem, InputQueue, InputThread
 from switchboard.engine.kv_event_publisher import KvEventPublisher
 from switchboard.engine.lora_registry import EngineLoras
 from switchboard.engine.output_thread import OutputThread
@@ -98,7 +98,7 @@ class EngineCore:
         self._last_step_end: float | None = None
         self._step_period: float | None = None  # the last step's, in a busy loop
         # input taken while holding the step ahead back (ahead_hold.py), for the next turn
-        self._deferred: list[tuple[RequestType | str, Any]] = []
+        self._deferred: list[InputItem] = []
         self.loras = EngineLoras.for_engine(config)
 
     def start(self) -> None:
@@ -279,12 +279,13 @@ class EngineCore:
             else:  # nothing to run ahead (say every request ends with its pending token)
                 self.scheduler.update_from_output(ahead.output, _no_output(ahead.output))
         stats = self._finish(current)
-        self._last_step_end = ended = time.perf_counter()
+        ended = time.perf_counter()
+        self._last_step_end = ended
         self._step_period = ended - started
         if self.scheduler.speculator is not None:
             # what a step of these rows takes in the loop, scheduled ahead or not: what
             # speculation weighs its rows by
-            self.scheduler.speculator.observe_step(current.output, ended - started)
+            self.scheduler.speculator.observe_step(current.output, self._step_period)
         return stats
 
     def _schedule_and_submit(self) -> _SentStep:

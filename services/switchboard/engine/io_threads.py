@@ -57,7 +57,8 @@ POLL_INTERVAL_MS = 100  # how often an idle input thread checks whether it shoul
 
 # The busy loop's input queue: (RequestType, payload) items, see the module docstring (the
 # engine core adds its own failure kinds, strings).
-InputQueue = queue.Queue[tuple[RequestType | str, Any]]
+InputItem = tuple[RequestType | str, Any]  # (kind, payload) for the busy loop
+InputQueue = queue.Queue[InputItem]
 # Returns the item to queue for the busy loop, or None when the request was rejected.
 PrepareAdd = Callable[[EngineCoreRequest], Any | None]
 
