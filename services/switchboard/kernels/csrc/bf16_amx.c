@@ -3,10 +3,13 @@
    bf16_pack's panels are already the layout a tile multiply reads as its second operand: a
    k-pair of a panel is one 64-byte line of 16 columns' input pairs, so 16 consecutive k-pairs
    of a panel (1 KB) are one B tile, [16 pairs][16 columns]. The rows, rounded to bfloat16 pairs
-   (bf16_gemm.c's DPBF16 layout, padded with zero rows to a multiple of 16), give the A tiles:
-   16 rows by 16 pairs. One TDPBF16PS adds 16 rows x 16 columns x 32 products into a float32
-   tile; four such sums (four panels) stay in tiles over the whole of K while A is loaded once
-   per 16 pairs for the four, or with more than 16 rows two groups of rows by two panels.
+   (padded with zero rows to a multiple of 16), give the A tiles: 16 rows by 16 pairs, which
+   bf16_linear lays out one after another, each a contiguous kilobyte (with the rows at their
+   own stride a tile's 16 lines were KPA * 4 bytes apart, 4 KB for 2,048 inputs, all in one L1
+   set: matmuls of 64 to 128 rows took 1.1-1.3x as long). One TDPBF16PS adds 16 rows x 16
+   columns x 32 products into a float32 tile; four such sums (four panels) stay in tiles over
+   the whole of K while A is loaded once per 16 pairs for the four, or with more than 16 rows
+   two groups of rows by two panels.
    Measured on a 2-core Xeon with AMX against oneDNN's bfloat16 matmul (its tiles too, the plain
    weight each call) on tiny-llama's, llama-100m's and SmolLM2's matrices: 1.2-3x as fast at 1
    to 32 rows, about even at 64, 0.65-0.9x at 128; against this kernel's dpbf16 variant 2-4x as
@@ -153,7 +156,7 @@ static void four_panels(const struct amx_task *t, int64_t q, int n, int64_t r0) 
             if (n > 2) PREFETCH_PANEL(p2, kc);
             if (n > 3) PREFETCH_PANEL(p3, kc);
         }
-        _tile_loadd(4, x + kc, KPA * 4);
+        _tile_loadd(4, x + kc * TILE_ROWS, 64);
         LOAD_B(5, p0, kc);
         _tile_dpbf16ps(0, 4, 5);
         if (n > 1) {
@@ -196,8 +199,8 @@ static void two_groups(const struct amx_task *t, int64_t q, int n, int64_t r0) {
                 PREFETCH_PANEL(pa, kc);
                 if (pair) PREFETCH_PANEL(pb, kc);
             }
-            _tile_loadd(4, x0 + kc, KPA * 4);
-            _tile_loadd(7, x1 + kc, KPA * 4);
+            _tile_loadd(4, x0 + kc * TILE_ROWS, 64);
+            _tile_loadd(7, x1 + kc * TILE_ROWS, 64);
             LOAD_B(5, pa, kc);
             _tile_dpbf16ps(0, 4, 5);
             _tile_dpbf16ps(2, 7, 5);
@@ -239,8 +242,9 @@ static void amx_items(void *arg, int64_t i0, int64_t i1) {
     _tile_release();
 }
 
-/* y [M, N] = rows xp (bfloat16 pairs, KP of them a row, stored at a stride of KP rounded up to
-   16 and zero past KP and past row M up to a multiple of 16) @ panels p (+ bias) */
+/* y [M, N] = rows xp (bfloat16 pairs, KP of them a row, in tiles: rows 16g .. 16g + 15 by
+   pairs kc .. kc + 15 one kilobyte at xp + 16g * KPA + 16kc, KPA = KP rounded up to 16, zero
+   past KP and past row M up to a multiple of 16) @ panels p (+ bias) */
 #define AMX_ITEM_WORK 32768
 void bf16_amx_linear(const uint32_t *xp, const uint32_t *p, const float *bias, float *y,
                      int64_t M, int64_t KP, int64_t N) {

@@ -314,10 +314,16 @@ int bf16_linear(const float *x, int64_t ldx, const uint32_t *p, const float *bia
     }
     uint32_t *xp = scratch;
     float *xf = scratch;
+    /* AMX: the rows in tiles, each 16 rows by 16 pairs one contiguous kilobyte (rows from 16g,
+       pairs from kc at xp + 16g * KPA + 16kc: bf16_amx.c), which a tile load reads as 16
+       consecutive lines; the last group's rows past M are zero. */
+    if (v == AMX && MA > M) memset(xp + (M / 16) * 16 * KPA, 0, (size_t)(16 * KPA) * 4);
     for (int64_t r = 0; r < M; r++) {
         const float *xr = x + r * ldx;
         if (v == DPBF16 || v == AMX) {
-            uint32_t *o = xp + r * KPA;
+            /* pair kp of row r at o + kp (DPBF16), o + kp / 16 * 256 + kp % 16 (AMX) */
+            uint32_t *o = v == AMX ? xp + r / 16 * 16 * KPA + r % 16 * 16 : xp + r * KPA;
+#define PAIR_AT(kp) (v == AMX ? (kp) / 16 * 256 + (kp) % 16 : (kp))
             int64_t kp = 0;
 #ifdef __AVX512BF16__
             /* 16 pairs an instruction, rounded to nearest even as bf16_bits does (the two
@@ -326,15 +332,16 @@ int bf16_linear(const float *x, int64_t ldx, const uint32_t *p, const float *bia
             for (; 2 * kp + 32 <= K; kp += 16) {
                 const __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + 2 * kp + 16),
                                                            _mm512_loadu_ps(xr + 2 * kp));
-                _mm512_storeu_si512((void *)(o + kp), (__m512i)pairs);
+                _mm512_storeu_si512((void *)(o + PAIR_AT(kp)), (__m512i)pairs);
             }
 #endif
             for (; kp < KP; kp++) {
                 const uint32_t lo = bf16_bits(xr[2 * kp]);
                 const uint32_t hi = 2 * kp + 1 < K ? bf16_bits(xr[2 * kp + 1]) : 0;
-                o[kp] = lo | hi << 16;
+                o[PAIR_AT(kp)] = lo | hi << 16;
             }
-            for (int64_t kp = KP; kp < KPA; kp++) o[kp] = 0;
+            for (int64_t kp = KP; kp < KPA; kp++) o[PAIR_AT(kp)] = 0;
+#undef PAIR_AT
         } else {
             float *o = xf + r * 2 * KP;
             for (int64_t k = 0; k < 2 * KP; k++) {
@@ -344,7 +351,6 @@ int bf16_linear(const float *x, int64_t ldx, const uint32_t *p, const float *bia
         }
     }
     if (v == AMX) {
-        memset(xp + M * KPA, 0, (size_t)((MA - M) * KPA) * sizeof(uint32_t));
         bf16_amx_linear(xp, p, bias, y, M, KP, N);
         return 0;
     }
