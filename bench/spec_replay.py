@@ -4,13 +4,18 @@ cost at a given price per proposed row.
 
     .venv/bin/python bench/spec_replay.py                        # answers cached in --answers
     .venv/bin/python bench/spec_replay.py --row-cost 0.12 --max-len 4 8 --prompt-lookup-max 4 8
+    .venv/bin/python bench/spec_replay.py --best-choice   # and the best the candidates allow
 
 The answers (``--output-len`` greedy tokens per prompt) are generated once in process and kept
 as JSON. Each replay walks every answer as the engine would: at each step the request's
 speculation state (``engine/speculation/speculator.py``) asks for a proposal, the tokens that
 match the answer are accepted plus one, and the state records the verdict. Printed per variant:
 tokens per step, proposed and accepted tokens, and the speed-up over one token per step when a
-step of ``1 + k`` rows costs ``1 + row_cost * k`` one-row steps.
+step of ``1 + k`` rows costs ``1 + row_cost * k`` one-row steps. ``--best-choice`` replays each
+variant a second time with the proposer's choice made by looking at the answer: among the
+earlier occurrences of the longest matching suffix (the proposer takes the most recent), the one
+whose continuation the answer follows longest, the proposal lengths and pauses unchanged: the
+most any choice among those candidates could give.
 """
 
 from __future__ import annotations
@@ -82,10 +87,57 @@ def greedy_answers(prompts: list[list[int]], output_len: int) -> list[list[int]]
     return answers
 
 
+def continuation(tokens: list[int], start: int, n: int) -> list[int]:
+    """The ``n`` tokens from ``start``, a copy that runs into the end going on with itself (as
+    ``propose_ngram``'s proposals do)."""
+    out = tokens[start : start + n]
+    while len(out) < n:
+        out.append(out[start + len(out) - len(tokens)])
+    return out
+
+
+def propose_best(
+    tokens: list[int], num_tokens: int, min_n: int, max_n: int, future: list[int]
+) -> list[int]:
+    """What the n-gram proposer could propose at best: among every earlier occurrence of the
+    longest suffix of ``min_n..max_n`` tokens (the ones ``propose_ngram`` picks the most recent
+    of), the continuation that matches ``future`` longest (the most recent of equals)."""
+    end = len(tokens)
+    if num_tokens <= 0 or end < min_n + 1:
+        return []
+    found: dict[int, list[int]] = {}  # suffix length -> continuation starts
+    for pos in range(end - 1):
+        if tokens[pos] != tokens[-1]:
+            continue
+        length = 1
+        while length < min(max_n, pos + 1) and tokens[pos - length] == tokens[end - 1 - length]:
+            length += 1
+        found.setdefault(length, []).append(pos + 1)
+    longest = max(found, default=0)
+    if longest < min_n:
+        return []
+
+    def matched(proposal: list[int]) -> int:
+        n = 0
+        while n < len(proposal) and n < len(future) and proposal[n] == future[n]:
+            n += 1
+        return n
+
+    proposals = [continuation(tokens, start, num_tokens) for start in reversed(found[longest])]
+    return max(proposals, key=matched)
+
+
 def replay(
-    prompt: list[int], answer: list[int], max_len: int, min_n: int, max_n: int
+    prompt: list[int],
+    answer: list[int],
+    max_len: int,
+    min_n: int,
+    max_n: int,
+    best_choice: bool = False,
 ) -> tuple[int, list[int], int, int]:
-    """(steps, rows of each step, proposed, accepted) to produce ``answer`` after ``prompt``."""
+    """(steps, rows of each step, proposed, accepted) to produce ``answer`` after ``prompt``;
+    ``best_choice``: each proposal the best the candidates allow (``propose_best``), the
+    speculation state's lengths and pauses as they are."""
     state = SpeculationState(True, max_len)
     index = TokenIndex()
     tokens = list(prompt)
@@ -97,7 +149,12 @@ def replay(
         drafts: list[int] = []
         if done >= max(state.paused_until, 1):
             want = min(state.proposal_len(), len(answer) - done - 1)
-            drafts = propose_ngram(tokens, index, want, min_n, max_n) if want > 0 else []
+            if want <= 0:
+                drafts = []
+            elif best_choice:
+                drafts = propose_best(tokens, want, min_n, max_n, answer[done:])
+            else:
+                drafts = propose_ngram(tokens, index, want, min_n, max_n)
             if not drafts:
                 state.record(0, 0, done)
         n = 0
@@ -123,6 +180,12 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, nargs="+", default=[4, 7, 8])
     parser.add_argument("--prompt-lookup-min", type=int, default=1)
     parser.add_argument("--prompt-lookup-max", type=int, nargs="+", default=[4, 8])
+    parser.add_argument(
+        "--best-choice",
+        action="store_true",
+        help="also replay each variant choosing, among the proposer's candidates, the one that "
+        "matches the answer longest: how much a better choice could give",
+    )
     args = parser.parse_args()
     from tokenizers import Tokenizer
 
@@ -135,24 +198,29 @@ def main() -> None:
         args.answers.write_text(json.dumps(cached))
     answers = cached["answers"]
     total = sum(len(a) for a in answers)
+    choices = (False, True) if args.best_choice else (False,)
     for max_n in args.prompt_lookup_max:
         for max_len in args.max_len:
-            steps, proposed, accepted = 0, 0, 0
-            rows: list[int] = []
-            for prompt, answer in zip(prompts, answers, strict=True):
-                s, r, p, a = replay(prompt, answer, max_len, args.prompt_lookup_min, max_n)
-                steps, proposed, accepted = steps + s, proposed + p, accepted + a
-                rows += r
-            speedups = []
-            for cost in args.row_cost:
-                step_cost = sum(1 + cost * (r - 1) for r in rows) + len(answers)  # + prefills
-                speedups.append(f"{total / step_cost:.2f}x at {cost}")
-            per_step = total / (steps + len(answers))
-            print(
-                f"lookup max {max_n}, k {max_len}: {per_step:.2f} tokens/step, "
-                f"{accepted}/{proposed} accepted ({accepted / max(proposed, 1):.0%}); "
-                + ", ".join(speedups)
-            )
+            for best_choice in choices:
+                steps, proposed, accepted = 0, 0, 0
+                rows: list[int] = []
+                for prompt, answer in zip(prompts, answers, strict=True):
+                    s, r, p, a = replay(
+                        prompt, answer, max_len, args.prompt_lookup_min, max_n, best_choice
+                    )
+                    steps, proposed, accepted = steps + s, proposed + p, accepted + a
+                    rows += r
+                speedups = []
+                for cost in args.row_cost:
+                    step_cost = sum(1 + cost * (r - 1) for r in rows) + len(answers)  # prefills
+                    speedups.append(f"{total / step_cost:.2f}x at {cost}")
+                per_step = total / (steps + len(answers))
+                print(
+                    f"lookup max {max_n}, k {max_len}{', best choice' if best_choice else ''}: "
+                    f"{per_step:.2f} tokens/step, "
+                    f"{accepted}/{proposed} accepted ({accepted / max(proposed, 1):.0%}); "
+                    + ", ".join(speedups)
+                )
 
 
 if __name__ == "__main__":
