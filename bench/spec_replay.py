@@ -31,7 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from spec_decode import repetitive_prompts  # noqa: E402
 
 from switchboard.checkpoint import resolve_model  # noqa: E402
-from switchboard.engine.speculation.ngram import TokenIndex, propose_ngram  # noqa: E402
+from switchboard.engine.speculation.ngram import (  # noqa: E402
+    TokenIndex,
+    continuation,
+    propose_ngram,
+)
 from switchboard.engine.speculation.speculator import SpeculationState  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -87,28 +91,23 @@ def greedy_answers(prompts: list[list[int]], output_len: int) -> list[list[int]]
     return answers
 
 
-def continuation(tokens: list[int], start: int, n: int) -> list[int]:
-    """The ``n`` tokens from ``start``, a copy that runs into the end going on with itself (as
-    ``propose_ngram``'s proposals do)."""
-    out = tokens[start : start + n]
-    while len(out) < n:
-        out.append(out[start + len(out) - len(tokens)])
-    return out
-
-
 def propose_best(
-    tokens: list[int], num_tokens: int, min_n: int, max_n: int, future: list[int]
+    tokens: list[int],
+    index: TokenIndex,
+    num_tokens: int,
+    min_n: int,
+    max_n: int,
+    future: list[int],
 ) -> list[int]:
     """What the n-gram proposer could propose at best: among every earlier occurrence of the
     longest suffix of ``min_n..max_n`` tokens (the ones ``propose_ngram`` picks the most recent
     of), the continuation that matches ``future`` longest (the most recent of equals)."""
+    index.update(tokens)
     end = len(tokens)
     if num_tokens <= 0 or end < min_n + 1:
         return []
     found: dict[int, list[int]] = {}  # suffix length -> continuation starts
-    for pos in range(end - 1):
-        if tokens[pos] != tokens[-1]:
-            continue
+    for pos in index.occurrences(tokens[-1])[:-1]:  # the last is the suffix itself
         length = 1
         while length < min(max_n, pos + 1) and tokens[pos - length] == tokens[end - 1 - length]:
             length += 1
@@ -152,7 +151,7 @@ def replay(
             if want <= 0:
                 drafts = []
             elif best_choice:
-                drafts = propose_best(tokens, want, min_n, max_n, answer[done:])
+                drafts = propose_best(tokens, index, want, min_n, max_n, answer[done:])
             else:
                 drafts = propose_ngram(tokens, index, want, min_n, max_n)
             if not drafts:

@@ -65,9 +65,14 @@ def propose_ngram(
                 break
     if best_len < min_n:
         return []
-    # A continuation that runs into the end goes on with the proposals themselves (as an LZ77
-    # copy overlapping its source): text repeating with a short period gets whole proposals.
-    proposals = token_ids[best_start : best_start + num_tokens]
+    return continuation(token_ids, best_start, num_tokens)
+
+
+def continuation(token_ids: list[int], start: int, num_tokens: int) -> list[int]:
+    """The ``num_tokens`` tokens from ``start``. One that runs into the end goes on with the
+    proposals themselves (as an LZ77 copy overlapping its source): text repeating with a short
+    period gets whole proposals."""
+    proposals = token_ids[start : start + num_tokens]
     while len(proposals) < num_tokens:
-        proposals.append(proposals[best_start + len(proposals) - end])
+        proposals.append(proposals[start + len(proposals) - len(token_ids)])
     return proposals
