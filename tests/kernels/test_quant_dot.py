@@ -146,6 +146,24 @@ def test_four_bits_compute_what_eight_do(variant, type_name, monkeypatch):
         torch.testing.assert_close(got, _rounded_rows_product(x, rows, None), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("block", [16, 32])
+def test_four_bit_sums_at_their_largest(variant, block):
+    """4-bit values at 15 times inputs rounded to +-127 everywhere: the largest sums a block can
+    have (the avx2 variant sums a block's 4-bit products in 16 bits before widening them)."""
+    q = np.full((40, 128), 15, dtype=np.int8)
+    q[7, :] = 0  # q spans 0..15: packed as 4 bits, u = q
+    scale = np.full((40, 128 // block), 0.01, dtype=np.float32)
+    rows = QuantRows(q, scale, np.zeros_like(scale), block, "test")
+    panels = quant_gemm.pack(rows)
+    assert panels.bits == 4
+    signs = torch.tensor([1.0, -1.0, 1.0, -1.0] * 32)
+    x = torch.stack([torch.ones(128), -torch.ones(128), signs, 3 * torch.ones(128)] * 4)
+    for count in (1, 2, 3, 4, 5, 6, 7, 16):
+        expected = _rounded_rows_product(x[:count], rows, None)
+        assert float(expected[0, 0]) == pytest.approx(0.01 * 15 * 128)
+        torch.testing.assert_close(quant_gemm.linear(x[:count], panels), expected)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 13, 21])
 @pytest.mark.parametrize(
     ("out_features", "in_features", "block"), [(1, 32, 32), (17, 64, 16), (100, 96, 32)]

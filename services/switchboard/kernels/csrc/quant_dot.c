@@ -67,15 +67,21 @@ enum variant { NONE = 0, AVX2 = 1, VNNI512 = 2, AMX8 = 3 };
 static const int compiled = (1 << AVX2) | (HAVE_VNNI512 << VNNI512) | (HAVE_AMX8 << AMX8);
 static int selected = NONE;
 
-/* Rows per group over one panel: every (row, panel) pair holds an integer and a float sum in
-   registers (AVX-512: one register each; AVX2: two each, of its 16). 9 on AVX-512: a decode
-   with 8 proposed tokens in one pass over the weights (as groups of 5 and 4 its matmuls took
-   ~12 % longer) */
+/* Rows per group over one panel: every (row, panel) pair holds an integer sum in registers
+   (AVX-512: one register, and its float sum another; AVX2: two, of its 16, the float sums in
+   memory). 9 on AVX-512: a decode with 8 proposed tokens in one pass over the weights (as groups
+   of 5 and 4 its matmuls took ~12 % longer). AVX2: 6 rows of 4-bit values (12 registers of
+   sums, 2 of the line's weights), 4 of 8-bit ones (their lines take 4: q and |q|); at 9 to 64
+   rows 4-bit matmuls took ~5 % longer as groups of 4, 8-bit ones ~5 % longer as groups of 6 */
 #define MAX_ROWS_512 9
-#define MAX_ROWS_256 2
+#define MAX_ROWS_256 6
+#define MAX_ROWS_256_8BIT 4
 #define MAX_ROWS_AMX8 16 /* a tile's rows (the VNNI-512 tile's for rows left over) */
-static inline int rows_of(int v) {
-    return v == AMX8 ? MAX_ROWS_AMX8 : v == VNNI512 ? MAX_ROWS_512 : MAX_ROWS_256;
+static inline int rows_of(int v, int nibbles) {
+    return v == AMX8      ? MAX_ROWS_AMX8
+           : v == VNNI512 ? MAX_ROWS_512
+           : nibbles      ? MAX_ROWS_256
+                          : MAX_ROWS_256_8BIT;
 }
 /* panels one group takes at once: independent chains for few rows */
 static inline int panels_for(int v, int64_t R) {
@@ -89,10 +95,10 @@ int quant_dot_variants(void) { return compiled & ~(bf16_amx_ready() ? 0 : 1 << A
 int quant_dot_select(int v) {
     if (v <= NONE || v > AMX8 || !(quant_dot_variants() & (1 << v))) return 0;
     selected = v;
-    return rows_of(v);
+    return rows_of(v, 1);
 }
 
-int quant_dot_max_rows(void) { return selected == NONE ? 0 : rows_of(selected); }
+int quant_dot_max_rows(void) { return selected == NONE ? 0 : rows_of(selected, 1); }
 
 /* 8 floats of x * id rounded to int32 (the current rounding mode: to nearest even) */
 static inline __m256i round8(const float *x, __m256 id) {
@@ -176,6 +182,10 @@ static inline __attribute__((always_inline)) void panel_group_of(
     switch (M) {
         case 1: many ? tile_avx2(1, 2, TILE_ARGS) : tile_avx2(1, 1, TILE_ARGS); break;
         case 2: tile_avx2(2, 1, TILE_ARGS); break;
+        case 3: tile_avx2(3, 1, TILE_ARGS); break;
+        case 4: tile_avx2(4, 1, TILE_ARGS); break;
+        case 5: tile_avx2(5, 1, TILE_ARGS); break;
+        case 6: tile_avx2(6, 1, TILE_ARGS); break;
     }
 }
 
@@ -210,7 +220,7 @@ struct dot_task {
    later groups read the panel from cache) */
 static void dot_panels(void *arg, int64_t i0, int64_t i1) {
     const struct dot_task *t = arg;
-    const int64_t most = rows_of(t->v), groups = (t->M + most - 1) / most;
+    const int64_t most = rows_of(t->v, t->nibbles), groups = (t->M + most - 1) / most;
     const int64_t base = t->M / groups, wider = t->M % groups;
     const int64_t panel_bytes = t->x.blocks * block_bytes(t->B, t->nibbles, t->layout);
     const int64_t panels = (t->N + PW - 1) / PW;
@@ -309,7 +319,7 @@ static int dot_linear(const float *x, int64_t ldx, const uint8_t *p, const float
             quantize_block(x + r * ldx + b * B, B, q4 + b * (B / 4) * M + r, M, d + i, ds + i,
                            corr + i);
         }
-    const int64_t step = M <= rows_of(v) ? panels_for(v, M) : 1;
+    const int64_t step = M <= rows_of(v, nibbles) ? panels_for(v, M) : 1;
     const struct dot_task task = {{q4, d, ds, corr, M, blocks}, bias, p, y, M, N, B, step, v,
                                   nibbles, layout};
     const int64_t per_item = M * K * PW * step, min_items = PANEL_WORK / per_item;

@@ -187,14 +187,20 @@ static inline void widen_factors(const uint8_t *at, float *so, int count) {
 #endif
 }
 
-/* The AVX2 variant: a panel's 4 inputs are two vectors of 8 columns. */
-static inline __m256i line256(const int nibbles, const uint8_t *blk, int64_t k4, int64_t B,
-                              int h) {
-    if (!nibbles) return _mm256_loadu_si256((const __m256i *)(blk + k4 * 4 * PW + 32 * h));
-    const int64_t half = B / 8;
-    const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + (k4 % half) * 4 * PW + 32 * h));
+/* The AVX2 variant: a panel's 4 inputs are two vectors of 8 columns, and a tile's float sums
+   stay in memory (an L1 line per vector, read and written once a block): AVX2's 16 registers
+   then hold the integer sums of 4 rows.
+
+   4 bits: u (at most 15) times xq (|xq| <= 127) by _mm256_maddubs_epi16 is a pair of inputs in
+   16 bits, at most 2 * 15 * 127 = 3,810, so a block's 32 inputs (16 pairs over 8 lines) sum in
+   16 bits without overflow (30,480 < 32,767) and widen to 32 bits once a block with
+   _mm256_madd_epi16: a multiply and an add a line and row instead of two multiplies and an add
+   (the same integers, hence the same floats). 8 bits (q = u ^ 0x80, |q| * sign(xq, q), pairs up
+   to 32,512) widen every line. */
+static inline __m256i nibbles256(const uint8_t *blk, int64_t k4, int h, int high) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + k4 * 4 * PW + 32 * h));
     const __m256i low = _mm256_set1_epi8(0x0f);
-    return k4 < half ? _mm256_and_si256(v, low) : _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    return _mm256_and_si256(high ? _mm256_srli_epi16(v, 4) : v, low);
 }
 
 static inline __attribute__((always_inline)) void tile_avx2(
@@ -205,36 +211,55 @@ static inline __attribute__((always_inline)) void tile_avx2(
     const int64_t bb = block_bytes(B, nibbles, layout), values = nibbles ? B * PW / 2 : B * PW;
     const int half = layout & HALF, offsets = !(layout & NO_OFFSETS);
     const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
-    __m256 acc[2 * 2 * 2];
-    for (int i = 0; i < 2 * R * P; i++) acc[i] = _mm256_setzero_ps();
+    float acc[MAX_ROWS_256 * 2 * PW];
+    for (int i = 0; i < R * P * PW; i++) acc[i] = 0.0f;
     for (int64_t b = 0; b < x->blocks; b++) {
-        __m256i sums[2 * 2 * 2];
+        __m256i sums[2 * MAX_ROWS_256 * 2];
         for (int i = 0; i < 2 * R * P; i++) sums[i] = _mm256_setzero_si256();
-        for (int64_t k4 = 0; k4 < B / 4; k4++) {
-            __m256i wq[2 * 2], wa[2 * 2];
-            for (int pp = 0; pp < P; pp++) {
-                const uint8_t *blk = p + pp * panel_bytes + b * bb;
-                if (!nibbles || k4 < B / 8)
+        if (nibbles) {
+            /* line k4's low nibbles, then line k4 + B / 8's high ones (the same bytes) */
+            for (int64_t k4 = 0; k4 < B / 8; k4++)
+                for (int high = 0; high < 2; high++) {
+                    __m256i w[2 * 2];
+                    for (int pp = 0; pp < P; pp++) {
+                        const uint8_t *blk = p + pp * panel_bytes + b * bb;
+                        if (!high)
+                            prefetch_line(p + pp * panel_bytes, b * bb + k4 * 4 * PW, ahead, P,
+                                          panel_bytes);
+                        for (int h = 0; h < 2; h++) w[2 * pp + h] = nibbles256(blk, k4, h, high);
+                    }
+                    const int32_t *line = line_of(x, r0, b, B, k4 + high * (B / 8));
+                    for (int r = 0; r < R; r++) {
+                        const __m256i xb = _mm256_set1_epi32(line[r]);
+                        for (int i = 0; i < 2 * P; i++)
+                            sums[2 * r * P + i] = _mm256_add_epi16(
+                                sums[2 * r * P + i], _mm256_maddubs_epi16(w[i], xb));
+                    }
+                }
+            for (int i = 0; i < 2 * R * P; i++) sums[i] = _mm256_madd_epi16(sums[i], ones);
+        } else {
+            for (int64_t k4 = 0; k4 < B / 4; k4++) {
+                __m256i wq[2 * 2], wa[2 * 2];
+                for (int pp = 0; pp < P; pp++) {
+                    const uint8_t *blk = p + pp * panel_bytes + b * bb;
                     prefetch_line(p + pp * panel_bytes, b * bb + k4 * 4 * PW, ahead, P,
                                   panel_bytes);
-                for (int h = 0; h < 2; h++) {
-                    /* 4 bits: u itself (at most 15); else q = u ^ 0x80 and |q| */
-                    wq[2 * pp + h] = line256(nibbles, blk, k4, B, h);
-                    if (!nibbles) {
-                        wq[2 * pp + h] = _mm256_xor_si256(wq[2 * pp + h], flip);
+                    for (int h = 0; h < 2; h++) {
+                        wq[2 * pp + h] = _mm256_xor_si256(
+                            _mm256_loadu_si256((const __m256i *)(blk + k4 * 4 * PW + 32 * h)),
+                            flip);
                         wa[2 * pp + h] = _mm256_abs_epi8(wq[2 * pp + h]);
                     }
                 }
-            }
-            const int32_t *line = line_of(x, r0, b, B, k4);
-            for (int r = 0; r < R; r++) {
-                const __m256i xb = _mm256_set1_epi32(line[r]);
-                for (int i = 0; i < 2 * P; i++) {
-                    const __m256i pairs =
-                        nibbles ? _mm256_maddubs_epi16(wq[i], xb)
-                                : _mm256_maddubs_epi16(wa[i], _mm256_sign_epi8(xb, wq[i]));
-                    sums[2 * r * P + i] =
-                        _mm256_add_epi32(sums[2 * r * P + i], _mm256_madd_epi16(pairs, ones));
+                const int32_t *line = line_of(x, r0, b, B, k4);
+                for (int r = 0; r < R; r++) {
+                    const __m256i xb = _mm256_set1_epi32(line[r]);
+                    for (int i = 0; i < 2 * P; i++) {
+                        const __m256i pairs =
+                            _mm256_maddubs_epi16(wa[i], _mm256_sign_epi8(xb, wq[i]));
+                        sums[2 * r * P + i] =
+                            _mm256_add_epi32(sums[2 * r * P + i], _mm256_madd_epi16(pairs, ones));
+                    }
                 }
             }
         }
@@ -252,15 +277,14 @@ static inline __attribute__((always_inline)) void tile_avx2(
                 for (int h = 0; h < 2; h++) {
                     const int t = 2 * (r * P + pp) + h;
                     const __m256 sd = _mm256_mul_ps(_mm256_loadu_ps(so + 8 * h), d);
-                    const __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), sd, acc[t]);
-                    acc[t] = offsets ? _mm256_fmadd_ps(_mm256_loadu_ps(so + PW + 8 * h), ds, a) : a;
+                    const __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[t]), sd,
+                                                     _mm256_loadu_ps(acc + 8 * t));
+                    _mm256_storeu_ps(acc + 8 * t, offsets ? _mm256_fmadd_ps(_mm256_loadu_ps(so + PW + 8 * h), ds, a) : a);
                 }
             }
         }
     }
-    float out[2 * 2 * 2 * 8];
-    for (int i = 0; i < 2 * R * P; i++) _mm256_storeu_ps(out + i * 8, acc[i]);
-    store_tile(R, P, out, y, ldy, ncols_last, bias);
+    store_tile(R, P, acc, y, ldy, ncols_last, bias);
 }
 
 #endif
