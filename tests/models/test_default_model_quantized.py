@@ -48,8 +48,11 @@ def float32_tokens() -> list[DrivenRequest]:
 # The default kernel's rounding of the rows to 8 bits (in the layers: the LM head's share is
 # small) parts a sequence where the float32 model's best two were 0.22 apart (others at 0.01 and
 # 0.04), and moves the log-probability of the float32 model's best token by up to 0.21 over
-# every position of these prompts' float32 sequences (its five best: up to 0.87)
-TIE = 0.5
+# every position of these prompts' float32 sequences (its five best: up to 0.87). On a CPU with
+# AVX2 and no AVX-512 (the float32 kernels and attention then sum in another order) one parting
+# was where the best two were 0.65 apart, the rounding having moved them by 0.31 and 0.35 at that
+# position: a parting is allowed up to about twice what one position's rounding moves a token.
+TIE = 0.7
 MOVED = 0.3
 
 
