@@ -11,9 +11,9 @@ instead of 4. Two kernels read them in panels of 16 output columns, a few rows a
   (``_mm512_dpbusd_epi32`` with AVX-512 VNNI, ``_mm256_maddubs_epi16`` with AVX2), folded in
   as d * (scale * sum + offset * sum of x). The result differs from the float32 product on the
   dequantized weight by the rows' 8-bit rounding; greedy output keeps the float32 model's tokens
-  except where its top two logits nearly tie (tests/models/test_default_model_quantized.py). Variants,
-  picked by the CPU's flags: ``amx`` (AMX-INT8 tiles for groups of 12 to 16 rows, vnni512's
-  code for fewer: the same floats), ``vnni512`` (AVX-512 VNNI), ``avx2``.
+  except where its top two logits nearly tie (tests/models/test_default_model_quantized.py).
+  Variants, picked by the CPU's flags: ``amx`` (AMX-INT8 tiles for groups of 12 to 16 rows,
+  vnni512's code for fewer: the same floats), ``vnni512`` (AVX-512 VNNI), ``avx2``.
 - ``exact`` (``csrc/quant_gemm.c``): each weight dequantized in registers and the float32
   small-batch kernel's multiply-add chains run on it: bit for bit the float32 kernel's floats
   on the dequantized weight, at about half the speed at one row (a convert, a multiply and an
