@@ -189,14 +189,14 @@ static inline void widen_factors(const uint8_t *at, float *so, int count) {
 
 /* The AVX2 variant: a panel's 4 inputs are two vectors of 8 columns, and a tile's float sums
    stay in memory (an L1 line per vector, read and written once a block): AVX2's 16 registers
-   then hold the integer sums of 4 rows.
+   then hold the integer sums of MAX_ROWS_256 rows (4 bits) or MAX_ROWS_256_8BIT (8 bits).
 
    4 bits: u (at most 15) times xq (|xq| <= 127) by _mm256_maddubs_epi16 is a pair of inputs in
-   16 bits, at most 2 * 15 * 127 = 3,810, so a block's 32 inputs (16 pairs over 8 lines) sum in
-   16 bits without overflow (30,480 < 32,767) and widen to 32 bits once a block with
-   _mm256_madd_epi16: a multiply and an add a line and row instead of two multiplies and an add
-   (the same integers, hence the same floats). 8 bits (q = u ^ 0x80, |q| * sign(xq, q), pairs up
-   to 32,512) widen every line. */
+   a 16-bit lane, at most 2 * 15 * 127 = 3,810; a lane takes one pair a line, so over a block of
+   32 inputs (8 lines) it sums at most 30,480 < 32,767: the pairs add in 16 bits and widen to 32
+   once a block with _mm256_madd_epi16, a multiply and an add a line and row instead of two
+   multiplies and an add (the same integers, hence the same floats). 8 bits (q = u ^ 0x80,
+   |q| * sign(xq, q), pairs up to 32,512) widen every line. */
 static inline __m256i nibbles256(const uint8_t *blk, int64_t k4, int h, int high) {
     const __m256i v = _mm256_loadu_si256((const __m256i *)(blk + k4 * 4 * PW + 32 * h));
     const __m256i low = _mm256_set1_epi8(0x0f);
