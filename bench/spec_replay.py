@@ -196,30 +196,53 @@ def main() -> None:
         cached = {"prompts": prompts, "output_len": args.output_len, "answers": answers}
         args.answers.write_text(json.dumps(cached))
     answers = cached["answers"]
-    total = sum(len(a) for a in answers)
     choices = (False, True) if args.best_choice else (False,)
     for max_n in args.prompt_lookup_max:
         for max_len in args.max_len:
             for best_choice in choices:
-                steps, proposed, accepted = 0, 0, 0
-                rows: list[int] = []
-                for prompt, answer in zip(prompts, answers, strict=True):
-                    s, r, p, a = replay(
-                        prompt, answer, max_len, args.prompt_lookup_min, max_n, best_choice
-                    )
-                    steps, proposed, accepted = steps + s, proposed + p, accepted + a
-                    rows += r
-                speedups = []
-                for cost in args.row_cost:
-                    step_cost = sum(1 + cost * (r - 1) for r in rows) + len(answers)  # prefills
-                    speedups.append(f"{total / step_cost:.2f}x at {cost}")
-                per_step = total / (steps + len(answers))
+                label = f"lookup max {max_n}, k {max_len}{', best choice' if best_choice else ''}"
                 print(
-                    f"lookup max {max_n}, k {max_len}{', best choice' if best_choice else ''}: "
-                    f"{per_step:.2f} tokens/step, "
-                    f"{accepted}/{proposed} accepted ({accepted / max(proposed, 1):.0%}); "
-                    + ", ".join(speedups)
+                    f"{label}: "
+                    + summary(
+                        prompts,
+                        answers,
+                        max_len,
+                        args.prompt_lookup_min,
+                        max_n,
+                        best_choice,
+                        args.row_cost,
+                    )
                 )
+
+
+def summary(
+    prompts: list[list[int]],
+    answers: list[list[int]],
+    max_len: int,
+    min_n: int,
+    max_n: int,
+    best_choice: bool,
+    row_costs: list[float],
+) -> str:
+    """One variant replayed over every answer: tokens per step, proposals accepted, and the
+    speed-up at each row cost."""
+    steps, proposed, accepted = 0, 0, 0
+    rows: list[int] = []
+    for prompt, answer in zip(prompts, answers, strict=True):
+        s, r, p, a = replay(prompt, answer, max_len, min_n, max_n, best_choice)
+        steps, proposed, accepted = steps + s, proposed + p, accepted + a
+        rows += r
+    total = sum(len(a) for a in answers)
+    speedups = []
+    for cost in row_costs:
+        step_cost = sum(1 + cost * (r - 1) for r in rows) + len(answers)  # + prefills
+        speedups.append(f"{total / step_cost:.2f}x at {cost}")
+    per_step = total / (steps + len(answers))
+    return (
+        f"{per_step:.2f} tokens/step, "
+        f"{accepted}/{proposed} accepted ({accepted / max(proposed, 1):.0%}); "
+        + ", ".join(speedups)
+    )
 
 
 if __name__ == "__main__":

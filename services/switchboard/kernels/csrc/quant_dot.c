@@ -184,8 +184,9 @@ static inline __attribute__((always_inline)) void panel_group_of(
         case 2: tile_avx2(2, 1, TILE_ARGS); break;
         case 3: tile_avx2(3, 1, TILE_ARGS); break;
         case 4: tile_avx2(4, 1, TILE_ARGS); break;
-        case 5: tile_avx2(5, 1, TILE_ARGS); break;
-        case 6: tile_avx2(6, 1, TILE_ARGS); break;
+        /* 8-bit values come in groups of at most MAX_ROWS_256_8BIT: no such tiles for them */
+        case 5: if (NIBBLES) tile_avx2(5, 1, TILE_ARGS); break;
+        case 6: if (NIBBLES) tile_avx2(6, 1, TILE_ARGS); break;
     }
 }
 
