@@ -59,6 +59,16 @@ def setup_venv(venv: Path) -> None:
     subprocess.run([str(python), "-c", "import xllamacpp; print('xllamacpp ok')"], check=True)
 
 
+# a slot's KV cache: at least this many tokens, else the longest request's in steps of 256
+MIN_SLOT_TOKENS = 1024
+
+
+def slot_tokens(longest_request: int) -> int:
+    """The tokens of one slot's KV cache for requests of up to ``longest_request`` tokens
+    (prompt and output): the server refuses a request longer than its slot."""
+    return max(MIN_SLOT_TOKENS, -(-longest_request // 256) * 256)
+
+
 def command(venv: Path, gguf: str, port: int, slots: int, ctx_per_slot: int) -> list[str]:
     threads = len(os.sched_getaffinity(0))
     return [

@@ -103,7 +103,8 @@ async def run(args: argparse.Namespace) -> int:
         clients[label] = SbClient(port, args.output_len)
     if args.llamacpp_venv:
         port = free_port()
-        cmd = llamacpp_side.command(args.llamacpp_venv, args.model, port, 1, 1024)
+        slot = llamacpp_side.slot_tokens(args.input_len + args.output_len)
+        cmd = llamacpp_side.command(args.llamacpp_venv, args.model, port, 1, slot)
         log = log_dir / "llamacpp.log"
         servers["llama.cpp"] = start("llamacpp", cmd, llamacpp_side.environment(), log, port)
         await wait_ready(servers["llama.cpp"])

@@ -36,8 +36,6 @@ from switchboard.api.v1 import model_service_pb2_grpc as model_grpc
 
 SERVERS = ("switchboard", "vllm", "llamacpp")
 API_PROCESS = {"switchboard": "Gateway_0", "vllm": "APIServer", "llamacpp": "llama-server"}
-# llama.cpp's KV cache is one slot per concurrent request, each this many tokens at least
-LLAMACPP_MIN_SLOT_TOKENS = 1024
 
 
 @dataclasses.dataclass
@@ -127,8 +125,9 @@ def _launch(
     assert plan.gguf is not None
     slots = max(c for _, c, _ in plan.levels)
     longest = max(n for n, _, _ in plan.levels) + args.output_len
-    ctx = max(LLAMACPP_MIN_SLOT_TOKENS, -(-longest // 256) * 256)
-    cmd = llamacpp_side.command(args.llamacpp_venv, plan.gguf, port, slots, ctx)
+    cmd = llamacpp_side.command(
+        args.llamacpp_venv, plan.gguf, port, slots, llamacpp_side.slot_tokens(longest)
+    )
     client = OpenAIClient(port, plan.label, args.output_len, reconnect=True)
     return cmd, llamacpp_side.environment(), client
 
