@@ -11,7 +11,10 @@ LM head, sampling). The proposals are random tokens (rejected: a rejected row co
 accepted one does), so each step adds one token to the context: ``--steps`` times the row counts
 tokens over the run. ``--cpu-time`` times the process's CPU time instead of the wall clock: with
 ``--threads 1`` a measure of the work that others' load on a shared machine hardly moves.
-``--profile`` adds torch's operator table of the largest row count.
+``--profile`` adds torch's operator table of the largest row count. ``--phases`` splits each
+row count's median step into its parts, each timed around its call: the one-call decode stack
+(the decoder layers), the LM head, the step's inputs and the sampling; what is left is the rest
+of ``execute_model`` (Python, the embedding, the final norm).
 """
 
 from __future__ import annotations
@@ -20,12 +23,16 @@ import argparse
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
 
 import torch
 
+import switchboard.worker.model_runner as model_runner_module
 from switchboard.checkpoint import resolve_model
 from switchboard.config import ModelConfig
+from switchboard.kernels import decode_stack
 from switchboard.wire.engine_msgs import SamplingParams
 from switchboard.wire.step_msgs import CachedRequest, NewRequest, SchedulerOutput
 from switchboard.worker.model_runner import ModelRunner
@@ -86,6 +93,57 @@ class VerifySteps:
         return seconds
 
 
+class Phases:
+    """Seconds spent in each timed call since the last ``take()``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def take(self) -> dict[str, float]:
+        taken, self.seconds = self.seconds, {}
+        return taken
+
+    @contextmanager
+    def timing(self, owner: Any, attribute: str, label: str) -> Iterator[None]:
+        """``owner.attribute`` (a function or bound method) timed while inside."""
+        original = getattr(owner, attribute)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                spent = time.perf_counter() - started
+                self.seconds[label] = self.seconds.get(label, 0.0) + spent
+
+        setattr(owner, attribute, timed)
+        try:
+            yield
+        finally:
+            setattr(owner, attribute, original)
+
+
+@contextmanager
+def phases_of(runner: ModelRunner, phases: Phases) -> Iterator[None]:
+    assert runner.model is not None
+    with (
+        phases.timing(decode_stack, "_call", "decode stack"),
+        phases.timing(runner.model, "compute_logits", "LM head"),
+        phases.timing(model_runner_module, "build_step_inputs", "step inputs"),
+        phases.timing(runner, "sample_step", "sampling"),
+    ):
+        yield
+
+
+def print_phases(rows: int, steps: list[float], parts: list[dict[str, float]]) -> None:
+    step = statistics.median(steps) * 1e3
+    cells = []
+    for label in ("decode stack", "LM head", "step inputs", "sampling"):
+        ms = statistics.median(part.get(label, 0.0) for part in parts) * 1e3
+        cells.append(f"{label} {ms:.2f}")
+    print(f"  {rows} rows: step {step:.2f} ms = " + ", ".join(cells) + " ms + the rest")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="default: the built-in default model")
@@ -95,6 +153,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--cpu-time", action="store_true", help="time CPU, not the wall clock")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--phases", action="store_true", help="each step's parts, timed")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     clock = time.process_time if args.cpu_time else time.perf_counter
@@ -111,15 +170,23 @@ def main() -> None:
         for _ in range(3):  # warm-up
             for rows in args.rows:
                 steps.step(rows)
-        for _ in range(args.steps):
-            for rows in args.rows:
-                times[rows].append(steps.step(rows, clock))
+        phases = Phases()
+        parts: dict[int, list[dict[str, float]]] = {rows: [] for rows in args.rows}
+        with phases_of(runner, phases) if args.phases else nullcontext():
+            for _ in range(args.steps):
+                for rows in args.rows:
+                    phases.take()
+                    times[rows].append(steps.step(rows, clock))
+                    parts[rows].append(phases.take())
         one = statistics.median(times[args.rows[0]])
         cells = []
         for rows in args.rows:
             ms = statistics.median(times[rows]) * 1e3
             cells.append(f"{rows} rows {ms:.2f} ms ({ms / one / 1e3:.2f}x)")
         print(f"context {context}: " + ", ".join(cells))
+        if args.phases:
+            for rows in args.rows:
+                print_phases(rows, times[rows], parts[rows])
         if args.profile:
             with torch.profiler.profile() as prof:
                 for _ in range(10):
