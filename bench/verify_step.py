@@ -94,9 +94,10 @@ class VerifySteps:
 
 
 class Phases:
-    """Seconds spent in each timed call since the last ``take()``."""
+    """Seconds spent in each timed call since the last ``take()``, on ``clock`` (the steps')."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
         self.seconds: dict[str, float] = {}
 
     def take(self) -> dict[str, float]:
@@ -109,11 +110,11 @@ class Phases:
         original = getattr(owner, attribute)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            started = time.perf_counter()
+            started = self.clock()
             try:
                 return original(*args, **kwargs)
             finally:
-                spent = time.perf_counter() - started
+                spent = self.clock() - started
                 self.seconds[label] = self.seconds.get(label, 0.0) + spent
 
         setattr(owner, attribute, timed)
@@ -125,6 +126,7 @@ class Phases:
 
 @contextmanager
 def phases_of(runner: ModelRunner, phases: Phases) -> Iterator[None]:
+    """The parts of ``runner``'s steps timed into ``phases`` while inside."""
     assert runner.model is not None
     with (
         phases.timing(decode_stack, "_call", "decode stack"),
@@ -170,7 +172,7 @@ def main() -> None:
         for _ in range(3):  # warm-up
             for rows in args.rows:
                 steps.step(rows)
-        phases = Phases()
+        phases = Phases(clock)
         parts: dict[int, list[dict[str, float]]] = {rows: [] for rows in args.rows}
         with phases_of(runner, phases) if args.phases else nullcontext():
             for _ in range(args.steps):
