@@ -26,12 +26,16 @@ workloads:
   document quoting its sentences, edit a piece of code (rename a function and give the whole code
   back), reformat a JSON record. The model copies long runs of its prompt: n-gram proposals are
   accepted;
-* **random**: prompts of random token ids (the vs_vllm kit's workload) with ``ignore_eos``: the
-  output repeats nothing, proposals are rare and rejected, so the cost of trying shows.
+* **random**: prompts of random token ids (the vs_vllm kit's workload) with ``ignore_eos``,
+  greedy. Meant as output that repeats nothing, but the default model's greedy answers to such
+  prompts fall into loops, which the proposer copies;
+* **sampled**: the same prompts sampled at temperature 1 (a seed per request, the same on and
+  off: a seeded request's tokens are the same with speculation on or off): the answers do not
+  loop, proposals are rarely accepted, so the cost of trying shows.
 
 Printed per workload and c: output tok/s off and on, their ratio, the acceptance rate (accepted /
-proposed tokens, from the responses' usage) and whether every greedy output was token-identical
-on and off. Output tok/s: all output tokens of the level over its wall time (prompts'
+proposed tokens, from the responses' usage) and whether every output was token-identical on and
+off. Output tok/s: all output tokens of the level over its wall time (prompts'
 prefill included); decode-only: each request's tokens after its first over its time after its
 first (switchboard's side, streamed), the speed-up of decoding itself at c = 1. With
 ``--vllm-venv`` (vLLM's CPU build, as bench/vs_vllm.py installs it) the same levels run on two
@@ -67,6 +71,14 @@ DEFAULT_SPEC = json.dumps(
 )
 VOCAB = 49152  # SmolLM2's
 RANDOM_PROMPT_LEN = 128
+SAMPLED_TEMPERATURE = 1.0
+
+
+@dataclass
+class Workload:
+    prompts: list[Any]
+    ignore_eos: bool
+    temperature: float = 0.0  # above 0: each request seeded with its index in the level
 
 
 def chat(user: str) -> str:
@@ -160,9 +172,16 @@ class SbGenerate:
         self.channel = grpc.aio.insecure_channel(f"{HOST}:{port}")
         self.stub = pb_grpc.GenerationServiceStub(self.channel)
 
-    async def __call__(self, prompt: str | list[int], max_tokens: int, ignore_eos: bool) -> Result:
+    async def __call__(
+        self,
+        prompt: str | list[int],
+        max_tokens: int,
+        ignore_eos: bool,
+        temperature: float = 0.0,
+        seed: int | None = None,
+    ) -> Result:
         request = pb.GenerateRequest(
-            sampling=pb.SamplingParams(temperature=0.0),
+            sampling=pb.SamplingParams(temperature=temperature, seed=seed),
             stopping=pb.StoppingCriteria(max_tokens=max_tokens, ignore_eos=ignore_eos),
             output=pb.OutputOptions(return_token_ids=True),
         )
@@ -204,15 +223,24 @@ class VllmGenerate:
         finally:
             await conn.close()
 
-    async def __call__(self, prompt: str | list[int], max_tokens: int, ignore_eos: bool) -> Result:
-        body = {
+    async def __call__(
+        self,
+        prompt: str | list[int],
+        max_tokens: int,
+        ignore_eos: bool,
+        temperature: float = 0.0,
+        seed: int | None = None,
+    ) -> Result:
+        body: dict[str, Any] = {
             "model": self.model,
             "prompt": prompt,
             "max_tokens": max_tokens,
-            "temperature": 0.0,
+            "temperature": temperature,
             "ignore_eos": ignore_eos,
             "return_token_ids": True,
         }
+        if seed is not None:
+            body["seed"] = seed
         path = "/v1/completions"
         reply = json.loads(await self._request("POST", path, json.dumps(body).encode()))
         return Result(token_ids=list(reply["choices"][0].get("token_ids") or []))
@@ -239,14 +267,21 @@ Generate = SbGenerate | VllmGenerate
 
 
 async def closed_loop(
-    generate: Generate, prompts: list[Any], concurrency: int, max_tokens: int, ignore_eos: bool
+    generate: Generate, prompts: list[Any], concurrency: int, max_tokens: int, workload: Workload
 ) -> tuple[list[Result], float]:
     results: list[Result | None] = [None] * len(prompts)
     todo = iter(range(len(prompts)))
+    sampled = workload.temperature > 0.0
 
     async def client() -> None:
         for i in todo:
-            results[i] = await generate(prompts[i], max_tokens, ignore_eos)
+            results[i] = await generate(
+                prompts[i],
+                max_tokens,
+                workload.ignore_eos,
+                workload.temperature,
+                i if sampled else None,
+            )
 
     started = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
@@ -291,11 +326,11 @@ async def start_server(
 
 
 async def run_level(
-    generate: Generate, prompts: list[Any], c: int, args: argparse.Namespace, ignore_eos: bool
+    generate: Generate, workload: Workload, c: int, args: argparse.Namespace
 ) -> dict[str, Any]:
-    level = level_prompts(prompts, c, args.min_requests)
+    level = level_prompts(workload.prompts, c, args.min_requests)
     before = await generate.spec_counters()
-    results, wall = await closed_loop(generate, level, c, args.output_len, ignore_eos)
+    results, wall = await closed_loop(generate, level, c, args.output_len, workload)
     after = await generate.spec_counters()
     tokens = sum(len(r.token_ids) for r in results)
     timed = [r for r in results if r.decode_s]
@@ -314,7 +349,7 @@ async def run_level(
 
 
 async def run_both(
-    kind: str, args: argparse.Namespace, workloads: dict[str, Any], log_dir: Path
+    kind: str, args: argparse.Namespace, workloads: dict[str, Workload], log_dir: Path
 ) -> dict[str, dict[str, Any]]:
     """Every level on both servers of ``kind``, alternated ``--rounds`` times; each side's
     best round (with every round's tok/s under ``rounds``)."""
@@ -327,12 +362,12 @@ async def run_both(
         sides = {label: generate for label, (_, generate) in zip(best, servers, strict=True)}
         for generate in sides.values():
             await generate(chat("Hello"), 8, False)  # warm-up
-        for name, (prompts, ignore_eos) in workloads.items():
+        for name, workload in workloads.items():
             for c in args.concurrency:
                 key = f"{name}/{c}"
                 for round_ in range(args.rounds):
                     for label, generate in sides.items():
-                        level = await run_level(generate, prompts, c, args, ignore_eos)
+                        level = await run_level(generate, workload, c, args)
                         kept = best[label].get(key)
                         rounds = [*(kept["rounds"] if kept else []), level["tok_s"]]
                         if kept is None or level["tok_s"] > kept["tok_s"]:
@@ -394,7 +429,7 @@ def main() -> int:
         "variant more, else instead of the default n-gram config",
     )
     parser.add_argument("--draft-tokens", type=int, default=4, help="its num_speculative_tokens")
-    parser.add_argument("--workloads", nargs="+", default=["repetitive", "random"])
+    parser.add_argument("--workloads", nargs="+", default=["repetitive", "random", "sampled"])
     parser.add_argument("--rounds", type=int, default=2, help="alternations per level")
     parser.add_argument("--min-requests", type=int, default=6, help="requests per level")
     parser.add_argument("--json", type=Path, help="write every number here")
@@ -414,9 +449,11 @@ def main() -> int:
         args.specs.append(
             json.dumps({"model": draft_dir, "num_speculative_tokens": args.draft_tokens})
         )
+    random_prompts = make_prompts(8, RANDOM_PROMPT_LEN, VOCAB, "spec-decode")
     all_workloads = {
-        "repetitive": (repetitive_prompts(), False),
-        "random": (make_prompts(8, RANDOM_PROMPT_LEN, VOCAB, "spec-decode"), True),
+        "repetitive": Workload(repetitive_prompts(), ignore_eos=False),
+        "random": Workload(random_prompts, ignore_eos=True),
+        "sampled": Workload(random_prompts, ignore_eos=True, temperature=SAMPLED_TEMPERATURE),
     }
     workloads = {name: all_workloads[name] for name in args.workloads}
     kinds = ["switchboard"]
@@ -431,7 +468,8 @@ def main() -> int:
     finally:
         stop_all()
     print(
-        f"\noutput up to {args.output_len} tokens, greedy; best of {args.rounds} alternated rounds"
+        f"\noutput up to {args.output_len} tokens, greedy (sampled: temperature "
+        f"{SAMPLED_TEMPERATURE}, seeded); best of {args.rounds} alternated rounds"
     )
     for kind, both in results.items():
         for label, spec in spec_variants(args.specs).items():
