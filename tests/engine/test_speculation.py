@@ -14,7 +14,7 @@ from test_scheduler import BS, make_request, prompt
 from switchboard.config import CacheConfig, SchedulerConfig
 from switchboard.config.speculative import parse_speculative_config
 from switchboard.engine.scheduler import Scheduler
-from switchboard.engine.speculation.speculator import MAX_MISSES
+from switchboard.engine.speculation.speculator import MAX_DRY_LOOKUPS, MAX_MISSES
 from switchboard.wire.engine_msgs import FinishReason, StructuredOutputParams
 
 NGRAM = json.dumps(
@@ -182,6 +182,42 @@ def test_a_request_whose_proposals_keep_failing_stops_proposing():
     # pauses of 8, 16, 32, 64 output tokens after MAX_MISSES misses each
     assert steps_with_proposals <= 5 * MAX_MISSES
     assert steps_with_proposals < decode_steps // 4
+
+
+def test_a_request_whose_lookups_find_nothing_stops_holding_steps_back():
+    # Every output token is new: a lookup never finds a match. Each lookup makes the engine
+    # wait for the request's latest token instead of scheduling the step ahead; after
+    # MAX_DRY_LOOKUPS dry ones in a row the request pauses (8, 16, 32, 64 output tokens).
+    def unseen_token(request_id: str, token_ids: list[int]) -> int:
+        return 5000 + len(token_ids)
+
+    sched = make_scheduler(max_model_len=256)
+    speculator = sched.speculator
+    assert speculator is not None
+    worker = FakeWorker(BS, sched.kv.num_blocks, unseen_token)
+    d = Driver(sched, worker, ahead=True)
+    sched.add_request(make_request("a", prompt(8), 120))
+    held_back = []
+    wants = sched.wants_latest_tokens
+
+    def spied() -> bool:
+        held_back.append(wants())
+        return held_back[-1]
+
+    sched.wants_latest_tokens = spied  # type: ignore[method-assign]
+    d.run()
+    assert proposed_tokens(d) == 0
+    assert d.tokens("a") == expected_unseen(prompt(8), 120, unseen_token)
+    # the lookups of four dry streaks, then pauses; every other step went ahead
+    assert 0 < sum(held_back) <= 5 * MAX_DRY_LOOKUPS
+    assert sum(held_back) < len(held_back) // 4
+
+
+def expected_unseen(prompt_ids: list[int], n: int, token_fn) -> list[int]:
+    tokens = list(prompt_ids)
+    for _ in range(n):
+        tokens.append(token_fn("a", tokens))
+    return tokens[len(prompt_ids) :]
 
 
 def test_the_config_is_vllm_s_json_and_bad_values_are_refused():
