@@ -165,8 +165,8 @@ class Result:
 
 
 class SbGenerate:
-    """Greedy completions from switchboard's GenerationService (gRPC), with each one's
-    proposed and accepted tokens from its usage."""
+    """Completions (greedy, or sampled with a seed) from switchboard's GenerationService
+    (gRPC), with each one's proposed and accepted tokens from its usage."""
 
     def __init__(self, port: int) -> None:
         self.channel = grpc.aio.insecure_channel(f"{HOST}:{port}")
@@ -210,8 +210,9 @@ class SbGenerate:
 
 
 class VllmGenerate:
-    """Greedy completions from vLLM's /v1/completions (not streamed: the token ids at the end);
-    its speculative counters come from /metrics, read around each level."""
+    """Completions (greedy, or sampled with a seed) from vLLM's /v1/completions (not streamed:
+    the token ids at the end); its speculative counters come from /metrics, read around each
+    level."""
 
     def __init__(self, port: int, model: str) -> None:
         self.port, self.model = port, model

@@ -124,15 +124,18 @@ class Phases:
             setattr(owner, attribute, original)
 
 
+PHASES = ("decode stack", "LM head", "step inputs", "sampling")
+
+
 @contextmanager
 def phases_of(runner: ModelRunner, phases: Phases) -> Iterator[None]:
     """The parts of ``runner``'s steps timed into ``phases`` while inside."""
     assert runner.model is not None
     with (
-        phases.timing(decode_stack, "_call", "decode stack"),
-        phases.timing(runner.model, "compute_logits", "LM head"),
-        phases.timing(model_runner_module, "build_step_inputs", "step inputs"),
-        phases.timing(runner, "sample_step", "sampling"),
+        phases.timing(decode_stack, "_call", PHASES[0]),
+        phases.timing(runner.model, "compute_logits", PHASES[1]),
+        phases.timing(model_runner_module, "build_step_inputs", PHASES[2]),
+        phases.timing(runner, "sample_step", PHASES[3]),
     ):
         yield
 
@@ -140,7 +143,7 @@ def phases_of(runner: ModelRunner, phases: Phases) -> Iterator[None]:
 def print_phases(rows: int, steps: list[float], parts: list[dict[str, float]]) -> None:
     step = statistics.median(steps) * 1e3
     cells = []
-    for label in ("decode stack", "LM head", "step inputs", "sampling"):
+    for label in PHASES:
         ms = statistics.median(part.get(label, 0.0) for part in parts) * 1e3
         cells.append(f"{label} {ms:.2f}")
     print(f"  {rows} rows: step {step:.2f} ms = " + ", ".join(cells) + " ms + the rest")
