@@ -39,10 +39,12 @@ import llamacpp_side
 from server_procs import (
     TreeSampler,
     free_port,
+    revision_tree,
     start,
     stop_all,
     switchboard_command,
     wait_ready,
+    with_services,
 )
 from serving_clients import OpenAIClient, SbClient, closed_loop, make_prompts, pct
 
@@ -52,19 +54,6 @@ VOCAB = 49152  # SmolLM2's; prompts are random ids below it
 REQUEST_TIMEOUT_S = 300.0
 
 
-def revision_tree(rev: str, parent: Path) -> Path:
-    """REV's services/ and bench/ under parent; returns its services folder."""
-    tree = parent / rev.replace("/", "_")
-    tree.mkdir()
-    archive = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", rev, "services", "bench"],
-        check=True,
-        capture_output=True,
-    ).stdout
-    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
-    return tree / "services"
-
-
 def server_plan(
     label: str, env_spec: str, services: Path | None, args: argparse.Namespace, port: int
 ) -> tuple[str, list[str], dict[str, str]]:
@@ -72,8 +61,7 @@ def server_plan(
     for assignment in shlex.split(env_spec):
         key, _, value = assignment.partition("=")
         env[key] = value
-    if services is not None:
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(services), env.get("PYTHONPATH")]))
+    env = with_services(env, services)
     cmd = [
         *switchboard_command(), "serve", "--model", args.model, "--host", "127.0.0.1",
         "--port", str(port), "--http-port", "0", "--max-model-len", "2048",
@@ -88,7 +76,7 @@ async def run(args: argparse.Namespace) -> int:
         (label, env, None) for label, env in args.variant
     ]
     for label, rev in args.rev:
-        variants.append((label, "", revision_tree(rev, log_dir)))
+        variants.append((label, "", revision_tree(ROOT, rev, log_dir)))
     if not variants:
         variants = [("this", "", None)]
     servers = {}

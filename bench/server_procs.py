@@ -136,6 +136,28 @@ def start(kind: str, cmd: list[str], env: dict[str, str], log: Path, port: int) 
     return server
 
 
+def revision_tree(root: Path, rev: str, parent: Path) -> Path:
+    """Git revision REV of the repository at ``root``: its services/ and bench/ under
+    ``parent``; returns its services folder (put first on PYTHONPATH, a server of that
+    revision; its kernels build into a cache entry of their own)."""
+    tree = parent / rev.replace("/", "_")
+    tree.mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(root), "archive", rev, "services", "bench"],
+        check=True,
+        capture_output=True,
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return tree / "services"
+
+
+def with_services(env: dict[str, str], services: Path | None) -> dict[str, str]:
+    """``env`` serving the code under ``services`` (a ``revision_tree``), when given."""
+    if services is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(services), env.get("PYTHONPATH")]))
+    return env
+
+
 def switchboard_command() -> list[str]:
     if importlib.util.find_spec("switchboard.cli") is not None:
         return [sys.executable, "-m", "switchboard.cli"]

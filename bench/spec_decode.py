@@ -6,6 +6,7 @@ model, in one run.
     .venv/bin/python bench/spec_decode.py --spec '{"method": "ngram", "num_speculative_tokens": 6}'
     .venv/bin/python bench/spec_decode.py --draft DIR          # a draft model instead of n-gram
     .venv/bin/python bench/spec_decode.py --draft self         # the model as its own draft
+    .venv/bin/python bench/spec_decode.py --base-rev HEAD~1    # and "on" as the revision before
 
 ``--draft self`` makes the default model its own draft: every proposal is accepted, but the
 draft costs as much as the model, so it measures the mechanism's cost, never a speed-up (the
@@ -59,7 +60,15 @@ from typing import Any
 import grpc
 import vllm_http  # bench/vllm_http.py and the modules below: beside this file
 import vllm_side
-from server_procs import free_port, start, stop_all, switchboard_command, wait_ready
+from server_procs import (
+    free_port,
+    revision_tree,
+    start,
+    stop_all,
+    switchboard_command,
+    wait_ready,
+    with_services,
+)
 from serving_clients import HOST, make_prompts
 
 from switchboard.api.v1 import generation_service_pb2 as pb
@@ -298,16 +307,17 @@ def level_prompts(base: list[Any], concurrency: int, min_requests: int) -> list[
 
 
 async def start_server(
-    kind: str, label: str, spec: str, args: argparse.Namespace, log_dir: Path
+    kind: str, label: str, variant: Variant, args: argparse.Namespace, log_dir: Path
 ) -> tuple[Any, Generate]:
     """A switchboard or vLLM server, ready, and its generate function."""
+    spec, services = variant
     port = free_port()
     if kind == "switchboard":
         cmd = [
             *switchboard_command(), "serve", "--host", HOST, "--port", str(port),
             "--http-port", "-1", "--seed", "0", "--max-model-len", "2048",
         ]  # fmt: skip
-        env = dict(os.environ)
+        env = with_services(dict(os.environ), services)
         model = args.model_dir
     else:
         # vLLM gets the converted checkpoint without the GGUF file's raw blocks (vs_vllm.py)
@@ -356,10 +366,13 @@ async def run_both(
     best round (with every round's tok/s under ``rounds``)."""
     servers = []
     variants = spec_variants(args.specs)
+    if args.base_rev and kind == "switchboard":
+        base = revision_tree(REPO, args.base_rev, log_dir)
+        variants.update({f"{label}@base": (spec, base) for label, (spec, _) in variants.items()})
     best: dict[str, dict[str, Any]] = {"off": {}, **{label: {} for label in variants}}
     try:
-        for label, spec in {"off": "", **variants}.items():
-            servers.append(await start_server(kind, label, spec, args, log_dir))
+        for label, variant in {"off": ("", None), **variants}.items():
+            servers.append(await start_server(kind, label, variant, args, log_dir))
         sides = {label: generate for label, (_, generate) in zip(best, servers, strict=True)}
         for generate in sides.values():
             await generate(chat("Hello"), 8, False)  # warm-up
@@ -387,11 +400,16 @@ async def run_both(
     return best
 
 
-def spec_variants(specs: list[str]) -> dict[str, str]:
+# a server's --speculative-config ("": off) and the code it runs (None: this tree, else a
+# revision's services folder)
+Variant = tuple[str, Path | None]
+
+
+def spec_variants(specs: list[str]) -> dict[str, Variant]:
     """Each --speculative-config to measure, by its label: "on", or "on1", "on2" ..."""
     if len(specs) == 1:
-        return {"on": specs[0]}
-    return {f"on{i + 1}": spec for i, spec in enumerate(specs)}
+        return {"on": (specs[0], None)}
+    return {f"on{i + 1}": (spec, None) for i, spec in enumerate(specs)}
 
 
 def print_table(off: dict[str, Any], on: dict[str, Any]) -> None:
@@ -435,6 +453,11 @@ def main() -> int:
     parser.add_argument("--min-requests", type=int, default=6, help="requests per level")
     parser.add_argument("--json", type=Path, help="write every number here")
     parser.add_argument(
+        "--base-rev",
+        help="also each on variant served from this git revision (LABEL@base), alternated "
+        "with the rest: a change to speculation against the code before it, in one run",
+    )
+    parser.add_argument(
         "--vllm-venv", type=Path, help="then vLLM's CPU build too, from this venv (vs_vllm.py)"
     )
     parser.add_argument(
@@ -473,11 +496,16 @@ def main() -> int:
         f"{SAMPLED_TEMPERATURE}, seeded); best of {args.rounds} alternated rounds"
     )
     for kind, both in results.items():
-        for label, spec in spec_variants(args.specs).items():
-            print(f"\n{kind}, {label}: --speculative-config '{spec}'")
+        for label in both:
+            if label == "off":
+                continue
+            spec = spec_variants(args.specs)[label.removesuffix("@base")][0]
+            served = f" (git revision {args.base_rev})" if label.endswith("@base") else ""
+            print(f"\n{kind}, {label}{served}: --speculative-config '{spec}'")
             print_table(both["off"], both[label])
     if args.json:
-        args.json.write_text(json.dumps({"specs": spec_variants(args.specs), **results}))
+        specs = {label: spec for label, (spec, _) in spec_variants(args.specs).items()}
+        args.json.write_text(json.dumps({"specs": specs, **results}))
     return 0
 
 

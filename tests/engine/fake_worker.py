@@ -132,8 +132,8 @@ class Driver:
     ``ahead=True`` is the engine's async scheduling: each step applies the output of the step
     scheduled in the turn before, after scheduling (and "running") the next one. The fake
     worker runs a step when it is scheduled, which is the order the real one runs them in.
-    As the engine, it does not schedule ahead while a request proposes tokens (speculative
-    decoding) unless ``always_ahead``."""
+    As the engine, it does not schedule ahead of a step that verifies a request's proposals
+    (speculative decoding; ``Scheduler.wants_latest_tokens``) unless ``always_ahead``."""
 
     def __init__(
         self,

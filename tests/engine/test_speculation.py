@@ -14,6 +14,8 @@ from test_scheduler import BS, make_request, prompt
 from switchboard.config import CacheConfig, SchedulerConfig
 from switchboard.config.speculative import parse_speculative_config
 from switchboard.engine.scheduler import Scheduler
+from switchboard.engine.speculation import speculator as speculator_module
+from switchboard.engine.speculation.ngram import propose_ngram
 from switchboard.engine.speculation.speculator import MAX_DRY_LOOKUPS, MAX_MISSES
 from switchboard.wire.engine_msgs import FinishReason, StructuredOutputParams
 
@@ -55,7 +57,8 @@ def run(
     **scheduler_kwargs,
 ) -> tuple[Driver, Scheduler]:
     """``ahead``: "" one step at a time, "engine" scheduling ahead as the engine does (not
-    while a request proposes), "always" ahead of every step (proposals then wait)."""
+    after a step with proposals), "always" ahead of every step (a request whose proposals are
+    in flight then sits the step out)."""
     sched = make_scheduler(speculative_config, **scheduler_kwargs)
     worker = FakeWorker(BS, sched.kv.num_blocks, token_fn)
     d = Driver(sched, worker, ahead=bool(ahead), always_ahead=ahead == "always")
@@ -184,10 +187,10 @@ def test_a_request_whose_proposals_keep_failing_stops_proposing():
     assert steps_with_proposals < decode_steps // 4
 
 
-def test_a_request_whose_lookups_find_nothing_stops_holding_steps_back():
-    # Every output token is new: a lookup never finds a match. Each lookup makes the engine
-    # wait for the request's latest token instead of scheduling the step ahead; after
-    # MAX_DRY_LOOKUPS dry ones in a row the request pauses (8, 16, 32, 64 output tokens).
+def test_a_request_whose_lookups_find_nothing_never_holds_a_step_back(monkeypatch):
+    # Every output token is new: a lookup never finds a match. The lookups are made in steps
+    # scheduled ahead (from the tokens the engine has), so none makes the engine wait for the
+    # request's latest token; after MAX_DRY_LOOKUPS dry ones in a row the request pauses them.
     def unseen_token(request_id: str, token_ids: list[int]) -> int:
         return 5000 + len(token_ids)
 
@@ -195,21 +198,59 @@ def test_a_request_whose_lookups_find_nothing_stops_holding_steps_back():
     worker = FakeWorker(BS, sched.kv.num_blocks, unseen_token)
     d = Driver(sched, worker, ahead=True)
     sched.add_request(make_request("a", prompt(8), 120))
-    held_back = []
+    held_back: list[bool] = []
+    lookups: list[int] = []  # the request's tokens in flight at each lookup
     wants = sched.wants_latest_tokens
 
-    def spied() -> bool:
+    def spied_wants() -> bool:
         held_back.append(wants())
         return held_back[-1]
 
-    sched.wants_latest_tokens = spied  # type: ignore[method-assign]
+    def spied_lookup(token_ids, index, num_tokens, min_n, max_n):
+        lookups.append(sched.requests["a"].num_pending_samples)
+        return propose_ngram(token_ids, index, num_tokens, min_n, max_n)
+
+    sched.wants_latest_tokens = spied_wants  # type: ignore[method-assign]
+    monkeypatch.setattr(speculator_module, "propose_ngram", spied_lookup)
     d.run()
     assert proposed_tokens(d) == 0
     assert d.tokens("a") == [unseen_token("a", [0] * n) for n in range(8, 128)]
-    # the lookups of a few dry streaks, then pauses: steps went ahead again (without the
-    # pauses every step would wait)
-    assert 0 < sum(held_back) <= 5 * MAX_DRY_LOOKUPS
-    assert sum(held_back) < len(held_back) * 3 // 4
+    assert len(held_back) > 100 and not any(held_back)
+    # dry streaks, each followed by a pause (8, 16, 32, 64 output tokens)
+    assert 2 * MAX_DRY_LOOKUPS < len(lookups) <= 5 * MAX_DRY_LOOKUPS
+    # each in a step scheduled ahead, while the engine did not have the request's latest token
+    assert set(lookups) == {1}
+
+
+def test_proposals_looked_up_ahead_of_a_token_in_flight_are_verified_and_accepted():
+    # Text that repeats: after a step without proposals the next is scheduled ahead, and the
+    # request proposes what follows the lookup's guess of the token in flight.
+    sched = make_scheduler()
+    worker = FakeWorker(BS, sched.kv.num_blocks, cyclic_token)
+    d = Driver(sched, worker, ahead=True)
+    sched.add_request(make_request("a", prompt(6), 60))
+    propose, accept = sched.speculator.propose, sched.speculator.accept
+    proposed_ahead: dict[str, bool] = {}
+    verdicts: list[tuple[bool, int, int]] = []  # (proposed ahead, proposed, accepted)
+
+    def spied_propose(request, max_tokens, decoding=1, pending=0):
+        drafts = propose(request, max_tokens, decoding, pending)
+        proposed_ahead[request.request_id] = bool(drafts) and pending > 0
+        return drafts
+
+    def spied_accept(request, num_proposed, num_accepted):
+        verdicts.append((proposed_ahead[request.request_id], num_proposed, num_accepted))
+        accept(request, num_proposed, num_accepted)
+
+    sched.speculator.propose = spied_propose  # type: ignore[method-assign]
+    sched.speculator.accept = spied_accept  # type: ignore[method-assign]
+    d.run()
+    off, _ = run("", [("a", prompt(6), 60, {})], cyclic_token)
+    assert d.tokens("a") == off.tokens("a")
+    ahead = [accepted for was_ahead, _, accepted in verdicts if was_ahead]
+    assert ahead and sum(ahead) > 0
+    # the steps after those that verified proposals waited for them: every proposal settled
+    assert sum(n for _, n, _ in verdicts) == proposed_tokens(d)
 
 
 def test_the_config_is_vllm_s_json_and_bad_values_are_refused():

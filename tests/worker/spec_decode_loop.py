@@ -49,6 +49,10 @@ class LoopResult:
     steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # with ahead: steps scheduled before the output of the step in flight, and those of them
+    # with proposals (looked up ahead of the tokens that step samples)
+    steps_ahead: int = 0
+    steps_ahead_proposing: int = 0
 
     def tokens(self, request_id: str) -> list[int]:
         return [t for o in self.outputs[request_id] for t in o.new_token_ids]
@@ -69,11 +73,15 @@ def run_loop(
     params_of: dict[str, SamplingParams] | None = None,
     lora_of: dict[str, str] | None = None,
     resumed_outputs: dict[str, list[int]] | None = None,
+    ahead: bool = False,
 ) -> LoopResult:
     """Generate for every prompt until all finish; the runner's KV cache must have been made
     with ``num_blocks`` blocks of ``BLOCK_SIZE``. ``params_of`` / ``lora_of``: a request's own
     sampling parameters / LoRA adapter instead of ``params`` / the base model;
-    ``resumed_outputs``: a request's output so far, as a stream resumed on another engine."""
+    ``resumed_outputs``: a request's output so far, as a stream resumed on another engine;
+    ``ahead``: the next step scheduled before the step in flight's output is applied, as the
+    engine schedules ahead (the runner computes the steps in the order they are scheduled, as
+    the worker does)."""
     scheduler = Scheduler(
         SchedulerConfig(
             max_num_seqs=8,
@@ -95,9 +103,18 @@ def run_loop(
         )
         scheduler.add_request(Request.from_engine_core_request(request, BLOCK_SIZE, next(_arrival)))
     result = LoopResult()
-    while scheduler.has_unfinished_requests() or scheduler.has_finished_requests():
-        step = scheduler.schedule()
-        by_client = scheduler.update_from_output(step, runner.execute_model(step))
+    in_flight = None
+    while scheduler.has_unfinished_requests() or scheduler.has_finished_requests() or in_flight:
+        if in_flight is None:
+            step = scheduler.schedule()
+            in_flight = step, runner.execute_model(step)
+        current, in_flight = in_flight, None
+        if ahead and scheduler.has_unfinished_requests() and not scheduler.wants_latest_tokens():
+            step = scheduler.schedule()
+            in_flight = step, runner.execute_model(step)
+            result.steps_ahead += 1
+            result.steps_ahead_proposing += bool(step.scheduled_spec_decode_tokens)
+        by_client = scheduler.update_from_output(*current)
         for outputs in by_client.values():
             for output in outputs:
                 result.outputs.setdefault(output.request_id, []).append(output)

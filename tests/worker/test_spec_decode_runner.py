@@ -32,23 +32,31 @@ def runner(request):
     return make_runner(tiny_checkpoint_dir(request.param), NUM_BLOCKS)
 
 
-def test_greedy_tokens_are_the_same_with_and_without_speculation(runner):
+# ahead: steps scheduled as the engine schedules them ahead (proposals then also come from
+# lookups made before the latest token is known, which the model verifies like any others)
+@pytest.mark.parametrize("ahead", [False, True])
+def test_greedy_tokens_are_the_same_with_and_without_speculation(runner, ahead):
     params = SamplingParams(temperature=0.0, max_tokens=48, logprobs=2, allowed_token_ids=ALLOWED)
-    off = run_loop(runner, PROMPTS, params, "", num_blocks=NUM_BLOCKS)
-    on = run_loop(runner, PROMPTS, params, NGRAM, num_blocks=NUM_BLOCKS)
+    off = run_loop(runner, PROMPTS, params, "", num_blocks=NUM_BLOCKS, ahead=ahead)
+    on = run_loop(runner, PROMPTS, params, NGRAM, num_blocks=NUM_BLOCKS, ahead=ahead)
     for rid in PROMPTS:
         assert on.tokens(rid) == off.tokens(rid), rid
         assert on.logprobs(rid) == pytest.approx(off.logprobs(rid), abs=1e-4), rid
     assert 0 < on.num_accepted_tokens < on.num_draft_tokens  # accepted and rejected ones
     assert on.steps < off.steps
+    if ahead:
+        assert on.steps_ahead_proposing > 0 and off.steps_ahead > off.steps // 2
 
 
-def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(runner):
+@pytest.mark.parametrize("ahead", [False, True])
+def test_seeded_sampling_gives_the_same_tokens_with_and_without_speculation(runner, ahead):
     params = SamplingParams(
         temperature=0.8, top_k=4, seed=1234, max_tokens=40, allowed_token_ids=ALLOWED
     )
-    off = run_loop(runner, PROMPTS, params, "", num_blocks=NUM_BLOCKS)
-    on = run_loop(runner, PROMPTS, params, NGRAM, num_blocks=NUM_BLOCKS)
+    off = run_loop(runner, PROMPTS, params, "", num_blocks=NUM_BLOCKS, ahead=ahead)
+    on = run_loop(runner, PROMPTS, params, NGRAM, num_blocks=NUM_BLOCKS, ahead=ahead)
     for rid in PROMPTS:
         assert on.tokens(rid) == off.tokens(rid), rid
     assert 0 < on.num_accepted_tokens < on.num_draft_tokens
+    if ahead:
+        assert on.steps_ahead_proposing > 0

@@ -38,9 +38,19 @@ def schedule_running(scheduler: Scheduler, plan: StepPlan) -> None:
             continue
         if request.num_tokens_to_compute == 1:
             _schedule_one(scheduler, plan, request, 1)
-            if speculator is not None and not pending and request.status == _RUNNING:
+            if (
+                speculator is not None
+                and (not pending or speculator.proposes_ahead)
+                and request.status == _RUNNING
+            ):
                 drafts = schedule_proposals(
-                    speculator, plan, request, scheduler.kv, scheduler.max_model_len, decoding
+                    speculator,
+                    plan,
+                    request,
+                    scheduler.kv,
+                    scheduler.max_model_len,
+                    decoding,
+                    pending,
                 )
                 if drafts:
                     scheduler.proposals[request.request_id] = drafts

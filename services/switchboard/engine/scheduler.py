@@ -218,11 +218,17 @@ class Scheduler:
         return proposals
 
     def wants_latest_tokens(self) -> bool:
-        """Whether a running request proposes at its next step: its proposals must start from
-        its latest token, so the engine does not schedule that step ahead."""
+        """Whether the next step needs the latest tokens of a running request, so the engine
+        does not schedule it ahead: one whose proposals the step in flight verifies (how many
+        tokens it gets is not known until then) or, with a draft model, one that proposes at
+        its next step (the engine reserves the draft's positions after its latest token)."""
         speculator = self.speculator
         if speculator is None or not speculator.active(len(self.running)):
             return False
+        if speculator.proposes_ahead:
+            return any(
+                r.speculation is not None and r.speculation.in_flight > 0 for r in self.running
+            )
         decoding = self.num_decoding()
         return any(
             speculator.will_propose(r, decoding)

@@ -27,11 +27,18 @@ bound there); replaying the default model's greedy answers to the benchmark's co
 that cost, this rule needs 9 % less step time than following a running mean of the accepted
 counts (``num_speculative_tokens`` 4), 13 % less with 8. After ``MAX_MISSES`` steps in a row
 whose proposals were all rejected, or ``MAX_DRY_LOOKUPS`` lookups in a row that found nothing to
-propose (those cost no forward work, but the engine does not schedule ahead of them), a request
+propose (those cost no forward work, and the engine schedules ahead of them), a request
 stops proposing for a pause of ``FIRST_PAUSE`` output tokens, doubled each time up to
 ``MAX_PAUSE``; an accepted token resets both. A request on text the proposer cannot predict
-then decodes as without speculation almost all the time, and the engine keeps scheduling steps
-ahead for it.
+then decodes as without speculation almost all the time.
+
+Proposals and the engine's scheduling ahead: a step that verifies a request's proposals returns
+an unknown number of its tokens, so the step after it waits for them (it is not scheduled
+ahead). A step that does not (the request proposed nothing, a dry lookup or a pause) is followed
+by one scheduled ahead, in which the n-gram proposer looks up from the tokens the engine has
+and proposes what follows its guess of the token in flight (``Speculator.proposes_ahead``): the
+lookups of a request whose text never repeats cost the engine none of its overlap with the
+workers.
 """
 
 from __future__ import annotations
@@ -57,9 +64,10 @@ from switchboard.wire.step_msgs import DRAFT_PLACEHOLDER, SchedulerOutput
 
 FIRST_LEN = 4
 MAX_MISSES = 3
-# each dry lookup holds the engine's next step back from being scheduled ahead, but with
-# prompt_lookup_min above 1 matches come after longer dry runs: replaying the default model's
-# greedy answers to copying tasks with 3-grams, 4 in a row gave 12 % fewer tokens a step
+# a dry lookup costs a dictionary lookup (it is made ahead of the request's latest token, so
+# the engine keeps scheduling steps ahead), and with prompt_lookup_min above 1 matches come
+# after longer dry runs: replaying the default model's greedy answers to copying tasks with
+# 3-grams, 4 in a row gave 12 % fewer tokens a step
 MAX_DRY_LOOKUPS = 16
 FIRST_PAUSE = 8
 MAX_PAUSE = 128
@@ -184,10 +192,24 @@ class Speculator:
         p = state.evidence.rate(request.num_output_tokens, self.acceptance.prior())
         return worth_proposing(p, decoding, self.cost.row_share(), state.proposal_len())
 
-    def propose(self, request: Request, max_tokens: int, decoding: int = 1) -> list[int]:
+    @property
+    def proposes_ahead(self) -> bool:
+        """Whether a request proposes in a step scheduled ahead of its latest tokens (those a
+        step in flight samples): the n-gram proposer looks the proposals up from the tokens
+        the engine has, one per pending token longer, and proposes what follows the pending
+        ones. A draft model proposes in the workers, from every token they sampled, but the
+        engine still waits for the latest one before it reserves the draft's positions."""
+        return not self.worker_proposes
+
+    def propose(
+        self, request: Request, max_tokens: int, decoding: int = 1, pending: int = 0
+    ) -> list[int]:
         """At most ``max_tokens`` proposals (fewer near the request's length limits, which the
-        caller folds into ``max_tokens``) for a decoding request with no token in flight, in a
-        step of ``decoding`` decoding requests."""
+        caller folds into ``max_tokens``) for a decoding request, in a step of ``decoding``
+        decoding requests, after its ``pending`` tokens in flight (only where
+        ``proposes_ahead``). Such proposals follow the lookup's guess of the pending tokens: where
+        the workers sampled others, the model rejects them, as any proposal it does not
+        sample."""
         num_tokens = min(max_tokens, self.num_speculative_tokens)
         if num_tokens > 0:
             num_tokens = min(num_tokens, self.tokens_to_propose(request, decoding))
@@ -195,11 +217,12 @@ class Speculator:
             return []
         state = self.state(request)
         if self.worker_proposes:
+            assert not pending, "a draft model proposes from the request's latest token"
             drafts = [DRAFT_PLACEHOLDER] * num_tokens
         else:
             drafts = propose_ngram(
-                request.all_token_ids, state.index, num_tokens, self.min_n, self.max_n
-            )
+                request.all_token_ids, state.index, pending + num_tokens, self.min_n, self.max_n
+            )[pending:]
         if not drafts:
             state.record(0, 0, request.num_output_tokens)
         state.in_flight = len(drafts)

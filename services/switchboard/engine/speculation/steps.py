@@ -29,17 +29,19 @@ def schedule_proposals(
     kv: KVCacheManager,
     max_model_len: int,
     decoding: int,
+    pending: int = 0,
 ) -> list[int]:
     """Extend a decoding request's share of the step (one token, already planned) by its
-    proposals, in a step of ``decoding`` decoding requests; returns them ([] when it proposes
-    nothing or nothing fits)."""
+    proposals, in a step of ``decoding`` decoding requests, after its ``pending`` tokens in
+    flight (a step scheduled ahead); returns them ([] when it proposes nothing or nothing
+    fits)."""
     limit = min(
         plan.budget,
         # its last accepted token may be its last: never compute beyond the length limits
-        request.sampling_params.max_tokens - request.num_output_tokens - 1,
-        max_model_len - request.num_tokens - 1,
+        request.sampling_params.max_tokens - request.num_output_tokens - pending - 1,
+        max_model_len - request.num_tokens - pending - 1,
     )
-    drafts = speculator.propose(request, limit, decoding)
+    drafts = speculator.propose(request, limit, decoding, pending)
     if not drafts:
         return []
     if kv.allocate_slots(request, 1 + len(drafts)) is None:
