@@ -107,16 +107,21 @@ def test_outputs_carry_the_request_s_proposed_and_accepted_tokens():
             assert len(o.new_token_ids) == o.num_accepted_tokens + 1
 
 
+@pytest.mark.parametrize("ahead", ["", "engine"])
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 9, 10])
-def test_never_a_token_or_a_computed_position_past_max_tokens_or_max_model_len(max_tokens):
+def test_never_a_token_or_a_computed_position_past_max_tokens_or_max_model_len(max_tokens, ahead):
     requests = [("a", [11, 12, 13, 14, 15, 16, 17, 11, 12], max_tokens, {})]
-    d, _ = run(NGRAM, requests)
+    d, _ = run(NGRAM, requests, ahead=ahead)
     assert len(d.tokens("a")) == max_tokens
     assert d.finish("a").finish_reason == FinishReason.LENGTH
     computed = sum(out.num_scheduled_tokens.get("a", 0) for out in d.sched_outputs)
-    assert computed <= 9 + max_tokens  # never a position beyond the last token's
-    d, _ = run(NGRAM, [("edge", prompt(7, start=11), 50, {})], max_model_len=20)
-    assert len(d.tokens("edge")) == 20 - 7
+    assert computed <= 9 + max_tokens - 1  # the last token is sampled, never computed
+    for max_model_len in (12, 20):
+        edge = [("edge", prompt(7, start=11), 50, {})]
+        d, _ = run(NGRAM, edge, ahead=ahead, max_model_len=max_model_len)
+        assert len(d.tokens("edge")) == max_model_len - 7
+        computed = sum(out.num_scheduled_tokens.get("edge", 0) for out in d.sched_outputs)
+        assert computed <= max_model_len - 1
 
 
 def test_a_stop_token_among_accepted_proposals_ends_the_request_there():
