@@ -124,38 +124,42 @@ def test_never_a_token_or_a_computed_position_past_max_tokens_or_max_model_len(m
         assert computed <= max_model_len - 1
 
 
-def test_a_stop_token_among_accepted_proposals_ends_the_request_there():
+@pytest.mark.parametrize("ahead", ["", "engine"])
+def test_a_stop_token_among_accepted_proposals_ends_the_request_there(ahead):
     requests = [("a", [11, 12, 13, 14, 15, 16, 17], 40, {"stop_token_ids": [16]})]
-    d, sched = run(NGRAM, requests)
-    off, _ = run("", requests)
+    d, sched = run(NGRAM, requests, ahead=ahead)
+    off, _ = run("", requests, ahead=ahead)
     assert d.tokens("a") == off.tokens("a") == [11, 12, 13, 14, 15, 16]
     assert d.finish("a").finish_reason == FinishReason.STOP
     assert d.finish("a").stop_reason == 16
     assert sched.make_stats().spec_decode_num_accepted_tokens > 0  # ended inside proposals
 
 
-def test_preemption_and_prefix_caching_keep_the_tokens():
+@pytest.mark.parametrize("ahead", ["", "engine"])
+def test_preemption_and_prefix_caching_keep_the_tokens(ahead):
     # Few blocks: requests preempt each other and resume from the prefix cache.
     shared = [11, 12, 13, 14, 15, 16, 17, 11]
     requests = [(f"r{i}", shared + [100 + i], 30, {}) for i in range(4)]
-    off, _ = run("", requests, num_blocks=24, max_model_len=64)
-    on, sched = run(NGRAM, requests, num_blocks=24, max_model_len=64)
+    off, _ = run("", requests, ahead=ahead, num_blocks=24, max_model_len=64)
+    on, sched = run(NGRAM, requests, ahead=ahead, num_blocks=24, max_model_len=64)
     assert sched.counters.num_preemptions > 0
     assert sched.kv.prefix_hits > 0
     for rid, *_ in requests:
         assert on.tokens(rid) == off.tokens(rid)
 
 
-def test_no_proposals_while_prefilling_in_chunks():
+@pytest.mark.parametrize("ahead", ["", "engine"])
+def test_no_proposals_while_prefilling_in_chunks(ahead):
     # A 40-token prompt in chunks of 8: the fake worker refuses proposals before the end.
     requests = [("long", [11, 12, 13, 14, 15, 16, 17] * 5 + [11] * 5, 20, {})]
-    off, _ = run("", requests, max_num_batched_tokens=8)
-    on, _ = run(NGRAM, requests, max_num_batched_tokens=8)
+    off, _ = run("", requests, ahead=ahead, max_num_batched_tokens=8)
+    on, _ = run(NGRAM, requests, ahead=ahead, max_num_batched_tokens=8)
     assert on.tokens("long") == off.tokens("long")
     assert proposed_tokens(on) > 0
 
 
-def test_requests_that_speculation_would_change_never_propose():
+@pytest.mark.parametrize("ahead", ["", "engine"])
+def test_requests_that_speculation_would_change_never_propose(ahead):
     grammar = StructuredOutputParams("regex", "[a-z]+")
     params = [
         {"presence_penalty": 0.5},
@@ -164,7 +168,7 @@ def test_requests_that_speculation_would_change_never_propose():
         {"bad_words_token_ids": [[13, 14]]},
     ]
     requests = [(f"p{i}", [11, 12, 13, 14, 15], 20, p) for i, p in enumerate(params)]
-    d, _ = run(NGRAM, requests)
+    d, _ = run(NGRAM, requests, ahead=ahead)
     assert proposed_tokens(d) == 0
     sched = make_scheduler()
     request = make_request("g", [11, 12, 13], 20, structured_output=grammar)
@@ -172,9 +176,10 @@ def test_requests_that_speculation_would_change_never_propose():
     assert not sched.speculator.will_propose(request)  # type: ignore[union-attr]
 
 
-def test_min_tokens_holds_proposals_back_until_reached():
+@pytest.mark.parametrize("ahead", ["", "engine"])
+def test_min_tokens_holds_proposals_back_until_reached(ahead):
     requests = [("a", [11, 12, 13, 14, 15, 16, 17], 30, {"min_tokens": 12})]
-    d, _ = run(NGRAM, requests)
+    d, _ = run(NGRAM, requests, ahead=ahead)
     first = next(i for i, out in enumerate(d.sched_outputs) if out.scheduled_spec_decode_tokens)
     before = sum(out.num_scheduled_tokens.get("a", 0) for out in d.sched_outputs[:first])
     assert before >= 7 + 12 - 1  # prompt + min_tokens outputs computed first

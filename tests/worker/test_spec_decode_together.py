@@ -40,8 +40,9 @@ def runners(model_dir) -> dict[str, tuple[ModelRunner, str]]:
     }
 
 
+@pytest.mark.parametrize("ahead", [False, True])  # steps scheduled ahead as the engine does
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
-def test_seeded_n_greater_than_one_keeps_every_sequence_s_tokens(runners, proposer):
+def test_seeded_n_greater_than_one_keeps_every_sequence_s_tokens(runners, proposer, ahead):
     base = SamplingParams(
         temperature=0.9, top_k=4, seed=42, max_tokens=28, allowed_token_ids=ALLOWED
     )
@@ -49,22 +50,26 @@ def test_seeded_n_greater_than_one_keeps_every_sequence_s_tokens(runners, propos
     params_of = {rid: msgspec.structs.replace(base, seed=42 + i) for i, rid in enumerate(children)}
     off_runner, _ = runners["off"]
     runner, config = runners[proposer]
-    off = run_loop(off_runner, children, base, "", num_blocks=NUM_BLOCKS, params_of=params_of)
-    on = run_loop(runner, children, base, config, num_blocks=NUM_BLOCKS, params_of=params_of)
+    limits = dict(num_blocks=NUM_BLOCKS, params_of=params_of, ahead=ahead)
+    off = run_loop(off_runner, children, base, "", **limits)  # type: ignore[arg-type]
+    on = run_loop(runner, children, base, config, **limits)  # type: ignore[arg-type]
     for rid in children:
         assert on.tokens(rid) == off.tokens(rid), rid
     assert len({tuple(off.tokens(rid)) for rid in children}) > 1  # the seeds differ
     assert 0 < on.num_accepted_tokens < on.num_draft_tokens
 
 
+@pytest.mark.parametrize("ahead", [False, True])
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
-def test_chunked_prefill_and_preemption_keep_the_tokens_and_the_draft_s_cache(runners, proposer):
+def test_chunked_prefill_and_preemption_keep_the_tokens_and_the_draft_s_cache(
+    runners, proposer, ahead
+):
     """Few blocks (requests are preempted and recomputed, from cached blocks where they can)
     and small steps (prompts prefill in chunks): the draft's cache stays the model's own, so
     the model as its own draft still has its proposals accepted."""
     prompts = {f"r{i}": PROMPT + [40 + i] * (6 + 3 * i) for i in range(4)}
     params = SamplingParams(temperature=0.0, max_tokens=30, allowed_token_ids=ALLOWED)
-    limits = dict(num_blocks=28, max_model_len=64, max_num_batched_tokens=8)
+    limits = dict(num_blocks=28, max_model_len=64, max_num_batched_tokens=8, ahead=ahead)
     off = run_loop(runners["off"][0], prompts, params, "", **limits)  # type: ignore[arg-type]
     runner, config = runners[proposer]
     on = run_loop(runner, prompts, params, config, **limits)  # type: ignore[arg-type]
