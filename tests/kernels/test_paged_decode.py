@@ -34,7 +34,16 @@ def decode_batch(context_lens: list[int], num_blocks: int, block_size: int, seed
 )
 @pytest.mark.parametrize(
     ("context_lens", "window"),
-    [([37], None), ([5, 16, 17, 90], None), ([50, 3, 64], 8), ([1, 2], None), ([40, 40], 40)],
+    [
+        ([37], None),
+        ([5, 16, 17, 90], None),
+        ([50, 3, 64], 8),
+        ([1, 2], None),
+        ([40, 40], 40),
+        # long contexts: keys in parts, merged (a window's first part starts inside a span)
+        ([700, 40, 513], None),
+        ([700, 600], 300),
+    ],
 )
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 def test_matches_the_torch_path(
@@ -44,8 +53,9 @@ def test_matches_the_torch_path(
     or a block at a time into lane order where the CPU has AVX-512) against torch's path over
     the same cache."""
     torch.manual_seed(len(context_lens) * head_dim)
-    cache = torch.randn(2, 64, 16, kv_heads, head_dim).to(cache_dtype)
-    batch = decode_batch(context_lens, 64, 16, seed=heads)
+    num_blocks = 64 if max(context_lens) <= 64 * 16 else 128
+    cache = torch.randn(2, num_blocks, 16, kv_heads, head_dim).to(cache_dtype)
+    batch = decode_batch(context_lens, num_blocks, 16, seed=heads)
     query = torch.randn(len(context_lens), heads, head_dim)
     scale = head_dim**-0.5
     expected = gathered_decode_attention(query, cache, batch, scale, window)
@@ -108,6 +118,56 @@ def test_rows_that_share_their_keys_get_the_floats_of_each_row_alone(
     assert torch.equal(chunk_only, together[:5])
     expected = gathered_decode_attention(
         query, cache.float(), decode_batch_of(table, context_lens), scale, window
+    )
+    torch.testing.assert_close(together, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 300])
+def test_a_long_context_in_parts_gets_the_same_floats_alone_in_a_group_and_on_any_threads(
+    paged_decode_loaded, cache_dtype, window
+):
+    """Rows whose keys span several parts (attended part by part, then merged): a group whose
+    rows cross from two parts to three, each row alone, and one thread against two."""
+    torch.manual_seed(7)
+    cache = torch.randn(2, 128, 16, 3, 64).to(cache_dtype)
+    blocks = torch.randperm(128)[:40]
+    rows = 12
+    table = blocks.repeat(rows, 1)
+    context_lens = torch.tensor([505 + i for i in range(rows)])  # 505 .. 516: past 512
+    query = torch.randn(rows, 9, 64)
+    together = paged_decode.paged_decode(query, cache, table, context_lens, 0.125, window)
+    alone = torch.cat(
+        [
+            paged_decode.paged_decode(
+                query[r : r + 1], cache, table[r : r + 1], context_lens[r : r + 1], 0.125, window
+            )
+            for r in range(rows)
+        ]
+    )
+    assert torch.equal(together, alone)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = paged_decode.paged_decode(query, cache, table, context_lens, 0.125, window)
+        one_alone = paged_decode.paged_decode(
+            query[:1], cache, table[:1], context_lens[:1], 0.125, window
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one_thread, together) and torch.equal(one_alone[0], alone[0])
+    # rows of different requests, enough to keep the threads busy a row a task (its parts one
+    # after the other in that task), against each alone (its parts tasks of their own)
+    others = torch.stack([torch.randperm(128)[:40] for _ in range(5)])
+    lens = torch.tensor([700, 300, 516, 257, 90])
+    batch = paged_decode.paged_decode(query[:5], cache, others, lens, 0.125, window)
+    for r in range(5):
+        single = paged_decode.paged_decode(
+            query[r : r + 1], cache, others[r : r + 1], lens[r : r + 1], 0.125, window
+        )
+        assert torch.equal(batch[r], single[0]), r
+    expected = gathered_decode_attention(
+        query, cache.float(), decode_batch_of(table, context_lens), 0.125, window
     )
     torch.testing.assert_close(together, expected, atol=1e-5, rtol=1e-5)
 

@@ -7,7 +7,10 @@
    (max subtracted) and the weighted sum of the values. Rows that read the same keys (a decode
    with its speculative proposals, a prompt chunk: one block table, each row's context ending
    at its own position) go in groups, which read each block once for up to 16 rows while it is
-   in cache; each row's floats are what it gets alone. The tasks run on the work pool. Where
+   in cache; each row's floats are what it gets alone. A row whose context spans more than 256
+   positions is attended in parts (paged_decode_avx2.h), merged after: with fewer rows than
+   the threads need, the parts are tasks of their own, so one request's few KV heads no longer
+   leave a thread waiting. The tasks run on the work pool. Where
    the compiler targets AVX-512, paged_decode_512.h takes the head sizes it can (a bfloat16 block
    widened once for all the rows and query heads that read it), paged_decode_avx2.h the rest
    where it targets AVX2, the scalar code below any other CPU. */
@@ -187,6 +190,13 @@ struct decode_task {
     int64_t ldq, H, KVH, D, G, BS, MB, window, heads_per_task, tasks_per_row;
     float scale;
     const int64_t *units; /* NULL: task i is row i / tasks_per_row, heads_per_task of its heads */
+    /* With rows of several parts (paged_decode_avx2.h), instead of units: task i is row
+       part_units[4i], its KV heads from part_units[4i + 2] (part_units[4i + 1] of them), part
+       part_units[4i + 3] (-1: a row of one part, attended whole); a part's floats go to
+       partials + (row_parts[b] + j * P) * PART_FLOATS(D) for query head j (P: the row's
+       parts), merged after. */
+    const int64_t *part_units, *row_parts;
+    float *partials;
     _Atomic int failed;
 };
 
@@ -207,7 +217,34 @@ static void decode_tasks(void *arg, int64_t first, int64_t stop) {
     const float scale = t->scale;
     for (int64_t task = first; task < stop; task++) {
         int64_t b, rows, h0, heads;
-        if (t->units != NULL) {
+#ifdef HAVE_ATTEND_VEC
+        if (t->part_units != NULL && t->part_units[4 * task + 3] >= 0) {
+            const int64_t *unit = t->part_units + 4 * task;
+            b = unit[0], heads = unit[1], h0 = unit[2];
+            const int64_t len = context_lens[b], start = window_start(len, window);
+            const int64_t C = part_span(BS), P = parts_of(start, len, C);
+            float *scores = malloc(sizeof(float) * (size_t)(G * C));
+            if (scores == NULL) {
+                atomic_store(&t->failed, 1);
+                continue;
+            }
+            float *parts = t->partials + (t->row_parts[b] + h0 * G * P) * PART_FLOATS(D);
+            const float *q = query + b * ldq + h0 * G * D;
+            const int64_t *table = block_table + b * MB;
+            if (bf16)
+                attend_heads_part(q, kv, values, 1, table, parts, scores, start, len, unit[3], P,
+                                  h0, heads, G, KVH, BS, D, scale);
+            else
+                attend_heads_part(q, kv, values, 0, table, parts, scores, start, len, unit[3], P,
+                                  h0, heads, G, KVH, BS, D, scale);
+            free(scores);
+            continue;
+        }
+#endif
+        if (t->part_units != NULL) {
+            const int64_t *unit = t->part_units + 4 * task;
+            b = unit[0], rows = 1, heads = unit[1], h0 = unit[2];
+        } else if (t->units != NULL) {
             const int64_t *unit = t->units + task * UNIT_FIELDS;
             b = unit[0], rows = unit[1], h0 = unit[2], heads = unit[3];
         } else {
@@ -241,12 +278,19 @@ static void decode_tasks(void *arg, int64_t first, int64_t stop) {
         }
 #endif
         const int64_t nq = rows == 1 ? heads * G : rows * G;
-        float *scores = malloc(sizeof(float) * (size_t)(nq * (L > 0 ? L : 1) + nq * D));
+#ifdef HAVE_ATTEND_VEC
+        const int64_t P = parts_of(start, start + L, part_span(BS));
+        const int64_t part_floats = rows_grouped(D) && P > 1 ? nq * P * PART_FLOATS(D) : 0;
+#else
+        const int64_t part_floats = 0;
+#endif
+        float *scores =
+            malloc(sizeof(float) * (size_t)(nq * (L > 0 ? L : 1) + nq * D + part_floats));
         if (scores == NULL) {
             atomic_store(&t->failed, 1);
             continue;
         }
-        float *acc = scores + nq * L;
+        float *acc = scores + nq * L, *parts = acc + nq * D;
         if (rows > 1) { /* a group's rows, each of its KV heads (only where rows_grouped) */
 #ifdef HAVE_ATTEND_VEC
             const float *q = query + b * ldq;
@@ -255,10 +299,10 @@ static void decode_tasks(void *arg, int64_t first, int64_t stop) {
             for (int64_t h = h0; h < h0 + heads; h++) {
                 if (bf16)
                     attend_rows_any(q, ldq, kv, values, 1, table, lens, rows, o, H, scores, acc,
-                                    start, L, G, KVH, BS, h, D, scale);
+                                    parts, start, L, G, KVH, BS, h, D, scale);
                 else
                     attend_rows_any(q, ldq, kv, values, 0, table, lens, rows, o, H, scores, acc,
-                                    start, L, G, KVH, BS, h, D, scale);
+                                    parts, start, L, G, KVH, BS, h, D, scale);
             }
 #endif
             free(scores);
@@ -267,6 +311,22 @@ static void decode_tasks(void *arg, int64_t first, int64_t stop) {
         const int64_t len = context_lens[b];
         const float *q = query + b * ldq + h0 * G * D; /* this task's nq query heads */
         float *o = out + (b * H + h0 * G) * D;
+#ifdef HAVE_ATTEND_VEC
+        if (part_floats > 0) { /* a row of several parts alone in its task: part by part */
+            for (int64_t p = 0; p < P; p++) {
+                if (bf16)
+                    attend_heads_part(q, kv, values, 1, table, parts, scores, start, len, p, P,
+                                      h0, heads, G, KVH, BS, D, scale);
+                else
+                    attend_heads_part(q, kv, values, 0, table, parts, scores, start, len, p, P,
+                                      h0, heads, G, KVH, BS, D, scale);
+            }
+            for (int64_t j = 0; j < nq; j++)
+                merge_parts(parts + j * P * PART_FLOATS(D), P, D, o + j * D);
+            free(scores);
+            continue;
+        }
+#endif
         if (bf16)
             attend_any(q, kv, values, 1, table, o, scores, acc, start, len, heads, G, KVH, BS, h0,
                        D, scale);
@@ -335,6 +395,63 @@ static int64_t group_units(const int64_t *block_table, const int64_t *context_le
     return n;
 }
 
+/* A step of fewer rows alone (no groups) than keep the threads busy, where a row's keys are in
+   several parts: its tasks are the rows' parts (each run of KV heads of a row, part by part),
+   then each row's parts merged. Returns 1 when done so, 0 when not (enough tasks without it,
+   no row of several parts, or the parts do not apply: the scalar code, AVX-512's head sizes:
+   a row's task then takes its parts one after the other), -1 out of memory. */
+static int split_rows(struct decode_task *t, int64_t B, int bf16) {
+#ifdef HAVE_ATTEND_VEC
+    const int64_t D = t->D, H = t->H, BS = t->BS, C = part_span(BS);
+    (void)bf16;
+#ifdef HAVE_ATTEND_512
+    if (takes512(D, bf16)) return 0;
+#endif
+    if (!rows_grouped(D) || B * t->tasks_per_row >= 2 * (int64_t)omp_get_max_threads()) return 0;
+    int64_t n = 0, floats = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t len = t->context_lens[b], P = parts_of(window_start(len, t->window), len, C);
+        n += t->tasks_per_row * (P > 1 ? P : 1);
+        floats += P > 1 ? H * P : 0;
+    }
+    if (floats == 0) return 0;
+    int64_t *part_units = malloc(sizeof(int64_t) * (size_t)(4 * n + B));
+    float *partials = malloc(sizeof(float) * (size_t)(floats * PART_FLOATS(D)));
+    if (part_units == NULL || partials == NULL) {
+        free(part_units);
+        free(partials);
+        return -1;
+    }
+    int64_t *row_parts = part_units + 4 * n, i = 0, offset = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t len = t->context_lens[b], P = parts_of(window_start(len, t->window), len, C);
+        row_parts[b] = offset;
+        offset += P > 1 ? H * P : 0;
+        for (int64_t k = 0; k < t->tasks_per_row; k++)
+            for (int64_t p = 0; p < (P > 1 ? P : 1); p++, i++) {
+                int64_t *unit = part_units + 4 * i;
+                unit[0] = b, unit[1] = t->heads_per_task, unit[2] = k * t->heads_per_task;
+                unit[3] = P > 1 ? p : -1;
+            }
+    }
+    t->part_units = part_units, t->row_parts = row_parts, t->partials = partials;
+    switchboard_parallel_for(n, 1, decode_tasks, t);
+    for (int64_t b = 0; b < B && !atomic_load(&t->failed); b++) {
+        const int64_t len = t->context_lens[b], P = parts_of(window_start(len, t->window), len, C);
+        if (P == 1) continue;
+        for (int64_t j = 0; j < H; j++)
+            merge_parts(partials + (row_parts[b] + j * P) * PART_FLOATS(D), P, D,
+                        t->out + (b * H + j) * D);
+    }
+    free(part_units);
+    free(partials);
+    return 1;
+#else
+    (void)t, (void)B, (void)bf16;
+    return 0;
+#endif
+}
+
 static int paged_decode(const float *query, int64_t ldq, const void *kv, int bf16,
                         const int64_t *block_table, const int64_t *context_lens, float *out,
                         int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t NB, int64_t BS,
@@ -349,7 +466,11 @@ static int paged_decode(const float *query, int64_t ldq, const void *kv, int bf1
     struct decode_task task = {
         query, kv, (const char *)kv + NB * BS * KVH * D * element, bf16, block_table,
         context_lens, out, ldq, H, KVH, D, H / KVH, BS, MB, window, heads_per_task,
-        KVH / heads_per_task, scale, units, 0};
+        KVH / heads_per_task, scale, units, NULL, NULL, NULL, 0};
+    if (units == NULL) {
+        const int split = split_rows(&task, B, bf16);
+        if (split != 0) return split < 0 ? -1 : atomic_load(&task.failed) ? -1 : 0;
+    }
     switchboard_parallel_for(units != NULL ? n_units : B * task.tasks_per_row, 1, decode_tasks,
                              &task);
     free(units);
