@@ -282,7 +282,7 @@ static void decode_tasks(void *arg, int64_t first, int64_t stop) {
         const int64_t P = parts_of(start, start + L, part_span(BS));
         const int64_t part_floats = rows_grouped(D) && P > 1 ? nq * P * PART_FLOATS(D) : 0;
 #else
-        const int64_t part_floats = 0;
+        const int64_t part_floats = 0; /* no parts without the vector code */
 #endif
         float *scores =
             malloc(sizeof(float) * (size_t)(nq * (L > 0 ? L : 1) + nq * D + part_floats));
@@ -291,6 +291,7 @@ static void decode_tasks(void *arg, int64_t first, int64_t stop) {
             continue;
         }
         float *acc = scores + nq * L, *parts = acc + nq * D;
+        (void)parts; /* the vector code's, past acc */
         if (rows > 1) { /* a group's rows, each of its KV heads (only where rows_grouped) */
 #ifdef HAVE_ATTEND_VEC
             const float *q = query + b * ldq;
