@@ -194,12 +194,17 @@ def test_preemption_keeps_constrained_output_valid(small_kv_server: RunningServe
         )
         for s in schemas
     ] + [_chat("Give a date.", 20, SO(regex=DATE)), _chat("A phone number?", 24, SO(regex=PHONE))]
-    results = _run(small_kv_server, requests)
-    for schema, (text, reason) in zip(schemas, results, strict=False):
-        assert reason == STOP, (schema, text)
-        jsonschema.validate(json.loads(text), schema)
-    assert re.fullmatch(DATE, results[4][0]) and results[4][1] == STOP, results[4]
-    assert re.fullmatch(PHONE, results[5][0]) and results[5][1] == STOP, results[5]
+    # whether one is preempted depends on the order the six arrive in and on what the prefix
+    # cache holds: the same six again (a bounded number of times) until one was
+    for _ in range(4):
+        results = _run(small_kv_server, requests)
+        for schema, (text, reason) in zip(schemas, results, strict=False):
+            assert reason == STOP, (schema, text)
+            jsonschema.validate(json.loads(text), schema)
+        assert re.fullmatch(DATE, results[4][0]) and results[4][1] == STOP, results[4]
+        assert re.fullmatch(PHONE, results[5][0]) and results[5][1] == STOP, results[5]
+        if "preempted request" in small_kv_server.log():
+            break
     assert "preempted request" in small_kv_server.log()
 
 
