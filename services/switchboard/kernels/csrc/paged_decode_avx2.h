@@ -255,13 +255,12 @@ static inline __attribute__((always_inline)) void attend_rows_vec(
     const int64_t P = parts_of(start, end, C);
     for (int64_t p = 0; p < P; p++) {
         const int64_t lo = part_lo(start, p, C), hi = part_hi(start, end, p, C);
-        for (int64_t t = lo; t < hi;) {
-            const int64_t block_end = t - t % BS + BS;
+        for (int64_t t = lo; t < hi; t = block_stop(t, BS, hi)) {
             const int64_t slot = slot_at(table, t, BS, KVH, h, D);
             for (int64_t r = 0; r < R; r++) {
                 const int64_t len = lens[r];
                 if (t >= len) continue;
-                const int64_t stop = block_end < len ? block_end : len;
+                const int64_t stop = block_stop(t, BS, len);
                 for (int64_t g = 0; g < G; g++) {
                     const float *qj = query + r * ldq + (h * G + g) * D;
                     __m256 qv[16];
@@ -270,7 +269,6 @@ static inline __attribute__((always_inline)) void attend_rows_vec(
                     score_keys(qv, keys, bf16, slot, t, stop, lo, slot_stride, D, scale, sj);
                 }
             }
-            t = block_end;
         }
         for (int64_t r = 0; r < R; r++) {
             if (lo >= lens[r]) continue;
@@ -287,13 +285,12 @@ static inline __attribute__((always_inline)) void attend_rows_vec(
         for (int64_t r = 0; r < R; r++)
             if (lo < lens[r])
                 for (int64_t i = 0; i < G * D; i++) acc[r * G * D + i] = 0.0f;
-        for (int64_t t = lo; t < hi;) {
-            const int64_t block_end = t - t % BS + BS;
+        for (int64_t t = lo; t < hi; t = block_stop(t, BS, hi)) {
             const int64_t slot = slot_at(table, t, BS, KVH, h, D);
             for (int64_t r = 0; r < R; r++) {
                 const int64_t len = lens[r];
                 if (t >= len) continue;
-                const int64_t stop = block_end < len ? block_end : len;
+                const int64_t stop = block_stop(t, BS, len);
                 for (int64_t g = 0; g < G; g++) {
                     const float *sj = scores + (r * G + g) * Lmax;
                     float *aj = acc + (r * G + g) * D;
@@ -308,7 +305,6 @@ static inline __attribute__((always_inline)) void attend_rows_vec(
                     for (int64_t c = 0; c < D / 8; c++) _mm256_storeu_ps(aj + 8 * c, a[c]);
                 }
             }
-            t = block_end;
         }
         for (int64_t r = 0; r < R; r++) {
             if (lo >= lens[r]) continue;

@@ -228,7 +228,7 @@ static void dot_panels(void *arg, int64_t i0, int64_t i1) {
     const int64_t q1 = i1 * t->step < panels ? i1 * t->step : panels;
     const int64_t first = q1 - i0 * t->step < t->step ? q1 - i0 * t->step : t->step;
     prefetch_start(t->p + i0 * t->step * panel_bytes, first, panel_bytes, PREFETCH_AHEAD,
-                   t->v == AVX2 ? FETCH_NTA : FETCH_L2);
+                   fetch_of(t->v));
     for (int64_t q = i0 * t->step; q < q1;) {
         const int many = t->step > 1 && q + t->step <= q1;
         const int64_t last = many ? q + t->step - 1 : q;

@@ -23,8 +23,10 @@ struct qrows {
    AMD EPYC the matmuls alone took the same time either way (30 layers' one-row matmuls, C
    harness), and a one-row step in process took 4.41 ms against 4.84 (medians of five
    alternations), one user's ITL p50 served 5.17 ms against 5.62 (eight alternated rounds).
-   The VNNI-512 variant keeps fetching into L2: not measured on its CPUs. */
+   The VNNI-512 variant keeps fetching into L2: not measured on its CPUs. fetch_of: a
+   variant's way, for its tiles and the start of its chunks. */
 enum fetch { FETCH_L2, FETCH_NTA };
+static inline enum fetch fetch_of(int v) { return v == AVX2 ? FETCH_NTA : FETCH_L2; }
 
 static inline __attribute__((always_inline)) void fetch_line(const void *at, enum fetch how) {
     if (how == FETCH_NTA)
@@ -125,14 +127,14 @@ static inline __attribute__((always_inline)) void tile_vnni(
             for (int pp = 0; pp < P; pp++) {
                 const uint8_t *panel = p + pp * panel_bytes;
                 const int64_t off = b * bb + k4 * 4 * PW, off2 = off + B / 8 * 4 * PW;
-                prefetch_line(panel, off, ahead, P, panel_bytes, FETCH_L2);
+                prefetch_line(panel, off, ahead, P, panel_bytes, fetch_of(VNNI512));
                 if (nibbles) {
                     const __m512i v = _mm512_loadu_si512((const void *)(panel + off));
                     const __m512i low = _mm512_set1_epi8(0x0f);
                     w[pp] = _mm512_and_si512(v, low);
                     w2[pp] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
                 } else {
-                    prefetch_line(panel, off2, ahead, P, panel_bytes, FETCH_L2);
+                    prefetch_line(panel, off2, ahead, P, panel_bytes, fetch_of(VNNI512));
                     w[pp] = _mm512_loadu_si512((const void *)(panel + off));
                     w2[pp] = _mm512_loadu_si512((const void *)(panel + off2));
                 }
@@ -155,9 +157,10 @@ static inline __attribute__((always_inline)) void tile_vnni(
             for (int i = 0; i < R * P; i++) sums[i] = _mm512_add_epi32(sums[i], more[i]);
         for (int pp = 0; pp < P; pp++) {
             const uint8_t *panel = p + pp * panel_bytes, *so = panel + b * bb + values;
-            prefetch_line(panel, b * bb + values, ahead, P, panel_bytes, FETCH_L2);
+            prefetch_line(panel, b * bb + values, ahead, P, panel_bytes, fetch_of(VNNI512));
             if (factor_bytes(layout) > 64)
-                prefetch_line(panel, b * bb + values + 64, ahead, P, panel_bytes, FETCH_L2);
+                prefetch_line(panel, b * bb + values + 64, ahead, P, panel_bytes,
+                              fetch_of(VNNI512));
             __m512 s, o;
             block_factors(so, half, offsets, &s, &o);
             for (int r = 0; r < R; r++) {
@@ -243,7 +246,7 @@ static inline __attribute__((always_inline)) void tile_avx2(
                         const uint8_t *blk = p + pp * panel_bytes + b * bb;
                         if (!high)
                             prefetch_line(p + pp * panel_bytes, b * bb + k4 * 4 * PW, ahead, P,
-                                          panel_bytes, FETCH_NTA);
+                                          panel_bytes, fetch_of(AVX2));
                         for (int h = 0; h < 2; h++) w[2 * pp + h] = nibbles256(blk, k4, h, high);
                     }
                     const int32_t *line = line_of(x, r0, b, B, k4 + high * (B / 8));
@@ -261,7 +264,7 @@ static inline __attribute__((always_inline)) void tile_avx2(
                 for (int pp = 0; pp < P; pp++) {
                     const uint8_t *blk = p + pp * panel_bytes + b * bb;
                     prefetch_line(p + pp * panel_bytes, b * bb + k4 * 4 * PW, ahead, P,
-                                  panel_bytes, FETCH_NTA);
+                                  panel_bytes, fetch_of(AVX2));
                     for (int h = 0; h < 2; h++) {
                         wq[2 * pp + h] = _mm256_xor_si256(
                             _mm256_loadu_si256((const __m256i *)(blk + k4 * 4 * PW + 32 * h)),
@@ -284,10 +287,10 @@ static inline __attribute__((always_inline)) void tile_avx2(
         for (int pp = 0; pp < P; pp++) {
             const uint8_t *at = p + pp * panel_bytes + b * bb + values;
             prefetch_line(p + pp * panel_bytes, b * bb + values, ahead, P, panel_bytes,
-                          FETCH_NTA);
+                          fetch_of(AVX2));
             if (factor_bytes(layout) > 64)
                 prefetch_line(p + pp * panel_bytes, b * bb + values + 64, ahead, P, panel_bytes,
-                              FETCH_NTA);
+                              fetch_of(AVX2));
             float widened[2 * PW];
             const float *so = half ? widened : (const float *)at;
             if (half) widen_factors(at, widened, offsets ? 2 * PW : PW);
