@@ -16,15 +16,16 @@ Wire 1, gateway <-> engine core (frames in ``zmq_channel``):
 Beside wire 1: :data:`ENGINE_LOAD` (engine -> coordinator), :data:`LOAD_REPORT` (coordinator
 -> gateways), :data:`GATEWAY_HELLO` / :data:`GATEWAY_ADDRESSES` (the TCP handshake).
 
-Wire 2, engine core <-> workers: :data:`RPC_CALL` (on the shared-memory ring, decoded by every
-worker every step), :data:`RPC_REPLY` (back on a ZeroMQ PULL), and :data:`WORKER_STARTUP`, the
+Wire 2, engine core <-> workers: :data:`RPC_CALL` (on the shared-memory ring; every worker
+reads each as :data:`RPC_CALL_HEAD` and decodes the arguments into the types its method
+takes), :data:`RPC_REPLY` (back on a ZeroMQ PULL), and :data:`WORKER_STARTUP`, the
 JSON a worker process is started with.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import msgspec
 from msgspec import DecodeError as DecodeError  # re-exported: roles catch it from here
@@ -40,7 +41,7 @@ from switchboard.wire.engine_msgs import (
     LoadReport,
     UtilityCall,
 )
-from switchboard.wire.step_msgs import RpcCall, RpcReply, WorkerStartup
+from switchboard.wire.step_msgs import RpcCall, RpcCallHead, RpcReply, WorkerStartup
 
 T = TypeVar("T")
 Buffer = bytes | bytearray | memoryview
@@ -116,5 +117,7 @@ GATEWAY_ADDRESSES = Codec(GatewayAddresses)
 
 # ---- wire 2: engine core <-> workers --------------------------------------------------------
 RPC_CALL = Codec(RpcCall)
+RPC_CALL_HEAD = Codec(RpcCallHead)  # the same bytes, the arguments left encoded
+RPC_ARGUMENTS: Codec[list[Any]] = Codec(list[Any])  # an RpcCallHead's args, as plain values
 RPC_REPLY = Codec(RpcReply)
 WORKER_STARTUP = JsonCodec(WorkerStartup)

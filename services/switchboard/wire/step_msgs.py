@@ -113,6 +113,17 @@ class RpcCall(_Wire):
     output_rank: int = 0
 
 
+class RpcCallHead(_Wire):
+    """An :class:`RpcCall` read from the same bytes with its arguments left encoded, so a
+    worker can decode them straight into the types its method takes."""
+
+    call_id: int
+    method: str
+    args: msgspec.Raw = msgspec.Raw(b"\x90")  # an empty msgpack array
+    kwargs: dict[str, Any] = {}
+    output_rank: int = 0
+
+
 class RpcReply(_Wire):
     call_id: int
     rank: int

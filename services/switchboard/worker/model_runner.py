@@ -41,7 +41,7 @@ from switchboard.worker.model_loading import (
     resolve_kv_cache_dtype,
 )
 from switchboard.worker.pooler import PoolingRequests
-from switchboard.worker.sampler import SamplerOutput, sample
+from switchboard.worker.sampler import SamplerOutput, greedy_tokens, sample
 from switchboard.worker.spec_verify import accepted_tokens, build_verify_batch, expand_rows
 from switchboard.worker.step_inputs import (
     RequestState,
@@ -300,8 +300,12 @@ class ModelRunner:
                         step.structured_request_ids,
                         [state.request_id for state in rows],
                     )
-                batch = build_verify_batch(rows, drafts_of, step.logits.shape[-1], self.device)
-                result = sample(step.logits, batch)
+                if all(state.plain_greedy for state in states):  # no batch to build
+                    result = SamplerOutput(greedy_tokens(step.logits), {})
+                else:
+                    vocab_size = step.logits.shape[-1]
+                    batch = build_verify_batch(rows, drafts_of, vocab_size, self.device)
+                    result = sample(step.logits, batch)
             token_ids = self._share_sampled_tokens(result, len(rows))
             first = 0
             for state, drafts in zip(states, drafts_of, strict=True):

@@ -111,20 +111,22 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     return SamplerOutput(token_ids, logprobs)
 
 
-def _greedy(logits: torch.Tensor) -> torch.Tensor:
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax: the sample of a batch of plain greedy rows, which needs no
+    ``SamplingBatch`` (``RequestState.plain_greedy``)."""
     tokens = fused_ops.argmax_rows(logits)  # on CPU in float32: torch's answer, sooner
     return tokens if tokens is not None else logits.argmax(dim=-1)
 
 
 def _pick(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.all_greedy:
-        return _greedy(logits)
+        return greedy_tokens(logits)
     rows = batch.random_rows  # None: every row
 
     def of_rows(values: torch.Tensor | None) -> torch.Tensor | None:
         return values if values is None or rows is None else values.index_select(0, rows)
 
-    tokens = None if rows is None else _greedy(logits)
+    tokens = None if rows is None else greedy_tokens(logits)
     selected = logits if rows is None else logits.index_select(0, rows)
     temperature = of_rows(batch.temperature)
     assert temperature is not None

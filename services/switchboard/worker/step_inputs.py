@@ -19,7 +19,7 @@ import torch
 from switchboard.models.attention import AttentionMetadata, DecodeBatch, PrefillSpan
 from switchboard.wire.engine_msgs import SamplingParams, TokenLogprobs
 from switchboard.wire.step_msgs import SchedulerOutput
-from switchboard.worker.sampler import new_request_generator
+from switchboard.worker.sampler import GREEDY_TEMPERATURE, new_request_generator
 
 
 def upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -66,6 +66,24 @@ def uses_penalties(params: SamplingParams) -> bool:
     )
 
 
+def plain_greedy_from(params: SamplingParams) -> int:
+    """The output count from which a request's sample is plainly its logits' argmax: greedy,
+    no mask, bias, penalty or min_p, no logprobs, and past min_tokens where that bans its EOS or
+    stop tokens; -1 when never (the sampler's full path decides)."""
+    if (
+        params.temperature > GREEDY_TEMPERATURE
+        or params.logprobs is not None
+        or params.min_p > 0.0
+        or uses_penalties(params)
+        or params.logit_bias
+        or params.allowed_token_ids
+        or params.bad_words_token_ids
+    ):
+        return -1
+    bans_before_min = params.stop_token_ids or (params.eos_token_ids and not params.ignore_eos)
+    return params.min_tokens if bans_before_min else 0
+
+
 @dataclass
 class RequestState:
     request_id: str
@@ -79,12 +97,16 @@ class RequestState:
     # Collected across prefill chunks while the prompt runs; None when not asked for or sent.
     prompt_logprobs: list[TokenLogprobs] | None = None
     prompt_token_set: torch.Tensor | None = field(default=None, repr=False)  # cache (sampler)
+    # From this many output tokens on, the request's sample is its logits' argmax and nothing
+    # else (no knob touches the logits, no logprobs); -1: never (set by __post_init__).
+    plain_greedy_from: int = field(default=-1, init=False)
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:
             self.num_prompt_tokens = len(self.token_ids)
         if self.output_history is None and uses_penalties(self.sampling_params):
             self.output_history = TokenHistory(self.token_ids[self.num_prompt_tokens :])
+        self.plain_greedy_from = plain_greedy_from(self.sampling_params)
 
     @property
     def num_output_tokens(self) -> int:
@@ -94,6 +116,11 @@ class RequestState:
         """The last ``n`` output tokens (fewer if there are fewer)."""
         n = min(n, self.num_output_tokens)
         return self.token_ids[len(self.token_ids) - n :] if n > 0 else []
+
+    @property
+    def plain_greedy(self) -> bool:
+        """This step's sample is the argmax of its logits (``plain_greedy_from``)."""
+        return 0 <= self.plain_greedy_from <= self.num_output_tokens
 
     def append_output_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
@@ -218,18 +245,13 @@ def build_step_inputs(
                 logits_rows.append(row + n - 1)
 
     metadata = AttentionMetadata(
-        slot_mapping=upload(
-            torch.cat([torch.tensor(decode_slots, dtype=torch.long), *prefill_slots]), device
-        ),
+        slot_mapping=upload(_joined(decode_slots, prefill_slots), device),
         decode=decode_batch([state for state, _ in decodes], block_size, device),
         prefills=spans,
     )
     return StepInputs(
         input_ids=upload(torch.tensor(input_ids, dtype=torch.long), device),
-        positions=upload(
-            torch.cat([torch.tensor(decode_positions, dtype=torch.long), *prefill_positions]),
-            device,
-        ),
+        positions=upload(_joined(decode_positions, prefill_positions), device),
         metadata=metadata,
         request_ids=request_ids,
         sampled_request_ids=sampled_ids,
@@ -237,6 +259,12 @@ def build_step_inputs(
         first_rows=first_rows,
         proposals=proposals,
     )
+
+
+def _joined(decode_values: list[int], prefill_values: list[torch.Tensor]) -> torch.Tensor:
+    """The decodes' values, then the prefills' (no concatenation in a step of decodes only)."""
+    decoded = torch.tensor(decode_values, dtype=torch.long)
+    return torch.cat([decoded, *prefill_values]) if prefill_values else decoded
 
 
 def decode_batch(

@@ -22,14 +22,14 @@ import torch
 from switchboard.common.model_tasks import read_model_tasks
 from switchboard.config import EngineConfig
 from switchboard.models.loader import resolve_device
-from switchboard.wire.codec import RPC_CALL, RPC_REPLY
+from switchboard.wire.codec import RPC_REPLY
 from switchboard.wire.step_msgs import ModelRunnerOutput, ModelSummary, SchedulerOutput
 from switchboard.worker.distributed import init_parallel_state
 from switchboard.worker.draft_model import make_draft_model
 from switchboard.worker.encoder_runner import EncoderRunner
 from switchboard.worker.lora_runner import add_lora, lora_requests
 from switchboard.worker.model_runner import ModelRunner
-from switchboard.worker.rpc import dispatch
+from switchboard.worker.rpc import dispatch_encoded
 
 logger = logging.getLogger(__name__)
 
@@ -197,8 +197,7 @@ def run_busy_loop(
             if os.getppid() != parent_pid:
                 return f"parent process {parent_pid} is gone"
             continue
-        call = RPC_CALL.decode(payload)
-        reply = dispatch(worker, Worker.RPC_METHODS, call, rank)
+        call, reply = dispatch_encoded(worker, Worker.RPC_METHODS, payload, rank)
         # A failure is always reported, whichever rank it happened on: otherwise the engine
         # would only learn of it from the execute timeout.
         if call.output_rank == rank or reply.error is not None:
