@@ -54,6 +54,35 @@ def test_plain_greedy_rows_build_no_extra_tensors():
     assert torch.equal(sample(logits.clone(), batch).token_ids, logits.argmax(-1))
 
 
+PLAIN_CASES = [  # (knobs, output tokens so far, plain greedy: the sample is the argmax)
+    ({"temperature": 0.0}, 0, True),
+    ({"temperature": 0.0, "seed": 7}, 0, True),
+    ({"temperature": 0.0, "min_tokens": 2, "eos_token_ids": [3]}, 1, False),
+    ({"temperature": 0.0, "min_tokens": 2, "eos_token_ids": [3]}, 2, True),
+    ({"temperature": 0.0, "min_tokens": 2, "eos_token_ids": [3], "ignore_eos": True}, 0, True),
+    ({"temperature": 0.0, "min_tokens": 2, "stop_token_ids": [4], "ignore_eos": True}, 1, False),
+    ({"temperature": 0.8}, 3, False),
+    ({"temperature": 0.0, "logprobs": 0}, 3, False),
+    ({"temperature": 0.0, "min_p": 0.1}, 3, False),
+    ({"temperature": 0.0, "presence_penalty": 0.5}, 3, False),
+    ({"temperature": 0.0, "logit_bias": {1: 5.0}}, 3, False),
+    ({"temperature": 0.0, "allowed_token_ids": [1, 2]}, 3, False),
+    ({"temperature": 0.0, "bad_words_token_ids": [[9]]}, 3, False),
+]
+
+
+@pytest.mark.parametrize(("knobs", "outputs", "plain"), PLAIN_CASES)
+def test_plain_greedy_rows_are_exactly_the_argmax_rows(knobs, outputs, plain):
+    """The runner samples plain greedy rows with one argmax and no batch: only rows whose
+    full sampler path also gives the argmax of the raw logits may be called plain."""
+    row = state(output=tuple(range(10, 10 + outputs)), **knobs)
+    assert row.plain_greedy is plain
+    if plain:
+        logits = logits_of(1, seed=outputs)
+        logits[0, 3] = logits[0, 4] = logits.max() + 1  # EOS / stop would win if unbanned
+        assert draw([row], logits).token_ids.tolist() == logits.argmax(-1).tolist()
+
+
 def test_min_p_drops_tokens_below_a_fraction_of_the_best():
     probs = torch.tensor([0.5, 0.3, 0.1] + [0.1 / (VOCAB - 3)] * (VOCAB - 3))
     logits = probs.log().expand(300, VOCAB).contiguous()

@@ -8,6 +8,7 @@ import msgspec
 import pytest
 
 from switchboard.config import EngineConfig, ModelConfig, WorkerConfig
+from switchboard.wire.codec import RPC_CALL
 from switchboard.wire.engine_msgs import SamplingParams
 from switchboard.wire.step_msgs import (
     ModelRunnerOutput,
@@ -17,7 +18,8 @@ from switchboard.wire.step_msgs import (
     RpcReply,
     SchedulerOutput,
 )
-from switchboard.worker.rpc import dispatch
+from switchboard.worker import rpc
+from switchboard.worker.rpc import dispatch, dispatch_encoded
 from switchboard.worker.worker import Worker, run_busy_loop
 from tests.tiny_checkpoint import tiny_llama_dir
 
@@ -111,6 +113,31 @@ def test_failures_become_error_replies(engine_config):
         worker, Worker.RPC_METHODS, RpcCall(3, "determine_num_kv_blocks", [16, None]), rank=0
     )
     assert "load_model first" in not_loaded.error
+
+
+def test_encoded_calls_take_typed_arguments_and_fail_as_plain_ones(engine_config, monkeypatch):
+    worker = Worker(engine_config, rank=0)
+    allowed = Worker.RPC_METHODS
+    plain: list[bytes] = []  # the argument lists decoded as plain values (the general path)
+    general = rpc.RPC_ARGUMENTS.decode
+    monkeypatch.setattr(
+        rpc,
+        "RPC_ARGUMENTS",
+        type("Spy", (), {"decode": lambda _, b: plain.append(b) or general(b)})(),
+    )
+    step = SchedulerOutput(step_id=1, num_scheduled_tokens={"r": 1})
+    encoded = RPC_CALL.encode(RpcCall(4, "execute_model", [step]))  # as the engine sends it
+    head, reply = dispatch_encoded(worker, allowed, encoded, rank=0)
+    # decoded into a SchedulerOutput at once: the method itself refused (nothing loaded yet)
+    assert head.call_id == 4 and plain == [] and "before load_model" in reply.error
+    _, wrong = dispatch_encoded(worker, allowed, encode(5, "execute_model", {"nonsense": 1}), 0)
+    assert len(plain) == 1 and wrong.call_id == 5 and "ValidationError" in wrong.error
+    _, unknown = dispatch_encoded(worker, allowed, encode(6, "__init__"), rank=0)
+    assert unknown.error and "not a worker RPC method" in unknown.error
+    _, keywords = dispatch_encoded(worker, allowed, encode(7, "sleep", level=1), rank=0)
+    assert keywords.error is None and len(plain) == 3  # keyword arguments: the general path
+    head, pong = dispatch_encoded(worker, allowed, encode(8, "ping", output_rank=2), rank=0)
+    assert pong.result == "pong" and head.output_rank == 2
 
 
 def test_loop_leaves_when_the_parent_is_gone_or_a_signal_arrived(engine_config):
