@@ -9,12 +9,14 @@ import os
 import random
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 
 import msgspec
 import pytest
 
+from switchboard.wire import shm_ring
 from switchboard.wire.shm_ring import RingHandle, ShmRingReader, ShmRingWriter
 
 CTX = mp.get_context("spawn")
@@ -255,3 +257,37 @@ def test_an_idle_reader_sleeps_instead_of_spinning(run_dir: str) -> None:
                 reader.dequeue(timeout=wait_s)
             cpu_s = time.thread_time() - cpu_before
     assert cpu_s < 0.1 * wait_s, f"an idle reader burned {cpu_s:.3f} s of CPU in {wait_s} s"
+
+
+def test_only_a_sleeping_reader_is_notified(run_dir: str, monkeypatch) -> None:
+    """A reader that finds its next message already published is sent no wake-up (no thread of
+    either process wakes for it); one asleep on the notify socket is woken by the next enqueue,
+    not by its periodic recheck (made longer than the test's bound here)."""
+    monkeypatch.setattr(shm_ring, "NOTIFY_RECHECK_S", 2 * WAIT_S)
+    with ShmRingWriter(1, run_dir, max_chunks=4, max_chunk_bytes=1024) as writer:
+        with ShmRingReader(writer.handle, 0) as reader:
+            writer.wait_for_readers(timeout=WAIT_S)
+            sent = []
+            notify = writer._sockets.notify
+            monkeypatch.setattr(writer._sockets, "notify", lambda: (sent.append(1), notify()))
+            for i in range(3):
+                writer.enqueue(b"busy %d" % i)
+            assert [reader.dequeue(timeout=WAIT_S) for _ in range(3)] == [
+                b"busy 0",
+                b"busy 1",
+                b"busy 2",
+            ]
+            assert len(sent) == (3 if shm_ring.NOTIFY_EVERY_ENQUEUE else 0)
+            got: list[bytes] = []
+            waiter = threading.Thread(target=lambda: got.append(reader.dequeue(timeout=WAIT_S)))
+            waiter.start()
+            deadline = time.monotonic() + WAIT_S
+            while writer._layout.sleeping[0] != 1 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert writer._layout.sleeping[0] == 1, "the reader never went to sleep"
+            started = time.monotonic()
+            writer.enqueue(b"wake up")
+            waiter.join(timeout=WAIT_S)
+            assert got == [b"wake up"] and time.monotonic() - started < WAIT_S
+            assert len(sent) == (4 if shm_ring.NOTIFY_EVERY_ENQUEUE else 1)
+            assert writer._layout.sleeping[0] == 0

@@ -31,11 +31,12 @@ def memory_fence() -> None:
 
 
 def segment_bytes(n_readers: int, max_chunks: int, max_chunk_bytes: int) -> int:
-    return max_chunks * (max_chunk_bytes + 1 + n_readers) + n_readers * _PID.size
+    return max_chunks * (max_chunk_bytes + 1 + n_readers) + n_readers * (_PID.size + 1)
 
 
 class SegmentLayout:
-    """Offsets into the segment and views onto its three regions: chunks, flags, reader pids."""
+    """Offsets into the segment and views onto its four regions: chunks, flags, reader pids
+    and the readers' sleep flags."""
 
     def __init__(self, buf: memoryview, n_readers: int, max_chunks: int, chunk_bytes: int) -> None:
         self.n_readers = n_readers
@@ -47,7 +48,9 @@ class SegmentLayout:
         pids_at = flags_at + max_chunks * self.record_bytes
         self.buf = buf
         self.flags = buf[flags_at:pids_at]
-        self.pids = buf[pids_at : pids_at + n_readers * _PID.size]
+        sleeping_at = pids_at + n_readers * _PID.size
+        self.pids = buf[pids_at:sleeping_at]
+        self.sleeping = buf[sleeping_at : sleeping_at + n_readers]  # 1: asleep on the notify
 
     def pid(self, rank: int) -> int:
         pid: int = _PID.unpack_from(self.pids, rank * _PID.size)[0]
@@ -58,7 +61,7 @@ class SegmentLayout:
 
     def release(self) -> None:
         """Drop the views; SharedMemory.close() refuses while any is alive."""
-        for view in (self.flags, self.pids, self.buf):
+        for view in (self.flags, self.pids, self.sleeping, self.buf):
             view.release()
 
 

@@ -2,11 +2,11 @@
 
 Layout of the one POSIX shared-memory segment (``RingHandle.shm_name``, under ``/dev/shm``)::
 
-    0             B             2B    (C-1)B          C*B             C*B+C*(1+N)
-    |<- chunk 0 ->|<- chunk 1 ->| ... |<- chunk C-1 ->|<- flags ----->|<- reader pids ->|
-    +-------------+-------------+-----+---------------+---------------+-----------------+
-    | hdr|payload | hdr|payload | ... | hdr|payload   | F0 | F1 | ... | pid0 | pid1 | ...|
-    +-------------+-------------+-----+---------------+---------------+-----------------+
+    0           B           (C-1)B        C*B           C*B+C*(1+N)   ... +N*8
+    |<- chunk 0 ->| ... |<- chunk C-1 ->|<- flags --->|<- reader pids ->|<- sleep ->|
+    +-------------+-----+---------------+-------------+-----------------+-----------+
+    | hdr|payload | ... | hdr|payload   | F0 | F1 ...| pid0 | pid1 | ...| S0 S1 ... |
+    +-------------+-----+---------------+-------------+-----------------+-----------+
     C = max_chunks, B = max_chunk_bytes, N = n_readers
 
     chunk header, 16 bytes little-endian:  [overflow u8][7 bytes pad][length u64][payload ...]
@@ -16,6 +16,7 @@ Layout of the one POSIX shared-memory segment (``RingHandle.shm_name``, under ``
     flag record Fi, 1 + N bytes:  [written | read0 | read1 | ... | read(N-1)]
     reader pid table, N x int64 little-endian: each reader writes its pid when it attaches and
         0 when it closes; only read by the writer, to say who holds the ring (warning below).
+    sleep flags, N bytes: reader r's is 1 while it sleeps on the notify socket (below).
 
 States of one chunk's flag record (N = 3; the segment starts all zero):
 
@@ -34,8 +35,13 @@ and in order. The writer never passes a reader by a whole lap: it reuses chunk i
 reader set its flag there. There are no locks.
 
 Waiting. A reader first spins for ``READER_SPIN_S`` (os.sched_yield between looks at the flags),
-then sleeps on the notify socket (one byte published per enqueue, conflated), waking at least
-every ``NOTIFY_RECHECK_S`` so that a lost notification costs bounded latency, never a hang. An
+then sleeps on the notify socket (one byte published per enqueue that finds a reader asleep,
+conflated), waking at least every ``NOTIFY_RECHECK_S`` so that a lost notification costs bounded
+latency, never a hang. A reader sets its sleep flag before its last look at the chunk flags and
+the writer reads the sleep flags after publishing, a fence between each store and the load that
+follows: one of the two sees the other. A busy reader (the next step already on the ring when
+it finishes one) is then sent nothing, and no thread in either process wakes for it. On CPUs
+other than x86-64, whose fences here are not formally full barriers, every enqueue notifies. An
 idle reader therefore costs a few wake-ups a second, not a core (vLLM spins for 1 s after each
 message). A writer facing a full ring spins briefly, then sleeps with exponential back-off up to
 ``WRITER_MAX_SLEEP_S``; after ``warn_after_s`` it logs a WARNING naming each reader (rank, pid)
@@ -61,6 +67,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import secrets
 import time
 
@@ -90,6 +97,9 @@ NOTIFY_RECHECK_S = 0.25
 WRITER_SPIN_S = 100e-6
 WRITER_MIN_SLEEP_S = 20e-6
 WRITER_MAX_SLEEP_S = 1e-3
+# Where memory_fence is not a full barrier (the sleep flags need store -> load order), the
+# writer notifies on every enqueue instead of only when a reader sleeps.
+NOTIFY_EVERY_ENQUEUE = platform.machine().lower() not in ("x86_64", "amd64")
 
 
 def segment_prefix(writer_pid: int) -> str:
@@ -169,6 +179,7 @@ class ShmRingWriter:
         self._layout = _layout(self._handle, self._shm.buf)
         self._all_read = b"\x01" * n_readers
         self._no_reads = bytes(n_readers)
+        self._all_awake = bytes(n_readers)
         self._index = 0
         self._closed = False
         logger.info(
@@ -228,7 +239,12 @@ class ShmRingWriter:
         layout.flags[written_at + 1 : written_at + layout.record_bytes] = self._no_reads
         memory_fence()
         layout.flags[written_at] = 1
-        self._sockets.notify()
+        if NOTIFY_EVERY_ENQUEUE:
+            self._sockets.notify()
+        else:
+            memory_fence()  # published before the sleep flags are read ("Waiting" above)
+            if layout.sleeping != self._all_awake:
+                self._sockets.notify()
         self._index = (index + 1) % layout.max_chunks
 
     def _writable(self, index: int) -> bool:
@@ -333,6 +349,15 @@ class ShmRingReader:
             os.sched_yield()
             if self._readable():
                 return
+        sleeping = self._layout.sleeping
+        sleeping[self._rank] = 1
+        memory_fence()  # the flag is set before the last look: the writer sees one or the other
+        try:
+            self._sleep_until_readable(deadline)
+        finally:
+            sleeping[self._rank] = 0
+
+    def _sleep_until_readable(self, deadline: float | None) -> None:
         while True:
             # Drop stale wake-ups, then look once more: a notification for anything published
             # after this look is still pending when we sleep, so none is lost.
