@@ -11,7 +11,7 @@ import msgspec
 import msgspec.inspect as mi
 import pytest
 
-from switchboard.wire import engine_msgs, step_msgs, zmq_channel
+from switchboard.wire import codec, engine_msgs, step_msgs, zmq_channel
 
 
 def _wire_structs(module: Any) -> list[type[msgspec.Struct]]:
@@ -57,6 +57,8 @@ def _value(kind: mi.Type, avoid: Any = msgspec.NODEFAULT) -> Any:
         return _instance(kind.cls)
     if isinstance(kind, mi.AnyType):
         return {"k": [1, "v"]}
+    if isinstance(kind, mi.RawType):  # a value left encoded
+        return msgspec.Raw(msgspec.msgpack.encode([1, "v"]))
     raise AssertionError(f"no sample value for {kind}: extend this test")
 
 
@@ -90,3 +92,17 @@ def test_enums_on_the_wire_are_values_not_names() -> None:
     for kind in (engine_msgs.FinishReason, engine_msgs.EventType):
         for member in kind:
             assert msgspec.msgpack.decode(zmq_channel.encode(member)) == int(member)
+
+
+def test_an_rpc_call_reads_as_its_head_with_the_arguments_left_encoded() -> None:
+    call = _instance(step_msgs.RpcCall)
+    head = codec.RPC_CALL_HEAD.decode(codec.RPC_CALL.encode(call))
+    assert (head.call_id, head.method, head.kwargs, head.output_rank) == (
+        call.call_id,
+        call.method,
+        call.kwargs,
+        call.output_rank,
+    )
+    assert codec.RPC_ARGUMENTS.decode(head.args) == call.args
+    bare = codec.RPC_CALL_HEAD.decode(codec.RPC_CALL.encode(step_msgs.RpcCall(1, "ping")))
+    assert codec.RPC_ARGUMENTS.decode(bare.args) == [] and bare.output_rank == 0
