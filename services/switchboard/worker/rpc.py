@@ -1,8 +1,9 @@
 """Calling a worker method named by an :class:`RpcCall`, safely.
 
-Only names on the target's allow-list can be called. Arguments arrive as plain msgpack values
-and are converted to the types the method is annotated with (``msgspec.convert``), so a
-``SchedulerOutput`` arrives as a struct without any pickle on the wire.
+Only names on the target's allow-list can be called. A call's positional arguments are decoded
+straight into the types the method is annotated with (``dispatch_encoded``: the per-step
+``SchedulerOutput``); any other call's arrive as plain msgpack values and are converted to those
+types (``msgspec.convert``). Either way no pickle is ever on the wire.
 """
 
 from __future__ import annotations
@@ -44,14 +45,14 @@ def dispatch_encoded(
     that do not decode so, takes ``dispatch``'s path, and its errors."""
     head = RPC_CALL_HEAD.decode(payload)
     typed = None
-    if head.method in allowed and not head.kwargs:
-        method = getattr(target, head.method)
+    method = getattr(target, head.method, None) if head.method in allowed else None
+    if method is not None and not head.kwargs:
         codec = _positional_codec(getattr(method, "__func__", method))
         try:
             typed = None if codec is None else codec.decode(head.args)
         except DecodeError:
             typed = None
-    if typed is None:
+    if method is None or typed is None:
         args = RPC_ARGUMENTS.decode(head.args)
         call = RpcCall(head.call_id, head.method, args, head.kwargs, head.output_rank)
         return head, dispatch(target, allowed, call, rank)
