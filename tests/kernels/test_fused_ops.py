@@ -127,7 +127,7 @@ def test_the_greedy_sampler_picks_with_it(kernels):
     from switchboard.worker import sampler
 
     logits = torch.randn(4, 300)
-    assert torch.equal(sampler._greedy(logits), logits.argmax(dim=-1))
+    assert torch.equal(sampler.greedy_tokens(logits), logits.argmax(dim=-1))
     assert fused_ops.argmax_rows(torch.randn(0, 300)) is None  # nothing to pick: torch's
 
 
