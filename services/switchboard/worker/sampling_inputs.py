@@ -52,7 +52,9 @@ def _step_generators(states: Sequence[RequestState]) -> dict[int, torch.Generato
 def build_logits_processing(
     states: Sequence[RequestState], vocab_size: int, device: torch.device
 ) -> LogitsProcessing | None:
-    """Masks, bias and penalties of the rows that set any; None when no row does."""
+    """Masks, bias and penalties of the rows that set any; None when no row does. A knob added
+    here must also make a request not plain greedy (``step_inputs.plain_greedy_from``), or the
+    runner's one-argmax shortcut would skip it."""
     allowed: list[tuple[int, list[int]]] = []
     banned_rows: list[int] = []
     banned_ids: list[int] = []

@@ -69,7 +69,9 @@ def uses_penalties(params: SamplingParams) -> bool:
 def plain_greedy_from(params: SamplingParams) -> int:
     """The output count from which a request's sample is plainly its logits' argmax: greedy,
     no mask, bias, penalty or min_p, no logprobs, and past min_tokens where that bans its EOS or
-    stop tokens; -1 when never (the sampler's full path decides)."""
+    stop tokens; -1 when never (the sampler's full path decides). Its knobs are the ones
+    ``sampling_inputs.build_sampling_batch`` turns into tensors, and the bans are
+    ``sampling_inputs._banned_tokens``'s: the two change together."""
     if (
         params.temperature > GREEDY_TEMPERATURE
         or params.logprobs is not None
