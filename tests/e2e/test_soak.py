@@ -1,4 +1,4 @@
-"""The soak's short version (bench/soak.py): about two minutes of mixed traffic on -dp 2
+"""The soak's short version (bench/soak.py): 75 s of mixed traffic on -dp 2
 --api-servers 2 while a role is killed with -9 every 12 s (seeded: an engine core first, then a
 gateway, the coordinator, the other engine, a worker, as far as the time goes), and its report
 asserted: no request lost, every killed role back, nothing leaked, a clean stop.
@@ -28,7 +28,7 @@ def test_a_short_soak_loses_nothing_and_leaks_nothing(tmp_path: Path) -> None:
     run = subprocess.run(
         [
             sys.executable, str(REPO / "bench/soak.py"),
-            "--duration", "110", "--kill-interval-s", "12", "--clients", "3", "--seed", "1",
+            "--duration", "75", "--kill-interval-s", "12", "--clients", "3", "--seed", "1",
             "--json", str(report_path),
         ],
         capture_output=True,
