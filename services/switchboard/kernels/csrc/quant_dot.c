@@ -214,7 +214,9 @@ static void panel_group8(int layout, int v, int64_t B, GROUP_PARAMS) {
 #endif
     (void)v;
     switch (PAIR(B, layout)) {
-        case PAIR(32, HALF | NO_OFFSETS): AVX2_GROUP(0, HALF | NO_OFFSETS, 32); break; /* Q8_0 */
+        case PAIR(32, HALF | NO_OFFSETS): /* Q8_0, Q5_0 */
+            AVX2_GROUP(0, HALF | NO_OFFSETS, 32);
+            break;
         case PAIR(32, HALF): AVX2_GROUP(0, HALF, 32); break;             /* Q5_1 */
         case PAIR(32, NO_OFFSETS): AVX2_GROUP(0, NO_OFFSETS, 32); break; /* int8 */
         case PAIR(16, NO_OFFSETS): AVX2_GROUP(0, NO_OFFSETS, 16); break; /* Q6_K */
