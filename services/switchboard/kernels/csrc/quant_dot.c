@@ -203,39 +203,37 @@ static inline __attribute__((always_inline)) void avx2_group(const int NIBBLES, 
 #define AVX2_GROUP(NIBBLES, LAYOUT, BLOCK)                                                     \
     avx2_group(NIBBLES, LAYOUT, BLOCK, M, many, x, r0, p, panel_bytes, ahead, y, ldy,         \
                ncols_last, bias)
-#define PAIR(BLOCK, LAYOUT) ((BLOCK) | (LAYOUT) << 8)
+#define KIND(NIBBLES, BLOCK, LAYOUT) ((NIBBLES) << 16 | (LAYOUT) << 8 | (BLOCK))
 
-static void panel_group8(int layout, int v, int64_t B, GROUP_PARAMS) {
+/* M rows of values of 8 bits, or 4 when `nibbles`, on variant v (see vnni_group) */
+static void panel_group(int nibbles, int layout, int v, int64_t B, GROUP_PARAMS) {
 #if HAVE_VNNI512
     if (v == VNNI512) {
-        vnni_group(0, layout, B, M, many, x, r0, p, panel_bytes, ahead, y, ldy, ncols_last, bias);
+        if (nibbles)
+            vnni_group(1, layout, B, M, many, x, r0, p, panel_bytes, ahead, y, ldy, ncols_last,
+                       bias);
+        else
+            vnni_group(0, layout, B, M, many, x, r0, p, panel_bytes, ahead, y, ldy, ncols_last,
+                       bias);
         return;
     }
 #endif
     (void)v;
-    switch (PAIR(B, layout)) {
-        case PAIR(32, HALF | NO_OFFSETS): /* Q8_0, Q5_0 */
+    switch (KIND(nibbles, B, layout)) {
+        case KIND(1, 32, HALF): AVX2_GROUP(1, HALF, 32); break; /* Q4_0, Q4_1 */
+        case KIND(1, 32, 0): AVX2_GROUP(1, 0, 32); break;       /* Q4_K */
+        case KIND(0, 32, HALF | NO_OFFSETS): /* Q8_0, Q5_0 */
             AVX2_GROUP(0, HALF | NO_OFFSETS, 32);
             break;
-        case PAIR(32, HALF): AVX2_GROUP(0, HALF, 32); break;             /* Q5_1 */
-        case PAIR(32, NO_OFFSETS): AVX2_GROUP(0, NO_OFFSETS, 32); break; /* int8 */
-        case PAIR(16, NO_OFFSETS): AVX2_GROUP(0, NO_OFFSETS, 16); break; /* Q6_K */
-        default: AVX2_GROUP(0, layout, B); break;
-    }
-}
-
-static void panel_group4(int layout, int v, int64_t B, GROUP_PARAMS) {
-#if HAVE_VNNI512
-    if (v == VNNI512) {
-        vnni_group(1, layout, B, M, many, x, r0, p, panel_bytes, ahead, y, ldy, ncols_last, bias);
-        return;
-    }
-#endif
-    (void)v;
-    switch (PAIR(B, layout)) {
-        case PAIR(32, HALF): AVX2_GROUP(1, HALF, 32); break; /* Q4_0, Q4_1 */
-        case PAIR(32, 0): AVX2_GROUP(1, 0, 32); break;       /* Q4_K */
-        default: AVX2_GROUP(1, layout, B); break;
+        case KIND(0, 32, HALF): AVX2_GROUP(0, HALF, 32); break;             /* Q5_1 */
+        case KIND(0, 32, NO_OFFSETS): AVX2_GROUP(0, NO_OFFSETS, 32); break; /* int8 */
+        case KIND(0, 16, NO_OFFSETS): AVX2_GROUP(0, NO_OFFSETS, 16); break; /* Q6_K */
+        default:
+            if (nibbles)
+                AVX2_GROUP(1, layout, B);
+            else
+                AVX2_GROUP(0, layout, B);
+            break;
     }
 }
 
@@ -271,10 +269,9 @@ static void dot_panels(void *arg, int64_t i0, int64_t i1) {
         const float *bq = t->bias ? t->bias + q * PW : 0;
         for (int64_t g = 0, r0 = 0; g < groups; g++) {
             const int64_t rows = base + (g < wider);
-            (t->nibbles ? panel_group4 : panel_group8)(
-                t->layout, t->v, t->B, rows, many, &t->x, r0, t->p + q * panel_bytes,
-                panel_bytes, g == 0 ? PREFETCH_AHEAD : panel_bytes, t->y + r0 * t->N + q * PW,
-                t->N, ncols_last, bq);
+            panel_group(t->nibbles, t->layout, t->v, t->B, rows, many, &t->x, r0,
+                        t->p + q * panel_bytes, panel_bytes, g == 0 ? PREFETCH_AHEAD : panel_bytes,
+                        t->y + r0 * t->N + q * PW, t->N, ncols_last, bq);
             r0 += rows;
         }
         q = last + 1;

@@ -183,9 +183,9 @@ static void amx_panels(void *arg, int64_t i0, int64_t i1) {
         }
         for (int64_t g = 0, r0 = 0; g < groups; g++) {
             const int64_t rows = rest / groups + (g < rest % groups);
-            (t->nibbles ? panel_group4 : panel_group8)(
-                t->layout, VNNI512, t->B, rows, 0, &t->rest, r0, panel, panel_bytes, panel_bytes,
-                t->y + (t->m_amx + r0) * t->N + q * PW, t->N, ncols_last, bq);
+            panel_group(t->nibbles, t->layout, VNNI512, t->B, rows, 0, &t->rest, r0, panel,
+                        panel_bytes, panel_bytes, t->y + (t->m_amx + r0) * t->N + q * PW, t->N,
+                        ncols_last, bq);
             r0 += rows;
         }
     }
