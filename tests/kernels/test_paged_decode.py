@@ -80,24 +80,28 @@ def test_without_a_compiler_it_does_not_load(without_compiler):
     paged_decode.unload()
 
 
-@pytest.mark.parametrize(("kv_heads", "heads", "head_dim"), [(3, 9, 64), (2, 4, 128), (1, 2, 20)])
+@pytest.mark.parametrize(
+    ("kv_heads", "heads", "head_dim"), [(3, 9, 64), (2, 4, 128), (1, 2, 20), (4, 8, 32), (2, 6, 16)]
+)
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 24])
 @pytest.mark.parametrize("group", [9, 21])
+@pytest.mark.parametrize("first_len", [455, 30])
 def test_rows_that_share_their_keys_get_the_floats_of_each_row_alone(
-    paged_decode_loaded, kv_heads, heads, head_dim, cache_dtype, window, group
+    paged_decode_loaded, kv_heads, heads, head_dim, cache_dtype, window, group, first_len
 ):
     """A decode with its proposed tokens, or a prompt chunk (rows of one block table, one
     position after another), is attended as a group that reads each key once for several of its
     rows: every row's output is bit for bit what the row gets alone, beside other requests'
-    rows or not."""
+    rows or not. Long contexts (attended in parts) and short ones; head sizes whose query
+    heads weigh the values in pairs alone (32, 16) as well."""
     torch.manual_seed(head_dim + kv_heads)
     cache = torch.randn(2, 64, 16, kv_heads, head_dim).to(cache_dtype)
     chunk = torch.randperm(64)[:30]  # one request's blocks, rows ending at 455, 456, ...
     other = torch.randperm(64)[:3]
     rows = group + 1
     table = torch.stack([chunk] * group + [torch.cat([other, torch.zeros(27, dtype=torch.long)])])
-    context_lens = torch.tensor([455 + i for i in range(group)] + [40])
+    context_lens = torch.tensor([first_len + i for i in range(group)] + [40])
     query = torch.randn(rows, heads, head_dim)
     scale = head_dim**-0.5
     together = paged_decode.paged_decode(query, cache, table, context_lens, scale, window)
