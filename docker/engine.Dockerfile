@@ -32,6 +32,16 @@ FROM ${PYTHON_IMAGE}
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     HOME=/tmp
+# A C compiler: the worker builds its CPU kernels (kernels/csrc, with -march=native for the node
+# it runs on, so not at image build) when it first starts, into $HOME/.cache (the pod's /tmp
+# emptyDir); without one it falls back to torch's operators, several times slower on CPU (one
+# user of the default quantized model: about 15x). libc6-dev for the C library's headers (gcc
+# brings its own: immintrin.h, omp.h, and libgomp for -fopenmp). Unpinned: the base image's
+# Debian release fixes their versions.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 RUN useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin switchboard
 COPY --from=build /opt/venv /opt/venv
 USER 10001

@@ -1,5 +1,6 @@
-"""docker/: both Dockerfiles are hadolint-clean, and what the gateway image runs (gateway,
-coordinator, the chart's CURVE keys Job) imports without torch, which that image leaves out."""
+"""docker/: both Dockerfiles are hadolint-clean, the engine image carries what the worker needs to
+build its CPU kernels, and what the gateway image runs (gateway, coordinator, the chart's CURVE
+keys Job) imports without torch, which that image leaves out."""
 
 from __future__ import annotations
 
@@ -13,6 +14,11 @@ import pytest
 from tests.chart.chart_render import REPO
 
 DOCKERFILES = ["docker/gateway.Dockerfile", "docker/engine.Dockerfile"]
+
+
+def _final_stage(dockerfile: str) -> list[str]:
+    lines = (REPO / dockerfile).read_text().splitlines()
+    return lines[max(i for i, line in enumerate(lines) if line.startswith("FROM ")) :]
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES)
@@ -29,10 +35,18 @@ def test_dockerfile_is_hadolint_clean(dockerfile: str) -> None:
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES)
 def test_images_run_as_a_non_root_user(dockerfile: str) -> None:
-    lines = (REPO / dockerfile).read_text().splitlines()
-    final_stage = lines[max(i for i, line in enumerate(lines) if line.startswith("FROM ")) :]
-    users = [line.split()[1] for line in final_stage if line.startswith("USER ")]
+    users = [line.split()[1] for line in _final_stage(dockerfile) if line.startswith("USER ")]
     assert users and users[-1] not in ("root", "0")
+
+
+def test_engine_image_can_build_the_cpu_kernels() -> None:
+    """The worker compiles its CPU kernels on the node it runs on (``-march=native``), so the
+    image the engines run from installs a C compiler and the C library's headers; without them
+    the worker serves through torch's operators, several times slower."""
+    installs = " ".join(
+        line for line in _final_stage("docker/engine.Dockerfile") if "apt-get install" in line
+    ).split()
+    assert "gcc" in installs and "libc6-dev" in installs, installs
 
 
 def test_gateway_image_roles_import_without_torch() -> None:
