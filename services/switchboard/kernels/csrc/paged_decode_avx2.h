@@ -67,36 +67,36 @@ static inline __attribute__((always_inline)) void score_keys(
     }
 }
 
-/* Two query heads' weighted sums of KV head h's values (their scores s0 and s0 + L), for a
-   head size of at most four vectors: each value row is loaded once for both, and the two heads'
-   sums are independent multiply-add chains, twice as many in flight. With one head of 32
-   floats a pass, its four chains, each waiting on its last multiply-add, set the pace:
-   tiny-llama's decode attention (head size 32, two query heads per KV head; 8-64 rows,
-   contexts 40-110) took 5-7 % less, old and new alternated call by call in a C harness on the
-   AVX2-only EPYC. Each head's sums are the one-head pass's, in the same order. */
-static inline __attribute__((always_inline)) void weigh_values_pair(
-    const float *s0, int64_t L, const void *values, const int bf16, const int64_t *table,
-    int64_t start, int64_t len, int64_t BS, int64_t KVH, int64_t h, const int64_t D, float *o) {
-    const float *s1 = s0 + L;
+/* The weighted sums of KV head h's values over the keys start..len-1 for N query heads (a
+   constant: 1, or 2 where a head is at most 32 floats) whose scores are s (N rows, L apart),
+   into o (N heads, D apart). Each head's sums stay in registers across the context, in the
+   order of the keys. Two heads a pass load each value row once for both, and their sums are
+   independent multiply-add chains, twice as many in flight: with one head of 32 floats a pass,
+   its four chains, each waiting on its last multiply-add, set the pace (tiny-llama's decode
+   attention, head size 32, two query heads per KV head, 8-64 rows at 40-110 tokens of context:
+   5-7 % less, old and new alternated call by call in a C harness on the AVX2-only EPYC). */
+static inline __attribute__((always_inline)) void weigh_values(
+    const int N, const float *s, int64_t L, const void *values, const int bf16,
+    const int64_t *table, int64_t start, int64_t len, int64_t BS, int64_t KVH, int64_t h,
+    const int64_t D, float *o) {
     const int64_t slot_stride = KVH * D;
-    __m256 a0[4], a1[4];
-    for (int64_t c = 0; c < D / 8; c++) a0[c] = a1[c] = _mm256_setzero_ps();
+    __m256 acc[2][16];
+    for (int n = 0; n < N; n++)
+        for (int64_t c = 0; c < D / 8; c++) acc[n][c] = _mm256_setzero_ps();
     for (int64_t t = start; t < len;) {
         const int64_t stop = block_stop(t, BS, len);
         int64_t v = slot_at(table, t, BS, KVH, h, D);
         for (; t < stop; t++, v += slot_stride) {
-            const __m256 p0 = _mm256_set1_ps(s0[t - start]), p1 = _mm256_set1_ps(s1[t - start]);
+            __m256 p[2];
+            for (int n = 0; n < N; n++) p[n] = _mm256_set1_ps(s[n * L + t - start]);
             for (int64_t c = 0; c < D / 8; c++) {
                 const __m256 x = load8(values, v + 8 * c, bf16);
-                a0[c] = _mm256_fmadd_ps(p0, x, a0[c]);
-                a1[c] = _mm256_fmadd_ps(p1, x, a1[c]);
+                for (int n = 0; n < N; n++) acc[n][c] = _mm256_fmadd_ps(p[n], x, acc[n][c]);
             }
         }
     }
-    for (int64_t c = 0; c < D / 8; c++) {
-        _mm256_storeu_ps(o + 8 * c, a0[c]);
-        _mm256_storeu_ps(o + D + 8 * c, a1[c]);
-    }
+    for (int n = 0; n < N; n++)
+        for (int64_t c = 0; c < D / 8; c++) _mm256_storeu_ps(o + n * D + 8 * c, acc[n][c]);
 }
 
 /* attend() for D a multiple of 8 (up to 128), in AVX2 vectors: the scores of eight keys at a
@@ -123,29 +123,19 @@ static inline __attribute__((always_inline)) void attend_vec(
         }
     }
     softmax_rows(scores, nq, L, L);
-    for (int64_t h = 0; h < nkv; h++) {
-        int64_t g = 0;
-        if (D <= 32) /* see weigh_values_pair */
-            for (; g + 2 <= G; g += 2)
-                weigh_values_pair(scores + (h * G + g) * L, L, values, bf16, table, start, len,
-                                  BS, KVH, h0 + h, D, o + (h * G + g) * D);
-        for (; g < G; g++) {
+    for (int64_t h = 0; h < nkv; h++)
+        for (int64_t g = 0; g < G;) {
             const int64_t j = h * G + g;
-            const float *sj = scores + j * L;
-            __m256 acc[16];
-            for (int64_t c = 0; c < D / 8; c++) acc[c] = _mm256_setzero_ps();
-            for (int64_t t = start; t < len;) {
-                const int64_t stop = block_stop(t, BS, len);
-                int64_t v = slot_at(table, t, BS, KVH, h0 + h, D);
-                for (; t < stop; t++, v += slot_stride) {
-                    const __m256 p = _mm256_set1_ps(sj[t - start]);
-                    for (int64_t c = 0; c < D / 8; c++)
-                        acc[c] = _mm256_fmadd_ps(p, load8(values, v + 8 * c, bf16), acc[c]);
-                }
+            if (D <= 32 && g + 2 <= G) { /* see weigh_values */
+                weigh_values(2, scores + j * L, L, values, bf16, table, start, len, BS, KVH,
+                             h0 + h, D, o + j * D);
+                g += 2;
+            } else {
+                weigh_values(1, scores + j * L, L, values, bf16, table, start, len, BS, KVH,
+                             h0 + h, D, o + j * D);
+                g += 1;
             }
-            for (int64_t c = 0; c < D / 8; c++) _mm256_storeu_ps(o + j * D + 8 * c, acc[c]);
         }
-    }
 }
 
 /* Parts of a long context. A row whose keys start..len-1 reach past one span of PART_KEYS
@@ -235,18 +225,7 @@ static inline __attribute__((always_inline)) void attend_part_vec(
         float *part = parts + g * P * PART_FLOATS(D);
         const float *sg = scores + g * L;
         exp_part(scores + g * L, L, part + D, part + D + 1);
-        __m256 acc[16];
-        for (int64_t c = 0; c < D / 8; c++) acc[c] = _mm256_setzero_ps();
-        for (int64_t t = lo; t < hi;) {
-            const int64_t stop = block_stop(t, BS, hi);
-            int64_t v = slot_at(table, t, BS, KVH, h, D);
-            for (; t < stop; t++, v += slot_stride) {
-                const __m256 w = _mm256_set1_ps(sg[t - lo]);
-                for (int64_t c = 0; c < D / 8; c++)
-                    acc[c] = _mm256_fmadd_ps(w, load8(values, v + 8 * c, bf16), acc[c]);
-            }
-        }
-        for (int64_t c = 0; c < D / 8; c++) _mm256_storeu_ps(part + 8 * c, acc[c]);
+        weigh_values(1, sg, L, values, bf16, table, lo, hi, BS, KVH, h, D, part);
     }
 }
 
