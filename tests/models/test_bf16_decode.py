@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from switchboard import cli
-from switchboard.kernels import bf16_gemm, decode_stack, gemm
+from switchboard.kernels import bf16_gemm, decode_stack, gemm, stack_plan
 from switchboard.models.attention import REFERENCE
 from switchboard.worker.model_loading import resolve_kv_cache_dtype
 from tests.models.test_decode_stack import BLOCK_RANGE, _run, _stack_calls, _steps
@@ -111,9 +111,9 @@ def test_the_amx_kernel_keeps_steps_past_the_float32_rows_in_one_call(monkeypatc
     ``MAX_ROWS``."""
     if not bf16_gemm.load() or gemm.bf16_max_rows() <= decode_stack.MAX_ROWS:
         pytest.skip("the bfloat16 kernel takes no more rows than the float32 one here")
-    assert decode_stack._max_rows({True}) == gemm.bf16_max_rows()
-    assert decode_stack._max_rows({True, False}) == decode_stack.MAX_ROWS
-    assert decode_stack._max_rows({False}) == decode_stack.MAX_ROWS
+    assert stack_plan.max_rows({True}, decode_stack.MAX_ROWS) == gemm.bf16_max_rows()
+    assert stack_plan.max_rows({True, False}, decode_stack.MAX_ROWS) == decode_stack.MAX_ROWS
+    assert stack_plan.max_rows({False}, decode_stack.MAX_ROWS) == decode_stack.MAX_ROWS
     rows = decode_stack.MAX_ROWS + 5
     model_dir = tiny_llama_dir()
     stacked, layered = (

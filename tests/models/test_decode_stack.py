@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from switchboard.kernels import decode_stack, gemm, small_batch_gemm
+from switchboard.kernels import bf16_gemm, decode_stack, gemm, small_batch_gemm
 from switchboard.models.attention import REFERENCE
 from switchboard.wire.engine_msgs import SamplingParams
 from switchboard.wire.step_msgs import CachedRequest, NewRequest, SchedulerOutput
@@ -70,6 +70,19 @@ def _stack_calls(monkeypatch) -> list[bool]:
     return calls
 
 
+def _head_calls(monkeypatch) -> list[bool]:
+    """Whether each C call of the stack ended with the final norm and the LM head."""
+    calls: list[bool] = []
+    real_call = decode_stack._call
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("logits") is not None)
+        return real_call(*args, **kwargs)
+
+    monkeypatch.setattr(decode_stack, "_call", spy)
+    return calls
+
+
 def _run(runner, steps: list[SchedulerOutput], stack_on: bool, monkeypatch) -> list[torch.Tensor]:
     """Each step's logits, with the stack in use or not."""
     with monkeypatch.context() as patch:
@@ -99,15 +112,18 @@ def test_decode_steps_are_bit_identical_to_the_layers(family, kwargs, monkeypatc
     assert decode_stack.status() == "in use", decode_stack.status()
     assert stacked.attention_backend.name == "cpu-kernel"
     vocab = stacked.summary().vocab_size
-    calls = _stack_calls(monkeypatch)
+    calls, heads = _stack_calls(monkeypatch), _head_calls(monkeypatch)
     for rows in sorted({1, 3, small_batch_gemm.max_rows()}):
         steps = _steps(rows, vocab, decode_steps=4, seed=rows)
         calls.clear()
+        heads.clear()
         got = _run(stacked, steps, True, monkeypatch)
         # the prompts (short: the decode kernel attends them) in the stack while their tokens
-        # fit its rows, else the layers; then the decode steps
+        # fit its rows, else the layers; then the decode steps, with the norm and the LM head
         prompt_tokens = steps[0].total_num_scheduled_tokens
-        assert calls == [prompt_tokens <= decode_stack.MAX_ROWS] + [True] * 4
+        in_stack = prompt_tokens <= decode_stack.MAX_ROWS
+        assert calls == [in_stack] + [True] * 4
+        assert heads == [False] * in_stack + [True] * 4
         expected = _run(layered, steps, False, monkeypatch)
         for a, b in zip(got, expected, strict=True):
             assert torch.equal(a, b)
@@ -116,6 +132,58 @@ def test_decode_steps_are_bit_identical_to_the_layers(family, kwargs, monkeypatc
         done = SchedulerOutput(step_id=99, finished_request_ids=[f"r{i}" for i in range(rows)])
         stacked.execute_model(done)
         layered.execute_model(done)
+
+
+def test_the_head_joins_only_for_a_caller_that_takes_every_decode_rows_logits(monkeypatch):
+    """A model whose caller does not take a decode step's logits right after it (a draft
+    model's) runs the layers in the call but not the head; the logits agree bit for bit, and
+    hidden states other than the ones the step returned get logits of their own."""
+    model_dir = tiny_checkpoint_dir("llama")
+    fused, apart = make_runner(model_dir), make_runner(model_dir)
+    apart.model.logits_with_decodes = False
+    steps = _steps(3, fused.summary().vocab_size, decode_steps=3, seed=7)
+    heads = _head_calls(monkeypatch)
+    got = _run(fused, steps, True, monkeypatch)
+    assert heads[-3:] == [True] * 3
+    heads.clear()
+    assert all(map(torch.equal, got, _run(apart, steps, True, monkeypatch)))
+    assert not any(heads)
+
+    step = SchedulerOutput(
+        step_id=9,
+        cached_requests=[CachedRequest(f"r{i}", [], 20 + i + 3) for i in range(3)],
+        num_scheduled_tokens={f"r{i}": 1 for i in range(3)},
+        total_num_scheduled_tokens=3,
+    )
+    inputs_hidden: list[torch.Tensor] = []
+    forward = fused.model.forward
+    monkeypatch.setattr(
+        fused.model,
+        "forward",
+        lambda *a, **kw: inputs_hidden.append(forward(*a, **kw)) or inputs_hidden[-1],
+    )
+    out = fused.forward_step(step)
+    hidden = inputs_hidden[-1]
+    first_row = fused.model.compute_logits(hidden[:1].clone())  # not the step's: computed
+    assert torch.equal(first_row, out.logits[:1])
+
+
+def test_the_head_stays_out_where_the_model_computes_its_logits_otherwise():
+    """The stack takes the LM head only where ``gemm.linear`` would run the same kernel on the
+    same panels: a dense float32 weight (oneDNN's or torch's product), a missing norm shape or
+    bfloat16 panels keep the head in the model's own call."""
+    assert small_batch_gemm.load(), small_batch_gemm.status()
+    norm, weight = torch.ones(64), torch.randn(100, 64)
+    panels = small_batch_gemm.pack(weight)
+    if gemm.packable(weight):
+        head = decode_stack.stack_head(norm, 1e-5, gemm.pack(weight), panels)
+        assert head is not None and head.columns == 100
+        assert decode_stack.stack_head(torch.ones(32), 1e-5, gemm.pack(weight), panels) is None
+    assert decode_stack.stack_head(norm, 1e-5, weight, panels) is None
+    assert decode_stack.stack_head(norm, 1e-5, weight, None) is None
+    if bf16_gemm.packable(weight.bfloat16()):
+        bf16 = bf16_gemm.pack(weight.bfloat16())
+        assert decode_stack.stack_head(norm, 1e-5, weight.bfloat16(), bf16) is None
 
 
 @pytest.mark.parametrize("layer_matmuls", ["small-batch kernel", "oneDNN"])

@@ -25,7 +25,13 @@ from switchboard.models.quantized import quantize_weights
 from tests.checkpoint.tiny_llama_gguf import write_tiny_llama_gguf
 from tests.gguf_blocks import KERNEL_TYPES
 from tests.models.near_ties import agreed_tokens
-from tests.models.test_decode_stack import BLOCK_RANGE, _run, _stack_calls, _steps
+from tests.models.test_decode_stack import (
+    BLOCK_RANGE,
+    _head_calls,
+    _run,
+    _stack_calls,
+    _steps,
+)
 from tests.tiny_checkpoint import tiny_checkpoint_dir, tiny_llama_dir
 from tests.worker.test_model_runner_parity import DrivenRequest, ToyScheduler, make_runner
 
@@ -211,17 +217,20 @@ def test_the_decode_stack_takes_quantized_panels(monkeypatch, kernel):
     monkeypatch.setenv("SWITCHBOARD_QUANT_GEMM", kernel)
     assert quant_gemm.load(), quant_gemm.status()
     model_dir = tiny_checkpoint_dir("llama")
-    calls = _stack_calls(monkeypatch)
+    calls, heads = _stack_calls(monkeypatch), _head_calls(monkeypatch)
     for rows in (1, 3, 2 * quant_gemm.max_rows() + 1):
         stacked = make_runner(model_dir, num_blocks=rows * BLOCK_RANGE, quantization="int8")
         layered = make_runner(model_dir, num_blocks=rows * BLOCK_RANGE, quantization="int8")
         layers = stacked.model.model.layers
         assert all(isinstance(layer.mlp.down_proj.small_batch, QuantPanels) for layer in layers)
+        assert isinstance(stacked.model.logits_head().small_batch, QuantPanels)
         assert quant_gemm.variant() == kernel
         steps = _steps(rows, stacked.summary().vocab_size, decode_steps=3, seed=rows)
         calls.clear()
+        heads.clear()
         got = _run(stacked, steps, True, monkeypatch)
         prompt_tokens = steps[0].total_num_scheduled_tokens  # short prompts: the stack's too
         assert calls == [prompt_tokens <= decode_stack.MAX_ROWS] + [True] * 3
+        assert heads[-3:] == [True] * 3  # the decode steps end with the quantized head
         for a, b in zip(got, _run(layered, steps, False, monkeypatch), strict=True):
             assert torch.equal(a, b)

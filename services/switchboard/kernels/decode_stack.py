@@ -10,10 +10,11 @@ call one by one (``small_batch_gemm``, ``paged_decode``, ``fused_ops``), in the 
 same floats, so the hidden states are bit-identical to the layer-by-layer path.
 
 A model hands over its layers as :class:`StackLayer` records (``LlamaForCausalLM``'s
-``decode_stack_layers``) and keeps a :class:`DecodeStack`, which turns them into a plan once per
-set of KV caches. The stack applies to a step whose every row is one query token (decodes,
-and chunks of a few tokens such as a decode with its proposed tokens: each token a row that
-sees the keys up to its own position; the model checks), with at most ``MAX_ROWS`` rows,
+``decode_stack_layers``) and keeps a :class:`DecodeStack`, which turns them into a plan once
+per set of KV caches (``stack_plan.py``). The stack applies to a step whose every row is one
+query token (decodes, and chunks of a few tokens such as a decode with its proposed tokens:
+each token a row that sees the keys up to its own position; the model checks), with at most
+``MAX_ROWS`` rows,
 float32 on CPU, every matrix with its small-batch panels, and the three kernels loaded (so their
 off switches hold here too); anything else takes the layer-by-layer path. Up to
 ``gemm.SMALL_BATCH_MAX_ROWS`` rows (``MAX_ROWS``) the layers use
@@ -33,12 +34,17 @@ bfloat16 (``--kv-cache-dtype``): written rounded, read widened in registers.
 A step with rows of LoRA adapters runs here too (float32 adapters, ``lora_delta.py``): the
 stack adds their deltas after each of the four matmuls, as the projections' hooks do on the
 layer-by-layer path (the same C kernel, so the two agree bit for bit).
+
+A float32 step whose every row is sampled (decodes) may end in the same call with the model's
+final norm and LM head (:class:`StackHead`): the hidden states come back normed and the logits
+beside them, the floats of the model's own norm and ``compute_logits``. At one user that saves
+a return to Python and two calls after the layers: the first Python after 96 MB of weights runs
+out of cold caches (the final norm's call took 84-114 us there, 30-37 in a loop of its own).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -49,11 +55,19 @@ from switchboard.kernels import (
     library,
     lora_delta,
     paged_decode,
-    quant_gemm,
     small_batch_gemm,
 )
-from switchboard.kernels.gemm import MatmulPanels
 from switchboard.kernels.lora_delta import StackLora
+from switchboard.kernels.stack_plan import (
+    Plan,
+    StackHead,
+    StackLayer,
+    StackMatmul,
+    make_plan,
+    stack_head,
+)
+
+__all__ = ["MAX_ROWS", "DecodeStack", "StackHead", "StackLayer", "StackMatmul", "stack_head"]
 
 # Rows a step may have. The kernel takes the rows 8 at a time (AVX-512; 6 with AVX2) over each
 # cached panel, as fast as oneDNN with AVX-512 (SmolLM2's matmuls, 2 threads: 16 rows 0.95x,
@@ -64,6 +78,9 @@ from switchboard.kernels.lora_delta import StackLora
 # 37.5-38.3 / 41.5-49.5: never slower, so as many as the layers' matmuls take the same kernel
 # for, and the two paths agree bit for bit.
 MAX_ROWS = gemm.SMALL_BATCH_MAX_ROWS
+
+# Where the stack takes a bfloat16 model's steps: its activations are float32 inside.
+_HIDDEN_DTYPES = (torch.float32, torch.bfloat16)
 
 _stack = library.SwitchedFunction("decode_stack_f32", "SWITCHBOARD_DECODE_STACK")
 
@@ -93,62 +110,12 @@ def unload() -> None:
     _stack.unload()
 
 
-@dataclass(frozen=True)
-class StackMatmul:
-    panels: MatmulPanels  # float32 or quantized: each matmul of a layer may be either
-    bias: torch.Tensor | None
-
-
-@dataclass(frozen=True)
-class StackLayer:
-    """What the stack reads of one decoder layer: pre-norm attention (fused QKV, rotary
-    embedding, paged attention, output projection) and a SwiGLU MLP (fused gate/up, down)."""
-
-    input_norm: torch.Tensor  # RMSNorm weights [hidden]
-    input_norm_eps: float
-    qkv: StackMatmul
-    o: StackMatmul
-    post_attention_norm: torch.Tensor
-    post_attention_norm_eps: float
-    gate_up: StackMatmul
-    down: StackMatmul
-    heads: int
-    kv_heads: int
-    head_dim: int
-    scale: float
-    sliding_window: int | None
-
-
-_LAYER_FIELDS = 16  # the C side's LAYER_FIELDS
-_BF16_PANELS = -1  # the C side's kind of bfloat16 panels
-_DOT_PANELS = 1024  # csrc/decode_stack.c's kind of dot product panels: this plus the block
-_DOT4_PANELS = 2048  # the same with 4-bit values
-# Where the stack takes a bfloat16 model's steps: its activations are float32 inside.
-_HIDDEN_DTYPES = (torch.float32, torch.bfloat16)
-_Dims = tuple[int, int, int, int, int]  # hidden, heads, KV heads, head_dim, intermediate
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """The addresses the C stack reads, with the layers whose weights they point into (held
-    here, so they live as long)."""
-
-    layers: tuple[StackLayer, ...]  # whose weights ``fields`` points into
-    cache_ptrs: tuple[int, ...]  # the KV caches it was made for (not held: the worker owns them)
-    fields: torch.Tensor  # [layers, _LAYER_FIELDS] int64 addresses (and the windows)
-    dims: _Dims
-    eps: float
-    scale: float
-    kv_bf16: bool  # the caches hold bfloat16
-    max_rows: int  # the most rows its matmul kernels take
-
-
 class DecodeStack:
     """One model's stack: the plan, made on the first step it applies to and again when the KV
     caches change; a model whose layers the stack cannot run is asked only once."""
 
     def __init__(self) -> None:
-        self._plan: _Plan | None = None
+        self._plan: Plan | None = None
         self._unusable = False
 
     def run(
@@ -162,11 +129,15 @@ class DecodeStack:
         block_table: torch.Tensor,
         context_lens: torch.Tensor,
         lora: StackLora | None = None,
+        head: StackHead | None = None,
+        logits: torch.Tensor | None = None,
     ) -> bool:
         """Run the decoder layers on ``hidden`` ``[rows, hidden_size]`` in place, one query
         token per row; False (nothing done) where the stack does not apply and the caller loops
         over the layers. ``layers`` is asked for the model's layers when a plan is made.
-        ``lora``: the step's adapter rows (None: every row on the base model)."""
+        ``lora``: the step's adapter rows (None: every row on the base model). With ``head``
+        and ``logits`` (float32 ``[rows, head.columns]``, float32 ``hidden`` only): ``hidden``
+        comes back normed by the head's norm and ``logits`` filled."""
         if _stack.function is None or self._unusable:
             return False
         rows = hidden.shape[0]
@@ -182,7 +153,7 @@ class DecodeStack:
         cache_ptrs = tuple(cache.data_ptr() for cache in kv_caches)
         if plan is None or plan.cache_ptrs != cache_ptrs:
             stack_layers = layers()
-            plan = None if stack_layers is None else _make_plan(stack_layers, kv_caches)
+            plan = None if stack_layers is None else make_plan(stack_layers, kv_caches, MAX_ROWS)
             self._plan, self._unusable = plan, plan is None
             if plan is None:
                 return False
@@ -194,8 +165,24 @@ class DecodeStack:
         ):
             return False
         if hidden.dtype == torch.float32:
-            _call(plan, hidden, cos, sin, kv_caches[0], slots, block_table, context_lens, lora)
+            if head is not None and not _fits_head(head, logits, rows):
+                return False
+            _call(
+                plan,
+                hidden,
+                cos,
+                sin,
+                kv_caches[0],
+                slots,
+                block_table,
+                context_lens,
+                lora,
+                head=head,
+                logits=logits,
+            )
             return True
+        if head is not None:
+            return False
         work = fused_ops.to_dtype(hidden, torch.float32)
         cos, sin = cos.float(), sin.float()
         _call(plan, work, cos, sin, kv_caches[0], slots, block_table, context_lens, lora)
@@ -204,7 +191,7 @@ class DecodeStack:
 
 
 def _call(
-    plan: _Plan,
+    plan: Plan,
     hidden: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
@@ -213,6 +200,8 @@ def _call(
     block_table: torch.Tensor,
     context_lens: torch.Tensor,
     lora: StackLora | None,
+    head: StackHead | None = None,
+    logits: torch.Tensor | None = None,
 ) -> None:
     stack = _stack.function
     assert stack is not None
@@ -243,6 +232,9 @@ def _call(
         block_size,
         int(plan.kv_bf16),
         *_lora_arguments(lora),
+        0 if head is None else head.fields.data_ptr(),
+        0.0 if head is None else head.norm_eps,
+        0 if head is None or logits is None else logits.data_ptr(),
     )
     if code == -2:
         raise IndexError("decode stack: a slot outside the KV cache")
@@ -252,6 +244,15 @@ def _call(
         raise MemoryError(f"decode stack failed ({code}): out of scratch memory")
 
 
+def _fits_head(head: StackHead, logits: torch.Tensor | None, rows: int) -> bool:
+    return (
+        logits is not None
+        and logits.shape == (rows, head.columns)
+        and logits.dtype == torch.float32
+        and logits.is_contiguous()
+    )
+
+
 def _lora_arguments(lora: StackLora | None) -> tuple[int, int, int, int, int]:
     """The C side's LoRA arguments: the fields, each row's slot, the slots, their ranks and the
     largest rank (the fields' address 0: no adapter row)."""
@@ -259,110 +260,3 @@ def _lora_arguments(lora: StackLora | None) -> tuple[int, int, int, int, int]:
         return 0, 0, 0, 0, 0
     slots = lora_delta.slot_arguments(lora.row_slots, lora.slots, lora.slot_ranks, lora.max_rank)
     return lora.fields.data_ptr(), *slots
-
-
-def _make_plan(layers: Sequence[StackLayer], kv_caches: Sequence[torch.Tensor]) -> _Plan | None:
-    """None when some layer or cache is not one the stack can run, or the layers' shapes differ."""
-    if not layers or len(layers) != len(kv_caches):
-        return None
-    rows = [_layer_fields(layer, cache) for layer, cache in zip(layers, kv_caches, strict=True)]
-    shapes = {row[1] for row in rows if row is not None}
-    if any(row is None for row in rows) or len(shapes) != 1:
-        return None
-    if len({cache.dtype for cache in kv_caches}) != 1:
-        return None
-    dims, eps, scale = shapes.pop()
-    kinds = {
-        isinstance(m.panels, bf16_gemm.Bf16Panels)
-        for layer in layers
-        for m in (layer.qkv, layer.o, layer.gate_up, layer.down)
-    }
-    return _Plan(
-        layers=tuple(layers),
-        cache_ptrs=tuple(cache.data_ptr() for cache in kv_caches),
-        fields=torch.tensor([row[0] for row in rows if row is not None], dtype=torch.int64),
-        dims=dims,
-        eps=eps,
-        scale=scale,
-        kv_bf16=kv_caches[0].dtype == torch.bfloat16,
-        max_rows=_max_rows(kinds),
-    )
-
-
-def _max_rows(bf16_kinds: set[bool]) -> int:
-    """The most rows of a plan whose matrices' panels are bfloat16 or not (``bf16_kinds``:
-    whether each is): every matrix bfloat16, as many as the bfloat16 kernel takes (the amx
-    variant's 256: a step of 64 decodes beside a prompt chunk stays one call); float32 or
-    quantized panels among them, ``MAX_ROWS``."""
-    if bf16_kinds == {True}:
-        return gemm.bf16_max_rows()
-    return min(MAX_ROWS, gemm.bf16_max_rows()) if True in bf16_kinds else MAX_ROWS
-
-
-def _dense_f32(tensor: torch.Tensor | None) -> bool:
-    return tensor is None or (
-        tensor.dtype == torch.float32 and tensor.device.type == "cpu" and tensor.is_contiguous()
-    )
-
-
-def _layer_fields(
-    layer: StackLayer, cache: torch.Tensor
-) -> tuple[list[int], tuple[_Dims, float, float]] | None:
-    """The layer's row of addresses for the C stack, and its shape; None when the stack cannot
-    run it."""
-    matmuls = (layer.qkv, layer.o, layer.gate_up, layer.down)
-    norms = (layer.input_norm, layer.post_attention_norm)
-    if not all(_dense_f32(t) for t in (*norms, *(m.bias for m in matmuls))):
-        return None
-    if cache.dtype not in paged_decode.CACHE_DTYPES or not cache.is_contiguous():
-        return None
-    if cache.device.type != "cpu":
-        return None
-    if layer.input_norm_eps != layer.post_attention_norm_eps:
-        return None
-    hidden_size = layer.input_norm.shape[0]
-    heads, kv_heads, head_dim = layer.heads, layer.kv_heads, layer.head_dim
-    qkv_rows = (heads + 2 * kv_heads) * head_dim
-    if [m.panels.out_features for m in (layer.qkv, layer.o, layer.down)] != [
-        qkv_rows,
-        hidden_size,
-        hidden_size,
-    ]:
-        return None
-    if cache.shape[3:] != (kv_heads, head_dim):
-        return None
-    # in the C side's field order
-    addresses = [
-        layer.input_norm.data_ptr(),
-        *_addresses(layer.qkv),
-        *_addresses(layer.o),
-        layer.post_attention_norm.data_ptr(),
-        *_addresses(layer.gate_up),
-        *_addresses(layer.down),
-        cache.data_ptr(),
-        layer.sliding_window or 0,
-        *(_block(matmul) for matmul in matmuls),
-    ]
-    assert len(addresses) == _LAYER_FIELDS
-    dims = (hidden_size, heads, kv_heads, head_dim, layer.gate_up.panels.out_features // 2)
-    return addresses, (dims, float(layer.input_norm_eps), float(layer.scale))
-
-
-def _block(matmul: StackMatmul) -> int:
-    """The C side's kind of panels: 0 float32, -1 bfloat16, else the quantized panels' block
-    size (plus ``_DOT_PANELS`` or ``_DOT4_PANELS`` for the dot product kernel's, with its
-    float16-factors flag)."""
-    panels = matmul.panels
-    if isinstance(panels, bf16_gemm.Bf16Panels):
-        return _BF16_PANELS
-    if isinstance(panels, quant_gemm.QuantPanels):
-        if not panels.dot:
-            return panels.block
-        return panels.kernel_block + (_DOT4_PANELS if panels.bits == 4 else _DOT_PANELS)
-    return 0
-
-
-def _addresses(matmul: StackMatmul) -> tuple[int, int]:
-    """Its panels' address and its bias's (0: none)."""
-    bias = 0 if matmul.bias is None else matmul.bias.data_ptr()
-    return matmul.panels.data.data_ptr(), bias

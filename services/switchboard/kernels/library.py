@@ -87,7 +87,7 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "decode_stack_f32": (
         _INT,
         [_PTR, _I64, _I64, _PTR, *[_I64] * 5, _F32, _F32, *[_PTR] * 5, *[_I64] * 4]
-        + [_PTR, *_SLOT_ARGUMENTS],
+        + [_PTR, *_SLOT_ARGUMENTS, _PTR, _F32, _PTR],
     ),
     "lora_delta_f32": (
         _INT,

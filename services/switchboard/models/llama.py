@@ -16,7 +16,10 @@ first gets its own copy of the embedding matrix.
 
 On CPU a decode-only step may run all the layers in one C call instead of the loop over them
 (``kernels/decode_stack.py``): the model hands its layers over as the stack's records
-(``decode_stack_layers``) and keeps the stack's plan (``_decode_stack``).
+(``decode_stack_layers``) and keeps the stack's plan (``_decode_stack``). Where its caller
+takes the logits of every row of a decode step (``logits_with_decodes``: the worker's model,
+not a draft), such a step's call ends with the final norm and the LM head too, and
+``compute_logits`` hands back those logits for the hidden states ``forward`` returned.
 """
 
 from __future__ import annotations
@@ -220,6 +223,12 @@ class LlamaForCausalLM(nn.Module):
         # embedding lives on another pipeline stage.
         self.lm_head = stage_lm_head(config, parallel)
         self._decode_stack = decode_stack.DecodeStack()
+        # set by a caller that computes the logits of every row of each decode-only step, right
+        # after ``forward``: the stack may compute them in the same call
+        self.logits_with_decodes = False
+        self._stack_head: decode_stack.StackHead | None = None
+        self._stack_head_known = False
+        self._decode_logits: tuple[torch.Tensor, torch.Tensor] | None = None  # hidden, logits
 
     @classmethod
     def attention_layout(cls, config: TransformerConfig, layer_index: int) -> AttentionLayout:
@@ -245,10 +254,42 @@ class LlamaForCausalLM(nn.Module):
         else:
             hidden = previous_stage_hidden(intermediate)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
-        if not self._decode_in_one_call(hidden, cos, sin, kv_caches, metadata):
+        self._decode_logits = None
+        head = self._head_in_stack(hidden, metadata)
+        logits = None if head is None else hidden.new_empty(hidden.shape[0], head.columns)
+        if self._decode_in_one_call(hidden, cos, sin, kv_caches, metadata, head, logits):
+            if logits is not None:  # the call normed ``hidden`` and computed its logits
+                self._decode_logits = hidden, logits
+                return hidden
+        else:
             for layer, kv_cache in zip(self.model.stage_layers, kv_caches, strict=True):
                 hidden = layer(hidden, cos, sin, kv_cache, metadata)
         return self.model.norm(hidden) if self.parallel.is_last_stage else hidden
+
+    def _head_in_stack(
+        self, hidden: torch.Tensor, metadata: AttentionMetadata
+    ) -> decode_stack.StackHead | None:
+        """The final norm and LM head for the one-call stack, on a float32 step of decodes
+        only (every row sampled) whose caller takes its logits; None otherwise."""
+        if (
+            not self.logits_with_decodes
+            or metadata.decode is None
+            or metadata.prefills
+            or metadata.lora is not None
+            or hidden.dtype != torch.float32
+        ):
+            return None
+        if not self._stack_head_known:  # the panels are made after loading, before serving
+            self._stack_head_known = True
+            if self.parallel.world_size == 1 and isinstance(self.model.norm, RMSNorm):
+                head = self.logits_head()
+                self._stack_head = decode_stack.stack_head(
+                    self.model.norm.weight,
+                    self.model.norm.eps,
+                    head.logits_weight(),
+                    head.small_batch,
+                )
+        return self._stack_head
 
     def _decode_in_one_call(
         self,
@@ -257,8 +298,11 @@ class LlamaForCausalLM(nn.Module):
         sin: torch.Tensor,
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
+        head: decode_stack.StackHead | None = None,
+        logits: torch.Tensor | None = None,
     ) -> bool:
-        """A step on the CPU kernel backend: every layer in one C call, ``hidden`` in place.
+        """A step on the CPU kernel backend: every layer in one C call, ``hidden`` in place
+        (with ``head``: normed, and its logits into ``logits``).
         Decodes, and the chunks the decode-attention kernel attends (a decode with its proposed
         tokens, a short prompt), each token a row that sees the keys up to its own position.
         False where the stack does not apply (the caller loops over the layers): also a step
@@ -289,6 +333,8 @@ class LlamaForCausalLM(nn.Module):
             block_table,
             context_lens,
             None if lora is None else lora.stack,
+            head,
+            logits,
         )
 
     def decode_stack_layers(self) -> list[StackLayer] | None:
@@ -307,7 +353,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[rows, vocab]`` for the given final hidden states (last stage;
-        a collective over the TP ranks)."""
+        a collective over the TP ranks). The hidden states ``forward`` just returned from a
+        step whose call computed their logits: those."""
+        computed, self._decode_logits = self._decode_logits, None
+        if computed is not None and computed[0] is hidden:
+            return computed[1]
         head = self.logits_head()
         return vocab_parallel_logits(
             hidden, head.logits_weight(), self.parallel, self.config.vocab_size, head.small_batch

@@ -23,6 +23,7 @@ from switchboard.kernels import decode_stack, fused_ops, library
 from switchboard.models.attention import REFERENCE, AttentionBackend, new_kv_cache
 from switchboard.models.attention_backends import select_backend
 from switchboard.models.hf_config import TransformerConfig
+from switchboard.models.llama import LlamaForCausalLM
 from switchboard.models.loader import CausalLM, as_causal_lm
 from switchboard.models.parallel import SINGLE_PROCESS, ParallelState
 from switchboard.models.quantized import NONE as NO_QUANTIZATION
@@ -103,6 +104,8 @@ class ModelRunner:
             self.model_config.kv_cache_dtype, self.dtype, self.device
         )
         self.model = as_causal_lm(model)
+        if isinstance(model, LlamaForCausalLM):  # forward_step takes a decode's every logits row
+            model.logits_with_decodes = True
         if self.draft is not None:
             self.draft.load(self.config)
         if self.model_config.lora.enable_lora:

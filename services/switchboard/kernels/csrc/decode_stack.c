@@ -4,7 +4,8 @@
    functions the layers call one by one, in the same order on the same floats, so the hidden
    states are bit-identical to the layer-by-layer path. A step with rows of LoRA adapters adds
    their deltas after each of the four matmuls (lora_delta.c), as the projections' hooks do on
-   the layer-by-layer path. */
+   the layer-by-layer path. A step whose every row is sampled may end with the model's final
+   norm and LM head too (the logits), as the model's own calls would compute them. */
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -23,6 +24,10 @@ enum {
     QKV_BLOCK, O_BLOCK, GATE_UP_BLOCK, DOWN_BLOCK, LAYER_FIELDS
 };
 
+/* The final norm and LM head: the norm's weights, the head's kind of panels (as a layer's
+   matmuls) and their address, and its output features (the logits' columns). */
+enum { HEAD_NORM, HEAD_KIND, HEAD_PANELS, HEAD_COLUMNS, HEAD_FIELDS };
+
 /* With LoRA rows, per layer the addresses of the A and B (lora_delta.c) of each matmul. */
 enum { QKV_A, QKV_B, O_A, O_B, GATE_UP_A, GATE_UP_B, DOWN_A, DOWN_B, LORA_FIELDS };
 
@@ -38,15 +43,17 @@ static int stack_linear(int64_t block, const float *x, int64_t ldx, const void *
 }
 
 /* x [M, H]: the hidden states in, the last layer's out (float32 whatever the weights). The
-   KV caches hold float32, or bfloat16 where kv_bf16 (written rounded, read widened). Returns 0;
-   -1 out of memory; -2 a slot outside the KV cache; -3 / -4 lora_delta_f32's refusals. */
+   KV caches hold float32, or bfloat16 where kv_bf16 (written rounded, read widened). With
+   logits (not NULL): x out normed by the head's norm (eps head_eps) and logits [M, columns] its
+   product with the head (head: HEAD_FIELDS). Returns 0; -1 out of memory; -2 a slot outside
+   the KV cache; -3 / -4 lora_delta_f32's refusals. */
 int decode_stack_f32(float *x, int64_t M, int64_t layers, const int64_t *fields, int64_t H,
                      int64_t nH, int64_t nKV, int64_t D, int64_t I, float eps, float scale,
                      const float *cos_half, const float *sin_half, const int64_t *slots,
                      const int64_t *block_table, const int64_t *context_lens, int64_t MB,
                      int64_t NB, int64_t BS, int64_t kv_bf16, const int64_t *lora_fields,
                      const int64_t *row_slot, int64_t lora_slots, const int64_t *slot_rank,
-                     int64_t max_rank) {
+                     int64_t max_rank, const int64_t *head, float head_eps, float *logits) {
     const int64_t qkv_n = (nH + 2 * nKV) * D, attn_n = nH * D;
     /* scratch kept from call to call (one worker per process calls this, from one thread):
        a new allocation of this size each step would be fresh pages, faulted in every time */
@@ -118,6 +125,12 @@ int decode_stack_f32(float *x, int64_t M, int64_t layers, const int64_t *fields,
         for (int64_t i = 0; i < M * H; i++) x[i] = x[i] + tmp[i];
 #undef PTR
 #undef LORA_DELTA
+    }
+    if (code == 0 && logits != NULL) {
+        /* in place: each row's sum of squares is taken before any of it is written */
+        rms_norm_f32(x, H, (const float *)(intptr_t)head[HEAD_NORM], x, M, H, head_eps);
+        code = stack_linear(head[HEAD_KIND], x, H, (const void *)(intptr_t)head[HEAD_PANELS],
+                            NULL, logits, M, H, head[HEAD_COLUMNS]);
     }
     return code;
 }

@@ -101,12 +101,13 @@ int lora_delta_f32(const float *x, int64_t ldx, float *y, int64_t ldy, int64_t M
                    const int64_t *cols);
 
 /* decode_stack.c: a decode step's decoder layers in one call; with LoRA rows where lora_fields
-   is not NULL ([layers, 8]: the A and B of qkv, o, gate_up and down, for lora_delta_f32) */
+   is not NULL ([layers, 8]: the A and B of qkv, o, gate_up and down, for lora_delta_f32); then
+   the final norm and the logits where logits is not NULL (head: [4], see decode_stack.c) */
 int decode_stack_f32(float *x, int64_t M, int64_t layers, const int64_t *fields, int64_t H,
                      int64_t nH, int64_t nKV, int64_t D, int64_t I, float eps, float scale,
                      const float *cos_half, const float *sin_half, const int64_t *slots,
                      const int64_t *block_table, const int64_t *context_lens, int64_t MB,
                      int64_t NB, int64_t BS, int64_t kv_bf16, const int64_t *lora_fields,
                      const int64_t *row_slot, int64_t lora_slots, const int64_t *slot_rank,
-                     int64_t max_rank);
+                     int64_t max_rank, const int64_t *head, float head_eps, float *logits);
 #endif
