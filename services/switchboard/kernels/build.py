@@ -1,6 +1,7 @@
 """Build C sources into a shared library with the machine's compiler once, cache it, and load it.
 
-``cc -O3 -march=native -fno-trapping-math -fopenmp``: the code is valid only on CPUs like this
+``cc -O3 -march=native -fno-trapping-math -fopenmp``, each source apart and as many at once as
+the process has cores, then linked: the code is valid only on CPUs like this
 one, so the cached library is keyed by the sources (and the headers beside them), the flags, the
 compiler's version and the CPU model and feature flags (under ``<cache>/kernels/``).
 ``-fopenmp`` links ``libgomp.so.1``, the runtime torch has already loaded (its ``omp simd``
@@ -19,6 +20,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from switchboard.config import cache_root
@@ -31,15 +33,9 @@ logger = logging.getLogger(__name__)
 # at a time). It changes no value computed, unlike -ffast-math. -Bsymbolic: a kernel's calls to
 # another kernel of the same library (the decode stack's) bind to it, not to a namesake loaded
 # earlier into the process's global symbols.
-FLAGS = [
-    "-O3",
-    "-march=native",
-    "-fno-trapping-math",
-    "-fopenmp",
-    "-fPIC",
-    "-shared",
-    "-Wl,-Bsymbolic",
-]
+COMPILE_FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-fPIC"]
+LINK_FLAGS = ["-fopenmp", "-shared", "-Wl,-Bsymbolic"]
+FLAGS = [*COMPILE_FLAGS, *LINK_FLAGS[1:]]  # both in one command (a library of one source)
 
 
 class NativeBuildError(Exception):
@@ -111,15 +107,50 @@ def _build(cc: str, name: str, sources: Sequence[Path], include_dir: Path, what:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
+    jobs = _parallel_jobs(len(sources))
+    logger.info(
+        "building %s from %d C sources, %d at a time (once: cached for this CPU and these sources)",
+        what,
+        len(sources),
+        jobs,
+    )
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        objects = [Path(tmp) / f"{i}_{source.stem}.o" for i, source in enumerate(sources)]
+        # one compiler a source, as many at once as this process may use cores: the sources
+        # compile apart anyway (no link-time optimisation), so the library is the same
+        with ThreadPoolExecutor(max_workers=jobs) as pool:
+            compiled = pool.map(
+                lambda pair: _run(
+                    [
+                        cc,
+                        *COMPILE_FLAGS,
+                        "-I",
+                        str(include_dir),
+                        "-c",
+                        str(pair[0]),
+                        "-o",
+                        str(pair[1]),
+                    ]
+                ),
+                zip(sources, objects, strict=True),
+            )
+            list(compiled)  # raises the first failure
         built = Path(tmp) / target.name
-        subprocess.run(
-            [cc, *FLAGS, "-I", str(include_dir), *map(str, sources), "-o", str(built), "-lm"],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=300,
-        )
+        _run([cc, *LINK_FLAGS, *map(str, objects), "-o", str(built), "-lm"])
         os.replace(built, target)  # atomic: a concurrent worker sees all of it or nothing
     logger.info("%s built in %.1f s: %s", what, time.monotonic() - started, target)
     return target
+
+
+def _run(command: list[str]) -> None:
+    subprocess.run(command, capture_output=True, text=True, check=True, timeout=300)
+
+
+def _parallel_jobs(sources: int) -> int:
+    """Compilers at once: the cores this process may run on (its affinity, a container's
+    cpuset), at most one a source."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, sources))
