@@ -13,7 +13,8 @@ tokens over the run. ``--cpu-time`` times the process's CPU time instead of the 
 ``--threads 1`` a measure of the work that others' load on a shared machine hardly moves.
 ``--profile`` adds torch's operator table of the largest row count. ``--phases`` splits each
 row count's median step into its parts, each timed around its call: the one-call decode stack
-(the decoder layers), the LM head, the step's inputs and the sampling; what is left is the rest
+(the decoder layers; in a step of one decode row also the final norm and the LM head, which the
+stack then computes), the LM head, the step's inputs and the sampling; what is left is the rest
 of ``execute_model`` (Python, the embedding, the final norm).
 """
 
@@ -135,7 +136,7 @@ def phases_of(runner: ModelRunner, phases: Phases) -> Iterator[None]:
         phases.timing(decode_stack, "_call", PHASES[0]),
         phases.timing(runner.model, "compute_logits", PHASES[1]),
         phases.timing(model_runner_module, "build_step_inputs", PHASES[2]),
-        phases.timing(runner, "sample_step", PHASES[3]),
+        phases.timing(runner, "_sample_step", PHASES[3]),
     ):
         yield
 

@@ -196,6 +196,21 @@ class LlamaModel(nn.Module):
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+class _DecodeLogits:
+    """The logits the one-call stack computed with a step, and the hidden states ``forward``
+    returned with them (held apart from the module: an ``nn.Module`` attribute write costs
+    several microseconds of checks, twice a step)."""
+
+    __slots__ = ("hidden", "logits")
+
+    def __init__(self) -> None:
+        self.hidden: torch.Tensor | None = None
+        self.logits: torch.Tensor | None = None
+
+    def forget(self) -> None:
+        self.hidden = self.logits = None
+
+
 class LlamaForCausalLM(nn.Module):
     """``forward`` maps this step's flattened tokens to final hidden states (on a pipeline
     stage other than the last: to the hidden states its layers hand on)."""
@@ -228,7 +243,7 @@ class LlamaForCausalLM(nn.Module):
         self.logits_with_decodes = False
         self._stack_head: decode_stack.StackHead | None = None
         self._stack_head_known = False
-        self._decode_logits: tuple[torch.Tensor, torch.Tensor] | None = None  # hidden, logits
+        self._decode_logits = _DecodeLogits()
 
     @classmethod
     def attention_layout(cls, config: TransformerConfig, layer_index: int) -> AttentionLayout:
@@ -254,12 +269,12 @@ class LlamaForCausalLM(nn.Module):
         else:
             hidden = previous_stage_hidden(intermediate)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
-        self._decode_logits = None
+        self._decode_logits.forget()
         head = self._head_in_stack(hidden, metadata)
         logits = None if head is None else hidden.new_empty(hidden.shape[0], head.columns)
         if self._decode_in_one_call(hidden, cos, sin, kv_caches, metadata, head, logits):
             if logits is not None:  # the call normed ``hidden`` and computed its logits
-                self._decode_logits = hidden, logits
+                self._decode_logits.hidden, self._decode_logits.logits = hidden, logits
                 return hidden
         else:
             for layer, kv_cache in zip(self.model.stage_layers, kv_caches, strict=True):
@@ -355,9 +370,11 @@ class LlamaForCausalLM(nn.Module):
         """Float32 logits ``[rows, vocab]`` for the given final hidden states (last stage;
         a collective over the TP ranks). The hidden states ``forward`` just returned from a
         step whose call computed their logits: those."""
-        computed, self._decode_logits = self._decode_logits, None
-        if computed is not None and computed[0] is hidden:
-            return computed[1]
+        computed = self._decode_logits
+        logits = computed.logits if computed.hidden is hidden else None
+        computed.forget()
+        if logits is not None:
+            return logits
         head = self.logits_head()
         return vocab_parallel_logits(
             hidden, head.logits_weight(), self.parallel, self.config.vocab_size, head.small_batch
