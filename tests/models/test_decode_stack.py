@@ -155,15 +155,15 @@ def test_the_head_joins_only_for_a_caller_that_takes_every_decode_rows_logits(mo
         num_scheduled_tokens={f"r{i}": 1 for i in range(3)},
         total_num_scheduled_tokens=3,
     )
-    inputs_hidden: list[torch.Tensor] = []
+    returned: list[torch.Tensor] = []
     forward = fused.model.forward
     monkeypatch.setattr(
         fused.model,
         "forward",
-        lambda *a, **kw: inputs_hidden.append(forward(*a, **kw)) or inputs_hidden[-1],
+        lambda *a, **kw: returned.append(forward(*a, **kw)) or returned[-1],
     )
     out = fused.forward_step(step)
-    hidden = inputs_hidden[-1]
+    hidden = returned[-1]
     first_row = fused.model.compute_logits(hidden[:1].clone())  # not the step's: computed
     assert torch.equal(first_row, out.logits[:1])
 

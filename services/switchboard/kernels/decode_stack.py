@@ -39,7 +39,7 @@ A float32 step whose every row is sampled (decodes) may end in the same call wit
 final norm and LM head (:class:`StackHead`): the hidden states come back normed and the logits
 beside them, the floats of the model's own norm and ``compute_logits``. At one user that saves
 a return to Python and two calls after the layers: the first Python after 96 MB of weights runs
-out of cold caches (the final norm's call took 84-114 us there, 30-37 in a loop of its own).
+from cold caches (the final norm's call took 84-114 us there, 30-37 in a loop of its own).
 """
 
 from __future__ import annotations
