@@ -118,23 +118,16 @@ def _build(cc: str, name: str, sources: Sequence[Path], include_dir: Path, what:
         objects = [Path(tmp) / f"{i}_{source.stem}.o" for i, source in enumerate(sources)]
         # one compiler a source, as many at once as this process may use cores: the sources
         # compile apart anyway (no link-time optimisation), so the library is the same
+        compile_command = [cc, *COMPILE_FLAGS, "-I", str(include_dir), "-c"]
         with ThreadPoolExecutor(max_workers=jobs) as pool:
-            compiled = pool.map(
-                lambda pair: _run(
-                    [
-                        cc,
-                        *COMPILE_FLAGS,
-                        "-I",
-                        str(include_dir),
-                        "-c",
-                        str(pair[0]),
-                        "-o",
-                        str(pair[1]),
-                    ]
-                ),
-                zip(sources, objects, strict=True),
+            # list(): raises the first failure
+            list(
+                pool.map(
+                    lambda src, obj: _run([*compile_command, str(src), "-o", str(obj)]),
+                    sources,
+                    objects,
+                )
             )
-            list(compiled)  # raises the first failure
         built = Path(tmp) / target.name
         _run([cc, *LINK_FLAGS, *map(str, objects), "-o", str(built), "-lm"])
         os.replace(built, target)  # atomic: a concurrent worker sees all of it or nothing
