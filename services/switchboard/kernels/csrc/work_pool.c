@@ -47,15 +47,16 @@
 
 #define MAX_HELPERS 255
 #define CHUNKS_PER_THREAD 8 /* enough for a thread that starts late to leave work to others */
-#define MAX_CHUNKS 4096     /* the cursor's 16-bit fields hold it */
+#define MAX_CHUNKS 4096     /* a run word's 16-bit front and back hold it */
 /* a helper spins this long after its last chunk, then sleeps: the gaps between a step's loops
    are shorter, and a longer spin (50 us) took CPU the other processes on the cores needed (one
    stream of the default model on 2 cores: ITL p50 lower in 10 of 12 alternated rounds) */
 #define SPIN_NS 15000
 #define PREEMPTED_NS 20000  /* a gap this long between two looks at the clock: preempted */
 
-/* the loop's generation << 32: what helpers watch for the next loop */
-static _Atomic uint64_t cursor;
+/* the loop's generation: what helpers watch for the next loop, and the word they sleep on
+   (futex) */
+static _Atomic uint32_t generation;
 /* Each thread's run of a loop's chunks, as generation << 32 | front << 16 | back (the run is
    chunks front .. back - 1): one word, so a claim (compare and swap) fails for a thread that
    read an earlier loop's generation. The caller's run is 0, helper i's run i + 1; each on a
@@ -66,7 +67,6 @@ struct run_word {
 static struct run_word runs[MAX_HELPERS + 1];
 static _Atomic int task_runs;
 static _Atomic int64_t finished;      /* chunks of this generation done */
-static _Atomic uint32_t wake_word;    /* the generation, for helpers asleep on it (futex) */
 static _Atomic int sleepers;
 /* 1 after a wake-up call that no helper has answered by going to sleep again: while a woken
    helper is still waiting to be scheduled, `sleepers` still counts it, and the next loops'
@@ -132,9 +132,9 @@ static void *helper_main(void *arg) {
     const int index = (int)((intptr_t)arg >> 32);
     uint32_t last = (uint32_t)(intptr_t)arg; /* the generation current when it started */
     for (;;) {
-        uint64_t word = atomic_load_explicit(&cursor, memory_order_acquire);
+        uint32_t seen = atomic_load_explicit(&generation, memory_order_acquire);
         int64_t looked = now_ns(), deadline = looked + SPIN_NS;
-        for (int spins = 1; generation_of(word) == last; spins++) {
+        for (int spins = 1; seen == last; spins++) {
             cpu_relax();
             if (spins % 64 == 0) {
                 const int64_t now = now_ns();
@@ -145,25 +145,25 @@ static void *helper_main(void *arg) {
                 if (now - looked > PREEMPTED_NS) deadline += now - looked;
                 looked = now;
                 if (now > deadline) {
-                    /* announced before the last look at the cursor; the caller publishes the
-                       cursor before it looks at sleepers: one of the two sees the other. The
+                    /* announced before the last look at the generation; the caller publishes
+                       the generation before it looks at sleepers: one of the two sees the other. The
                        wake-up call the caller skips while wake_sent is 1 is reset here first,
                        for the same reason. */
                     atomic_fetch_add(&sleepers, 1);
                     atomic_store(&wake_sent, 0);
-                    if (generation_of(atomic_load(&cursor)) == last)
-                        syscall(SYS_futex, &wake_word, FUTEX_WAIT_PRIVATE, last, NULL, NULL, 0);
+                    if (atomic_load(&generation) == last)
+                        syscall(SYS_futex, &generation, FUTEX_WAIT_PRIVATE, last, NULL, NULL, 0);
                     atomic_fetch_sub(&sleepers, 1);
                     looked = now_ns();
                     deadline = looked + SPIN_NS;
                 }
             }
-            word = atomic_load_explicit(&cursor, memory_order_acquire);
+            seen = atomic_load_explicit(&generation, memory_order_acquire);
         }
-        last = generation_of(word);
+        last = seen;
         const int nruns = atomic_load_explicit(&task_runs, memory_order_relaxed);
         if (index + 1 >= nruns) continue;
-        /* read after the cursor's acquire; a claim with them succeeds only while this
+        /* read after the generation's acquire; a claim with them succeeds only while this
            generation is unfinished, and the caller writes the next loop's only after that */
         run_chunks(last, index + 1, nruns, atomic_load_explicit(&task_fn, memory_order_relaxed),
                    atomic_load_explicit(&task_ctx, memory_order_relaxed),
@@ -191,7 +191,7 @@ static void start_helpers(int wanted) {
     pthread_attr_t attr;
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    const uint32_t gen = generation_of(atomic_load(&cursor));
+    const uint32_t gen = atomic_load(&generation);
     while (helpers_started < wanted) {
         pthread_t thread;
         const intptr_t arg = ((intptr_t)helpers_started << 32) | gen;
@@ -261,17 +261,16 @@ void switchboard_parallel_for(int64_t n, int64_t min_grain, switchboard_chunk_fn
     const int nruns = 1 + (threads - 1 < helpers_started ? threads - 1 : helpers_started);
     atomic_store_explicit(&task_runs, nruns, memory_order_relaxed);
     atomic_store_explicit(&finished, 0, memory_order_relaxed);
-    const uint32_t gen = generation_of(atomic_load(&cursor)) + 1;
+    const uint32_t gen = atomic_load(&generation) + 1;
     for (int r = 0; r < nruns; r++) {
         const uint64_t front = (uint64_t)(chunks * r / nruns);
         const uint64_t back = (uint64_t)(chunks * (r + 1) / nruns);
         atomic_store_explicit(&runs[r].word, ((uint64_t)gen << 32) | front << 16 | back,
                               memory_order_relaxed);
     }
-    atomic_store(&cursor, (uint64_t)gen << 32);
-    atomic_store(&wake_word, gen);
+    atomic_store(&generation, gen);
     if (atomic_load(&sleepers) > 0 && atomic_exchange(&wake_sent, 1) == 0)
-        syscall(SYS_futex, &wake_word, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+        syscall(SYS_futex, &generation, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
     run_chunks(gen, 0, nruns, fn, ctx, n, grain);
     /* only chunks another thread claimed are left: it is running them */
     for (int spins = 1; atomic_load_explicit(&finished, memory_order_acquire) < chunks; spins++) {
