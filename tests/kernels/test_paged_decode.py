@@ -30,7 +30,16 @@ def decode_batch(context_lens: list[int], num_blocks: int, block_size: int, seed
 
 @pytest.mark.parametrize(
     ("kv_heads", "heads", "head_dim"),
-    [(4, 8, 32), (3, 9, 64), (2, 2, 16), (2, 4, 128), (4, 4, 32), (1, 2, 20), (2, 4, 256)],
+    [
+        (4, 8, 32),
+        (3, 9, 64),
+        (2, 8, 64),
+        (2, 2, 16),
+        (2, 4, 128),
+        (4, 4, 32),
+        (1, 2, 20),
+        (2, 4, 256),
+    ],
 )
 @pytest.mark.parametrize(
     ("context_lens", "window"),
@@ -50,8 +59,8 @@ def test_matches_the_torch_path(
     paged_decode_loaded, kv_heads, heads, head_dim, context_lens, window, cache_dtype
 ):
     """Float32 and bfloat16 caches (each of the kernel's ways to read them: widened per key,
-    or a block at a time into lane order where the CPU has AVX-512) against torch's path over
-    the same cache."""
+    or a block at a time into lane order where the CPU has AVX-512, the values of two to four
+    query heads a KV head weighed in one pass there) against torch's path over the same cache."""
     torch.manual_seed(len(context_lens) * head_dim)
     num_blocks = 64 if max(context_lens) <= 64 * 16 else 128
     cache = torch.randn(2, num_blocks, 16, kv_heads, head_dim).to(cache_dtype)

@@ -125,6 +125,57 @@ static inline __attribute__((always_inline)) void add_values512(const float *p, 
     for (int64_t c = 0; c < D / 16; c++) _mm512_storeu_ps(acc + 16 * c, a[c]);
 }
 
+/* The value pass of G query heads of one KV head at once (G a constant where inlined): acc
+   [G, D] (lane order for a bfloat16 cache) += p_g[i] * value i for n values read where they lie
+   (heads of D bfloat16 or float32 values, `stride` elements apart from element `first`; a
+   bfloat16 value widened in registers), p_g = p + g * p_stride. Each query head's sums in the
+   order add_values512 makes them, but the G heads' D / 16 chains of multiply-adds in flight
+   together (one head's alone wait on each other's latency) and each value loaded once for all. */
+static inline __attribute__((always_inline)) void add_values512_heads(
+    const float *p, int64_t p_stride, const void *cache, const int bf16, int64_t first,
+    int64_t stride, int64_t n, const int64_t D, const int64_t G, float *acc) {
+    __m512 a[16];
+    for (int64_t j = 0; j < G * (D / 16); j++) a[j] = _mm512_loadu_ps(acc + 16 * j);
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000);
+    for (int64_t i = 0; i < n; i++) {
+        __m512 v[8];
+        if (bf16) {
+            const uint16_t *src = (const uint16_t *)cache + first + i * stride;
+            for (int64_t c = 0; c < D / 32; c++) {
+                const __m512i x = _mm512_loadu_si512((const void *)(src + 32 * c));
+                v[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+                v[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, high));
+            }
+        } else {
+            const float *src = (const float *)cache + first + i * stride;
+            for (int64_t c = 0; c < D / 16; c++) v[c] = _mm512_loadu_ps(src + 16 * c);
+        }
+        for (int64_t g = 0; g < G; g++) {
+            const __m512 w = _mm512_set1_ps(p[g * p_stride + i]);
+            for (int64_t c = 0; c < D / 16; c++)
+                a[g * (D / 16) + c] = _mm512_fmadd_ps(w, v[c], a[g * (D / 16) + c]);
+        }
+    }
+    for (int64_t j = 0; j < G * (D / 16); j++) _mm512_storeu_ps(acc + 16 * j, a[j]);
+}
+
+/* Whether add_values512_heads takes G heads of D values: their sums fit the registers. */
+static inline int values_fused(int64_t G, int64_t D) {
+    return G >= 2 && G <= 4 && D <= 128 && G * (D / 16) <= 16;
+}
+
+/* add_values512_heads with G a constant (2, 3 or 4: values_fused). */
+static inline __attribute__((always_inline)) void add_values512_any(
+    const float *p, int64_t p_stride, const void *cache, const int bf16, int64_t first,
+    int64_t stride, int64_t n, const int64_t D, int64_t G, float *acc) {
+    if (G == 2)
+        add_values512_heads(p, p_stride, cache, bf16, first, stride, n, D, 2, acc);
+    else if (G == 3)
+        add_values512_heads(p, p_stride, cache, bf16, first, stride, n, D, 3, acc);
+    else
+        add_values512_heads(p, p_stride, cache, bf16, first, stride, n, D, 4, acc);
+}
+
 /* Scratch floats attend512 needs for R rows of G query heads and contexts up to Lmax. */
 static inline int64_t scratch512(int64_t R, int64_t G, int64_t Lmax, int64_t D, int64_t BS) {
     return R * G * (Lmax > 0 ? Lmax : 1) + 2 * R * G * D + BS * D;
@@ -164,6 +215,16 @@ static inline __attribute__((always_inline)) void attend512(
             if (block_end < end) /* the next block's heads, while this one is worked on */
                 prefetch_heads(cache, bf16, slot_at(table, block_end, BS, KVH, h, D), slot_stride,
                                (end < block_end + BS ? end : block_end + BS) - block_end, D);
+            if (pass == 1 && values_fused(G, D)) { /* every query head of h in one pass */
+                for (int64_t r = 0; r < R; r++) {
+                    if (t >= lens[r]) continue;
+                    const int64_t n = (block_end < lens[r] ? block_end : lens[r]) - t;
+                    add_values512_any(scores + r * G * Lmax + (t - start), Lmax, cache, bf16, slot,
+                                      slot_stride, n, D, G, acc + r * G * D);
+                }
+                t = block_end;
+                continue;
+            }
             const float *k;
             int64_t stride;
             if (bf16) {
