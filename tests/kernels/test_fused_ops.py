@@ -102,13 +102,15 @@ def test_write_kv_fills_the_same_slots_as_index_copy(kernels):
     assert torch.equal(cache, before)  # nothing written
 
 
-@pytest.mark.parametrize("vocab", [1, 7, 16, 23, 1000, 16000, 49152])
+@pytest.mark.parametrize("vocab", [1, 7, 16, 23, 31, 32, 33, 100, 1000, 16000, 49152])
 def test_argmax_rows_is_torchs_answer(kernels, vocab):
     torch.manual_seed(vocab)
     x = torch.randn(9, vocab)
     if vocab >= 16:
         x[1] = 0.0  # all equal: the first
         x[2, 3] = x[2, -1] = x[2].max() + 1  # a tie for the largest: the first of the two
+        if vocab >= 64:
+            x[2, 41] = x[2, 3]  # ... in lanes of two chains: still the first
         x[3] = float("-inf")
         x[4, 5] = float("inf")
         x[5, -2] = float("nan")  # a NaN wins, wherever it is

@@ -130,6 +130,10 @@ int write_kv_f32(const float *key, int64_t ldk, const float *value, int64_t ldv,
     return 0;
 }
 
+/* The independent chains of compares the greedy pick keeps (8 floats each): one chain's
+   compare-and-blend waits on the one before it. */
+#define ARGMAX_CHAINS 4
+
 struct argmax_task {
     const float *x;
     int64_t *out;
@@ -146,29 +150,40 @@ static void argmax_rows(void *arg, int64_t r0, int64_t r1) {
         float best = xr[0];
         int64_t best_i = 0, i = 0;
 #ifdef __AVX2__
-        if (V >= 16) {
-            __m256 bv = _mm256_loadu_ps(xr);
-            __m256i bi = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), idx = bi;
-            const __m256i eight = _mm256_set1_epi32(8);
-            __m256 nan = _mm256_cmp_ps(bv, bv, _CMP_UNORD_Q);
-            for (i = 8; i + 8 <= V; i += 8) {
-                idx = _mm256_add_epi32(idx, eight);
-                const __m256 v = _mm256_loadu_ps(xr + i);
-                const __m256 gt = _mm256_cmp_ps(v, bv, _CMP_GT_OQ);
-                bv = _mm256_blendv_ps(bv, v, gt);
-                bi = _mm256_blendv_epi8(bi, idx, _mm256_castps_si256(gt));
-                nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        if (V >= 8 * ARGMAX_CHAINS) {
+            /* ARGMAX_CHAINS vectors of eight lanes, each lane its own positions (i + lane,
+               ARGMAX_CHAINS * 8 apart): the chains' compare-and-blend wait on each other's
+               latency only every ARGMAX_CHAINS loads */
+            __m256 bv[ARGMAX_CHAINS], nan = _mm256_setzero_ps();
+            __m256i bi[ARGMAX_CHAINS], idx[ARGMAX_CHAINS];
+            const __m256i step = _mm256_set1_epi32(8 * ARGMAX_CHAINS);
+            for (int c = 0; c < ARGMAX_CHAINS; c++) {
+                bv[c] = _mm256_loadu_ps(xr + 8 * c);
+                bi[c] = idx[c] = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                                   _mm256_set1_epi32(8 * c));
+                nan = _mm256_or_ps(nan, _mm256_cmp_ps(bv[c], bv[c], _CMP_UNORD_Q));
             }
+            for (i = 8 * ARGMAX_CHAINS; i + 8 * ARGMAX_CHAINS <= V; i += 8 * ARGMAX_CHAINS)
+                for (int c = 0; c < ARGMAX_CHAINS; c++) {
+                    idx[c] = _mm256_add_epi32(idx[c], step);
+                    const __m256 v = _mm256_loadu_ps(xr + i + 8 * c);
+                    const __m256 gt = _mm256_cmp_ps(v, bv[c], _CMP_GT_OQ);
+                    bv[c] = _mm256_blendv_ps(bv[c], v, gt);
+                    bi[c] = _mm256_blendv_epi8(bi[c], idx[c], _mm256_castps_si256(gt));
+                    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+                }
             if (_mm256_movemask_ps(nan)) {
                 i = 0; /* a NaN among them: the scalar loop finds the first */
             } else {
-                float lane_v[8];
-                int32_t lane_i[8];
-                _mm256_storeu_ps(lane_v, bv);
-                _mm256_storeu_si256((__m256i *)lane_i, bi);
+                float lane_v[8 * ARGMAX_CHAINS];
+                int32_t lane_i[8 * ARGMAX_CHAINS];
+                for (int c = 0; c < ARGMAX_CHAINS; c++) {
+                    _mm256_storeu_ps(lane_v + 8 * c, bv[c]);
+                    _mm256_storeu_si256((__m256i *)(lane_i + 8 * c), bi[c]);
+                }
                 best = lane_v[0];
                 best_i = lane_i[0];
-                for (int k = 1; k < 8; k++)
+                for (int k = 1; k < 8 * ARGMAX_CHAINS; k++)
                     if (lane_v[k] > best || (lane_v[k] == best && lane_i[k] < best_i)) {
                         best = lane_v[k];
                         best_i = lane_i[k];
@@ -192,9 +207,9 @@ static void argmax_rows(void *arg, int64_t r0, int64_t r1) {
 }
 
 /* out[r] = the first index of the largest value of row r of x [rows, V] (row stride ldx), as
-   torch.argmax: a NaN is the largest (the first NaN wins). Eight lanes keep their own largest
-   value and its index (a later equal value does not replace it); the lanes then agree on the
-   largest, the smallest index among equals. */
+   torch.argmax: a NaN is the largest (the first NaN wins). 32 lanes (rows of at least 32
+   values) keep their own largest value and its index (a later equal value does not replace
+   it); the lanes then agree on the largest, the smallest index among equals. */
 void argmax_rows_f32(const float *x, int64_t ldx, int64_t rows, int64_t V, int64_t *out) {
     struct argmax_task task = {x, out, ldx, V};
     switchboard_parallel_for(rows, 16 * min_rows(V), argmax_rows, &task);
