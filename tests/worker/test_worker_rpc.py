@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 import msgspec
@@ -146,3 +147,28 @@ def test_loop_leaves_when_the_parent_is_gone_or_a_signal_arrived(engine_config):
     reason = run_busy_loop(worker, reader, ListSender(), parent_pid=-1)
     assert "parent process -1 is gone" == reason and reader.timeouts == 1
     assert run_busy_loop(worker, reader, ListSender(), os.getppid(), lambda: True) == "signal"
+
+
+def test_the_process_loop_freezes_its_heap_once_set_up(engine_config):
+    """``freeze_heap`` (the worker process's loop): after the KV cache is made, what was
+    allocated while loading leaves the garbage collector's full collections; a test's loop
+    (the default) leaves the heap as it is, and so does a failed set-up call."""
+    frozen_before = gc.get_freeze_count()
+    try:
+        worker = Worker(engine_config, rank=0)
+        failed = ListReader([encode(1, "initialize_kv_cache", num_blocks=8, block_size=4)])
+        sender = ListSender()
+        run_busy_loop(worker, failed, sender, parent_pid=-1, freeze_heap=True)
+        assert sender.replies[0].error is not None  # no model loaded yet: nothing frozen
+        assert gc.get_freeze_count() == frozen_before
+        calls = [
+            encode(2, "load_model"),
+            encode(3, "initialize_kv_cache", num_blocks=8, block_size=4),
+        ]
+        run_busy_loop(worker, ListReader(calls), ListSender(), parent_pid=-1)
+        assert gc.get_freeze_count() == frozen_before  # not asked to
+        again = [encode(4, "initialize_kv_cache", num_blocks=8, block_size=4)]
+        run_busy_loop(worker, ListReader(again), ListSender(), parent_pid=-1, freeze_heap=True)
+        assert gc.get_freeze_count() > frozen_before
+    finally:
+        gc.unfreeze()

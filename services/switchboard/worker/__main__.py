@@ -99,7 +99,12 @@ def main(argv: list[str] | None = None) -> int:
         reader = attach_ring(startup.ring_handle, startup.rank)
         worker = Worker(config, startup.rank, startup.distributed_init_method)
         reason = run_busy_loop(
-            worker, reader, replies, startup.parent_pid, lambda: stop["signal"] is not None
+            worker,
+            reader,
+            replies,
+            startup.parent_pid,
+            lambda: stop["signal"] is not None,
+            freeze_heap=True,
         )
         if reason == "signal":
             reason = f"signal {stop['signal']}"
