@@ -125,7 +125,7 @@ def test_the_amx_kernel_keeps_steps_past_the_float32_rows_in_one_call(monkeypatc
     assert calls == [False, True, True, True]  # the prompts' thousands of tokens: the layers
     calls.clear()
     with monkeypatch.context() as patch:
-        patch.setattr(decode_stack, "_max_rows", lambda kinds: decode_stack.MAX_ROWS)
+        patch.setattr(stack_plan, "max_rows", lambda kinds, kernel_rows: kernel_rows)
         expected = _run(layered, steps, True, monkeypatch)
     assert calls == [False] * 4
     assert torch.equal(got[0], expected[0])  # the same prefill on both
