@@ -13,7 +13,11 @@
      summed across by a transposing reduction of eight keys at once; a block's last keys are
      padded to eight with zeros, so that a key's score is the same sums whichever eight it is in.
    - Each query head's weighted sum of the values goes by block, keys in order, in registers
-     within a block and in scratch between blocks (a store and a load change no float).
+     within a block and in scratch between blocks (a store and a load change no float). Where
+     their sums fit the registers (two to four query heads a KV head, heads of up to 128), the
+     KV head's query heads are weighed in one pass: each value is read where it lies and
+     widened in registers once for all of them, and their chains of multiply-adds are in flight
+     together (a head of 64 floats alone is four chains, each waiting on its last).
 
    A row's floats depend on its own query and its own keys only: the same alone or in a group
    of rows that read the same keys (a decode with its proposed tokens, a prompt chunk). */
@@ -128,9 +132,9 @@ static inline __attribute__((always_inline)) void add_values512(const float *p, 
 /* The value pass of G query heads of one KV head at once (G a constant where inlined): acc
    [G, D] (lane order for a bfloat16 cache) += p_g[i] * value i for n values read where they lie
    (heads of D bfloat16 or float32 values, `stride` elements apart from element `first`; a
-   bfloat16 value widened in registers), p_g = p + g * p_stride. Each query head's sums in the
-   order add_values512 makes them, but the G heads' D / 16 chains of multiply-adds in flight
-   together (one head's alone wait on each other's latency) and each value loaded once for all. */
+   bfloat16 value widened in registers), p_g = p + g * p_stride. Each query head's sums are in
+   the order add_values512 makes them; the G heads' G * D / 16 chains of multiply-adds are in
+   flight together, and each value is loaded once for all of them. */
 static inline __attribute__((always_inline)) void add_values512_heads(
     const float *p, int64_t p_stride, const void *cache, const int bf16, int64_t first,
     int64_t stride, int64_t n, const int64_t D, const int64_t G, float *acc) {
