@@ -15,9 +15,10 @@
    - Each query head's weighted sum of the values goes by block, keys in order, in registers
      within a block and in scratch between blocks (a store and a load change no float). Where
      their sums fit the registers (two to four query heads a KV head, heads of up to 128), the
-     KV head's query heads are weighed in one pass: each value is read where it lies and
-     widened in registers once for all of them, and their chains of multiply-adds are in flight
-     together (a head of 64 floats alone is four chains, each waiting on its last).
+     KV head's query heads take both passes together: each key and value is read where it lies
+     and widened in registers once for all of them (no scratch), and their chains of
+     multiply-adds are in flight together (a head of 64 floats alone is four chains, each
+     waiting on its last). The floats are the same either way.
 
    A row's floats depend on its own query and its own keys only: the same alone or in a group
    of rows that read the same keys (a decode with its proposed tokens, a prompt chunk). */
@@ -163,6 +164,73 @@ static inline __attribute__((always_inline)) void add_values512_heads(
     for (int64_t j = 0; j < G * (D / 16); j++) _mm512_storeu_ps(acc + 16 * j, a[j]);
 }
 
+/* The key pass of G query heads of one KV head at once (G a constant where inlined): the scaled
+   scores of n keys read where they lie (heads of D bfloat16 or float32 values, `stride` elements
+   apart from element `first`; a bfloat16 key widened in registers) against the G queries at qs
+   [G, D] (lane order for a bfloat16 cache), query head g's into scores + g * s_stride. Each
+   key's score is the sums score_keys512 makes (the same partial sums, folded and reduced eight
+   keys at a time, the last eight padded); each key is loaded once for all G heads. */
+static inline __attribute__((always_inline)) void score_keys512_heads(
+    const float *qs, const void *cache, const int bf16, int64_t first, int64_t stride, int64_t n,
+    const int64_t D, const int64_t G, float scale, float *scores, int64_t s_stride) {
+    __m512 qv[16];
+    for (int64_t j = 0; j < G * (D / 16); j++) qv[j] = _mm512_loadu_ps(qs + 16 * j);
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000);
+    const __m256 scale8 = _mm256_set1_ps(scale);
+    for (int64_t u = 0; u < n; u += 8) {
+        __m256 f[4][8];
+        for (int64_t j = 0; j < 8; j++) {
+            if (u + j >= n) {
+                for (int64_t g = 0; g < G; g++) f[g][j] = _mm256_setzero_ps();
+                continue;
+            }
+            __m512 k[8];
+            if (bf16) {
+                const uint16_t *src = (const uint16_t *)cache + first + (u + j) * stride;
+                for (int64_t c = 0; c < D / 32; c++) {
+                    const __m512i x = _mm512_loadu_si512((const void *)(src + 32 * c));
+                    k[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+                    k[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, high));
+                }
+            } else {
+                const float *src = (const float *)cache + first + (u + j) * stride;
+                for (int64_t c = 0; c < D / 16; c++) k[c] = _mm512_loadu_ps(src + 16 * c);
+            }
+            for (int64_t g = 0; g < G; g++) {
+                const __m512 *q = qv + g * (D / 16);
+                __m512 a = _mm512_mul_ps(q[0], k[0]);
+                for (int64_t c = 1; c < D / 16; c++) a = _mm512_fmadd_ps(q[c], k[c], a);
+                f[g][j] = fold16(a);
+            }
+        }
+        for (int64_t g = 0; g < G; g++) {
+            const __m256 sc = _mm256_mul_ps(
+                sum8_lanes(f[g][0], f[g][1], f[g][2], f[g][3], f[g][4], f[g][5], f[g][6], f[g][7]),
+                scale8);
+            float *dst = scores + g * s_stride + u;
+            if (u + 8 <= n) {
+                _mm256_storeu_ps(dst, sc);
+            } else {
+                float tail[8];
+                _mm256_storeu_ps(tail, sc);
+                for (int64_t j = 0; u + j < n; j++) dst[j] = tail[j];
+            }
+        }
+    }
+}
+
+/* score_keys512_heads with G a constant (2, 3 or 4: values_fused). */
+static inline __attribute__((always_inline)) void score_keys512_any(
+    const float *qs, const void *cache, const int bf16, int64_t first, int64_t stride, int64_t n,
+    const int64_t D, int64_t G, float scale, float *scores, int64_t s_stride) {
+    if (G == 2)
+        score_keys512_heads(qs, cache, bf16, first, stride, n, D, 2, scale, scores, s_stride);
+    else if (G == 3)
+        score_keys512_heads(qs, cache, bf16, first, stride, n, D, 3, scale, scores, s_stride);
+    else
+        score_keys512_heads(qs, cache, bf16, first, stride, n, D, 4, scale, scores, s_stride);
+}
+
 /* Whether add_values512_heads takes G heads of D values: their sums fit the registers. */
 static inline int values_fused(int64_t G, int64_t D) {
     return G >= 2 && G <= 4 && D <= 128 && G * (D / 16) <= 16;
@@ -219,12 +287,17 @@ static inline __attribute__((always_inline)) void attend512(
             if (block_end < end) /* the next block's heads, while this one is worked on */
                 prefetch_heads(cache, bf16, slot_at(table, block_end, BS, KVH, h, D), slot_stride,
                                (end < block_end + BS ? end : block_end + BS) - block_end, D);
-            if (pass == 1 && values_fused(G, D)) { /* every query head of h in one pass */
+            if (values_fused(G, D)) { /* every query head of h in one pass */
                 for (int64_t r = 0; r < R; r++) {
                     if (t >= lens[r]) continue;
                     const int64_t n = (block_end < lens[r] ? block_end : lens[r]) - t;
-                    add_values512_any(scores + r * G * Lmax + (t - start), Lmax, cache, bf16, slot,
-                                      slot_stride, n, D, G, acc + r * G * D);
+                    float *s = scores + r * G * Lmax + (t - start);
+                    if (pass == 0)
+                        score_keys512_any(qs + r * G * D, cache, bf16, slot, slot_stride, n, D, G,
+                                          scale, s, Lmax);
+                    else
+                        add_values512_any(s, Lmax, cache, bf16, slot, slot_stride, n, D, G,
+                                          acc + r * G * D);
                 }
                 t = block_end;
                 continue;
