@@ -231,7 +231,8 @@ static inline __attribute__((always_inline)) void score_keys512_any(
         score_keys512_heads(qs, cache, bf16, first, stride, n, D, 4, scale, scores, s_stride);
 }
 
-/* Whether add_values512_heads takes G heads of D values: their sums fit the registers. */
+/* Whether score_keys512_heads and add_values512_heads take G heads of D values: their queries
+   or sums fit the registers. */
 static inline int values_fused(int64_t G, int64_t D) {
     return G >= 2 && G <= 4 && D <= 128 && G * (D / 16) <= 16;
 }
