@@ -60,7 +60,8 @@ def test_matches_the_torch_path(
 ):
     """Float32 and bfloat16 caches (each of the kernel's ways to read them: widened per key,
     or a block at a time into lane order where the CPU has AVX-512, the keys and values of two
-    to four query heads a KV head read once for all of them there) against torch's path over the same cache."""
+    to four query heads a KV head read once for all of them there) against torch's path over
+    the same cache."""
     torch.manual_seed(len(context_lens) * head_dim)
     num_blocks = 64 if max(context_lens) <= 64 * 16 else 128
     cache = torch.randn(2, num_blocks, 16, kv_heads, head_dim).to(cache_dtype)
