@@ -90,6 +90,37 @@ static inline __attribute__((always_inline)) __m512 dot16(const __m512 *qv, cons
     return a;
 }
 
+/* A head of D values at element i of the cache (D a multiple of 16, at most 128), as D / 16
+   vectors in lane order: a bfloat16 head widened in registers (as widen32 lays it out), a
+   float32 one as it lies. */
+static inline __attribute__((always_inline)) void load_head512(const void *cache, const int bf16,
+                                                               int64_t i, const int64_t D,
+                                                               __m512 *out) {
+    if (!bf16) {
+        const float *src = (const float *)cache + i;
+        for (int64_t c = 0; c < D / 16; c++) out[c] = _mm512_loadu_ps(src + 16 * c);
+        return;
+    }
+    const uint16_t *src = (const uint16_t *)cache + i;
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000);
+    for (int64_t c = 0; c < D / 32; c++) {
+        const __m512i x = _mm512_loadu_si512((const void *)(src + 32 * c));
+        out[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+        out[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, high));
+    }
+}
+
+/* The first n (at most 8) of eight scores to dst. */
+static inline void store_scores8(float *dst, __m256 s, int64_t n) {
+    if (n >= 8) {
+        _mm256_storeu_ps(dst, s);
+        return;
+    }
+    float tail[8];
+    _mm256_storeu_ps(tail, s);
+    for (int64_t j = 0; j < n; j++) dst[j] = tail[j];
+}
+
 /* One query head's scaled scores against n keys (heads of D floats in lane order, `stride`
    floats apart), into scores[0 .. n): eight keys at a time, the last eight padded. */
 static inline __attribute__((always_inline)) void score_keys512(const float *q, const float *k,
@@ -105,13 +136,7 @@ static inline __attribute__((always_inline)) void score_keys512(const float *q, 
             a[j] = u + j < n ? fold16(dot16(qv, k + (u + j) * stride, D)) : _mm256_setzero_ps();
         const __m256 s = _mm256_mul_ps(sum8_lanes(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]),
                                        scale8);
-        if (u + 8 <= n) {
-            _mm256_storeu_ps(scores + u, s);
-        } else {
-            float tail[8];
-            _mm256_storeu_ps(tail, s);
-            for (int64_t j = 0; u + j < n; j++) scores[u + j] = tail[j];
-        }
+        store_scores8(scores + u, s, n - u);
     }
 }
 
@@ -141,20 +166,9 @@ static inline __attribute__((always_inline)) void add_values512_heads(
     int64_t stride, int64_t n, const int64_t D, const int64_t G, float *acc) {
     __m512 a[16];
     for (int64_t j = 0; j < G * (D / 16); j++) a[j] = _mm512_loadu_ps(acc + 16 * j);
-    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000);
     for (int64_t i = 0; i < n; i++) {
         __m512 v[8];
-        if (bf16) {
-            const uint16_t *src = (const uint16_t *)cache + first + i * stride;
-            for (int64_t c = 0; c < D / 32; c++) {
-                const __m512i x = _mm512_loadu_si512((const void *)(src + 32 * c));
-                v[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-                v[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, high));
-            }
-        } else {
-            const float *src = (const float *)cache + first + i * stride;
-            for (int64_t c = 0; c < D / 16; c++) v[c] = _mm512_loadu_ps(src + 16 * c);
-        }
+        load_head512(cache, bf16, first + i * stride, D, v);
         for (int64_t g = 0; g < G; g++) {
             const __m512 w = _mm512_set1_ps(p[g * p_stride + i]);
             for (int64_t c = 0; c < D / 16; c++)
@@ -175,7 +189,6 @@ static inline __attribute__((always_inline)) void score_keys512_heads(
     const int64_t D, const int64_t G, float scale, float *scores, int64_t s_stride) {
     __m512 qv[16];
     for (int64_t j = 0; j < G * (D / 16); j++) qv[j] = _mm512_loadu_ps(qs + 16 * j);
-    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000);
     const __m256 scale8 = _mm256_set1_ps(scale);
     for (int64_t u = 0; u < n; u += 8) {
         __m256 f[4][8];
@@ -185,17 +198,7 @@ static inline __attribute__((always_inline)) void score_keys512_heads(
                 continue;
             }
             __m512 k[8];
-            if (bf16) {
-                const uint16_t *src = (const uint16_t *)cache + first + (u + j) * stride;
-                for (int64_t c = 0; c < D / 32; c++) {
-                    const __m512i x = _mm512_loadu_si512((const void *)(src + 32 * c));
-                    k[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-                    k[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, high));
-                }
-            } else {
-                const float *src = (const float *)cache + first + (u + j) * stride;
-                for (int64_t c = 0; c < D / 16; c++) k[c] = _mm512_loadu_ps(src + 16 * c);
-            }
+            load_head512(cache, bf16, first + (u + j) * stride, D, k);
             for (int64_t g = 0; g < G; g++) {
                 const __m512 *q = qv + g * (D / 16);
                 __m512 a = _mm512_mul_ps(q[0], k[0]);
@@ -207,14 +210,7 @@ static inline __attribute__((always_inline)) void score_keys512_heads(
             const __m256 sc = _mm256_mul_ps(
                 sum8_lanes(f[g][0], f[g][1], f[g][2], f[g][3], f[g][4], f[g][5], f[g][6], f[g][7]),
                 scale8);
-            float *dst = scores + g * s_stride + u;
-            if (u + 8 <= n) {
-                _mm256_storeu_ps(dst, sc);
-            } else {
-                float tail[8];
-                _mm256_storeu_ps(tail, sc);
-                for (int64_t j = 0; u + j < n; j++) dst[j] = tail[j];
-            }
+            store_scores8(scores + g * s_stride + u, sc, n - u);
         }
     }
 }
