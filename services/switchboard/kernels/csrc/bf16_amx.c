@@ -9,7 +9,8 @@
    set: matmuls of 64 to 128 rows took 1.1-1.3x as long). One TDPBF16PS adds 16 rows x 16
    columns x 32 products into a float32 tile; four such sums (four panels) stay in tiles over
    the whole of K while A is loaded once per 16 pairs for the four, or with more than 16 rows
-   two groups of rows by two panels.
+   two groups of rows by two panels, every group of rows over two panels while they are in L2
+   (and the next two panels read from memory meanwhile).
    Measured on a 2-core Xeon with AMX against oneDNN's bfloat16 matmul (its tiles too, the plain
    weight each call) on tiny-llama's, llama-100m's and SmolLM2's matrices: 1.2-3x as fast at 1
    to 32 rows, about even at 64, 0.65-0.9x at 128; against this kernel's dpbf16 variant 2-4x as
@@ -178,65 +179,92 @@ static void four_panels(const struct amx_task *t, int64_t q, int n, int64_t r0) 
     if (n > 3) STORE(3, q + 3, r0);
 }
 
-/* the sums of n (1..4) panels from panel q on, rows r0 .. r0 + 31 of the padded rows (row
-   r0 + 16 below M), two panels at a time */
-static void two_groups(const struct amx_task *t, int64_t q, int n, int64_t r0) {
+/* lines [lo, hi) of panel pq (a k-pair a 64-byte line) asked for into L2 */
+static inline void prefetch_lines(const uint32_t *pq, int64_t lo, int64_t hi) {
+    for (int64_t l = lo; l < hi; l++) _mm_prefetch((const char *)(pq + l * PW), _MM_HINT_T1);
+}
+
+/* One pass over K: panel q (pa) and q + 1 (pb, where not NULL) by the rows of group r0 and, where
+   two, of group r0 + 16; meanwhile the k-pairs [nlo, nhi) of the next panels na and nb (where not
+   NULL) are asked for into L2, spread evenly over the pass's steps. */
+static void pass(const struct amx_task *t, int64_t q, const uint32_t *pa, const uint32_t *pb,
+                 int64_t r0, int two, const uint32_t *na, const uint32_t *nb, int64_t nlo,
+                 int64_t nhi) {
     const int64_t KP = t->KP, KPA = (KP + TILE_PAIRS - 1) / TILE_PAIRS * TILE_PAIRS;
     const uint32_t *x0 = t->xp + r0 * KPA, *x1 = x0 + TILE_ROWS * KPA;
-    const int64_t r1 = r0 + TILE_ROWS;
+    const int64_t steps = KPA / TILE_PAIRS, span = nhi - nlo;
     uint32_t tail[TILE_PAIRS * PW];
-    for (int j = 0; j < n; j += 2) {
-        const int pair = j + 1 < n;
-        const uint32_t *pa = t->p + (q + j) * KP * PW, *pb = pa + KP * PW;
-        _tile_zero(0);
-        _tile_zero(2);
-        if (pair) {
-            _tile_zero(1);
-            _tile_zero(3);
+    _tile_zero(0);
+    if (two) _tile_zero(2);
+    if (pb) {
+        _tile_zero(1);
+        if (two) _tile_zero(3);
+    }
+    int64_t step = 0;
+    for (int64_t kc = 0; kc < KP; kc += TILE_PAIRS, step++) {
+        if (kc + PF_PAIRS < KP) {
+            PREFETCH_PANEL(pa, kc);
+            if (pb) PREFETCH_PANEL(pb, kc);
         }
-        for (int64_t kc = 0; kc < KP; kc += TILE_PAIRS) {
-            if (kc + PF_PAIRS < KP) {
-                PREFETCH_PANEL(pa, kc);
-                if (pair) PREFETCH_PANEL(pb, kc);
-            }
-            _tile_loadd(4, x0 + kc * TILE_ROWS, 64);
-            _tile_loadd(7, x1 + kc * TILE_ROWS, 64);
-            LOAD_B(5, pa, kc);
-            _tile_dpbf16ps(0, 4, 5);
-            _tile_dpbf16ps(2, 7, 5);
-            if (pair) {
-                LOAD_B(6, pb, kc);
-                _tile_dpbf16ps(1, 4, 6);
-                _tile_dpbf16ps(3, 7, 6);
-            }
+        if (na) {
+            const int64_t lo = nlo + step * span / steps, hi = nlo + (step + 1) * span / steps;
+            prefetch_lines(na, lo, hi);
+            if (nb) prefetch_lines(nb, lo, hi);
         }
-        STORE(0, q + j, r0);
-        STORE(2, q + j, r1);
-        if (pair) {
-            STORE(1, q + j + 1, r0);
-            STORE(3, q + j + 1, r1);
+        _tile_loadd(4, x0 + kc * TILE_ROWS, 64);
+        if (two) _tile_loadd(7, x1 + kc * TILE_ROWS, 64);
+        LOAD_B(5, pa, kc);
+        _tile_dpbf16ps(0, 4, 5);
+        if (two) _tile_dpbf16ps(2, 7, 5);
+        if (pb) {
+            LOAD_B(6, pb, kc);
+            _tile_dpbf16ps(1, 4, 6);
+            if (two) _tile_dpbf16ps(3, 7, 6);
         }
+    }
+    STORE(0, q, r0);
+    if (two) STORE(2, q, r0 + TILE_ROWS);
+    if (pb) {
+        STORE(1, q + 1, r0);
+        if (two) STORE(3, q + 1, r0 + TILE_ROWS);
     }
 }
 
-/* work items [i0, i1): groups of four panels, every group of rows over each while it is
-   cached (in pairs where two remain) */
+/* Panel q (and q + 1 where pair) by every group of rows, two groups a pass, all the passes
+   while the panels are in L2. Where there are two passes or more, each pass also asks for its
+   share of the next panels (nq, and nq + 1 where npair; none where nq < 0): the first pass read
+   its panels from memory and the rest from L2, and nothing was read from memory meanwhile
+   (llama-100m's layer matrices at 64-128 rows, two threads, weights past the CPU's caches:
+   0.90-0.92x the time; the language-model heads 0.78-0.86x; one pass: no gain, left as it was). */
+static void panel_pair(const struct amx_task *t, int64_t q, int pair, int64_t nq, int npair) {
+    const int64_t KP = t->KP, passes = (t->M + 2 * TILE_ROWS - 1) / (2 * TILE_ROWS);
+    const uint32_t *pa = t->p + q * KP * PW, *pb = pair ? pa + KP * PW : 0;
+    const uint32_t *na = nq >= 0 && passes > 1 ? t->p + nq * KP * PW : 0;
+    const uint32_t *nb = na && npair ? na + KP * PW : 0;
+    int64_t r = 0;
+    for (int64_t r0 = 0; r0 < t->M; r0 += 2 * TILE_ROWS, r++)
+        pass(t, q, pa, pb, r0, r0 + TILE_ROWS < t->M, na, nb, r * KP / passes,
+             (r + 1) * KP / passes);
+}
+
+/* work items [i0, i1): groups of four panels. One group of rows: four panels a pass (a row
+   tile loaded once for four multiplies); more: two panels at a time by every group of rows */
 static void amx_items(void *arg, int64_t i0, int64_t i1) {
     const struct amx_task *t = arg;
     const int64_t panels = (t->N + PW - 1) / PW;
     /* fewer than 16 rows: tiles of that many (a shorter multiply), the same sums a row */
     load_config(t->M < TILE_ROWS ? (int)t->M : TILE_ROWS);
-    for (int64_t i = i0; i < i1; i++) {
-        const int64_t q = i * PANELS_AT_ONCE;
-        const int n = panels - q < PANELS_AT_ONCE ? (int)(panels - q) : PANELS_AT_ONCE;
-        for (int64_t r0 = 0; r0 < t->M;) {
-            if (r0 + TILE_ROWS < t->M) {
-                two_groups(t, q, n, r0);
-                r0 += 2 * TILE_ROWS;
-            } else {
-                four_panels(t, q, n, r0);
-                r0 += TILE_ROWS;
-            }
+    if (t->M <= TILE_ROWS) {
+        for (int64_t i = i0; i < i1; i++) {
+            const int64_t q = i * PANELS_AT_ONCE;
+            const int n = panels - q < PANELS_AT_ONCE ? (int)(panels - q) : PANELS_AT_ONCE;
+            four_panels(t, q, n, 0);
+        }
+    } else {
+        const int64_t end = i1 * PANELS_AT_ONCE < panels ? i1 * PANELS_AT_ONCE : panels;
+        for (int64_t q = i0 * PANELS_AT_ONCE; q < end; q += 2) {
+            const int64_t nq = q + 2 < end ? q + 2 : -1;
+            panel_pair(t, q, q + 1 < end, nq, nq >= 0 && nq + 1 < end);
         }
     }
     _tile_release();
