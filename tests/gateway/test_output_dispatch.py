@@ -111,3 +111,24 @@ async def test_a_wait_for_the_end_sleeps_through_steps_and_wakes_at_the_last() -
     await channel.end_arrival()  # already queued: returns at once
     got = [await channel.get() for _ in range(3)]
     assert [e.output.new_token_ids for e in got if isinstance(e, StepOutput)] == [[5], [6], [7]]
+
+
+async def test_a_wait_for_the_end_with_a_deadline_returns_at_whichever_comes_first() -> None:
+    """The pacing's wait: at its deadline while steps keep coming (no error raised, the steps
+    still queued), or at the last step if that comes before the deadline."""
+    router, engine = _router_with_engine()
+    channel = _open(router, "deadline")
+    loop = asyncio.get_running_loop()
+    router.deliver(engine, EngineCoreOutputs(0, 1, [EngineCoreOutput("deadline", [5])]))
+    started = loop.time()
+    await asyncio.wait_for(channel.end_arrival(started + 0.05), 10.0)
+    assert loop.time() >= started + 0.05 and not channel.end_queued()
+
+    waiter = asyncio.create_task(channel.end_arrival(loop.time() + 60.0))
+    await asyncio.sleep(0)
+    last = EngineCoreOutput("deadline", [6], finish_reason=FinishReason.STOP)
+    router.deliver(engine, EngineCoreOutputs(0, 2, [last]))
+    await asyncio.wait_for(waiter, 10.0)  # long before its deadline
+    assert channel.end_queued()
+    got = [await channel.get() for _ in range(2)]
+    assert [e.output.new_token_ids for e in got if isinstance(e, StepOutput)] == [[5], [6]]

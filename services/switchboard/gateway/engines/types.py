@@ -109,6 +109,11 @@ RequestEvent = StepOutput | RequestFailed | RequestAborted
 SendRequest = Callable[[EngineHandle, RequestType, Any], bool]
 
 
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 def _ends_request(event: RequestEvent) -> bool:
     """A finished step, a failure or an abort: nothing comes after it."""
     return not isinstance(event, StepOutput) or event.output.finish_reason is not None
@@ -135,13 +140,13 @@ class RequestChannel:
         self.stalled = False
         self._events: collections.deque[RequestEvent] = collections.deque()
         self._arrived = asyncio.Event()
-        self._end_arrived = asyncio.Event()  # the event that ends the request is queued
+        self._end_waiter: asyncio.Future[None] | None = None  # end_arrival's, while it waits
 
     def put(self, event: RequestEvent) -> None:
         self._events.append(event)
         self._arrived.set()
-        if _ends_request(event):
-            self._end_arrived.set()
+        if _ends_request(event) and self._end_waiter is not None:
+            _wake(self._end_waiter)
 
     async def get(self) -> RequestEvent:
         while not self._events:
@@ -154,12 +159,23 @@ class RequestChannel:
         failure, an abort): nothing comes after it."""
         return bool(self._events) and _ends_request(self._events[-1])
 
-    async def end_arrival(self) -> None:
+    async def end_arrival(self, deadline: float | None = None) -> None:
         """Until the event that ends the request is queued (those before it are left
-        queued): a consumer that holds its steps back is not woken by each of them."""
-        if not self.end_queued():
-            self._end_arrived.clear()
-            await self._end_arrived.wait()
+        queued), or until the event loop's clock reaches ``deadline`` if that comes first: a
+        consumer that holds its steps back is not woken by each of them. Either way it returns
+        (a timeout's cancellation, raised through the waiting task and caught, cost a paced
+        stream about as much as the message it saved)."""
+        if self.end_queued():
+            return
+        loop = asyncio.get_running_loop()
+        waiter = self._end_waiter = loop.create_future()
+        timer = None if deadline is None else loop.call_at(deadline, _wake, waiter)
+        try:
+            await waiter
+        finally:
+            self._end_waiter = None
+            if timer is not None:
+                timer.cancel()
 
     def take_ready_step(self) -> StepOutput | None:
         """The next event if it is already here and is a step's output, without waiting: a

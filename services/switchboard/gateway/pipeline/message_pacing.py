@@ -16,7 +16,6 @@ with ``n`` > 1 (its sequences' steps are merged only one at a time).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 
 from switchboard.gateway.engines.types import RequestEvent, StepOutput
@@ -45,6 +44,4 @@ class MessagePacing:
             return  # the engine's steps are further apart than the interval: nothing to wait
         # Woken by the deadline or the call's last step only, not by each step between: with
         # many calls streaming, a wake-up per call and step is a task switch per token.
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout_at(deadline):
-                await group.channels[0].end_arrival()
+        await group.channels[0].end_arrival(deadline)
