@@ -261,10 +261,13 @@ static void amx_items(void *arg, int64_t i0, int64_t i1) {
             four_panels(t, q, n, 0);
         }
     } else {
+        /* the next panels past this chunk's too: a thread's next chunk is most often the
+           one after it (work_pool.c's runs); measured 0.96-1.0x the time of stopping at the
+           chunk's end */
         const int64_t end = i1 * PANELS_AT_ONCE < panels ? i1 * PANELS_AT_ONCE : panels;
         for (int64_t q = i0 * PANELS_AT_ONCE; q < end; q += 2) {
-            const int64_t nq = q + 2 < end ? q + 2 : -1;
-            panel_pair(t, q, q + 1 < end, nq, nq >= 0 && nq + 1 < end);
+            const int64_t nq = q + 2 < panels ? q + 2 : -1;
+            panel_pair(t, q, q + 1 < end, nq, nq >= 0 && nq + 1 < panels);
         }
     }
     _tile_release();
