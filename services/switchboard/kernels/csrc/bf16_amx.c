@@ -234,8 +234,9 @@ static void pass(const struct amx_task *t, int64_t q, const uint32_t *pa, const 
    while the panels are in L2. Where there are two passes or more, each pass also asks for its
    share of the next panels (nq, and nq + 1 where npair; none where nq < 0): the first pass read
    its panels from memory and the rest from L2, and nothing was read from memory meanwhile
-   (llama-100m's layer matrices at 64-128 rows, two threads, weights past the CPU's caches:
-   0.90-0.92x the time; the language-model heads 0.78-0.86x; one pass: no gain, left as it was). */
+   (bench/amx_matmul_ab.sh, two threads, weights past the CPU's caches: llama-100m's layer
+   matrices at 64 rows 0.89-0.95x the time, at 128 rows 0.94-1.02x, SmolLM2's 0.89x / 0.93x,
+   the language-model heads 0.79-0.91x; one pass, up to 32 rows: nothing to gain, left so). */
 static void panel_pair(const struct amx_task *t, int64_t q, int pair, int64_t nq, int npair) {
     const int64_t KP = t->KP, passes = (t->M + 2 * TILE_ROWS - 1) / (2 * TILE_ROWS);
     const uint32_t *pa = t->p + q * KP * PW, *pb = pair ? pa + KP * PW : 0;
