@@ -291,34 +291,25 @@ static void bf16_panels(void *arg, int64_t i0, int64_t i1) {
     }
 }
 
-/* y [M, N] = bf16(x) [M, K] (row stride ldx) @ w^T (+ bias), w in bf16_pack's panels, with
-   the selected variant. Returns 0; -1 for bad sizes or no variant; -2 out of memory. */
-#define PANEL_WORK 32768
-int bf16_linear(const float *x, int64_t ldx, const uint32_t *p, const float *bias, float *y,
-                int64_t M, int64_t K, int64_t N) {
-    const int v = selected;
-    if (M < 1 || K < 1 || v == NONE) return -1;
-    const int64_t KP = pairs_of(K);
-    /* AMX reads the rows as whole tiles: 16 pairs by 16 rows, zero past K and M */
-    const int64_t KPA = v == AMX ? (KP + 15) / 16 * 16 : KP, MA = v == AMX ? (M + 15) / 16 * 16 : M;
-    /* the rows rounded to bfloat16, kept from call to call (a fresh allocation of this size
-       each call would be fresh pages, faulted in every time); one per calling thread */
-    static __thread void *scratch = NULL;
-    static __thread size_t capacity = 0;
-    const size_t needed = (size_t)(v == AMX ? MA * KPA : M * 2 * KP) * sizeof(float);
-    if (needed > capacity) {
-        free(scratch);
-        scratch = malloc(needed);
-        capacity = scratch == NULL ? 0 : needed;
-        if (scratch == NULL) return -2;
-    }
-    uint32_t *xp = scratch;
-    float *xf = scratch;
-    /* AMX: the rows in tiles, each 16 rows by 16 pairs one contiguous kilobyte (rows from 16g,
-       pairs from kc at xp + 16g * KPA + 16kc: bf16_amx.c), which a tile load reads as 16
-       consecutive lines; the last group's rows past M are zero. */
-    if (v == AMX && MA > M) memset(xp + (M / 16) * 16 * KPA, 0, (size_t)(16 * KPA) * 4);
-    for (int64_t r = 0; r < M; r++) {
+/* rows [r0, r1) of x rounded to bfloat16 into the layout the variant reads (bf16_linear) */
+struct convert_task {
+    const float *x;
+    int64_t ldx;
+    uint32_t *xp;
+    float *xf;
+    int64_t K, KP, KPA;
+    int v;
+};
+
+#define CONVERT_WORK 16384 /* floats a chunk at least */
+static void convert_rows(void *arg, int64_t r0, int64_t r1) {
+    const struct convert_task *t = arg;
+    const float *x = t->x;
+    const int64_t ldx = t->ldx, K = t->K, KP = t->KP, KPA = t->KPA;
+    const int v = t->v;
+    uint32_t *xp = t->xp;
+    float *xf = t->xf;
+    for (int64_t r = r0; r < r1; r++) {
         const float *xr = x + r * ldx;
         if (v == DPBF16 || v == AMX) {
             /* pair kp of row r at o + kp (DPBF16), o + kp / 16 * 256 + kp % 16 (AMX) */
@@ -350,6 +341,40 @@ int bf16_linear(const float *x, int64_t ldx, const uint32_t *p, const float *bia
             }
         }
     }
+}
+
+/* y [M, N] = bf16(x) [M, K] (row stride ldx) @ w^T (+ bias), w in bf16_pack's panels, with
+   the selected variant. Returns 0; -1 for bad sizes or no variant; -2 out of memory. */
+#define PANEL_WORK 32768
+int bf16_linear(const float *x, int64_t ldx, const uint32_t *p, const float *bias, float *y,
+                int64_t M, int64_t K, int64_t N) {
+    const int v = selected;
+    if (M < 1 || K < 1 || v == NONE) return -1;
+    const int64_t KP = pairs_of(K);
+    /* AMX reads the rows as whole tiles: 16 pairs by 16 rows, zero past K and M */
+    const int64_t KPA = v == AMX ? (KP + 15) / 16 * 16 : KP, MA = v == AMX ? (M + 15) / 16 * 16 : M;
+    /* the rows rounded to bfloat16, kept from call to call (a fresh allocation of this size
+       each call would be fresh pages, faulted in every time); one per calling thread */
+    static __thread void *scratch = NULL;
+    static __thread size_t capacity = 0;
+    const size_t needed = (size_t)(v == AMX ? MA * KPA : M * 2 * KP) * sizeof(float);
+    if (needed > capacity) {
+        free(scratch);
+        scratch = malloc(needed);
+        capacity = scratch == NULL ? 0 : needed;
+        if (scratch == NULL) return -2;
+    }
+    uint32_t *xp = scratch;
+    float *xf = scratch;
+    /* AMX: the rows in tiles, each 16 rows by 16 pairs one contiguous kilobyte (rows from 16g,
+       pairs from kc at xp + 16g * KPA + 16kc: bf16_amx.c), which a tile load reads as 16
+       consecutive lines; the last group's rows past M are zero. */
+    if (v == AMX && MA > M) memset(xp + (M / 16) * 16 * KPA, 0, (size_t)(16 * KPA) * 4);
+    /* the rows' conversion over the pool's threads too: alone on the calling thread it was
+       ~2 % of a served bfloat16 worker's time at 64 rows, the other thread idle meanwhile */
+    const struct convert_task convert = {x, ldx, xp, xf, K, KP, KPA, v};
+    switchboard_parallel_for(M, CONVERT_WORK / (KP > 0 ? 2 * KP : 1), convert_rows,
+                             (void *)&convert);
     if (v == AMX) {
         bf16_amx_linear(xp, p, bias, y, M, KP, N);
         return 0;
