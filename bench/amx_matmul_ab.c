@@ -68,17 +68,12 @@ static int by_value(const void *a, const void *b) {
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include "amx_tiles.h"
+
 static void tile_rates(void) {
-    struct {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
+    struct amx_tile_config config = amx_tile_config_empty();
     for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;
-    __asm__ volatile("" : : "m"(config) : "memory");
-    _tile_loadconfig(&config);
+    amx_tile_config_load(&config);
     uint32_t *data = random_pairs(4 * 256);
     _tile_loadd(4, data, 64);
     _tile_loadd(5, data + 256, 64);

@@ -37,6 +37,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "amx_tiles.h"
+
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 #define PW 16         /* output columns per panel */
@@ -50,29 +52,16 @@ int bf16_amx_ready(void) {
     return ready;
 }
 
-/* palette 1; tiles 0-3 sums, 4 and 7 rows (up to 16 each), 5 and 6 the panels' weights: with
-   one group of rows, the sums of four panels (a row tile loaded once for four multiplies), with
-   two, two groups by two panels (four loads for four multiplies, not five) */
-struct tile_config {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
+/* tiles 0-3 sums, 4 and 7 rows (up to 16 each), 5 and 6 the panels' weights: with one group
+   of rows, the sums of four panels (a row tile loaded once for four multiplies), with two, two
+   groups by two panels (four loads for four multiplies, not five) */
 static void load_config(int rows) {
-    struct tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
+    struct amx_tile_config c = amx_tile_config_empty();
     for (int t = 0; t < 8; t++) {
         c.rows[t] = t == 5 || t == 6 ? TILE_ROWS : (uint8_t)rows;
         c.colsb[t] = 64;
     }
-    /* GCC does not count LDTILECFG as reading c: without this it may drop the stores above
-       (an invalid configuration: the load faults) */
-    __asm__ volatile("" : : "m"(c) : "memory");
-    _tile_loadconfig(&c);
+    amx_tile_config_load(&c);
 }
 
 struct amx_task {
@@ -139,10 +128,10 @@ static void add_bias(const struct amx_task *t, int64_t q, int64_t r0) {
     for (int l = 0; l < 16; l++)                                                          \
         _mm_prefetch((const char *)((pq) + ((kc) + PF_PAIRS) * PW) + 64 * l, _MM_HINT_T0)
 
-/* the sums of n (1..4) panels from panel q on, rows r0 .. r0 + 15 of the padded rows */
-static void four_panels(const struct amx_task *t, int64_t q, int n, int64_t r0) {
-    const int64_t KP = t->KP, KPA = (KP + TILE_PAIRS - 1) / TILE_PAIRS * TILE_PAIRS;
-    const uint32_t *x = t->xp + r0 * KPA;
+/* the sums of n (1..4) panels from panel q on, rows 0 .. 15 (M at most 16) */
+static void four_panels(const struct amx_task *t, int64_t q, int n) {
+    const int64_t KP = t->KP;
+    const uint32_t *x = t->xp;
     const uint32_t *p0 = t->p + q * KP * PW, *p1 = p0 + KP * PW, *p2 = p1 + KP * PW,
                    *p3 = p2 + KP * PW;
     uint32_t tail[TILE_PAIRS * PW];
@@ -173,10 +162,10 @@ static void four_panels(const struct amx_task *t, int64_t q, int n, int64_t r0) 
             _tile_dpbf16ps(3, 4, 6);
         }
     }
-    STORE(0, q, r0);
-    if (n > 1) STORE(1, q + 1, r0);
-    if (n > 2) STORE(2, q + 2, r0);
-    if (n > 3) STORE(3, q + 3, r0);
+    STORE(0, q, 0);
+    if (n > 1) STORE(1, q + 1, 0);
+    if (n > 2) STORE(2, q + 2, 0);
+    if (n > 3) STORE(3, q + 3, 0);
 }
 
 /* lines [lo, hi) of panel pq (a k-pair a 64-byte line) asked for into L2 */
@@ -259,7 +248,7 @@ static void amx_items(void *arg, int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; i++) {
             const int64_t q = i * PANELS_AT_ONCE;
             const int n = panels - q < PANELS_AT_ONCE ? (int)(panels - q) : PANELS_AT_ONCE;
-            four_panels(t, q, n, 0);
+            four_panels(t, q, n);
         }
     } else {
         /* the next panels past this chunk's too: a thread's next chunk is most often the

@@ -373,8 +373,7 @@ int bf16_linear(const float *x, int64_t ldx, const uint32_t *p, const float *bia
     /* the rows' conversion over the pool's threads too: alone on the calling thread it was
        ~2 % of a served bfloat16 worker's time at 64 rows, the other thread idle meanwhile */
     const struct convert_task convert = {x, ldx, xp, xf, K, KP, KPA, v};
-    switchboard_parallel_for(M, CONVERT_WORK / (KP > 0 ? 2 * KP : 1), convert_rows,
-                             (void *)&convert);
+    switchboard_parallel_for(M, CONVERT_WORK / (2 * KP), convert_rows, (void *)&convert);
     if (v == AMX) {
         bf16_amx_linear(xp, p, bias, y, M, KP, N);
         return 0;

@@ -21,6 +21,8 @@
 #include <stdatomic.h>
 #include <string.h>
 
+#include "amx_tiles.h"
+
 #define AMX_ROWS 16
 /* A last group of fewer rows than this takes the VNNI-512 tile: a block's tile work (two tile
    loads, the multiply, storing 1 KB of sums) costs the same for one row as for 16, and below
@@ -43,21 +45,13 @@ struct amx_task {
 };
 
 static void amx_load_config(int64_t B) {
-    struct {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
+    struct amx_tile_config c = amx_tile_config_empty();
     for (int first = 0; first < 6; first += 3) { /* two sets: tiles 0-2 and 3-5 */
         c.rows[first] = AMX_ROWS, c.colsb[first] = 64;            /* sums: 16 rows x 16 int32 */
         c.rows[first + 1] = AMX_ROWS, c.colsb[first + 1] = (uint16_t)B; /* rows: 16 x B int8 */
         c.rows[first + 2] = (uint8_t)(B / 4), c.colsb[first + 2] = 4 * PW; /* B / 4 lines */
     }
-    /* GCC does not count LDTILECFG as reading c: without this it may drop the stores above */
-    __asm__ volatile("" : : "m"(c) : "memory");
-    _tile_loadconfig(&c);
+    amx_tile_config_load(&c);
 }
 
 /* A 4-bit panel's blocks as 8-bit lines: block b's lines at out + b * B * PW, its B / 8 lines'
