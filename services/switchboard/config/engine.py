@@ -227,6 +227,17 @@ class WorkerConfig(Config, frozen=True):
             accepts=Accepts(0, says="at least 0 (0: an equal share of the CPUs)"),
         ),
     ] = 0
+    # worker/step_threads.py: a short step of many streams split over threads buys little and
+    # takes the core their gateway, engine core and clients need.
+    adaptive_step_threads: Annotated[
+        bool,
+        Flag(
+            "CPU workers run a step of 16 or more streams and at most 256 tokens on one thread "
+            "while such steps take under 6 ms there (a small model's; larger ones go back to all "
+            "threads after four); --no-adaptive-step-threads: every step on all of them",
+            Group.PARALLEL,
+        ),
+    ] = True
     # A stalled worker is named in the log and the engine's stats say so: its gateways stop
     # routing to it, readiness goes NOT_SERVING with no other engine, until it answers.
     step_timeout_s: Annotated[

@@ -51,6 +51,7 @@ from switchboard.worker.step_inputs import (
     build_step_inputs,
     sampled_rows,
 )
+from switchboard.worker.step_threads import StepThreads
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ class ModelRunner:
         self.decode_graphs: cuda_graphs.DecodeGraphs | None = None  # CUDA only, see there
         self.lora: LoraRequests | None = None  # --enable-lora (worker/lora_runner.py)
         self.draft = draft  # speculative decoding's draft model (worker/draft_model.py)
+        self.step_threads: StepThreads | None = None  # CPU: threads a step (step_threads.py)
 
     # -- set-up -----------------------------------------------------------------------------
 
@@ -219,11 +221,19 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
         # one inference-mode context a step (each costs tens of microseconds after the kernels)
-        return self._sample_step(self._forward_step(step))
+        if self.step_threads is None:
+            return self._sample_step(self._forward_step(step))
+        scheduled = step.num_scheduled_tokens
+        self.step_threads.begin(len(scheduled), sum(scheduled.values()))
+        output = self._sample_step(self._forward_step(step))
+        self.step_threads.end()
+        return output
 
     @torch.inference_mode()
     def forward_step(self, step: SchedulerOutput) -> StepLogits | ModelRunnerOutput:
         """Apply the delta and run the model; a step with no tokens returns its output."""
+        if self.step_threads is not None:
+            self.step_threads.use_all()
         return self._forward_step(step)
 
     @torch.inference_mode()

@@ -30,6 +30,7 @@ from switchboard.worker.encoder_runner import EncoderRunner
 from switchboard.worker.lora_runner import add_lora, lora_requests
 from switchboard.worker.model_runner import ModelRunner
 from switchboard.worker.rpc import dispatch_encoded
+from switchboard.worker.step_threads import StepThreads
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,10 @@ class Worker:
         else:
             draft = make_draft_model(config, self.device)  # --speculative-config's, if any
             self.runner = ModelRunner(config.model, self.device, self.parallel, draft)
+            if self.device.type == "cpu" and config.worker.adaptive_step_threads:
+                self.runner.step_threads = StepThreads(
+                    torch.get_num_threads(), torch.set_num_threads
+                )
         self.shutdown_requested = False
         self._kv_cache_shape: tuple[int, int] | None = None  # (num_blocks, block_size)
         self.sleep_level = 0  # 0 awake; 1 KV cache freed; 2 weights dropped too

@@ -1,0 +1,105 @@
+"""How many of its threads a CPU worker's step splits its loops over: one for a short step of
+many streams, all for the rest.
+
+Splitting a step's loops over the worker's threads (``kernels/csrc/work_pool.c``) pays when the
+loops are long. A small model's are not: tiny-llama's decode step of 32 rows took 2.13 ms on two
+threads against 2.66 on one (bfloat16, AMX, in process): a fifth of the time for the whole of a
+second core. And a step of many rows is a step of many streams, whose gateway, engine core and
+clients need that core: every hop of their requests waits for it. Served on 2 cores at 32
+streams arriving steadily, this policy gave tiny-llama bfloat16 time to first token p50 55.0
+-> 23.2 ms and 9 % more tokens a second for 15 % less CPU a token (in closed-loop waves, every
+stream starting at once, within noise: docs/benchmarks.md, "Threads a step").
+
+So a step of at least ``MIN_STREAMS`` requests and at most ``MAX_TOKENS`` tokens runs on one
+thread while that size of step (its tokens rounded up to a power of two) is short there: the
+median of its last ``WINDOW`` steps under ``SHORT_STEP_S``. A size whose steps take longer on
+one thread goes back to all of them for good (a 100M-parameter model's steps of 32 rows took
+26 ms on one thread and 16 on two: its loops split well). Steps of fewer streams (their
+processes leave the other core free, and a step of one stream, a decode or a long prompt's
+chunk, is latency a user sees) and larger steps always use every thread.
+
+The threads only change how the work is divided: each output is computed by one chunk whoever
+runs it, so the floats are the same either way (work_pool.c).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+# Steps of at least MIN_STREAMS requests and at most MAX_TOKENS tokens may run on one thread;
+# others always use every thread.
+MIN_STREAMS = 16
+MAX_TOKENS = 256
+# A size whose steps take at least this long on one thread (median) goes back to all threads.
+SHORT_STEP_S = 6e-3
+# Steps of a size measured on one thread before it may go back, and kept for the median.
+WINDOW = 4
+
+
+class StepThreads:
+    """Sets each step's thread count (``set_threads``) and times its one-thread steps.
+
+    ``threads``: the worker's thread count (its most); with fewer than two there is nothing to
+    choose and every step runs on them. ``clock``: seconds, monotonic."""
+
+    def __init__(
+        self,
+        threads: int,
+        set_threads: Callable[[int], None],
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.threads = threads
+        self._set_threads = set_threads
+        self._clock = clock
+        self._current = threads
+        self._times: dict[int, deque[float]] = {}  # one-thread step seconds, by size
+        self._long: set[int] = set()  # sizes back on every thread
+        self._timing: tuple[int, float] | None = None  # the one-thread step running: size, start
+
+    def begin(self, streams: int, tokens: int) -> None:
+        """A step of ``streams`` requests and ``tokens`` tokens starts: set its threads."""
+        size = self._size(streams, tokens)
+        wanted = self.threads if size is None or size in self._long else 1
+        if wanted != self._current:
+            self._set_threads(wanted)
+            self._current = wanted
+        self._timing = (size, self._clock()) if wanted == 1 and size is not None else None
+
+    def end(self) -> None:
+        """The step ``begin`` started is done."""
+        if self._timing is None:
+            return
+        size, started = self._timing
+        self._timing = None
+        times = self._times.setdefault(size, deque(maxlen=WINDOW))
+        times.append(self._clock() - started)
+        if len(times) == WINDOW and statistics.median(times) >= SHORT_STEP_S:
+            self._long.add(size)
+            logger.info(
+                "steps of up to %d tokens take %.1f ms on one thread: back on all %d",
+                size,
+                statistics.median(times) * 1e3,
+                self.threads,
+            )
+
+    def use_all(self) -> None:
+        """Every thread from now on (for a step not run between ``begin`` and ``end``)."""
+        self._timing = None
+        if self._current != self.threads:
+            self._set_threads(self.threads)
+            self._current = self.threads
+
+    def one_thread_sizes(self) -> list[int]:
+        """The sizes of step that run on one thread now (measured, and short there)."""
+        return sorted(size for size in self._times if size not in self._long)
+
+    def _size(self, streams: int, tokens: int) -> int | None:
+        if self.threads < 2 or streams < MIN_STREAMS or tokens > MAX_TOKENS:
+            return None
+        return 1 << (tokens - 1).bit_length()
