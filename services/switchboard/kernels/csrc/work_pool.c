@@ -272,10 +272,13 @@ void switchboard_parallel_for(int64_t n, int64_t min_grain, switchboard_chunk_fn
     if (atomic_load(&sleepers) > 0 && atomic_exchange(&wake_sent, 1) == 0)
         syscall(SYS_futex, &generation, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
     run_chunks(gen, 0, nruns, fn, ctx, n, grain);
-    /* only chunks another thread claimed are left: it is running them */
+    /* only chunks another thread claimed are left: it is running them, or it was preempted
+       while it held one and waits for a core, perhaps this one: yield it every 64 looks (a few
+       microseconds; every 4,096 served llama-100m and SmolLM2 in bfloat16 at 64 streams 3-4 %
+       slower, the caller's wait 11 % of the worker's samples) */
     for (int spins = 1; atomic_load_explicit(&finished, memory_order_acquire) < chunks; spins++) {
         cpu_relax();
-        if (spins % 4096 == 0) sched_yield();
+        if (spins % 64 == 0) sched_yield();
     }
     atomic_store(&running, 0);
 }
