@@ -77,7 +77,15 @@ class StepThreads:
             return
         size, started = self._timing
         self._timing = None
-        times = self._times.setdefault(size, deque(maxlen=WINDOW))
+        times = self._times.get(size)
+        if times is None:
+            times = self._times[size] = deque(maxlen=WINDOW)
+            logger.info(
+                "steps of %d+ streams and up to %d tokens: on one thread while under %.0f ms",
+                MIN_STREAMS,
+                size,
+                SHORT_STEP_S * 1e3,
+            )
         times.append(self._clock() - started)
         if len(times) == WINDOW and statistics.median(times) >= SHORT_STEP_S:
             self._long.add(size)
