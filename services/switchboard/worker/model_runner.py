@@ -223,8 +223,7 @@ class ModelRunner:
         # one inference-mode context a step (each costs tens of microseconds after the kernels)
         if self.step_threads is None:
             return self._sample_step(self._forward_step(step))
-        scheduled = step.num_scheduled_tokens
-        self.step_threads.begin(len(scheduled), sum(scheduled.values()))
+        self.step_threads.begin(len(step.num_scheduled_tokens), step.total_num_scheduled_tokens)
         output = self._sample_step(self._forward_step(step))
         self.step_threads.end()
         return output

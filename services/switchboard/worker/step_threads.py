@@ -64,12 +64,12 @@ class StepThreads:
 
     def begin(self, streams: int, tokens: int) -> None:
         """A step of ``streams`` requests and ``tokens`` tokens starts: set its threads."""
-        size = self._size(streams, tokens)
-        wanted = self.threads if size is None or size in self._long else 1
+        size = self._size(streams, tokens)  # None: on every thread
+        wanted = self.threads if size is None else 1
         if wanted != self._current:
             self._set_threads(wanted)
             self._current = wanted
-        self._timing = (size, self._clock()) if wanted == 1 and size is not None else None
+        self._timing = None if size is None else (size, self._clock())
 
     def end(self) -> None:
         """The step ``begin`` started is done."""
@@ -108,6 +108,8 @@ class StepThreads:
         return sorted(size for size in self._times if size not in self._long)
 
     def _size(self, streams: int, tokens: int) -> int | None:
+        """The size a step runs on one thread as, or None (every thread)."""
         if self.threads < 2 or streams < MIN_STREAMS or tokens > MAX_TOKENS:
             return None
-        return 1 << (tokens - 1).bit_length()
+        size = 1 << (tokens - 1).bit_length()
+        return None if size in self._long else size
