@@ -5,6 +5,7 @@ every other step on all; the same tokens either way."""
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -111,6 +112,30 @@ def test_few_streams_large_steps_and_single_thread_workers_use_every_thread() ->
     single = alone.policy()
     assert run_steps(single, alone, 32, 32, 10, {1: 0.1 * SHORT_STEP_S}) == [1] * 10
     assert alone.changes == []
+
+
+def test_time_off_the_core_does_not_count_against_a_size() -> None:
+    """The default clock is the thread's CPU time: a step whose thread waits off its core (as
+    when another process preempts it on a full machine) stays on one thread however long it
+    lasts; steps that spend the CPU go back to every thread."""
+    machine = Machine(2)
+    policy = StepThreads(machine.threads, machine.set)  # the default clock
+    for _ in range(WINDOW + 2):
+        policy.begin(32, 32)
+        assert machine.threads == 1
+        time.sleep(2 * SHORT_STEP_S)  # long in wall time, no CPU
+        policy.end()
+    assert policy.one_thread_sizes() == [32]
+    for _ in range(WINDOW):
+        policy.begin(32, 64)
+        assert machine.threads == 1
+        spent = time.thread_time() + 1.5 * SHORT_STEP_S
+        while time.thread_time() < spent:  # the CPU a long step takes
+            pass
+        policy.end()
+    assert policy.one_thread_sizes() == [32]  # 64 back on every thread, 32 still on one
+    policy.begin(32, 64)
+    assert machine.threads == 2
 
 
 def test_use_all_restores_every_thread() -> None:
