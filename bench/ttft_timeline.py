@@ -40,6 +40,7 @@ import dataclasses
 import json
 import os
 import shlex
+import signal
 import statistics
 import sys
 import tempfile
@@ -284,8 +285,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)  # unwinds through the finally that stops the servers
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         return asyncio.run(run(args))
     finally:
