@@ -34,7 +34,6 @@ from switchboard.gateway.auth import Credentials
 from switchboard.gateway.engines.types import RequestEvent
 from switchboard.gateway.lora_names import AdapterNotLoaded
 from switchboard.gateway.observability.observer import RequestObserver
-from switchboard.gateway.pipeline.coalesce import coalesce
 from switchboard.gateway.pipeline.generate_stream import GenerateStream
 from switchboard.gateway.pipeline.message_pacing import MessagePacing
 from switchboard.gateway.pipeline.prepare import PreparedGenerate, prepare_generate
@@ -88,33 +87,37 @@ class GenerateCall:
 
     async def responses(self) -> AsyncIterator[pb.GenerateResponse]:
         group = self.group
-        kind = group.streams[0].plan.output_kind
+        single = len(group.streams) == 1
         sent_at: float | None = None  # the event loop's time of the last message
         while not group.finished:
             index, event = await group.next_event()
             self._ticket.prompt_started()  # the engine answered: the prompt left the queue
             if sent_at is not None and self._pacing is not None:
                 await self._pacing.wait(group, event, sent_at)
-            batch = [self._handle(index, event)]
+            # Steps that came while the last message was being sent go out with this one: held
+            # in the stream, then one message for them all (for n > 1, one event at a time).
+            response = self._handle(index, event, hold=single)
             failure: ApiError | None = None
             try:
-                # Steps that came while the last message was being sent go out with this one.
-                while (ready := group.ready_event()) is not None:
-                    batch.append(self._handle(*ready))
+                while response is None and (ready := group.ready_event()) is not None:
+                    response = self._handle(*ready, hold=True)
             except ApiError as error:
                 failure = error  # what came before it still goes out first
-            responses = [response for response in batch if response is not None]
-            if responses:
-                yield coalesce(responses, kind)
+            if response is None and single:
+                response = group.streams[0].flush()
+            if response is not None:
+                yield response
                 sent_at = asyncio.get_running_loop().time()
             if failure is not None:
                 raise failure
         self.finished = True
         logger.debug("request %s finished: %s", group.streams[0].plan.request_id, group.usage())
 
-    def _handle(self, index: int, event: RequestEvent) -> pb.GenerateResponse | None:
+    def _handle(
+        self, index: int, event: RequestEvent, hold: bool = False
+    ) -> pb.GenerateResponse | None:
         self._observer.on_event(event)
-        return self.group.handle(index, event)
+        return self.group.handle(index, event, hold)
 
 
 class GenerateCalls:

@@ -11,8 +11,14 @@ the sequence, in the gateway, sends the engine its ABORT):
 PromptInfo rides on the first message sent, Usage on the last (``sequence_group.py`` adds the
 call's RequestMetrics to it, from the call's one timing record). Logprobs (when asked for) ride
 with their tokens: a step with new tokens is news even if its text is held back. With ``n`` > 1
-there is one stream per sequence (``index``); ``sequence_group.py`` merges them. A call that fell
-behind sends several steps' messages as one (``coalesce.py``). With a stream interval of k > 1
+there is one stream per sequence (``index``); ``sequence_group.py`` merges them.
+
+A call that fell behind its engine (the client reads slowly, or the gateway's loop is busy with
+other streams, or the gateway's message budget holds it: ``message_pacing.py``) finds several
+steps queued in its channel. It feeds them with ``hold`` and ``flush``es after the last: one
+message says what they say together (the text, token ids and logprobs of them all), built once,
+as vLLM's output collector merges the outputs its consumer has not picked up yet. Nothing waits
+for more to come: a call that keeps up sends one message a step. With a stream interval of k > 1
 (``--stream-interval``, as vLLM's), a stream sends its first message at once and then one per k
 output tokens, and its last: fewer, larger messages, for less work per token in the gateway, the
 connection and the client.
@@ -65,6 +71,9 @@ class GenerateStream:
         self._held_text = ""
         self._held_ids: list[int] = []
         self._held_logprobs: list[pb.TokenLogprob] = []
+        # How much of what is held a message may say now (the interval's whole groups, the
+        # first token): lengths of the held text, ids and logprobs; None while none of it.
+        self._cut: tuple[int, int, int] | None = None
         self.index = index  # of this sequence among the request's n
         self._token_texts = tokenizer if plan.detokenize else None  # logprobs' token strings
         self._logprobs: list[pb.TokenLogprob] = []  # of every output token so far (if asked)
@@ -91,15 +100,24 @@ class GenerateStream:
     def finished(self) -> bool:
         return self.finish_reason != pb.FINISH_REASON_UNSPECIFIED
 
-    def handle(self, event: RequestEvent) -> pb.GenerateResponse | None:
-        """Feed one event of the request's channel; return the message to send, if any."""
+    def handle(self, event: RequestEvent, hold: bool = False) -> pb.GenerateResponse | None:
+        """Feed one event of the request's channel; return the message to send, if any. With
+        ``hold``, what a step says is kept for ``flush`` instead (more steps are queued behind
+        it: they go out as one message); the message that ends the sequence is never held."""
         if isinstance(event, RequestFailed):
             raise event.error
         if isinstance(event, RequestAborted):
             return self._finish(pb.FINISH_REASON_ABORT, "", [])
-        return self._step(event)
+        return self._step(event, hold)
 
-    def _step(self, step: StepOutput) -> pb.GenerateResponse | None:
+    def flush(self) -> pb.GenerateResponse | None:
+        """The message for what ``handle(hold=True)`` kept, as the stream interval allows (all
+        of it with an interval of 1); None when there is nothing to send."""
+        if self.finished or self._cut is None:
+            return None
+        return self._build(*self._take_held(self._cut), final=False)
+
+    def _step(self, step: StepOutput, hold: bool = False) -> pb.GenerateResponse | None:
         output = step.output
         self._num_cached_tokens = max(self._num_cached_tokens, output.num_cached_tokens)
         self._num_draft_tokens += output.num_draft_tokens
@@ -137,7 +155,7 @@ class GenerateStream:
                 self.stop_token_id = output.stop_reason
             reason = _FINISH_REASONS[output.finish_reason]
             return self._finish(reason, new_text, new_ids, new_logprobs)
-        return self._message(new_text, new_ids, new_logprobs)
+        return self._message(new_text, new_ids, new_logprobs, hold=hold)
 
     def _finish(
         self,
@@ -159,14 +177,35 @@ class GenerateStream:
         new_ids: list[int],
         new_logprobs: list[pb.TokenLogprob],
         final: bool = False,
+        hold: bool = False,
     ) -> pb.GenerateResponse | None:
         self._released_text += new_text
         kind = self.plan.output_kind
-        if self._stream_interval > 1 and kind != pb.OUTPUT_KIND_FINAL_ONLY:
-            held = self._hold(new_text, new_ids, new_logprobs, final)
-            if held is None:
+        if kind != pb.OUTPUT_KIND_FINAL_ONLY:
+            # Kept until the interval's tokens are in (or the batch of queued steps ends:
+            # ``flush``; or the sequence does): one message built for several steps.
+            self._held_text += new_text
+            self._held_ids += new_ids
+            self._held_logprobs += new_logprobs
+            if final:
+                return self._build(*self._take_held(), final=True)
+            if self._interval_due():
+                self._cut = (len(self._held_text), len(self._held_ids), len(self._held_logprobs))
+            if hold or self._cut is None:
                 return None
-            new_text, new_ids, new_logprobs = held
+            new_text, new_ids, new_logprobs = self._take_held(self._cut)
+        return self._build(new_text, new_ids, new_logprobs, final)
+
+    def _build(
+        self,
+        new_text: str,
+        new_ids: list[int],
+        new_logprobs: list[pb.TokenLogprob],
+        final: bool,
+    ) -> pb.GenerateResponse | None:
+        """The message saying ``new_*`` (or, CUMULATIVE, everything so far), if it says
+        anything."""
+        kind = self.plan.output_kind
         wants_ids = self.plan.return_token_ids or self.plan.logprobs is not None
         has_news = bool(new_text) or (wants_ids and bool(new_ids))
         if not final and (kind == pb.OUTPUT_KIND_FINAL_ONLY or not has_news):
@@ -193,20 +232,26 @@ class GenerateStream:
             response.usage.CopyFrom(self.usage())
         return response
 
-    def _hold(
-        self, new_text: str, new_ids: list[int], new_logprobs: list[pb.TokenLogprob], final: bool
-    ) -> tuple[str, list[int], list[pb.TokenLogprob]] | None:
-        """The stream interval: after the first message, one message per ``stream_interval``
-        output tokens (and the last). Returns what the message says since the last one sent, or
-        None while it is held."""
-        self._held_text += new_text
-        self._held_ids += new_ids
-        self._held_logprobs += new_logprobs
-        if not final and self._sent_first and len(self._held_ids) < self._stream_interval:
-            return None
-        held = (self._held_text, self._held_ids, self._held_logprobs)
-        self._held_text, self._held_ids, self._held_logprobs = "", [], []
-        return held
+    def _interval_due(self) -> bool:
+        """Whether what is held past the cut completes a message of the stream interval: the
+        first token at once, then one message per ``stream_interval`` output tokens."""
+        if self._cut is None:
+            return not self._sent_first or len(self._held_ids) >= self._stream_interval
+        return len(self._held_ids) - self._cut[1] >= self._stream_interval
+
+    def _take_held(
+        self, cut: tuple[int, int, int] | None = None
+    ) -> tuple[str, list[int], list[pb.TokenLogprob]]:
+        """What is held, up to ``cut`` (all of it: None); the rest stays held."""
+        text, ids, logprobs = self._held_text, self._held_ids, self._held_logprobs
+        self._cut = None
+        if cut is None:
+            self._held_text, self._held_ids, self._held_logprobs = "", [], []
+            return text, ids, logprobs
+        n_text, n_ids, n_logprobs = cut
+        self._held_text, self._held_ids = text[n_text:], ids[n_ids:]
+        self._held_logprobs = logprobs[n_logprobs:]
+        return text[:n_text], ids[:n_ids], logprobs[:n_logprobs]
 
     def _prompt_info(self) -> pb.PromptInfo:
         info = pb.PromptInfo(

@@ -7,7 +7,7 @@ a machine with few cores that work is taken from the model: throughput and the t
 token of new calls suffer. So the gateway aims at no more than ``--stream-messages-per-s``
 messages a second in all: with ``c`` calls streaming, a call waits ``c / budget`` seconds after
 a message before it sends the next, and sends the steps that came meanwhile as one
-(``coalesce.py``): the same tokens and text in fewer messages. While the engine's steps are
+(``generate_stream.py``): the same tokens and text in fewer messages. While the engine's steps are
 further apart than that, nothing waits. A call's first message is never held (time to first
 token), nor the step that ends the call (the wait ends when it comes), nor the steps of a call
 with ``n`` > 1 (its sequences' steps are merged only one at a time).

@@ -125,12 +125,15 @@ class SequenceGroup:
 
     # -- responses out ------------------------------------------------------------------------
 
-    def handle(self, index: int, event: RequestEvent) -> pb.GenerateResponse | None:
-        """Feed one event of sequence ``index``; return the message to send, if any."""
+    def handle(
+        self, index: int, event: RequestEvent, hold: bool = False
+    ) -> pb.GenerateResponse | None:
+        """Feed one event of sequence ``index``; return the message to send, if any (``hold``:
+        ``GenerateStream.handle``'s, for a call of one sequence)."""
         stream = self.streams[index]
         if stream.finished:
             return None  # e.g. the ABORT echo after a stop string ended it
-        response = stream.handle(event)
+        response = stream.handle(event, hold)
         if response is None:
             return None
         if len(self.streams) == 1:

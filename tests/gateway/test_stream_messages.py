@@ -241,6 +241,34 @@ async def test_a_stream_interval_sends_the_first_token_then_one_message_per_k_to
     assert messages[-1].outputs[0].finish_reason == pb.FINISH_REASON_LENGTH
 
 
+async def test_steps_queued_under_an_interval_send_their_whole_groups_and_hold_the_rest(
+    calls_every_3: GenerateCalls,
+) -> None:
+    """Queued steps go out as one message that ends on a group of the interval: the first
+    token and the whole groups after it; the tokens past the last whole group wait for the
+    next steps (here the end)."""
+    tokenizer = calls_every_3.state.tokenizer
+    ids = tokenizer.encode(TEXT * 2, add_special_tokens=False)[:9]
+    request = _request(logprobs=1)
+    request.stopping.max_tokens = len(ids)
+    async with calls_every_3.open(request, "req-queued-3", time.time(), _TestFront()) as call:
+        responses = call.responses()
+        for i, token_id in enumerate(ids[:6]):  # the first token, a group of 3, 2 more
+            _step(call, token_id, first=i == 0, logprobs=1)
+        queued = await anext(responses)
+        for token_id in ids[6:-1]:
+            _step(call, token_id, logprobs=1)
+        _step(call, ids[-1], finish=FinishReason.LENGTH, logprobs=1)
+        rest = [response async for response in responses]
+
+    assert list(queued.outputs[0].token_ids) == ids[:4]
+    assert [e.token_id for e in queued.outputs[0].logprobs] == ids[:4]
+    assert queued.HasField("prompt_info") and not queued.HasField("usage")
+    assert [list(m.outputs[0].token_ids) for m in rest] == [ids[4:]]
+    assert queued.outputs[0].text + rest[0].outputs[0].text == tokenizer.decode(ids)
+    assert rest[0].usage.completion_tokens == len(ids)
+
+
 async def test_a_stream_that_ends_inside_an_interval_sends_what_it_held_with_the_end(
     calls_every_3: GenerateCalls,
 ) -> None:
