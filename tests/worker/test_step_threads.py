@@ -86,7 +86,7 @@ def test_a_size_long_on_one_thread_goes_back_to_all_for_good(
     said = [record.getMessage() for record in caplog.records]
     assert said == [  # what an operator reads: the size tried, then sent back, once each
         "steps of 16+ streams and up to 32 tokens: on one thread while under 6 ms",
-        "steps of up to 32 tokens take 9.0 ms on one thread: back on all 2",
+        "steps of up to 32 tokens take 9.0 ms of CPU on one thread: back on all 2",
     ]
     assert run_steps(policy, machine, 32, 32, 10, SHORT) == [2] * 10  # for good
     assert run_steps(policy, machine, 32, 60, 10, SHORT) == [1] * 10  # another size: its own

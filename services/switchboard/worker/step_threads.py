@@ -95,7 +95,7 @@ class StepThreads:
         if len(times) == WINDOW and statistics.median(times) >= SHORT_STEP_S:
             self._long.add(size)
             logger.info(
-                "steps of up to %d tokens take %.1f ms on one thread: back on all %d",
+                "steps of up to %d tokens take %.1f ms of CPU on one thread: back on all %d",
                 size,
                 statistics.median(times) * 1e3,
                 self.threads,
