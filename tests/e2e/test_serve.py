@@ -110,8 +110,8 @@ def test_streams_the_same_tokens_as_transformers(
     prompt = [0, 17, 99, 250, 3, 42, 7, 511, 8, 64, 300, 12, 5, 77, 901, 33, 21, 2, 44]
     ids, _, messages = collect(stub.Generate(greedy_request(prompt, 24), timeout=60))
     # How many messages carry the 24 tokens depends on timing: a call that falls behind its
-    # engine gets the steps that queued up in one message (tests/gateway/test_stream_messages.py hands
-    # steps over one by one and checks the pattern); here every message carries a token.
+    # engine gets the steps that queued up in one message (tests/gateway/test_stream_messages.py
+    # hands steps over one by one and checks the pattern); here every message carries a token.
     assert all(o.token_ids for m in messages for o in m.outputs), messages
     assert ids == reference_greedy(tiny_model, prompt, 24)
     last = messages[-1]
