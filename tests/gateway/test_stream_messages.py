@@ -93,12 +93,14 @@ async def _serving(config: GatewayRoleConfig) -> AsyncIterator[GenerateCalls]:
         await server.stop()
 
 
-def _request(kind: int = pb.OUTPUT_KIND_DELTA, logprobs: int | None = None) -> pb.GenerateRequest:
+def _request(
+    kind: int = pb.OUTPUT_KIND_DELTA, logprobs: int | None = None, max_tokens: int = 4
+) -> pb.GenerateRequest:
     output = pb.OutputOptions(kind=kind, return_token_ids=True)
     if logprobs is not None:
         output.logprobs = logprobs
     return pb.GenerateRequest(
-        text="Hello", stopping=pb.StoppingCriteria(max_tokens=4), output=output
+        text="Hello", stopping=pb.StoppingCriteria(max_tokens=max_tokens), output=output
     )
 
 
@@ -217,8 +219,7 @@ async def test_a_stream_interval_sends_the_first_token_then_one_message_per_k_to
     each step gives, message or nothing."""
     tokenizer = calls_every_3.state.tokenizer
     ids = tokenizer.encode(TEXT * 2, add_special_tokens=False)[:8]
-    request = _request(logprobs=1)
-    request.stopping.max_tokens = len(ids)
+    request = _request(logprobs=1, max_tokens=len(ids))
     async with calls_every_3.open(request, "req-every-3", time.time(), _TestFront()) as call:
         (stream,), (rid,) = call.group.streams, call.group.request_ids
         last = len(ids) - 1
@@ -249,8 +250,7 @@ async def test_steps_queued_under_an_interval_send_their_whole_groups_and_hold_t
     next steps (here the end)."""
     tokenizer = calls_every_3.state.tokenizer
     ids = tokenizer.encode(TEXT * 2, add_special_tokens=False)[:9]
-    request = _request(logprobs=1)
-    request.stopping.max_tokens = len(ids)
+    request = _request(logprobs=1, max_tokens=len(ids))
     async with calls_every_3.open(request, "req-queued-3", time.time(), _TestFront()) as call:
         responses = call.responses()
         for i, token_id in enumerate(ids[:6]):  # the first token, a group of 3, 2 more
@@ -296,8 +296,7 @@ async def test_a_paced_call_sends_its_first_step_at_once_and_the_rest_with_the_e
     the step that ends the call ends the wait: no message is held past the end."""
     tokenizer = calls_paced.state.tokenizer
     ids = tokenizer.encode(TEXT * 2, add_special_tokens=False)[:6]
-    request = _request(logprobs=1)
-    request.stopping.max_tokens = len(ids)
+    request = _request(logprobs=1, max_tokens=len(ids))
     async with calls_paced.open(request, "req-paced", time.time(), _TestFront()) as call:
         responses = call.responses()
         _step(call, ids[0], first=True, logprobs=1)

@@ -245,7 +245,7 @@ class GenerateStream:
         """What is held, up to ``cut`` (all of it: None); the rest stays held."""
         text, ids, logprobs = self._held_text, self._held_ids, self._held_logprobs
         self._cut = None
-        if cut is None:
+        if cut is None or cut == (len(text), len(ids), len(logprobs)):  # no copies: all of it
             self._held_text, self._held_ids, self._held_logprobs = "", [], []
             return text, ids, logprobs
         n_text, n_ids, n_logprobs = cut
