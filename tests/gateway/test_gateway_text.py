@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from switchboard.gateway.text import IncrementalDetokenizer, TextStream, Tokenizer
@@ -46,6 +48,33 @@ def test_a_multibyte_character_split_across_tokens_is_held_back(tokenizer: Token
     assert any("😀" in d for d in deltas)  # the character arrives whole, in one delta
     assert all("\ufffd" not in d for d in deltas)
     assert deltas[-1] == ""  # nothing left to flush: the character completed on its last byte
+
+
+def test_a_group_of_tokens_decodes_as_the_tokens_one_by_one(tokenizer: Tokenizer) -> None:
+    """``extend`` (what a stream holding several steps for one message uses) gives the text
+    ``step`` gives token by token, on real text and on random ids (a random model's output:
+    cut characters, lone continuation bytes, special tokens), grouped at random."""
+    rng = random.Random(7)
+    vocab = tokenizer.vocab_size
+    sequences = [tokenizer.encode(text, add_special_tokens=False) for text in TEXTS]
+    sequences += [[rng.randrange(vocab) for _ in range(rng.randrange(1, 40))] for _ in range(300)]
+    for output in sequences:
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 8))]
+        expected = "".join(_stream_deltas(tokenizer, prompt, output))
+        detokenizer = IncrementalDetokenizer(tokenizer, prompt)
+        text, i = "", 0
+        while i < len(output):
+            size = rng.randrange(1, 12)
+            text += detokenizer.extend(output[i : i + size])
+            i += size
+        assert text + detokenizer.flush() == expected, output
+
+
+def test_byte_level_decoders_are_told_apart(
+    byte_level_tokenizer: Tokenizer, llama_style_tokenizer: Tokenizer
+) -> None:
+    assert byte_level_tokenizer.byte_level
+    assert not llama_style_tokenizer.byte_level  # SentencePiece-style: one id at a time
 
 
 def test_flush_releases_an_incomplete_character(byte_level_tokenizer: Tokenizer) -> None:

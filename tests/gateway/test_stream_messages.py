@@ -160,6 +160,25 @@ async def test_steps_queued_before_the_call_reads_go_out_as_one_message(
     assert response.metrics.HasField("time_to_first_token")
 
 
+async def test_held_steps_are_read_when_their_message_is_built(calls: GenerateCalls) -> None:
+    """Steps that queued up are detokenized together when their message is built: its text is
+    theirs, and the step after it starts where they ended."""
+    tokenizer = calls.state.tokenizer
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)[:4]
+    async with calls.open(_request(), "req-held", time.time(), _TestFront()) as call:
+        responses = call.responses()
+        for i, token_id in enumerate(ids[:3]):
+            _step(call, token_id, first=i == 0)
+        held = await anext(responses)
+        _step(call, ids[3], finish=FinishReason.LENGTH)
+        last = await anext(responses)
+
+    assert list(held.outputs[0].token_ids) == ids[:3]
+    assert held.outputs[0].text == tokenizer.decode(ids[:3])
+    assert held.outputs[0].text + last.outputs[0].text == tokenizer.decode(ids)
+    assert last.outputs[0].finish_reason == pb.FINISH_REASON_LENGTH
+
+
 async def test_a_call_that_keeps_up_sends_one_message_a_step(calls: GenerateCalls) -> None:
     tokenizer = calls.state.tokenizer
     ids = tokenizer.encode(TEXT, add_special_tokens=False)[:4]

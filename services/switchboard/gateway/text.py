@@ -7,7 +7,10 @@ a small window of tokens twice, once without and once with the new tokens, and e
 difference. The window starts a few tokens back so that decoders which strip a leading space
 from the first token (SentencePiece's "▁") see the same context in both decodes. While the new
 text ends in U+FFFD, the last token holds only part of a multi-byte UTF-8 character, and the
-text is held back until the character is complete.
+text is held back until the character is complete. Where the tokenizer's decoder is byte-level
+(GPT-2's, Llama 3's, SmolLM's: the text is the UTF-8 of the tokens' bytes put together), several
+tokens decode at once as they would one by one, and a stream that holds several steps for one
+message decodes them once.
 """
 
 from __future__ import annotations
@@ -32,6 +35,11 @@ class Tokenizer:
         tokenizer.no_padding()
         tokenizer.no_truncation()
         self._tokenizer = tokenizer
+        # The text of a run of ids is the UTF-8 decoding of their bytes put together, so it
+        # does not matter how they are grouped into decodes (text is a prefix of the text of
+        # more ids once it does not end in an incomplete character). A SentencePiece decoder
+        # (byte fallback, the leading-space rules) is not: a group there decodes one id at a time.
+        self.byte_level = isinstance(tokenizer.decoder, tokenizers.decoders.ByteLevel)
 
     @classmethod
     def from_file(cls, path: str) -> Tokenizer:
@@ -77,6 +85,14 @@ class IncrementalDetokenizer:
     def step(self, token_id: int) -> str:
         """Add one token; return the text it completes ("" while a character is incomplete)."""
         self._ids.append(token_id)
+        return self._emit(final=False)
+
+    def extend(self, token_ids: Sequence[int]) -> str:
+        """Add several tokens; return the text they complete, the same as ``step`` one by one
+        would (two decodes for them all where the tokenizer is byte-level)."""
+        if not self._tokenizer.byte_level:
+            return "".join([self.step(token_id) for token_id in token_ids])
+        self._ids.extend(token_ids)
         return self._emit(final=False)
 
     def flush(self) -> str:
@@ -143,6 +159,10 @@ class TextStream:
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Add tokens; return the newly released text. Tokens after a stop match are ignored."""
+        if not self._stop:  # no token's text is looked at on its own
+            self._num_tokens += len(token_ids)
+            self._append(self._detokenizer.extend(token_ids))
+            return self._release(everything=False)
         for token_id in token_ids:
             if self.stopped:
                 break

@@ -18,7 +18,10 @@ other streams, or the gateway's message budget holds it: ``message_pacing.py``) 
 steps queued in its channel. It feeds them with ``hold`` and ``flush``es after the last: one
 message says what they say together (the text, token ids and logprobs of them all), built once,
 as vLLM's output collector merges the outputs its consumer has not picked up yet. Nothing waits
-for more to come: a call that keeps up sends one message a step. With a stream interval of k > 1
+for more to come: a call that keeps up sends one message a step. The held steps' tokens are
+detokenized together when their message is built (where no stop string needs each step's text,
+and the interval is 1): with a byte-level tokenizer two decodes a message instead of two a
+token, and the same text (``text.py``). With a stream interval of k > 1
 (``--stream-interval``, as vLLM's), a stream sends its first message at once and then one per k
 output tokens, and its last: fewer, larger messages, for less work per token in the gateway, the
 connection and the client.
@@ -88,6 +91,11 @@ class GenerateStream:
                 detokenizer, plan.stop, plan.include_stop_str_in_output, plan.min_tokens
             )
         self._token_ids: list[int] = []
+        # Held steps' tokens not detokenized yet: their text is read when their message is
+        # built. Only where nothing needs it sooner: a stop string ends the sequence on a
+        # step's text, and an interval > 1 cuts messages at a step's text.
+        self._unread_ids: list[int] = []
+        self._defers_text = self._text is not None and not plan.stop and stream_interval == 1
         self._released_text = ""
         self._num_cached_tokens = 0
         self._num_draft_tokens = 0  # speculative decoding: proposed and accepted tokens
@@ -115,6 +123,11 @@ class GenerateStream:
         of it with an interval of 1); None when there is nothing to send."""
         if self.finished or self._cut is None:
             return None
+        if self._unread_ids:  # (an interval of 1: the cut is everything held)
+            text = self._read([])
+            self._released_text += text
+            self._held_text += text
+            self._cut = (len(self._held_text), len(self._held_ids), len(self._held_logprobs))
         return self._build(*self._take_held(self._cut), final=False)
 
     def _step(self, step: StepOutput, hold: bool = False) -> pb.GenerateResponse | None:
@@ -122,11 +135,23 @@ class GenerateStream:
         self._num_cached_tokens = max(self._num_cached_tokens, output.num_cached_tokens)
         self._num_draft_tokens += output.num_draft_tokens
         self._num_accepted_tokens += output.num_accepted_tokens
+        # Raised before any text is read: the held steps before it are read by flush.
+        if output.finish_reason == FinishReason.ERROR:
+            if output.lora_not_loaded:  # unloaded through another gateway: NOT_FOUND
+                raise AdapterNotLoaded(output.lora_not_loaded, "model")
+            why = f": {output.stop_reason}" if isinstance(output.stop_reason, str) else ""
+            raise ApiError(
+                grpc.StatusCode.INTERNAL,
+                f"the engine failed request {self.plan.request_id!r}{why}",
+                reason="ENGINE_REQUEST_ERROR",
+            )
         new_ids = list(output.new_token_ids)
         new_text = ""
-        if self._text is not None:
-            pushed_before = self._text.num_tokens
-            new_text = self._text.push(new_ids)
+        if hold and self._defers_text and output.finish_reason is None:
+            self._unread_ids += new_ids  # read by flush, or by the step that is not held
+        elif self._text is not None:
+            pushed_before = self._text.num_tokens + len(self._unread_ids)
+            new_text = self._read(new_ids)
             if self._text.stopped:  # (one step may bring tokens past it: speculative decoding)
                 new_ids = new_ids[: self._text.num_tokens - pushed_before]
         self._token_ids += new_ids
@@ -137,15 +162,6 @@ class GenerateStream:
         self._logprobs += new_logprobs
         if output.prompt_logprobs:
             self._prompt_logprobs = to_api_logprobs(output.prompt_logprobs, self._token_texts)
-        if output.finish_reason == FinishReason.ERROR:
-            if output.lora_not_loaded:  # unloaded through another gateway: NOT_FOUND
-                raise AdapterNotLoaded(output.lora_not_loaded, "model")
-            why = f": {output.stop_reason}" if isinstance(output.stop_reason, str) else ""
-            raise ApiError(
-                grpc.StatusCode.INTERNAL,
-                f"the engine failed request {self.plan.request_id!r}{why}",
-                reason="ENGINE_REQUEST_ERROR",
-            )
         if self._text is not None and self._text.stopped:
             # A stop string ended the sequence here, in the gateway: the engine still runs it.
             self._abort_engine()
@@ -166,7 +182,7 @@ class GenerateStream:
     ) -> pb.GenerateResponse:
         self.finish_reason = reason
         if self._text is not None:
-            new_text += self._text.finish()
+            new_text += self._read([]) + self._text.finish()
         response = self._message(new_text, new_ids, new_logprobs or [], final=True)
         assert response is not None
         return response
@@ -231,6 +247,14 @@ class GenerateStream:
         if final:
             response.usage.CopyFrom(self.usage())
         return response
+
+    def _read(self, new_ids: list[int]) -> str:
+        """The text of the unread ids and then ``new_ids`` (all detokenized at once)."""
+        assert self._text is not None
+        ids = new_ids
+        if self._unread_ids:
+            ids, self._unread_ids = self._unread_ids + new_ids, []
+        return self._text.push(ids) if ids else ""
 
     def _interval_due(self) -> bool:
         """Whether what is held past the cut completes a message of the stream interval: the
