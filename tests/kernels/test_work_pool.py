@@ -1,6 +1,7 @@
 """The kernels' work pool: every item of a loop runs exactly once, whatever the sizes, grains and
 thread counts; calls made at the same time from two threads each complete (one on its own
-thread); helpers start on first use and sleep when idle (no CPU); the OpenMP variant behind the
+thread); helpers start on first use and sleep when idle (no CPU), and spin between a held
+step's loops until it is released; the OpenMP variant behind the
 same entry point gives the kernels the same floats."""
 
 from __future__ import annotations
@@ -96,6 +97,28 @@ def test_idle_helpers_take_no_cpu(count_items, threads):
     for _ in range(100):
         _counts_after(count_items, 10_000, 1)
     time.sleep(0.2)  # past the helpers' spin: asleep on the futex
+    started = time.process_time()
+    time.sleep(1.0)
+    assert time.process_time() - started < 0.1
+
+
+def test_a_held_step_keeps_its_helpers_awake_until_released(count_items, threads):
+    """While a step on every thread is under way the helpers wait for its next loop spinning
+    (no wake-up a loop); released, they go back to sleep."""
+    threads(2)
+    _counts_after(count_items, 10_000, 1)  # the helper has started
+    library.hold_pool(True)
+    try:
+        assert torch.equal(_counts_after(count_items, 10_000, 1), torch.ones(10_000).int())
+        started = time.process_time()
+        time.sleep(0.5)  # no loop meanwhile: held, the helper spins on (a core of its own here)
+        spun = time.process_time() - started
+        for _ in range(20):
+            assert count_items.meet_two_threads(60_000) == 1
+    finally:
+        library.hold_pool(False)
+    assert spun > 0.1
+    time.sleep(0.2)  # past the helper's spin: asleep on the futex
     started = time.process_time()
     time.sleep(1.0)
     assert time.process_time() - started < 0.1

@@ -114,6 +114,21 @@ def test_few_streams_large_steps_and_single_thread_workers_use_every_thread() ->
     assert alone.changes == []
 
 
+def test_a_step_says_whether_it_runs_on_every_thread() -> None:
+    """What the worker holds the work pool's helpers awake for (between a step's loops)."""
+    machine = Machine(2)
+    policy = machine.policy()
+    policy.begin(MIN_STREAMS - 1, 20)
+    assert policy.on_every_thread
+    policy.end()
+    policy.begin(32, 32)
+    assert not policy.on_every_thread and machine.threads == 1
+    policy.end()
+    alone = Machine(1).policy()
+    alone.begin(1, 200)
+    assert not alone.on_every_thread  # one thread: no helpers to hold
+
+
 def test_time_off_the_core_does_not_count_against_a_size() -> None:
     """The default clock is the thread's CPU time: a step whose thread waits off its core (as
     when another process preempts it on a full machine) stays on one thread however long it

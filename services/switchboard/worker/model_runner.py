@@ -224,7 +224,14 @@ class ModelRunner:
         if self.step_threads is None:
             return self._sample_step(self._forward_step(step))
         self.step_threads.begin(len(step.num_scheduled_tokens), step.total_num_scheduled_tokens)
-        output = self._sample_step(self._forward_step(step))
+        held = self.step_threads.on_every_thread
+        if held:
+            library.hold_pool(True)
+        try:
+            output = self._sample_step(self._forward_step(step))
+        finally:
+            if held:
+                library.hold_pool(False)
         self.step_threads.end()
         return output
 

@@ -101,6 +101,11 @@ class StepThreads:
                 self.threads,
             )
 
+    @property
+    def on_every_thread(self) -> bool:
+        """Whether the step ``begin`` started splits its loops over more than one thread."""
+        return self._current > 1
+
     def use_all(self) -> None:
         """Every thread from now on (for a step not run between ``begin`` and ``end``)."""
         self._timing = None

@@ -73,6 +73,9 @@ static _Atomic int sleepers;
    calls would wake nobody (each a system call, and in a VM often an exit) */
 static _Atomic int wake_sent;
 static _Atomic int running;           /* a loop is in progress: another call runs alone */
+/* 1 while a step runs on every thread (switchboard_work_pool_hold): the helpers spin between
+   its loops instead of sleeping SPIN_NS after their last chunk */
+static _Atomic int held;
 static _Atomic(switchboard_chunk_fn) task_fn;
 static _Atomic(void *) task_ctx;
 static _Atomic int64_t task_n, task_grain;
@@ -144,7 +147,9 @@ static void *helper_main(void *arg) {
                    the next loop */
                 if (now - looked > PREEMPTED_NS) deadline += now - looked;
                 looked = now;
-                if (now > deadline) {
+                if (now > deadline && atomic_load_explicit(&held, memory_order_relaxed)) {
+                    deadline = now + SPIN_NS; /* a step on every thread: its next loop follows */
+                } else if (now > deadline) {
                     /* announced before the last look at the generation; the caller publishes
                        the generation before it looks at sleepers: one of the two sees the other. The
                        wake-up call the caller skips while wake_sent is 1 is reset here first,
@@ -204,6 +209,8 @@ static void start_helpers(int wanted) {
 }
 
 int switchboard_work_pool_helpers(void) { return helpers_started; }
+
+void switchboard_work_pool_hold(int on) { atomic_store(&held, on != 0); }
 
 /* The OpenMP variant: torch's thread team, with the barrier at the end of every loop. */
 static int use_openmp; /* set once, before the first loop */

@@ -13,6 +13,10 @@ void switchboard_parallel_for(int64_t n, int64_t min_grain, switchboard_chunk_fn
 /* Helper threads started so far (0 before the first parallel loop, and with OpenMP). */
 int switchboard_work_pool_helpers(void);
 
+/* on != 0: a step whose loops all run on the pool's threads is under way; its helpers spin
+   between loops instead of sleeping (a wake-up per loop) until it is 0 again. */
+void switchboard_work_pool_hold(int on);
+
 /* on != 0: every loop from now on is an OpenMP `parallel for` instead (set before the first). */
 void switchboard_work_pool_use_openmp(int on);
 #endif
