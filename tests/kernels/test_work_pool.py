@@ -102,26 +102,54 @@ def test_idle_helpers_take_no_cpu(count_items, threads):
     assert time.process_time() - started < 0.1
 
 
-def test_a_held_step_keeps_its_helpers_awake_until_released(count_items, threads):
-    """While a step on every thread is under way the helpers wait for its next loop spinning
-    (no wake-up a loop); released, they go back to sleep."""
-    threads(2)
-    _counts_after(count_items, 10_000, 1)  # the helper has started
-    library.hold_pool(True)
-    try:
-        assert torch.equal(_counts_after(count_items, 10_000, 1), torch.ones(10_000).int())
-        started = time.process_time()
-        time.sleep(0.5)  # no loop meanwhile: held, the helper spins on (a core of its own here)
-        spun = time.process_time() - started
-        for _ in range(20):
-            assert count_items.meet_two_threads(60_000) == 1
-    finally:
-        library.hold_pool(False)
-    assert spun > 0.1
-    time.sleep(0.2)  # past the helper's spin: asleep on the futex
-    started = time.process_time()
-    time.sleep(1.0)
-    assert time.process_time() - started < 0.1
+# In a process of its own: one helper (the other tests start more, which would share the cores).
+_HELD_SCRIPT = """
+import ctypes, sys, time
+from pathlib import Path
+import torch
+from switchboard.kernels import library
+from switchboard.kernels.build import build_and_load
+torch.set_num_threads(2)
+library.load()
+kernel = build_and_load(
+    "work_pool_test_counting", [Path(sys.argv[1])], "work pool test kernel", library.SOURCE_DIR
+).count_items
+kernel.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+counts = torch.zeros(10_000, dtype=torch.int32)
+kernel(counts.data_ptr(), 10_000, 1)  # the helper starts
+time.sleep(0.05)  # and falls asleep
+library.hold_pool(True)
+before = library.pool_sleeps()
+for _ in range(50):
+    kernel(counts.data_ptr(), 10_000, 1)
+    gap = time.perf_counter() + 100e-6  # between the step's loops
+    while time.perf_counter() < gap:
+        pass
+between = library.pool_sleeps() - before
+started = time.process_time()
+time.sleep(0.5)  # a long gap, still held
+long_gap = time.process_time() - started
+library.hold_pool(False)
+assert torch.equal(counts, torch.full((10_000,), 51, dtype=torch.int32))
+print(between, long_gap, library.pool_sleeps() - before)
+"""
+
+
+def test_a_held_step_keeps_its_helpers_awake_between_its_loops() -> None:
+    """While a step on every thread is under way its helper waits for the next loop spinning
+    through gaps far longer than its usual 15 us (no wake-up a loop), but not through a long
+    one (torch's own threads may need the core): asleep after a millisecond, held or not."""
+    done = subprocess.run(
+        [sys.executable, "-c", _HELD_SCRIPT, str(Path(__file__).with_name("counting_kernel.c"))],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    between, long_gap, slept = done.stdout.split()
+    assert int(between) <= 2  # 50 loops 100 us apart
+    assert float(long_gap) < 0.1
+    assert int(slept) > int(between)  # it did sleep in the long gap
 
 
 def test_a_sleeping_helper_is_woken_for_each_loop(count_items, threads):

@@ -52,6 +52,7 @@ SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "switchboard_work_pool_use_openmp": (None, [_INT]),
     "switchboard_work_pool_helpers": (_INT, []),
     "switchboard_work_pool_hold": (None, [_INT]),
+    "switchboard_work_pool_sleeps": (_I64, []),
     "paged_decode_f32": (_INT, [_PTR, _I64, *[_PTR] * 4, *[_I64] * 7, _F32, _I64]),
     "paged_decode_bf16kv": (_INT, [_PTR, _I64, *[_PTR] * 4, *[_I64] * 7, _F32, _I64]),
     "rms_norm_f32": (None, [_PTR, _I64, _PTR, _PTR, _I64, _I64, _F32]),
@@ -204,9 +205,14 @@ def pool_status() -> str:
 
 def hold_pool(on: bool) -> None:
     """A step on every thread starts (True) or ends: meanwhile the pool's helpers wait for its
-    next loop spinning, not asleep (``csrc/work_pool.c``)."""
+    next loop spinning (up to a millisecond), not asleep (``csrc/work_pool.c``)."""
     if _library is not None:
         _library.switchboard_work_pool_hold(int(on))
+
+
+def pool_sleeps() -> int:
+    """Times a helper of the work pool has gone to sleep in this process."""
+    return int(_library.switchboard_work_pool_sleeps()) if _library is not None else 0
 
 
 def pool_helpers_started() -> int:

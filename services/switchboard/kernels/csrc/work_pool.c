@@ -53,6 +53,10 @@
    stream of the default model on 2 cores: ITL p50 lower in 10 of 12 alternated rounds) */
 #define SPIN_NS 15000
 #define PREEMPTED_NS 20000  /* a gap this long between two looks at the clock: preempted */
+/* ... and this long while a step on every thread is under way (switchboard_work_pool_hold):
+   the gaps between its loops are shorter, and a longer one (torch's own OpenMP team at work, a
+   prompt's attention) gets the core back after it */
+#define HELD_SPIN_NS 1000000
 
 /* the loop's generation: what helpers watch for the next loop, and the word they sleep on
    (futex) */
@@ -73,9 +77,10 @@ static _Atomic int sleepers;
    calls would wake nobody (each a system call, and in a VM often an exit) */
 static _Atomic int wake_sent;
 static _Atomic int running;           /* a loop is in progress: another call runs alone */
-/* 1 while a step runs on every thread (switchboard_work_pool_hold): the helpers spin between
-   its loops instead of sleeping SPIN_NS after their last chunk */
+/* 1 while a step runs on every thread (switchboard_work_pool_hold): the helpers spin up to
+   HELD_SPIN_NS between its loops instead of SPIN_NS */
 static _Atomic int held;
+static _Atomic int64_t sleeps; /* times a helper went to sleep (switchboard_work_pool_sleeps) */
 static _Atomic(switchboard_chunk_fn) task_fn;
 static _Atomic(void *) task_ctx;
 static _Atomic int64_t task_n, task_grain;
@@ -136,7 +141,7 @@ static void *helper_main(void *arg) {
     uint32_t last = (uint32_t)(intptr_t)arg; /* the generation current when it started */
     for (;;) {
         uint32_t seen = atomic_load_explicit(&generation, memory_order_acquire);
-        int64_t looked = now_ns(), deadline = looked + SPIN_NS;
+        int64_t looked = now_ns(), spun = 0;
         for (int spins = 1; seen == last; spins++) {
             cpu_relax();
             if (spins % 64 == 0) {
@@ -145,22 +150,22 @@ static void *helper_main(void *arg) {
                    (another process had the core): it does not count as spinning, or a helper
                    preempted while it spun would sleep as soon as it ran again, just before
                    the next loop */
-                if (now - looked > PREEMPTED_NS) deadline += now - looked;
+                if (now - looked <= PREEMPTED_NS) spun += now - looked;
                 looked = now;
-                if (now > deadline && atomic_load_explicit(&held, memory_order_relaxed)) {
-                    deadline = now + SPIN_NS; /* a step on every thread: its next loop follows */
-                } else if (now > deadline) {
+                if (spun > (atomic_load_explicit(&held, memory_order_relaxed) ? HELD_SPIN_NS
+                                                                              : SPIN_NS)) {
                     /* announced before the last look at the generation; the caller publishes
                        the generation before it looks at sleepers: one of the two sees the other. The
                        wake-up call the caller skips while wake_sent is 1 is reset here first,
                        for the same reason. */
                     atomic_fetch_add(&sleepers, 1);
                     atomic_store(&wake_sent, 0);
+                    atomic_fetch_add_explicit(&sleeps, 1, memory_order_relaxed);
                     if (atomic_load(&generation) == last)
                         syscall(SYS_futex, &generation, FUTEX_WAIT_PRIVATE, last, NULL, NULL, 0);
                     atomic_fetch_sub(&sleepers, 1);
                     looked = now_ns();
-                    deadline = looked + SPIN_NS;
+                    spun = 0;
                 }
             }
             seen = atomic_load_explicit(&generation, memory_order_acquire);
@@ -211,6 +216,8 @@ static void start_helpers(int wanted) {
 int switchboard_work_pool_helpers(void) { return helpers_started; }
 
 void switchboard_work_pool_hold(int on) { atomic_store(&held, on != 0); }
+
+int64_t switchboard_work_pool_sleeps(void) { return atomic_load(&sleeps); }
 
 /* The OpenMP variant: torch's thread team, with the barrier at the end of every loop. */
 static int use_openmp; /* set once, before the first loop */

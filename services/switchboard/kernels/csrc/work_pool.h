@@ -13,9 +13,13 @@ void switchboard_parallel_for(int64_t n, int64_t min_grain, switchboard_chunk_fn
 /* Helper threads started so far (0 before the first parallel loop, and with OpenMP). */
 int switchboard_work_pool_helpers(void);
 
-/* on != 0: a step whose loops all run on the pool's threads is under way; its helpers spin
-   between loops instead of sleeping (a wake-up per loop) until it is 0 again. */
+/* on != 0: a step that splits its loops over the pool's threads is under way; until it is 0
+   again, its helpers spin up to a millisecond between loops instead of 15 us before they
+   sleep (a wake-up per loop). */
 void switchboard_work_pool_hold(int on);
+
+/* Times a helper has gone to sleep so far. */
+int64_t switchboard_work_pool_sleeps(void);
 
 /* on != 0: every loop from now on is an OpenMP `parallel for` instead (set before the first). */
 void switchboard_work_pool_use_openmp(int on);
