@@ -13,6 +13,7 @@ import torch
 from switchboard.wire.engine_msgs import SamplingParams
 from switchboard.wire.step_msgs import CachedRequest, NewRequest, SchedulerOutput
 from switchboard.worker.step_threads import (
+    HOLD_MIN_STREAMS,
     MAX_TOKENS,
     MIN_STREAMS,
     SHORT_STEP_S,
@@ -114,19 +115,23 @@ def test_few_streams_large_steps_and_single_thread_workers_use_every_thread() ->
     assert alone.changes == []
 
 
-def test_a_step_says_whether_it_runs_on_every_thread() -> None:
-    """What the worker holds the work pool's helpers awake for (between a step's loops)."""
+def test_steps_of_several_streams_on_every_thread_hold_the_pool() -> None:
+    """What the worker holds the work pool's helpers awake for (between a step's loops): a
+    step of ``HOLD_MIN_STREAMS`` or more requests on more than one thread; not one user's."""
     machine = Machine(2)
     policy = machine.policy()
-    policy.begin(MIN_STREAMS - 1, 20)
-    assert policy.on_every_thread
+    policy.begin(HOLD_MIN_STREAMS, 200)
+    assert policy.holds_pool and machine.threads == 2
+    policy.end()
+    policy.begin(1, 1)
+    assert not policy.holds_pool and machine.threads == 2
     policy.end()
     policy.begin(32, 32)
-    assert not policy.on_every_thread and machine.threads == 1
+    assert not policy.holds_pool and machine.threads == 1
     policy.end()
     alone = Machine(1).policy()
-    alone.begin(1, 200)
-    assert not alone.on_every_thread  # one thread: no helpers to hold
+    alone.begin(32, 200)
+    assert not alone.holds_pool  # one thread: no helpers to hold
 
 
 def test_time_off_the_core_does_not_count_against_a_size() -> None:

@@ -224,7 +224,7 @@ class ModelRunner:
         if self.step_threads is None:
             return self._sample_step(self._forward_step(step))
         self.step_threads.begin(len(step.num_scheduled_tokens), step.total_num_scheduled_tokens)
-        held = self.step_threads.on_every_thread
+        held = self.step_threads.holds_pool
         if held:
             library.hold_pool(True)
         try:

@@ -39,6 +39,11 @@ logger = logging.getLogger(__name__)
 # others always use every thread.
 MIN_STREAMS = 16
 MAX_TOKENS = 256
+# Steps on every thread of at least this many requests hold the work pool's helpers awake
+# between their loops (kernels/csrc/work_pool.c): 4-5 % more tokens a second for SmolLM2 at 64
+# streams; one stream's steps 6 % slower held (its gateway and engine core need the other core
+# while the step runs).
+HOLD_MIN_STREAMS = 8
 # A size whose steps take at least this much of one thread's CPU time (median) goes back to all
 # threads.
 SHORT_STEP_S = 6e-3
@@ -66,6 +71,7 @@ class StepThreads:
         self._times: dict[int, deque[float]] = {}  # one-thread step seconds, by size
         self._long: set[int] = set()  # sizes back on every thread
         self._timing: tuple[int, float] | None = None  # the one-thread step running: size, start
+        self._holds = False  # the step running holds the work pool's helpers awake
 
     def begin(self, streams: int, tokens: int) -> None:
         """A step of ``streams`` requests and ``tokens`` tokens starts: set its threads."""
@@ -75,6 +81,7 @@ class StepThreads:
             self._set_threads(wanted)
             self._current = wanted
         self._timing = None if size is None else (size, self._clock())
+        self._holds = wanted > 1 and streams >= HOLD_MIN_STREAMS
 
     def end(self) -> None:
         """The step ``begin`` started is done."""
@@ -102,9 +109,10 @@ class StepThreads:
             )
 
     @property
-    def on_every_thread(self) -> bool:
-        """Whether the step ``begin`` started splits its loops over more than one thread."""
-        return self._current > 1
+    def holds_pool(self) -> bool:
+        """Whether the step ``begin`` started holds the work pool's helpers awake between its
+        loops: one of ``HOLD_MIN_STREAMS`` or more requests, on more than one thread."""
+        return self._holds
 
     def use_all(self) -> None:
         """Every thread from now on (for a step not run between ``begin`` and ``end``)."""
