@@ -21,6 +21,11 @@ steps of 32 rows took 26 ms on one thread and 16 on two: its loops split well). 
 fewer streams (their processes leave the other core free, and a step of one stream, a decode
 or a long prompt's chunk, is latency a user sees) and larger steps always use every thread.
 
+A step of ``HOLD_MIN_STREAMS`` or more requests on every thread also holds the work pool's
+helpers awake between its loops (``holds_pool``: they spin up to a millisecond instead of
+sleeping 15 us after each loop and being woken for the next); one user's steps are not held,
+its gateway and engine core need the other core while its step runs.
+
 The threads only change how the work is divided: each output is computed by one chunk whoever
 runs it, so the floats are the same either way (work_pool.c).
 """
