@@ -9,15 +9,18 @@ Not run by itself.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import importlib.util
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import grpc
@@ -36,6 +39,32 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((HOST, port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port_run(count: int, avoid: Collection[int] = ()) -> int:
+    """A port P with P .. P + count - 1 all free (gateways that serve on consecutive ports),
+    taken below the kernel's ephemeral range: a port there is not handed to some other
+    socket's connect or bind-to-0 between this look and the server's bind (P + 1 next to a free
+    ephemeral port was, once: "address already in use")."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    pick = random.Random()
+    for _ in range(1000):
+        port = pick.randrange(10_000, max(10_001, low - count))
+        ports = range(port, port + count)
+        if not any(p in avoid for p in ports) and all(_bindable(p) for p in ports):
+            return port
+    raise RuntimeError(f"no run of {count} free ports below {low}")
 
 
 def _stat_fields(pid: int) -> list[str]:

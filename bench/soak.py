@@ -79,9 +79,8 @@ def model_name(http_url: str) -> str:
 
 
 def start_server(model: str, workdir: Path, run_base: Path) -> tuple[server_procs.Server, int, int]:
-    grpc_port, http_port = server_procs.free_port(), server_procs.free_port()
-    while http_port + 1 == grpc_port:
-        http_port = server_procs.free_port()
+    grpc_port = server_procs.free_port()
+    http_port = server_procs.free_port_run(API_SERVERS, avoid={grpc_port})  # one a gateway
     cmd = [
         *server_procs.switchboard_command(), "serve", "--model", model,
         "--host", HOST, "--port", str(grpc_port), "--http-port", str(http_port),
