@@ -123,11 +123,11 @@ class GenerateStream:
         of it with an interval of 1); None when there is nothing to send."""
         if self.finished or self._cut is None:
             return None
-        if self._unread_ids:  # (an interval of 1: the cut is everything held)
+        if self._unread_ids:  # only with an interval of 1: the message is everything held
             text = self._read([])
             self._released_text += text
             self._held_text += text
-            self._cut = (len(self._held_text), len(self._held_ids), len(self._held_logprobs))
+            return self._build(*self._take_held(), final=False)
         return self._build(*self._take_held(self._cut), final=False)
 
     def _step(self, step: StepOutput, hold: bool = False) -> pb.GenerateResponse | None:
