@@ -118,20 +118,32 @@ def test_dp2_structured_streams_resume_through_their_grammar(
             return [Stream(server, [], 0, request=constrained_request(i, ids[i])) for i in range(6)]
 
         streams = held_up_streams(workers, start)
-        # Each of the two gateways (they share the gRPC port) routes on its own counts: the
-        # engine to kill is one that the held streams are on, as the engines report it.
-        held = {rank: 0 for rank in (0, 1)}
 
-        def all_held_seen() -> bool:
+        # Each of the two gateways (they share the gRPC port) routes on its own counts: the
+        # engine to kill is one that the held streams are on, as the engines report it. Gateway 0
+        # hears an engine's counts with its own streams' outputs and with every heartbeat (1 s
+        # apart while the workers are stopped): a count taken before a heartbeat may still hold a
+        # stream that ended on its engine before the stop (its client saw the end late), so the
+        # counts are read until two reads a heartbeat apart agree.
+        def engine_counts() -> dict[int, int]:
             scraped = scrape(metrics_port)  # gateway 0 exports every engine's own numbers
-            for rank in held:
-                held[rank] = int(
+            return {
+                rank: int(
                     metric_sum(scraped, "switchboard:num_requests_running", engine=str(rank))
                     + metric_sum(scraped, "switchboard:num_requests_waiting", engine=str(rank))
                 )
-            return sum(held.values()) == len(streams)
+                for rank in (0, 1)
+            }
 
-        wait_until(all_held_seen, "the engines report the held streams", 30)
+        held = engine_counts()
+
+        def counts_settled() -> bool:
+            nonlocal held
+            time.sleep(2.0)
+            before, held = held, engine_counts()
+            return held == before and sum(held.values()) > 0
+
+        wait_until(counts_settled, "the engines report the held streams", 30)
         victim = max(held, key=lambda rank: held[rank])
         survivor = 1 - victim
         os.kill(titled[f"switchboard::EngineCore_DP{victim}"], signal.SIGKILL)
@@ -144,7 +156,7 @@ def test_dp2_structured_streams_resume_through_their_grammar(
             assert_valid(index, stream.text)
         resumed = resumed_request_ids(server.log())
         assert resumed and all(request_id.startswith("so-") for request_id in resumed), resumed
-        assert len(resumed) == held[victim]
+        assert len(resumed) == held[victim], (held, server.log())
         counted = sum(
             metric_sum(
                 scrape(metrics_port + gateway),  # each gateway counts its own streams
