@@ -13,6 +13,7 @@ import torch
 from switchboard.wire.engine_msgs import SamplingParams
 from switchboard.wire.step_msgs import CachedRequest, NewRequest, SchedulerOutput
 from switchboard.worker.step_threads import (
+    HOLD_MIN_STEP_S,
     HOLD_MIN_STREAMS,
     MAX_TOKENS,
     MIN_STREAMS,
@@ -115,23 +116,39 @@ def test_few_streams_large_steps_and_single_thread_workers_use_every_thread() ->
     assert alone.changes == []
 
 
-def test_steps_of_several_streams_on_every_thread_hold_the_pool() -> None:
+def held_steps(
+    policy: StepThreads, machine: Machine, streams: int, steps: int, cpu_s: float
+) -> list[bool]:
+    """Whether each of ``steps`` steps of ``streams`` requests (200 tokens: on every thread),
+    each taking ``cpu_s``, held the work pool."""
+    held = []
+    for _ in range(steps):
+        policy.begin(streams, 200)
+        held.append(policy.holds_pool)
+        machine.now += cpu_s
+        policy.end()
+    return held
+
+
+def test_long_steps_of_several_streams_on_every_thread_hold_the_pool() -> None:
     """What the worker holds the work pool's helpers awake for (between a step's loops): a
-    step of ``HOLD_MIN_STREAMS`` or more requests on more than one thread; not one user's."""
+    step of ``HOLD_MIN_STREAMS`` or more requests on more than one thread once the steps on
+    every thread average ``HOLD_MIN_STEP_S`` of CPU time or more; not one user's, not short
+    ones."""
     machine = Machine(2)
     policy = machine.policy()
-    policy.begin(HOLD_MIN_STREAMS, 200)
-    assert policy.holds_pool and machine.threads == 2
-    policy.end()
-    policy.begin(1, 1)
-    assert not policy.holds_pool and machine.threads == 2
-    policy.end()
+    assert held_steps(policy, machine, HOLD_MIN_STREAMS, 10, 0.5 * HOLD_MIN_STEP_S) == [False] * 10
+    long = held_steps(policy, machine, HOLD_MIN_STREAMS, 10, 4 * HOLD_MIN_STEP_S)
+    assert not long[0] and long[-3:] == [True] * 3  # held once the average is long
+    assert held_steps(policy, machine, 1, 3, 4 * HOLD_MIN_STEP_S) == [False] * 3  # one user
+    short = held_steps(policy, machine, HOLD_MIN_STREAMS, 20, 0.25 * HOLD_MIN_STEP_S)
+    assert short[0] and short[-10:] == [False] * 10  # short again: no longer held
     policy.begin(32, 32)
-    assert not policy.holds_pool and machine.threads == 1
+    assert not policy.holds_pool and machine.threads == 1  # one thread: nothing to hold
     policy.end()
-    alone = Machine(1).policy()
-    alone.begin(32, 200)
-    assert not alone.holds_pool  # one thread: no helpers to hold
+    alone = Machine(1)
+    single = alone.policy()
+    assert held_steps(single, alone, 32, 10, 4 * HOLD_MIN_STEP_S) == [False] * 10
 
 
 def test_time_off_the_core_does_not_count_against_a_size() -> None:

@@ -23,8 +23,13 @@ or a long prompt's chunk, is latency a user sees) and larger steps always use ev
 
 A step of ``HOLD_MIN_STREAMS`` or more requests on every thread also holds the work pool's
 helpers awake between its loops (``holds_pool``: they spin up to a millisecond instead of
-sleeping 15 us after each loop and being woken for the next); one user's steps are not held,
-its gateway and engine core need the other core while its step runs.
+sleeping 15 us after each loop and being woken for the next) while the steps on every thread
+are long: their moving average of the calling thread's CPU time at least ``HOLD_MIN_STEP_S``.
+The wake-ups a hold saves are a step's loops (~150 in a SmolLM2 step); what it costs is the
+second core through every gap between them, which the gateway, the engine core and the clients
+need more the shorter the steps: one user's steps (4-5 ms) and tiny-llama's at the turn of a
+wave of 32 streams (8-15 streams, 2-3 ms) went slower held, SmolLM2's of 64 streams (~50 ms)
+faster.
 
 The threads only change how the work is divided: each output is computed by one chunk whoever
 runs it, so the floats are the same either way (work_pool.c).
@@ -45,10 +50,13 @@ logger = logging.getLogger(__name__)
 MIN_STREAMS = 16
 MAX_TOKENS = 256
 # Steps on every thread of at least this many requests hold the work pool's helpers awake
-# between their loops (kernels/csrc/work_pool.c): 4-5 % more tokens a second for SmolLM2 at 64
-# streams; one stream's steps 6 % slower held (its gateway and engine core need the other core
-# while the step runs).
+# between their loops (kernels/csrc/work_pool.c) while those steps' average CPU time is at least
+# HOLD_MIN_STEP_S: 4-5 % more tokens a second for SmolLM2 at 64 streams; one stream's steps 6 %
+# slower held, tiny-llama's time to first token at 32 streams longer.
 HOLD_MIN_STREAMS = 8
+HOLD_MIN_STEP_S = 8e-3
+# Weight of a step in the moving average of the steps on every thread.
+HOLD_AVERAGE_WEIGHT = 0.25
 # A size whose steps take at least this much of one thread's CPU time (median) goes back to all
 # threads.
 SHORT_STEP_S = 6e-3
@@ -77,6 +85,8 @@ class StepThreads:
         self._long: set[int] = set()  # sizes back on every thread
         self._timing: tuple[int, float] | None = None  # the one-thread step running: size, start
         self._holds = False  # the step running holds the work pool's helpers awake
+        self._all_threads_started: float | None = None  # the step on every thread running
+        self._all_threads_step_s = 0.0  # moving average of those steps' CPU time
 
     def begin(self, streams: int, tokens: int) -> None:
         """A step of ``streams`` requests and ``tokens`` tokens starts: set its threads."""
@@ -85,11 +95,21 @@ class StepThreads:
         if wanted != self._current:
             self._set_threads(wanted)
             self._current = wanted
-        self._timing = None if size is None else (size, self._clock())
-        self._holds = wanted > 1 and streams >= HOLD_MIN_STREAMS
+        started = self._clock()
+        self._timing = None if size is None else (size, started)
+        self._all_threads_started = started if wanted > 1 else None
+        self._holds = (
+            wanted > 1
+            and streams >= HOLD_MIN_STREAMS
+            and self._all_threads_step_s >= HOLD_MIN_STEP_S
+        )
 
     def end(self) -> None:
         """The step ``begin`` started is done."""
+        if self._all_threads_started is not None:
+            seconds = self._clock() - self._all_threads_started
+            self._all_threads_started = None
+            self._all_threads_step_s += HOLD_AVERAGE_WEIGHT * (seconds - self._all_threads_step_s)
         if self._timing is None:
             return
         size, started = self._timing
@@ -116,12 +136,14 @@ class StepThreads:
     @property
     def holds_pool(self) -> bool:
         """Whether the step ``begin`` started holds the work pool's helpers awake between its
-        loops: one of ``HOLD_MIN_STREAMS`` or more requests, on more than one thread."""
+        loops: one of ``HOLD_MIN_STREAMS`` or more requests, on more than one thread, after
+        steps on every thread of ``HOLD_MIN_STEP_S`` of CPU time on average."""
         return self._holds
 
     def use_all(self) -> None:
         """Every thread from now on (for a step not run between ``begin`` and ``end``)."""
         self._timing = None
+        self._all_threads_started = None
         if self._current != self.threads:
             self._set_threads(self.threads)
             self._current = self.threads
