@@ -95,9 +95,12 @@ struct silu_task {
 /* no-tree-pre: gcc's partial-redundancy pass otherwise splits the division over exp_f32's
    clamp and computes gate / (1 + e^88.3) for every element as well, a denormal quotient that
    takes a microcode assist: 3x slower on a Zen 3 EPYC (256 x 688: 1.7 -> 0.65 ns an element).
-   The values computed are the same. */
-__attribute__((optimize("no-tree-pre"))) static void silu_rows(void *arg, int64_t r0,
-                                                              int64_t r1) {
+   The values computed are the same.
+   prefer-vector-width=512: where the CPU has AVX-512, sixteen elements a vector instead of the
+   eight gcc's -march=native picks (each element's arithmetic unchanged, so are the values):
+   bfloat16 64 x 1536 on one thread 87 -> 60 us on a Xeon with AMX. Ignored without AVX-512. */
+__attribute__((optimize("no-tree-pre"), target("prefer-vector-width=512"))) static void
+silu_rows(void *arg, int64_t r0, int64_t r1) {
     const struct silu_task *t = arg;
     const int64_t I = t->I;
     for (int64_t r = r0; r < r1; r++) {

@@ -94,9 +94,9 @@ struct silu_task {
 };
 
 /* torch's silu(gate) * up in bfloat16: silu computed in float32 and rounded, then the
-   product rounded (no-tree-pre: see fused_ops.c) */
-__attribute__((optimize("no-tree-pre"))) static void silu_rows(void *arg, int64_t r0,
-                                                              int64_t r1) {
+   product rounded (no-tree-pre and the vector width: see fused_ops.c) */
+__attribute__((optimize("no-tree-pre"), target("prefer-vector-width=512"))) static void
+silu_rows(void *arg, int64_t r0, int64_t r1) {
     const struct silu_task *t = arg;
     const int64_t I = t->I;
     for (int64_t r = r0; r < r1; r++) {
