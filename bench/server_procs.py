@@ -36,9 +36,8 @@ SAMPLE_EVERY_S = 0.5
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range (``free_port_run``)."""
+    return free_port_run(1)
 
 
 def _bindable(port: int) -> bool:

@@ -83,10 +83,11 @@ class StepThreads:
         self._current = threads
         self._times: dict[int, deque[float]] = {}  # one-thread step seconds, by size
         self._long: set[int] = set()  # sizes back on every thread
-        self._timing: tuple[int, float] | None = None  # the one-thread step running: size, start
+        # the step running: its one-thread size (None: on every thread), its start, whether
+        # its loops use more than one thread
+        self._timing: tuple[int | None, float, bool] | None = None
         self._holds = False  # the step running holds the work pool's helpers awake
-        self._all_threads_started: float | None = None  # the step on every thread running
-        self._all_threads_step_s = 0.0  # moving average of those steps' CPU time
+        self._all_threads_step_s = 0.0  # moving average of the CPU time of steps on every thread
 
     def begin(self, streams: int, tokens: int) -> None:
         """A step of ``streams`` requests and ``tokens`` tokens starts: set its threads."""
@@ -95,9 +96,7 @@ class StepThreads:
         if wanted != self._current:
             self._set_threads(wanted)
             self._current = wanted
-        started = self._clock()
-        self._timing = None if size is None else (size, started)
-        self._all_threads_started = started if wanted > 1 else None
+        self._timing = (size, self._clock(), wanted > 1)
         self._holds = (
             wanted > 1
             and streams >= HOLD_MIN_STREAMS
@@ -106,14 +105,15 @@ class StepThreads:
 
     def end(self) -> None:
         """The step ``begin`` started is done."""
-        if self._all_threads_started is not None:
-            seconds = self._clock() - self._all_threads_started
-            self._all_threads_started = None
-            self._all_threads_step_s += HOLD_AVERAGE_WEIGHT * (seconds - self._all_threads_step_s)
         if self._timing is None:
             return
-        size, started = self._timing
+        size, started, on_every_thread = self._timing
         self._timing = None
+        seconds = self._clock() - started
+        if on_every_thread:
+            self._all_threads_step_s += HOLD_AVERAGE_WEIGHT * (seconds - self._all_threads_step_s)
+        if size is None:
+            return
         times = self._times.get(size)
         if times is None:
             times = self._times[size] = deque(maxlen=WINDOW)
@@ -123,7 +123,7 @@ class StepThreads:
                 size,
                 SHORT_STEP_S * 1e3,
             )
-        times.append(self._clock() - started)
+        times.append(seconds)
         if len(times) == WINDOW and statistics.median(times) >= SHORT_STEP_S:
             self._long.add(size)
             logger.info(
@@ -143,7 +143,6 @@ class StepThreads:
     def use_all(self) -> None:
         """Every thread from now on (for a step not run between ``begin`` and ``end``)."""
         self._timing = None
-        self._all_threads_started = None
         if self._current != self.threads:
             self._set_threads(self.threads)
             self._current = self.threads
